@@ -1,0 +1,150 @@
+// The compute backend: a small table of tensor operations behind an abstract class with a
+// factory, in the spirit of ggml-backend. The CPU reference (fp32) and the CUDA backend (bf16
+// storage, fp32 accumulation) implement the same operations; the model runner, the prefill
+// planner and the sparse-recompute executor are written once against this interface, and one
+// consistency test checks every operation of every backend against the CPU reference.
+//
+//   ASSIGN_OR_RETURN(auto be, CreateBackend({.kind = "cpu"}));
+//   ASSIGN_OR_RETURN(Tensor x, be->Alloc(n, dim));
+//   be->RmsNorm(x, w, eps, y);
+//
+// Tensors are 2-D, row-major, owned by the backend that allocated them. Row counts may be zero
+// (an operation on zero rows is a no-op). Operations are enqueued in order on the backend's
+// stream; host-visible results (Download*) synchronise.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "gpu_worker/model/model.h"
+
+namespace sparsex {
+
+struct Tensor {
+  void* data = nullptr;  // backend memory (host for CPU, device for CUDA)
+  DType dtype = DType::kF32;
+  int64_t rows = 0, cols = 0;
+  size_t bytes() const { return static_cast<size_t>(rows * cols) * DTypeSize(dtype); }
+  bool empty() const { return rows == 0 || cols == 0; }
+};
+
+// The model's weights resident in backend memory.
+struct BackendLayer {
+  Tensor attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down;  // wqkv: [(H+2KV)*hd, dim]
+};                                                          // w_gate_up: [2*ffn, dim]
+struct BackendWeights {
+  Tensor tok_embeddings, final_norm, output;
+  std::vector<BackendLayer> layers;
+};
+
+// Paged KV storage for all layers: per layer K and V pools of [num_blocks * block_size, kv_dim]
+// rows; a token's "slot" is block_id * block_size + offset. K is stored after RoPE.
+struct KvPool {
+  int num_layers = 0, num_blocks = 0, block_size = 16, kv_dim = 0;
+  std::vector<Tensor> k, v;  // [num_layers]
+};
+
+struct RopeParams {
+  int head_dim = 0;
+  float theta = 10000.0f;
+  RopeLayout layout = RopeLayout::kAdjacentPairs;
+  RopeScaling scaling;
+};
+
+// One attention call: rows of q (each with its own absolute position) of one sequence attend
+// over that sequence's keys at positions [0, q_pos[i]] (causal limit of the row's own position),
+// read through the slot table. Serves dense prefill, chunked prefill, decode and sparse recompute.
+struct AttentionArgs {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 0.0f;                  // 1/sqrt(head_dim) when 0
+  std::span<const int32_t> q_pos;      // [q.rows] absolute positions
+  std::span<const int32_t> ctx_slots;  // [ctx_len] slot of each position 0..ctx_len-1
+  // Optional selection signal (SparseX selector), computed without an N x N matrix.
+  // key_group: [ctx_len] segment id of each key; -1 marks shared keys (BOS/sink) ignored by both
+  // statistics. q_group: [q.rows] the segment of each query row.
+  std::span<const int32_t> key_group;
+  std::span<const int32_t> q_group;
+  // out_cross[i] += sum over heads of the probability row i puts on keys of other groups
+  // (excluding group -1), divided by n_heads. Needs key_group and q_group.
+  float* out_cross = nullptr;  // host [q.rows]
+  // recv_weight[i] > 0 marks query rows whose attention is accumulated onto keys:
+  // out_recv[j] += sum_i recv_weight[i] * mean over heads of p(i -> j).
+  std::span<const float> recv_weight;
+  float* out_recv = nullptr;  // host [ctx_len]
+};
+
+struct BackendOptions {
+  std::string kind = "cpu";  // "cpu" or "cuda". Default: cpu
+  int device = 0;            // CUDA device ordinal. Default: 0
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual DType compute_dtype() const = 0;  // activation/weight storage type
+
+  // ---- memory ----
+  virtual absl::StatusOr<Tensor> Alloc(int64_t rows, int64_t cols) = 0;
+  virtual void Free(Tensor& t) = 0;
+  virtual absl::Status Upload(std::span<const float> host, Tensor& dst) = 0;  // fp32 -> dtype
+  virtual absl::Status Download(const Tensor& src, std::span<float> host) = 0;
+  virtual absl::StatusOr<BackendWeights> LoadWeights(const Model& model) = 0;
+  // Seeded random weights of the given shapes generated in backend memory (speed work only:
+  // e.g. Llama-3-8B shapes on a GPU without a 16 GB host copy). Values ~ U(-a, a) with
+  // a = 1/sqrt(in_features); norms are 1. Deterministic for a seed on a given backend.
+  virtual absl::StatusOr<BackendWeights> RandomWeights(const ModelConfig& cfg, uint64_t seed) = 0;
+  virtual void FreeWeights(BackendWeights& w) = 0;
+  virtual absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,
+                                             int kv_dim) = 0;
+  virtual void FreeKvPool(KvPool& pool) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  // ---- operations (shapes checked by callers; see the CPU reference for exact semantics) ----
+  // out[i] = table[ids[i]]
+  virtual absl::Status Embedding(const Tensor& table, std::span<const int32_t> ids,
+                                 Tensor& out) = 0;
+  // out = x / rms(x) * w, per row
+  virtual absl::Status RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) = 0;
+  // out = x @ w^T   (x [n, k], w [m, k], out [n, m])
+  virtual absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) = 0;
+  // a += b
+  virtual absl::Status Add(Tensor& a, const Tensor& b) = 0;
+  // out[:, j] = silu(x[:, j]) * x[:, j + half]   (x [n, 2*half], out [n, half])
+  virtual absl::Status SwiGLU(const Tensor& x, Tensor& out) = 0;
+  // Rotates columns [col_offset, col_offset + n_heads*head_dim) of x in place, row i at pos[i].
+  virtual absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads,
+                            std::span<const int32_t> pos, const RopeParams& p) = 0;
+  // Copies columns [col_offset, col_offset + pool.kv_dim) of src rows into pool rows at slots.
+  virtual absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
+                               const Tensor& v_src, int64_t v_col,
+                               std::span<const int32_t> slots) = 0;
+  // Reads K and V rows at slots into host fp32 ([slots.size(), kv_dim] each).
+  virtual absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
+                              std::span<float> k_host, std::span<float> v_host) = 0;
+  // out = attention(q (columns [0, n_heads*head_dim) of q), paged K/V of `layer`).
+  virtual absl::Status Attention(const Tensor& q, const KvPool& pool, int layer,
+                                 const AttentionArgs& args, Tensor& out) = 0;
+  // dst[i] = src[idx[i]]
+  virtual absl::Status GatherRows(const Tensor& src, std::span<const int32_t> idx,
+                                  Tensor& dst) = 0;
+  // dst[idx[i]] = src[i]
+  virtual absl::Status ScatterRows(const Tensor& src, std::span<const int32_t> idx,
+                                   Tensor& dst) = 0;
+  // Copies rows [src_row, src_row + n) of src to rows [dst_row, ...) of dst (same cols).
+  virtual absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
+                                int64_t n) = 0;
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opts);
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend();
+// Defined only when SPARSEX_WITH_CUDA; CreateBackend reports Unavailable otherwise.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device);
+// True when a CUDA device is usable in this process (false without CUDA or a driver).
+bool CudaAvailable();
+
+}  // namespace sparsex

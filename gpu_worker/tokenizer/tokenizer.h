@@ -1,0 +1,52 @@
+// Tokenizers: SentencePiece-style BPE with byte fallback (from a GGUF vocabulary with scores),
+// and Hugging Face tokenizer.json byte-level BPE (Llama-3 style pre-tokenization).
+//
+//   std::vector<int32_t> ids = tok.Encode("Once upon a time", /*add_bos=*/true);
+//   std::string text = tok.Decode(ids);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sparsex {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  // Text to ids. Invalid UTF-8 is encoded through byte fallback (SPM) or raw bytes (byte-level),
+  // never rejected. Special-token strings in text (e.g. "<|eot_id|>") map to their ids when
+  // parse_special is true.
+  virtual std::vector<int32_t> Encode(std::string_view text, bool add_bos,
+                                      bool parse_special = false) const = 0;
+  // Ids to text; special tokens (BOS/EOS) are skipped. Out-of-range ids decode to "".
+  virtual std::string Decode(const std::vector<int32_t>& ids) const = 0;
+  // The raw bytes one token stands for (used by streaming decoders).
+  virtual std::string TokenPiece(int32_t id) const = 0;
+  virtual int32_t vocab_size() const = 0;
+  virtual int32_t bos_id() const = 0;  // -1 when the vocabulary has none
+  virtual int32_t eos_id() const = 0;
+  virtual bool IsSpecial(int32_t id) const = 0;
+  virtual std::vector<int32_t> StopIds() const { return {eos_id()}; }
+};
+
+// SentencePiece BPE from explicit vocabulary. types follow GGUF's token_type
+// (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte).
+struct SpmVocab {
+  std::vector<std::string> pieces;  // '▁' (U+2581) marks a space
+  std::vector<float> scores;
+  std::vector<int32_t> types;
+  int32_t bos_id = 1, eos_id = 2, unk_id = 0;
+  bool add_space_prefix = true;
+};
+absl::StatusOr<std::unique_ptr<Tokenizer>> MakeSpmTokenizer(SpmVocab vocab);
+
+// Hugging Face tokenizer.json (model.type "BPE", byte-level).
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& path);
+absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view json);
+
+}  // namespace sparsex
