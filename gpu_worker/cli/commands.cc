@@ -1,0 +1,82 @@
+#include "gpu_worker/cli/commands.h"
+
+#include <cstdio>
+#include <iostream>
+
+#include "gpu_worker/engine/engine.h"
+
+namespace sparsex::cli {
+namespace {
+
+absl::StatusOr<std::string> Need(const Args& a, const std::string& k) {
+  auto it = a.find(k);
+  if (it == a.end()) return absl::InvalidArgumentError(absl::StrCat("--", k, " is required"));
+  return it->second;
+}
+
+template <typename T>
+absl::Status Opt(const Args& a, const std::string& k, T* out) {
+  auto it = a.find(k);
+  if (it == a.end()) return absl::OkStatus();
+  try {
+    if constexpr (std::is_same_v<T, int>) *out = std::stoi(it->second);
+    else if constexpr (std::is_same_v<T, float>) *out = std::stof(it->second);
+    else if constexpr (std::is_same_v<T, uint64_t>) *out = std::stoull(it->second);
+    else *out = it->second;
+  } catch (...) {
+    return absl::InvalidArgumentError(absl::StrCat("bad value for --", k, ": ", it->second));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Generate(const Args& a) {
+  ASSIGN_OR_RETURN(std::string path, Need(a, "model"));
+  std::string prompt, device = "cpu";
+  SamplingParams sp;
+  RETURN_IF_ERROR(Opt(a, "prompt", &prompt));
+  RETURN_IF_ERROR(Opt(a, "max-tokens", &sp.max_tokens));
+  RETURN_IF_ERROR(Opt(a, "temperature", &sp.temperature));
+  RETURN_IF_ERROR(Opt(a, "top-k", &sp.top_k));
+  RETURN_IF_ERROR(Opt(a, "top-p", &sp.top_p));
+  RETURN_IF_ERROR(Opt(a, "seed", &sp.seed));
+  RETURN_IF_ERROR(Opt(a, "device", &device));
+  const bool ids = a.count("ids") > 0;
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path));
+  EngineOptions eo;
+  eo.backend.kind = device;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(*model, eo));
+  GenerateRequest req;
+  req.prompt = model->tokenizer().Encode(prompt, /*add_bos=*/true);
+  req.sampling = sp;
+  ASSIGN_OR_RETURN(GenerateResult r, engine->Generate(req, [&](const TokenEvent& e) {
+    if (!ids) {
+      std::fwrite(e.text.data(), 1, e.text.size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  }));
+  if (ids) {
+    for (size_t i = 0; i < r.tokens.size(); ++i) std::printf(i ? " %d" : "%d", r.tokens[i]);
+  }
+  std::printf("\n");
+  std::fprintf(stderr, "[%d prompt tokens, %zu generated, finish=%s, ttft %.1f ms, %.1f ms total]\n",
+               r.prompt_tokens, r.tokens.size(), r.finish_reason.c_str(), r.ttft_ms, r.total_ms);
+  return absl::OkStatus();
+}
+
+absl::Status Info(const Args& a) {
+  ASSIGN_OR_RETURN(std::string path, Need(a, "model"));
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path));
+  const ModelConfig& c = model->config();
+  std::printf("model %s\nlayers %d dim %d ffn %d heads %d kv_heads %d head_dim %d vocab %d\n"
+              "max_seq_len %d rope_theta %g layout %s\nfingerprint %s\n",
+              path.c_str(), c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.head_dim,
+              c.vocab_size, c.max_seq_len, c.rope_theta,
+              c.rope_layout == RopeLayout::kHalves ? "halves" : "adjacent",
+              model->fingerprint().Hex().c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace sparsex::cli

@@ -1,0 +1,212 @@
+#include "gpu_worker/engine/engine.h"
+
+#include <chrono>
+
+namespace sparsex {
+namespace {
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Length of the longest prefix of s that does not end inside a UTF-8 character.
+size_t CompleteUtf8Prefix(const std::string& s) {
+  size_t n = s.size();
+  size_t i = n;
+  int back = 0;
+  while (i > 0 && back < 4) {
+    unsigned char c = static_cast<unsigned char>(s[i - 1]);
+    if ((c & 0xC0) != 0x80) {  // lead or ASCII byte
+      int need = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+      return (back + 1 >= need) ? n : i - 1;
+    }
+    --i;
+    ++back;
+  }
+  return n;
+}
+
+}  // namespace
+
+std::string StreamDecoder::Push(int32_t id) {
+  ids_.push_back(id);
+  std::string all = tok_.Decode(ids_);
+  size_t end = CompleteUtf8Prefix(all);
+  if (end <= emitted_) return "";
+  std::string out = all.substr(emitted_, end - emitted_);
+  emitted_ = end;
+  return out;
+}
+
+std::string StreamDecoder::Flush() {
+  std::string all = tok_.Decode(ids_);
+  std::string out = all.size() > emitted_ ? all.substr(emitted_) : "";
+  emitted_ = all.size();
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model& model,
+                                                       const EngineOptions& opts) {
+  std::unique_ptr<Engine> e(new Engine());
+  e->model_ = &model;
+  e->opts_ = opts;
+  if (opts.kv.block_size <= 0 || opts.kv.num_blocks <= 0) {
+    return absl::InvalidArgumentError("kv block_size and num_blocks must be positive");
+  }
+  ASSIGN_OR_RETURN(e->backend_, CreateBackend(opts.backend));
+  ASSIGN_OR_RETURN(e->runner_, ModelRunner::Create(model, e->backend_.get(), opts.kv));
+  e->blocks_ = std::make_unique<BlockManager>(opts.kv, model.fingerprint());
+  return e;
+}
+
+Engine::~Engine() {
+  runner_.reset();  // frees backend memory before the backend goes
+  backend_.reset();
+}
+
+absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt) {
+  const ModelConfig& c = model_->config();
+  if (prompt.empty()) return absl::InvalidArgumentError("empty prompt");
+  if (static_cast<int>(prompt.size()) > c.max_seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", prompt.size(),
+                                                   " tokens exceeds the context length of ",
+                                                   c.max_seq_len));
+  }
+  for (int32_t t : prompt) {
+    if (t < 0 || t >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", t, " outside vocabulary of ",
+                                                     c.vocab_size));
+    }
+  }
+  Sequence seq;
+  seq.tokens = std::move(prompt);
+  const int bs = blocks_->block_size();
+  std::span<const int32_t> matchable(seq.tokens.data(), seq.tokens.size() - 1);
+  PrefixMatch m = blocks_->MatchPrefix(matchable);
+  seq.blocks = std::move(m.blocks);
+  seq.computed = seq.cached_prefix = static_cast<int>(seq.blocks.size()) * bs;
+  absl::Status s = EnsureCapacity(seq, static_cast<int>(seq.tokens.size()));
+  if (!s.ok()) {
+    Release(seq);
+    return s;
+  }
+  return seq;
+}
+
+absl::Status Engine::EnsureCapacity(Sequence& seq, int n_tokens) {
+  const int bs = blocks_->block_size();
+  const int need = (n_tokens + bs - 1) / bs - static_cast<int>(seq.blocks.size());
+  if (need <= 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::vector<int32_t> nb, blocks_->AllocateN(need));
+  seq.blocks.insert(seq.blocks.end(), nb.begin(), nb.end());
+  return absl::OkStatus();
+}
+
+std::vector<int32_t> Engine::CtxSlots(const Sequence& seq, int len) const {
+  const int bs = blocks_->block_size();
+  std::vector<int32_t> s(len);
+  for (int p = 0; p < len; ++p) s[p] = seq.Slot(p, bs);
+  return s;
+}
+
+absl::StatusOr<std::vector<float>> Engine::Prefill(Sequence& seq) {
+  const int total = static_cast<int>(seq.tokens.size());
+  RETURN_IF_ERROR(EnsureCapacity(seq, total));
+  if (seq.computed >= total) return absl::FailedPreconditionError("nothing to prefill");
+  const std::vector<int32_t> ctx = CtxSlots(seq, total);
+  std::vector<float> logits;
+  // Chunked prefill: each chunk's rows attend over everything before them through the cache.
+  while (seq.computed < total) {
+    const int b = seq.computed, e = std::min(total, b + opts_.prefill_chunk);
+    std::vector<int32_t> pos(e - b);
+    for (int i = 0; i < e - b; ++i) pos[i] = b + i;
+    std::span<const int32_t> ids(seq.tokens.data() + b, e - b);
+    ASSIGN_OR_RETURN(Tensor x, runner_->Embed(ids));
+    LayerRows rows{pos, std::span<const int32_t>(ctx.data() + b, e - b),
+                   std::span<const int32_t>(ctx.data(), e)};
+    absl::Status st;
+    for (int l = 0; l < model_->config().n_layers && st.ok(); ++l) st = runner_->Layer(l, x, rows);
+    if (st.ok() && e == total) {
+      const int32_t last = e - b - 1;
+      auto lg = runner_->Logits(x, std::span<const int32_t>(&last, 1));
+      if (lg.ok()) logits = std::move(*lg);
+      else st = lg.status();
+    }
+    runner_->backend().Free(x);
+    RETURN_IF_ERROR(st);
+    seq.computed = e;
+  }
+  return logits;
+}
+
+absl::StatusOr<std::vector<float>> Engine::Step(Sequence& seq, int32_t token) {
+  if (static_cast<int>(seq.tokens.size()) >= model_->config().max_seq_len) {
+    return absl::OutOfRangeError("context length reached");
+  }
+  seq.tokens.push_back(token);
+  return Prefill(seq);
+}
+
+void Engine::RegisterPrefix(const Sequence& seq) {
+  const int bs = blocks_->block_size();
+  const int full = seq.computed / bs;
+  std::span<const int32_t> toks(seq.tokens.data(), static_cast<size_t>(full) * bs);
+  std::vector<Hash128> hashes = blocks_->BlockHashes(toks);
+  for (int i = 0; i < full; ++i) blocks_->Register(seq.blocks[i], hashes[i]);
+}
+
+void Engine::Release(Sequence& seq) {
+  blocks_->ReleaseAll(seq.blocks);
+  seq.blocks.clear();
+  seq.computed = 0;
+}
+
+absl::StatusOr<GenerateResult> Engine::Generate(const GenerateRequest& req,
+                                                const TokenCallback& cb) {
+  RETURN_IF_ERROR(ValidateSampling(req.sampling));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(Sequence seq, Admit(req.prompt));
+  GenerateResult res;
+  res.prompt_tokens = static_cast<int>(req.prompt.size());
+  res.cached_tokens = seq.cached_prefix;
+  const Tokenizer& tok = model_->tokenizer();
+  std::vector<int32_t> stops = req.sampling.stop_ids;
+  if (!req.sampling.ignore_eos) {
+    for (int32_t s : tok.StopIds()) stops.push_back(s);
+    // A generated BOS starts a new document (llama2.c stops there too).
+    if (tok.bos_id() >= 0) stops.push_back(tok.bos_id());
+  }
+  Sampler sampler(req.sampling);
+  StreamDecoder dec(tok);
+  absl::StatusOr<std::vector<float>> logits = Prefill(seq);
+  res.finish_reason = "length";
+  while (logits.ok() && static_cast<int>(res.tokens.size()) < req.sampling.max_tokens) {
+    const int32_t next = sampler.Sample(*logits);
+    if (res.tokens.empty()) res.ttft_ms = MsSince(t0);
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
+      res.finish_reason = "stop";
+      break;
+    }
+    res.tokens.push_back(next);
+    TokenEvent ev{next, dec.Push(next)};
+    res.text += ev.text;
+    if (cb && !cb(ev)) {
+      res.finish_reason = "cancelled";
+      break;
+    }
+    if (static_cast<int>(res.tokens.size()) == req.sampling.max_tokens) break;
+    if (static_cast<int>(seq.tokens.size()) >= model_->config().max_seq_len) break;
+    logits = Step(seq, next);
+  }
+  absl::Status st = logits.status();
+  if (st.ok()) {
+    res.text += dec.Flush();
+    RegisterPrefix(seq);
+  }
+  Release(seq);
+  RETURN_IF_ERROR(st);
+  res.total_ms = MsSince(t0);
+  return res;
+}
+
+}  // namespace sparsex

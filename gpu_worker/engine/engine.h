@@ -1,0 +1,108 @@
+// The inference engine of one worker: a model on a backend, the paged KV cache and the
+// request loop (prefill with exact-prefix reuse, then decode with streaming).
+//
+//   ASSIGN_OR_RETURN(auto engine, Engine::Create(model, {}));
+//   GenerateRequest req{.prompt = ids, .sampling = {.max_tokens = 32}};
+//   ASSIGN_OR_RETURN(GenerateResult r, engine->Generate(req, [](const TokenEvent& e) {
+//     std::cout << e.text; return true;  // false cancels
+//   }));
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/engine/runner.h"
+#include "gpu_worker/engine/sampler.h"
+#include "gpu_worker/kv/block_manager.h"
+
+namespace sparsex {
+
+struct EngineOptions {
+  BackendOptions backend;  // Default: cpu
+  KvCacheOptions kv;       // Default: 16-token blocks, 4096 blocks
+  int prefill_chunk = 4096;  // tokens per prefill forward call (bounds scratch memory).
+                             // Default: 4096
+};
+
+// A request's token sequence and its KV blocks.
+struct Sequence {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> blocks;  // block table: block of positions [i*bs, (i+1)*bs)
+  int computed = 0;             // leading tokens whose KV is in the cache
+  int cached_prefix = 0;        // leading tokens found in the prefix cache at admission
+  int32_t Slot(int pos, int bs) const { return blocks[pos / bs] * bs + pos % bs; }
+};
+
+struct TokenEvent {
+  int32_t token;
+  std::string text;  // newly completed UTF-8 text (may be empty mid-character)
+};
+using TokenCallback = std::function<bool(const TokenEvent&)>;
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;
+  std::string text;
+  std::string finish_reason;  // "stop", "length" or "cancelled"
+  int prompt_tokens = 0;
+  int cached_tokens = 0;  // prompt tokens served from the prefix cache
+  double ttft_ms = 0, total_ms = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const Model& model,
+                                                        const EngineOptions& opts);
+  ~Engine();
+
+  const Model& model() const { return *model_; }
+  ModelRunner& runner() { return *runner_; }
+  BlockManager& blocks() { return *blocks_; }
+  const EngineOptions& options() const { return opts_; }
+
+  absl::StatusOr<GenerateResult> Generate(const GenerateRequest& req, const TokenCallback& cb);
+
+  // ---- building blocks (used by Generate and the segment-reuse prefill) ----
+  // Admits a prompt: matches the cached prefix (never the last token, whose logits are needed)
+  // and allocates blocks for the rest. Clear error when the prompt exceeds the context length.
+  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt);
+  // Makes room for positions up to n_tokens (allocating blocks).
+  absl::Status EnsureCapacity(Sequence& seq, int n_tokens);
+  // Dense forward over tokens [seq.computed, size); returns the last row's logits.
+  absl::StatusOr<std::vector<float>> Prefill(Sequence& seq);
+  // Appends a token and runs it; returns its logits.
+  absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
+  // Registers the sequence's full, computed blocks for exact-prefix reuse.
+  void RegisterPrefix(const Sequence& seq);
+  void Release(Sequence& seq);
+  std::vector<int32_t> CtxSlots(const Sequence& seq, int len) const;
+
+ private:
+  Engine() = default;
+  const Model* model_ = nullptr;
+  EngineOptions opts_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<BlockManager> blocks_;
+};
+
+// Incremental detokenizer: emits text only once its UTF-8 characters are complete.
+class StreamDecoder {
+ public:
+  explicit StreamDecoder(const Tokenizer& tok) : tok_(tok) {}
+  std::string Push(int32_t id);
+  std::string Flush();  // whatever bytes are left (possibly invalid UTF-8)
+
+ private:
+  const Tokenizer& tok_;
+  std::vector<int32_t> ids_;
+  size_t emitted_ = 0;
+};
+
+}  // namespace sparsex

@@ -1,0 +1,162 @@
+#include "gpu_worker/engine/runner.h"
+
+#include <deque>
+
+namespace sparsex {
+namespace {
+
+// Frees backend tensors at scope exit so every error path releases scratch memory.
+class Scratch {
+ public:
+  explicit Scratch(Backend* be) : be_(be) {}
+  ~Scratch() {
+    for (Tensor& t : ts_) be_->Free(t);
+  }
+  absl::StatusOr<Tensor*> Get(int64_t rows, int64_t cols) {
+    ASSIGN_OR_RETURN(Tensor t, be_->Alloc(rows, cols));
+    ts_.push_back(t);
+    return &ts_.back();
+  }
+
+ private:
+  Backend* be_;
+  std::deque<Tensor> ts_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Model& model,
+                                                                 Backend* backend,
+                                                                 const KvCacheOptions& kv) {
+  std::unique_ptr<ModelRunner> r(new ModelRunner());
+  r->cfg_ = model.config();
+  r->be_ = backend;
+  ASSIGN_OR_RETURN(r->w_, backend->LoadWeights(model));
+  RETURN_IF_ERROR(r->Init(kv));
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::CreateRandom(const ModelConfig& cfg,
+                                                                       uint64_t seed,
+                                                                       Backend* backend,
+                                                                       const KvCacheOptions& kv) {
+  std::unique_ptr<ModelRunner> r(new ModelRunner());
+  r->cfg_ = cfg;
+  r->be_ = backend;
+  ASSIGN_OR_RETURN(r->w_, backend->RandomWeights(cfg, seed));
+  RETURN_IF_ERROR(r->Init(kv));
+  return r;
+}
+
+absl::Status ModelRunner::Init(const KvCacheOptions& kv) {
+  rope_.head_dim = cfg_.head_dim;
+  rope_.theta = cfg_.rope_theta;
+  rope_.layout = cfg_.rope_layout;
+  rope_.scaling = cfg_.rope_scaling;
+  ASSIGN_OR_RETURN(pool_, be_->AllocKvPool(cfg_.n_layers, kv.num_blocks, kv.block_size,
+                                           kv_dim()));
+  return absl::OkStatus();
+}
+
+ModelRunner::~ModelRunner() {
+  if (be_ == nullptr) return;
+  be_->FreeWeights(w_);
+  be_->FreeKvPool(pool_);
+}
+
+absl::StatusOr<Tensor> ModelRunner::Embed(std::span<const int32_t> ids) {
+  ASSIGN_OR_RETURN(Tensor x, be_->Alloc(static_cast<int64_t>(ids.size()), cfg_.dim));
+  absl::Status s = be_->Embedding(w_.tok_embeddings, ids, x);
+  if (!s.ok()) {
+    be_->Free(x);
+    return s;
+  }
+  return x;
+}
+
+absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats,
+                                KvCapture* capture) {
+  const int64_t n = x.rows;
+  if (n == 0) return absl::OkStatus();
+  if (static_cast<int64_t>(rows.pos.size()) != n || static_cast<int64_t>(rows.slots.size()) != n) {
+    return absl::InvalidArgumentError("Layer: positions and slots must match the rows");
+  }
+  const BackendLayer& w = w_.layers[l];
+  const int H = cfg_.n_heads, KV = cfg_.n_kv_heads, hd = cfg_.head_dim;
+  Scratch s(be_);
+  ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
+  RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
+  ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
+  RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
+  if (capture != nullptr) {
+    // K before RoPE and V are what a segment stores: position-independent.
+    std::vector<float> all(static_cast<size_t>(qkv->rows * qkv->cols));
+    RETURN_IF_ERROR(be_->Download(*qkv, all));
+    const int64_t kd = kv_dim(), qd = static_cast<int64_t>(H) * hd;
+    auto& k = capture->k.emplace_back(n * kd);
+    auto& v = capture->v.emplace_back(n * kd);
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(all.begin() + i * qkv->cols + qd, kd, k.begin() + i * kd);
+      std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v.begin() + i * kd);
+    }
+  }
+  RETURN_IF_ERROR(be_->Rope(*qkv, 0, H, rows.pos, rope_));
+  RETURN_IF_ERROR(be_->Rope(*qkv, static_cast<int64_t>(H) * hd, KV, rows.pos, rope_));
+  RETURN_IF_ERROR(be_->WriteKv(pool_, l, *qkv, static_cast<int64_t>(H) * hd, *qkv,
+                               static_cast<int64_t>(H + KV) * hd, rows.slots));
+  AttentionArgs args;
+  if (stats != nullptr) args = *stats;
+  args.n_heads = H;
+  args.n_kv_heads = KV;
+  args.head_dim = hd;
+  args.q_pos = rows.pos;
+  args.ctx_slots = rows.ctx_slots;
+  ASSIGN_OR_RETURN(Tensor* att, s.Get(n, static_cast<int64_t>(H) * hd));
+  RETURN_IF_ERROR(be_->Attention(*qkv, pool_, l, args, *att));
+  ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
+  RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
+  RETURN_IF_ERROR(be_->Add(x, *o));
+  RETURN_IF_ERROR(be_->RmsNorm(x, w.ffn_norm, cfg_.rms_eps, *h));
+  ASSIGN_OR_RETURN(Tensor* gu, s.Get(n, 2 * static_cast<int64_t>(cfg_.ffn_dim)));
+  RETURN_IF_ERROR(be_->MatMul(*h, w.w_gate_up, *gu));
+  ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
+  RETURN_IF_ERROR(be_->SwiGLU(*gu, *act));
+  RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
+  return be_->Add(x, *o);
+}
+
+absl::StatusOr<std::vector<float>> ModelRunner::Logits(const Tensor& x,
+                                                       std::span<const int32_t> rows) {
+  Scratch s(be_);
+  const int64_t n = static_cast<int64_t>(rows.size());
+  ASSIGN_OR_RETURN(Tensor* sel, s.Get(n, cfg_.dim));
+  RETURN_IF_ERROR(be_->GatherRows(x, rows, *sel));
+  ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
+  RETURN_IF_ERROR(be_->RmsNorm(*sel, w_.final_norm, cfg_.rms_eps, *h));
+  ASSIGN_OR_RETURN(Tensor* lg, s.Get(n, cfg_.vocab_size));
+  RETURN_IF_ERROR(be_->MatMul(*h, w_.output, *lg));
+  std::vector<float> out(static_cast<size_t>(n) * cfg_.vocab_size);
+  RETURN_IF_ERROR(be_->Download(*lg, out));
+  return out;
+}
+
+absl::Status ModelRunner::AssembleKv(int layer, std::span<const float> k_pre,
+                                     std::span<const float> v, std::span<const int32_t> pos,
+                                     std::span<const int32_t> slots) {
+  const int64_t n = static_cast<int64_t>(pos.size());
+  if (n == 0) return absl::OkStatus();
+  const int64_t kd = kv_dim();
+  if (static_cast<int64_t>(k_pre.size()) != n * kd || static_cast<int64_t>(v.size()) != n * kd ||
+      static_cast<int64_t>(slots.size()) != n) {
+    return absl::InvalidArgumentError("AssembleKv: sizes do not match");
+  }
+  Scratch s(be_);
+  ASSIGN_OR_RETURN(Tensor* k, s.Get(n, kd));
+  ASSIGN_OR_RETURN(Tensor* vt, s.Get(n, kd));
+  RETURN_IF_ERROR(be_->Upload(k_pre, *k));
+  RETURN_IF_ERROR(be_->Upload(v, *vt));
+  RETURN_IF_ERROR(be_->Rope(*k, 0, cfg_.n_kv_heads, pos, rope_));
+  return be_->WriteKv(pool_, layer, *k, 0, *vt, 0, slots);
+}
+
+}  // namespace sparsex

@@ -1,0 +1,70 @@
+// The model runner: one transformer layer at a time over an arbitrary set of rows, written once
+// against the Backend interface. Dense prefill, chunked prefill, decode and sparse recompute
+// all compose these calls; only the rows, their positions and their KV slots differ.
+//
+//   ASSIGN_OR_RETURN(auto r, ModelRunner::Create(model, backend.get(), kv_opts));
+//   ASSIGN_OR_RETURN(Tensor x, r->Embed(ids));
+//   for (int l = 0; l < r->config().n_layers; ++l) RETURN_IF_ERROR(r->Layer(l, x, rows));
+//   ASSIGN_OR_RETURN(std::vector<float> logits, r->Logits(x, {x.rows - 1}));
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/kv/block_manager.h"
+
+namespace sparsex {
+
+// The rows one Layer call processes (all of one sequence).
+struct LayerRows {
+  std::span<const int32_t> pos;        // [rows] absolute position of each row
+  std::span<const int32_t> slots;      // [rows] KV slot each row's K/V is written to
+  std::span<const int32_t> ctx_slots;  // [ctx_len] slot of every position of the sequence
+};
+
+// Host copies of pre-RoPE K and V of the processed rows, per layer (segment storage).
+struct KvCapture {
+  std::vector<std::vector<float>> k, v;  // [n_layers][rows * kv_dim]
+};
+
+class ModelRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const Model& model, Backend* backend,
+                                                             const KvCacheOptions& kv);
+  // Random weights of the given shapes (speed work; see Backend::RandomWeights).
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> CreateRandom(const ModelConfig& cfg,
+                                                                   uint64_t seed,
+                                                                   Backend* backend,
+                                                                   const KvCacheOptions& kv);
+  ~ModelRunner();
+
+  const ModelConfig& config() const { return cfg_; }
+  Backend& backend() { return *be_; }
+  KvPool& pool() { return pool_; }
+  const RopeParams& rope() const { return rope_; }
+  int kv_dim() const { return cfg_.n_kv_heads * cfg_.head_dim; }
+
+  absl::StatusOr<Tensor> Embed(std::span<const int32_t> ids);
+  // Runs layer l over the rows of x (residual stream, [rows, dim]) in place: writes their K/V
+  // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
+  absl::Status Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats = nullptr,
+                     KvCapture* capture = nullptr);
+  // Final norm + output projection of the given rows: [rows.size() * vocab] fp32.
+  absl::StatusOr<std::vector<float>> Logits(const Tensor& x, std::span<const int32_t> rows);
+  // RoPE at `pos` applied to pre-RoPE K rows from the host, written with V into the pool.
+  absl::Status AssembleKv(int layer, std::span<const float> k_pre, std::span<const float> v,
+                          std::span<const int32_t> pos, std::span<const int32_t> slots);
+
+ private:
+  ModelRunner() = default;
+  absl::Status Init(const KvCacheOptions& kv);
+  ModelConfig cfg_;
+  Backend* be_ = nullptr;
+  BackendWeights w_;
+  KvPool pool_;
+  RopeParams rope_;
+};
+
+}  // namespace sparsex

@@ -1,0 +1,38 @@
+// Token sampling: greedy (temperature 0), temperature, top-k, top-p, seeded.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sparsex {
+
+struct SamplingParams {
+  float temperature = 0.0f;  // 0 selects greedy decoding. Default: 0
+  int top_k = 0;             // keep the k most likely tokens; 0 disables. Default: 0
+  float top_p = 1.0f;        // nucleus mass in (0, 1]; 1 disables. Default: 1
+  uint64_t seed = 0;         // sampling is reproducible for a seed. Default: 0
+  int max_tokens = 16;       // tokens to generate. Default: 16
+  std::vector<int32_t> stop_ids;  // extra stop tokens besides the model's. Default: none
+  bool ignore_eos = false;   // keep generating past the model's stop tokens. Default: false
+};
+
+absl::Status ValidateSampling(const SamplingParams& p);
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
+  int32_t Sample(std::span<const float> logits);
+
+ private:
+  SamplingParams p_;
+  std::mt19937_64 rng_;
+};
+
+// Index of the largest logit (the first one on ties, as llama2.c does).
+int32_t Argmax(std::span<const float> logits);
+
+}  // namespace sparsex

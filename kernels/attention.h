@@ -1,0 +1,80 @@
+// Paged attention with a per-query position array, and the SparseX selection statistics.
+//
+// Each query row i (absolute position q_pos[i]) attends over keys at positions
+// [0, min(q_pos[i], ctx_len - 1)], key position j living in pool row ctx_slots[j]. One kernel
+// therefore serves dense causal prefill, chunked prefill, decode and sparse recompute (selected
+// rows, each with its own causal limit). Grouped-query heads of one KV head are processed by one
+// thread block so they share every K/V tile load.
+//
+// Paths (chosen by PagedAttention, "unsupported head_dim" otherwise):
+//   head_dim 64 or 128, 16-byte aligned rows: FlashAttention-2 style tiles on mma.sync bf16
+//     tensor cores (64 query-head rows x 64 keys per step, online softmax in fp32); when there
+//     are too few query tiles to fill the GPU (decode, short chunks) the key axis is split over
+//     blocks and a combine kernel merges the partial results (split-K / flash-decoding).
+//   head_dim <= 64 (any): one warp per (query row, head), fp32 throughout.
+//
+//   kernels::PagedAttentionParams p;  // fill every field
+//   size_t ws = kernels::PagedAttentionWorkspaceBytes(p);
+//   kernels::PagedAttention(p, workspace, ws, stream);
+//   kernels::AttentionStats(p, stats, stream);  // needs p.lse from the call above
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sparsex::kernels {
+
+using bf16 = __nv_bfloat16;
+
+struct PagedAttentionParams {
+  const bf16* q = nullptr;        // [num_q, q_stride]; head h at columns [h*hd, (h+1)*hd)
+  int64_t q_stride = 0;
+  bf16* out = nullptr;            // [num_q, out_stride]; same column layout as q
+  int64_t out_stride = 0;
+  const int32_t* q_pos = nullptr; // [num_q] absolute position of each query row
+  int num_q = 0;
+  const bf16* k_pool = nullptr;   // [num_slots, kv_stride]; KV head h at columns [h*hd, ...)
+  const bf16* v_pool = nullptr;   // [num_slots, kv_stride]
+  int64_t kv_stride = 0;
+  const int32_t* ctx_slots = nullptr;  // [ctx_len] pool row of each key position
+  int ctx_len = 0;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 0.0f;             // softmax scale (1/sqrt(head_dim) typically)
+  // Optional out: [num_q, n_heads] log2-domain log-sum-exp of the scaled scores
+  // (log2(sum_j 2^(s_ij * scale * log2 e))); -inf for a row with no keys.
+  float* lse = nullptr;
+};
+
+// Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a
+// second pass over the keys; no N x N matrix is formed. Results are accumulated (+=) into
+// device fp32 arrays.
+struct AttentionStatsParams {
+  const int32_t* key_group = nullptr;  // [ctx_len] segment of each key; -1: shared (ignored)
+  const int32_t* q_group = nullptr;    // [num_q] segment of each query row
+  const float* recv_weight = nullptr;  // [num_q] weight of each row's attention onto keys
+  // out_cross[i] += (1/n_heads) sum_h sum_{j: key_group[j] not in {-1, q_group[i]}} p_h(i, j)
+  float* out_cross = nullptr;          // [num_q] or null
+  // out_recv[j] += sum_{i: recv_weight[i] > 0} recv_weight[i] * (1/n_heads) sum_h p_h(i, j)
+  float* out_recv = nullptr;           // [ctx_len] or null
+};
+
+// Device workspace PagedAttention needs for p (split-K partials); 0 when it splits nothing.
+size_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& p);
+
+// Returns cudaErrorInvalidValue for unsupported shapes (head_dim not 64/128 and above 64,
+// n_heads not a multiple of n_kv_heads, misaligned rows for the tensor-core path) and when
+// workspace_bytes < PagedAttentionWorkspaceBytes(p).
+cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream);
+
+// Second pass computing the statistics of s from p (p.lse must hold PagedAttention's output).
+cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
+                           cudaStream_t stream);
+
+// Whether PagedAttention supports these sizes (used by adapters to report a clear error).
+bool PagedAttentionSupported(int head_dim, int n_heads, int n_kv_heads);
+
+}  // namespace sparsex::kernels

@@ -1,0 +1,62 @@
+// Memory-bound kernels on bf16 row-major matrices (fp32 arithmetic inside): conversions, seeded
+// random fill, RMSNorm (optionally fused with the residual add), residual add, SwiGLU, and row
+// movement (embedding gather, gather/scatter by index). Raw device pointers plus a stream; each
+// returns the launch's cudaError_t. Every matrix is described by its row stride in elements so a
+// column window of a wider matrix can be addressed in place.
+//
+//   kernels::RmsNorm(x, x_stride, w, out, out_stride, rows, dim, 1e-5f, stream);
+//
+// The CPU reference for each is the CPU backend (gpu_worker/backend/cpu_backend.cc); the
+// consistency test (tests/kernels/backend_consistency_test.cc) checks one against the other.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sparsex::kernels {
+
+using bf16 = __nv_bfloat16;
+
+// dst[i] = bf16(src[i]), n elements.
+cudaError_t F32ToBf16(const float* src, bf16* dst, int64_t n, cudaStream_t stream);
+// dst[i] = float(src[i]), n elements.
+cudaError_t Bf16ToF32(const bf16* src, float* dst, int64_t n, cudaStream_t stream);
+// dst[i] = bf16(float(src[i])) for IEEE half input, n elements.
+cudaError_t F16ToBf16(const void* src, bf16* dst, int64_t n, cudaStream_t stream);
+
+// dst[i] = U(-a, a) from a counter-based hash of (seed, i): identical for a seed on any GPU.
+cudaError_t FillUniform(bf16* dst, int64_t n, float a, uint64_t seed, cudaStream_t stream);
+// dst[i] = value.
+cudaError_t Fill(bf16* dst, int64_t n, float value, cudaStream_t stream);
+
+// out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w      x, out: [rows, dim]; w: [dim]
+cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
+                    int64_t out_stride, int64_t rows, int dim, float eps, cudaStream_t stream);
+// residual[r, :] += x[r, :]; out[r, :] = rmsnorm(residual[r, :]) * w (the sum is rounded to bf16
+// first, exactly as a separate Add then RmsNorm would).
+cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_t x_stride,
+                       const bf16* w, bf16* out, int64_t out_stride, int64_t rows, int dim,
+                       float eps, cudaStream_t stream);
+
+// a[r, c] += b[r, c]     a, b: [rows, cols]
+cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int64_t rows,
+                int64_t cols, cudaStream_t stream);
+
+// out[r, j] = silu(x[r, j]) * x[r, j + half]      x: [rows, 2*half] (gate | up); out: [rows, half]
+cudaError_t SwiGlu(const bf16* x, int64_t x_stride, bf16* out, int64_t out_stride, int64_t rows,
+                   int64_t half, cudaStream_t stream);
+
+// dst[i, :] = src[idx[i], :]   (embedding lookup and row gather)
+//   src: [*, cols] with stride src_stride; idx: [n] device; dst: [n, cols]
+// Indices outside [0, src_rows) produce zero rows (callers validate on the host).
+cudaError_t GatherRows(const bf16* src, int64_t src_stride, int64_t src_rows,
+                       const int32_t* idx, bf16* dst, int64_t dst_stride, int64_t n,
+                       int64_t cols, cudaStream_t stream);
+// dst[idx[i], :] = src[i, :]   idx: [n] device; indices outside [0, dst_rows) are skipped.
+cudaError_t ScatterRows(const bf16* src, int64_t src_stride, const int32_t* idx, bf16* dst,
+                        int64_t dst_stride, int64_t dst_rows, int64_t n, int64_t cols,
+                        cudaStream_t stream);
+
+}  // namespace sparsex::kernels

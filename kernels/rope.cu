@@ -1,0 +1,90 @@
+#include "kernels/ops.h"
+#include "kernels/rope.h"
+
+#include "kernels/common.cuh"
+
+namespace sparsex::kernels {
+namespace {
+
+using detail::CeilDiv;
+constexpr int kThreads = 256;
+
+int GridFor(int64_t work) {
+  const int64_t b = CeilDiv(work, kThreads);
+  return static_cast<int>(b < 1 ? 1 : (b > 65535LL * 16 ? 65535LL * 16 : b));
+}
+
+// One thread per (row, head, pair). Reads src row i, writes dst row (slots ? slots[i] : i).
+// In-place use passes src == dst and no slots.
+__global__ void RopeKernel(const bf16* src, int64_t src_stride, bf16* dst, int64_t dst_stride,
+                           int64_t dst_rows, const int32_t* slots, int64_t rows, int n_heads,
+                           const int32_t* pos, const float* inv_freq, int head_dim,
+                           bool halves) {
+  const int half = head_dim / 2;
+  const int64_t per_row = static_cast<int64_t>(n_heads) * half;
+  const int64_t total = rows * per_row;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = t / per_row;
+    const int rem = static_cast<int>(t % per_row);
+    const int h = rem / half, j = rem % half;
+    const int64_t dr = slots ? slots[r] : r;
+    if (dr < 0 || dr >= dst_rows) continue;
+    const int i0 = h * head_dim + (halves ? j : 2 * j);
+    const int i1 = i0 + (halves ? half : 1);
+    const bf16* s = src + r * src_stride;
+    bf16* d = dst + dr * dst_stride;
+    const float x0 = __bfloat162float(s[i0]), x1 = __bfloat162float(s[i1]);
+    const float angle = static_cast<float>(pos[r]) * inv_freq[j];
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    d[i0] = __float2bfloat16_rn(x0 * cs - x1 * sn);
+    d[i1] = __float2bfloat16_rn(x0 * sn + x1 * cs);
+  }
+}
+
+}  // namespace
+
+cudaError_t Rope(bf16* x, int64_t x_stride, int64_t rows, int n_heads, const int32_t* pos,
+                 const RopeArgs& rope, cudaStream_t stream) {
+  if (rows <= 0 || n_heads <= 0) return cudaSuccess;
+  if (rope.head_dim <= 0 || rope.head_dim % 2 != 0 || rope.inv_freq == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t total = rows * n_heads * (rope.head_dim / 2);
+  RopeKernel<<<GridFor(total), kThreads, 0, stream>>>(x, x_stride, x, x_stride, rows, nullptr,
+                                                      rows, n_heads, pos, rope.inv_freq,
+                                                      rope.head_dim, rope.halves);
+  return cudaGetLastError();
+}
+
+cudaError_t WriteKv(const KvPoolView& pool, const bf16* k_src, int64_t k_stride,
+                    const bf16* v_src, int64_t v_stride, const int32_t* slots, int64_t n,
+                    cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  cudaError_t e = ScatterRows(k_src, k_stride, slots, pool.k, pool.kv_dim, pool.num_slots, n,
+                              pool.kv_dim, stream);
+  if (e != cudaSuccess) return e;
+  return ScatterRows(v_src, v_stride, slots, pool.v, pool.kv_dim, pool.num_slots, n, pool.kv_dim,
+                     stream);
+}
+
+cudaError_t AssembleKv(const KvPoolView& pool, const bf16* k_pre, int64_t k_stride,
+                       const bf16* v_pre, int64_t v_stride, const int32_t* pos,
+                       const int32_t* slots, int64_t n, int n_kv_heads, const RopeArgs& rope,
+                       cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (rope.head_dim <= 0 || rope.head_dim % 2 != 0 || rope.inv_freq == nullptr ||
+      n_kv_heads * rope.head_dim != pool.kv_dim)
+    return cudaErrorInvalidValue;
+  const int64_t total = n * n_kv_heads * (rope.head_dim / 2);
+  RopeKernel<<<GridFor(total), kThreads, 0, stream>>>(k_pre, k_stride, pool.k, pool.kv_dim,
+                                                      pool.num_slots, slots, n, n_kv_heads, pos,
+                                                      rope.inv_freq, rope.head_dim,
+                                                      rope.halves);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return ScatterRows(v_pre, v_stride, slots, pool.v, pool.kv_dim, pool.num_slots, n, pool.kv_dim,
+                     stream);
+}
+
+}  // namespace sparsex::kernels

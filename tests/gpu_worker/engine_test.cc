@@ -1,0 +1,194 @@
+// End-to-end engine tests on the real stories260K model.
+#include "gpu_worker/engine/engine.h"
+
+#include <cmath>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "tests/gpu_worker/test_util.h"
+
+namespace sparsex {
+namespace {
+
+std::vector<int32_t> ReadIds(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << "missing oracle " << path;
+  std::vector<int32_t> ids;
+  int32_t x;
+  while (f >> x) ids.push_back(x);
+  return ids;
+}
+
+TEST(Engine, GreedyFromBosReproducesTheOracle) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  auto engine = Engine::Create(*model, {});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<int32_t> oracle = ReadIds(ModelsDir() + "/stories260K/expected_greedy_t0.ids");
+  ASSERT_EQ(oracle.size(), 345u);
+  GenerateRequest req;
+  req.prompt = {model->tokenizer().bos_id()};
+  req.sampling.max_tokens = 1000;
+  std::string streamed;
+  auto r = (*engine)->Generate(req, [&](const TokenEvent& e) {
+    streamed += e.text;
+    return true;
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens, oracle);
+  EXPECT_EQ(r->finish_reason, "stop");
+  EXPECT_EQ(streamed, r->text);
+  EXPECT_EQ(r->text.rfind("Once upon a time, there was a little girl named Lily.", 0), 0u);
+}
+
+TEST(Engine, PrefixCacheHitGivesTheSameLogitsAsACold) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  auto cold = Engine::Create(*model, {});
+  auto warm = Engine::Create(*model, {});
+  ASSERT_TRUE(cold.ok() && warm.ok());
+  std::vector<int32_t> p = model->tokenizer().Encode(
+      "Once upon a time, there was a little girl named Lily. She loved to play outside.", true);
+  ASSERT_GT(p.size(), 32u);
+  // Warm up the warm engine's prefix cache with the same prompt and another ending.
+  auto first = p;
+  first.back() = 300;
+  auto s0 = (*warm)->Admit(first);
+  ASSERT_TRUE(s0.ok());
+  ASSERT_TRUE((*warm)->Prefill(*s0).ok());
+  (*warm)->RegisterPrefix(*s0);
+  (*warm)->Release(*s0);
+
+  auto sc = (*cold)->Admit(p);
+  auto sw = (*warm)->Admit(p);
+  ASSERT_TRUE(sc.ok() && sw.ok());
+  EXPECT_EQ(sc->cached_prefix, 0);
+  EXPECT_EQ(sw->cached_prefix, static_cast<int>((p.size() - 1) / 16 * 16));
+  auto lc = (*cold)->Prefill(*sc);
+  auto lw = (*warm)->Prefill(*sw);
+  ASSERT_TRUE(lc.ok() && lw.ok());
+  ASSERT_EQ(lc->size(), lw->size());
+  float maxdiff = 0;
+  for (size_t i = 0; i < lc->size(); ++i) maxdiff = std::max(maxdiff, std::abs((*lc)[i] - (*lw)[i]));
+  EXPECT_LT(maxdiff, 1e-4);
+}
+
+TEST(Engine, PagedAttentionEqualsContiguous) {
+  auto be = CreateCpuBackend();
+  ASSERT_TRUE(be.ok());
+  Backend& b = **be;
+  const int H = 4, KV = 2, hd = 8, ctx = 37, bs = 4, nblocks = 16;
+  auto pool_c = b.AllocKvPool(1, nblocks, bs, KV * hd);
+  auto pool_p = b.AllocKvPool(1, nblocks, bs, KV * hd);
+  ASSERT_TRUE(pool_c.ok() && pool_p.ok());
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<float> kv(ctx * KV * hd * 2), q(ctx * H * hd);
+  for (float& x : kv) x = nd(rng);
+  for (float& x : q) x = nd(rng);
+  auto kt = *b.Alloc(ctx, 2 * KV * hd);
+  ASSERT_TRUE(b.Upload(kv, kt).ok());
+  std::vector<int32_t> contiguous(ctx), paged(ctx);
+  std::vector<int32_t> perm = {9, 3, 14, 0, 7, 11, 5, 2, 12, 1};  // scattered block table
+  for (int p = 0; p < ctx; ++p) {
+    contiguous[p] = p;
+    paged[p] = perm[p / bs] * bs + p % bs;
+  }
+  ASSERT_TRUE(b.WriteKv(*pool_c, 0, kt, 0, kt, KV * hd, contiguous).ok());
+  ASSERT_TRUE(b.WriteKv(*pool_p, 0, kt, 0, kt, KV * hd, paged).ok());
+  auto qt = *b.Alloc(ctx, H * hd);
+  ASSERT_TRUE(b.Upload(q, qt).ok());
+  std::vector<int32_t> pos(ctx);
+  for (int i = 0; i < ctx; ++i) pos[i] = i;
+  auto oc = *b.Alloc(ctx, H * hd), op = *b.Alloc(ctx, H * hd);
+  AttentionArgs a{.n_heads = H, .n_kv_heads = KV, .head_dim = hd, .q_pos = pos};
+  a.ctx_slots = contiguous;
+  ASSERT_TRUE(b.Attention(qt, *pool_c, 0, a, oc).ok());
+  a.ctx_slots = paged;
+  ASSERT_TRUE(b.Attention(qt, *pool_p, 0, a, op).ok());
+  std::vector<float> vc(ctx * H * hd), vp(ctx * H * hd);
+  ASSERT_TRUE(b.Download(oc, vc).ok());
+  ASSERT_TRUE(b.Download(op, vp).ok());
+  for (size_t i = 0; i < vc.size(); ++i) ASSERT_FLOAT_EQ(vc[i], vp[i]) << i;
+  // Naive reference for one row: softmax over positions 0..pos of q.k / sqrt(hd).
+  const int row = 20, h = 3, kvh = h / (H / KV);
+  std::vector<double> sc(row + 1);
+  double mx = -1e30, sum = 0;
+  for (int j = 0; j <= row; ++j) {
+    double d = 0;
+    for (int t = 0; t < hd; ++t) d += q[row * H * hd + h * hd + t] * kv[j * 2 * KV * hd + kvh * hd + t];
+    sc[j] = d / std::sqrt(static_cast<double>(hd));
+    mx = std::max(mx, sc[j]);
+  }
+  for (double& s : sc) sum += (s = std::exp(s - mx));
+  for (int t = 0; t < hd; ++t) {
+    double o = 0;
+    for (int j = 0; j <= row; ++j) o += sc[j] / sum * kv[j * 2 * KV * hd + KV * hd + kvh * hd + t];
+    EXPECT_NEAR(vc[row * H * hd + h * hd + t], o, 1e-5);
+  }
+  for (Tensor* t : {&kt, &qt, &oc, &op}) b.Free(*t);
+  b.FreeKvPool(*pool_c);
+  b.FreeKvPool(*pool_p);
+}
+
+TEST(Engine, PromptOverContextLengthAndBadIdsAreClearErrors) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  auto engine = Engine::Create(*model, {});
+  ASSERT_TRUE(engine.ok());
+  GenerateRequest req;
+  req.prompt.assign(model->config().max_seq_len + 1, 300);
+  auto r = (*engine)->Generate(req, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("context length"), std::string::npos);
+  req.prompt = {1, 5000};
+  r = (*engine)->Generate(req, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("vocabulary"), std::string::npos);
+  req.prompt = {1};
+  req.sampling.top_p = 0;
+  EXPECT_FALSE((*engine)->Generate(req, nullptr).ok());
+}
+
+TEST(Engine, PoolExhaustionIsReportedNotCrashed) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  EngineOptions o;
+  o.kv.num_blocks = 2;  // 32 tokens
+  auto engine = Engine::Create(*model, o);
+  ASSERT_TRUE(engine.ok());
+  GenerateRequest req;
+  req.prompt.assign(40, 300);
+  auto r = (*engine)->Generate(req, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  // The pool is intact afterwards: a short request still runs.
+  req.prompt = {1, 403};
+  req.sampling.max_tokens = 4;
+  EXPECT_TRUE((*engine)->Generate(req, nullptr).ok());
+}
+
+TEST(Engine, SeededSamplingIsReproducibleAndCancellable) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  auto engine = Engine::Create(*model, {});
+  ASSERT_TRUE(engine.ok());
+  GenerateRequest req;
+  req.prompt = model->tokenizer().Encode("Once upon a time", true);
+  req.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 42, .max_tokens = 24};
+  auto a = (*engine)->Generate(req, nullptr);
+  auto b = (*engine)->Generate(req, nullptr);  // second run also hits the prefix cache
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->tokens, b->tokens);
+  int n = 0;
+  auto c = (*engine)->Generate(req, [&](const TokenEvent&) { return ++n < 3; });
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->finish_reason, "cancelled");
+  EXPECT_EQ(c->tokens.size(), 3u);
+  EXPECT_EQ((*engine)->blocks().available(), (*engine)->blocks().num_blocks());
+}
+
+}  // namespace
+}  // namespace sparsex
