@@ -52,10 +52,10 @@ struct PagedAttentionParams {
 // second pass over the keys; no N x N matrix is formed. Results are accumulated (+=) into
 // device fp32 arrays.
 struct AttentionStatsParams {
-  const int32_t* key_group = nullptr;  // [ctx_len] segment of each key; -1: shared (ignored)
+  const int32_t* key_group = nullptr;  // [ctx_len] segment of each key; negative: shared (ignored)
   const int32_t* q_group = nullptr;    // [num_q] segment of each query row
   const float* recv_weight = nullptr;  // [num_q] weight of each row's attention onto keys
-  // out_cross[i] += (1/n_heads) sum_h sum_{j: key_group[j] not in {-1, q_group[i]}} p_h(i, j)
+  // out_cross[i] += (1/n_heads) sum_h sum_{j: key_group[j] >= 0, != q_group[i]} p_h(i, j)
   float* out_cross = nullptr;          // [num_q] or null
   // out_recv[j] += sum_{i: recv_weight[i] > 0} recv_weight[i] * (1/n_heads) sum_h p_h(i, j)
   float* out_recv = nullptr;           // [ctx_len] or null

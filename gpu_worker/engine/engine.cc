@@ -147,9 +147,10 @@ absl::StatusOr<std::vector<float>> Engine::Step(Sequence& seq, int32_t token) {
   return Prefill(seq);
 }
 
-void Engine::RegisterPrefix(const Sequence& seq) {
+void Engine::RegisterPrefix(const Sequence& seq, int exact_upto) {
   const int bs = blocks_->block_size();
-  const int full = seq.computed / bs;
+  const int upto = exact_upto < 0 ? seq.computed : std::min(exact_upto, seq.computed);
+  const int full = upto / bs;
   std::span<const int32_t> toks(seq.tokens.data(), static_cast<size_t>(full) * bs);
   std::vector<Hash128> hashes = blocks_->BlockHashes(toks);
   for (int i = 0; i < full; ++i) blocks_->Register(seq.blocks[i], hashes[i]);

@@ -78,8 +78,9 @@ class Engine {
   absl::StatusOr<std::vector<float>> Prefill(Sequence& seq);
   // Appends a token and runs it; returns its logits.
   absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
-  // Registers the sequence's full, computed blocks for exact-prefix reuse.
-  void RegisterPrefix(const Sequence& seq);
+  // Registers the sequence's full, computed blocks for exact-prefix reuse; only blocks that end
+  // at or before `exact_upto` tokens (default: all computed tokens) are registered.
+  void RegisterPrefix(const Sequence& seq, int exact_upto = -1);
   void Release(Sequence& seq);
   std::vector<int32_t> CtxSlots(const Sequence& seq, int len) const;
 

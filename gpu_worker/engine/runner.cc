@@ -125,6 +125,26 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   return be_->Add(x, *o);
 }
 
+absl::Status ModelRunner::ProjectKv(int l, const Tensor& x, std::vector<float>* k,
+                                   std::vector<float>* v) {
+  const int64_t n = x.rows, kd = kv_dim(), qd = static_cast<int64_t>(cfg_.n_heads) * cfg_.head_dim;
+  k->assign(n * kd, 0.0f);
+  v->assign(n * kd, 0.0f);
+  if (n == 0) return absl::OkStatus();
+  Scratch s(be_);
+  ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
+  RETURN_IF_ERROR(be_->RmsNorm(x, w_.layers[l].attn_norm, cfg_.rms_eps, *h));
+  ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, qd + 2 * kd));
+  RETURN_IF_ERROR(be_->MatMul(*h, w_.layers[l].wqkv, *qkv));
+  std::vector<float> all(static_cast<size_t>(n * qkv->cols));
+  RETURN_IF_ERROR(be_->Download(*qkv, all));
+  for (int64_t i = 0; i < n; ++i) {
+    std::copy_n(all.begin() + i * qkv->cols + qd, kd, k->begin() + i * kd);
+    std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v->begin() + i * kd);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<float>> ModelRunner::Logits(const Tensor& x,
                                                        std::span<const int32_t> rows) {
   Scratch s(be_);

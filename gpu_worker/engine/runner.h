@@ -51,6 +51,9 @@ class ModelRunner {
   // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
   absl::Status Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats = nullptr,
                      KvCapture* capture = nullptr);
+  // Pre-RoPE K and V that layer l would compute for the rows of x (no KV write, no attention):
+  // the CacheBlend deviation signal at the first sparse layer.
+  absl::Status ProjectKv(int l, const Tensor& x, std::vector<float>* k, std::vector<float>* v);
   // Final norm + output projection of the given rows: [rows.size() * vocab] fp32.
   absl::StatusOr<std::vector<float>> Logits(const Tensor& x, std::span<const int32_t> rows);
   // RoPE at `pos` applied to pre-RoPE K rows from the host, written with V into the pool.

@@ -4,9 +4,9 @@
 // offset) and decoded only when a key is actually used (a 128K-token vocabulary is walked once
 // for validation, then once more to build the tokenizer).
 #include <cstring>
-#include <string_view>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 #include "gpu_worker/model/model.h"
 
 namespace sparsex {
@@ -14,28 +14,52 @@ namespace {
 
 // GGUF metadata value types.
 enum GgufType : uint32_t {
-  kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
-  kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
+  kU8 = 0,
+  kI8 = 1,
+  kU16 = 2,
+  kI16 = 3,
+  kU32 = 4,
+  kI32 = 5,
+  kF32 = 6,
+  kBool = 7,
+  kString = 8,
+  kArray = 9,
+  kU64 = 10,
+  kI64 = 11,
+  kF64 = 12,
 };
 
 size_t ScalarSize(uint32_t t) {
   switch (t) {
-    case kU8: case kI8: case kBool: return 1;
-    case kU16: case kI16: return 2;
-    case kU32: case kI32: case kF32: return 4;
-    case kU64: case kI64: case kF64: return 8;
-    default: return 0;  // string, array, unknown
+    case kU8:
+    case kI8:
+    case kBool:
+      return 1;
+    case kU16:
+    case kI16:
+      return 2;
+    case kU32:
+    case kI32:
+    case kF32:
+      return 4;
+    case kU64:
+    case kI64:
+    case kF64:
+      return 8;
+    default:
+      return 0;  // string, array, unknown
   }
 }
 
 // ggml tensor type ids, for error messages naming unsupported (quantized) types.
 const char* GgmlTypeName(uint32_t t) {
   static const char* const kNames[] = {
-      "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
-      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
-      "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M",
-      "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4",
-      "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4"};
+      "F32",   "F16",        "Q4_0",       "Q4_1",       "Q4_2",     "Q4_3",     "Q5_0",
+      "Q5_1",  "Q8_0",       "Q8_1",       "Q2_K",       "Q3_K",     "Q4_K",     "Q5_K",
+      "Q6_K",  "Q8_K",       "IQ2_XXS",    "IQ2_XS",     "IQ3_XXS",  "IQ1_S",    "IQ4_NL",
+      "IQ3_S", "IQ2_S",      "IQ4_XS",     "I8",         "I16",      "I32",      "I64",
+      "F64",   "IQ1_M",      "BF16",       "Q4_0_4_4",   "Q4_0_4_8", "Q4_0_8_8", "TQ1_0",
+      "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4"};
   return t < std::size(kNames) ? kNames[t] : "unknown";
 }
 
@@ -46,7 +70,7 @@ absl::Status Truncated(const std::string& path, size_t at, size_t need, const ch
 
 class Cursor {
  public:
-  Cursor(const MappedFile& f) : f_(f) {}
+  explicit Cursor(const MappedFile& f) : f_(f) {}
   size_t pos() const { return pos_; }
   void set_pos(size_t p) { pos_ = p; }
   size_t remaining() const { return f_.size() - pos_; }
@@ -61,15 +85,15 @@ class Cursor {
   template <typename T>
   absl::StatusOr<T> Read(const char* what) {
     RETURN_IF_ERROR(Need(sizeof(T), what));
-    T v;
-    std::memcpy(&v, f_.data() + pos_, sizeof(T));  // GGUF is little-endian, as is every host we run on
+    T v;  // GGUF is little-endian, as is every host we run on
+    std::memcpy(&v, f_.data() + pos_, sizeof(T));
     pos_ += sizeof(T);
     return v;
   }
-  absl::StatusOr<std::string_view> ReadString(const char* what) {
+  absl::StatusOr<absl::string_view> ReadString(const char* what) {
     ASSIGN_OR_RETURN(uint64_t n, Read<uint64_t>(what));
     RETURN_IF_ERROR(Need(n, what));
-    std::string_view s(reinterpret_cast<const char*>(f_.data()) + pos_, n);
+    absl::string_view s(reinterpret_cast<const char*>(f_.data()) + pos_, n);
     pos_ += n;
     return s;
   }
@@ -83,7 +107,7 @@ struct KvValue {
   uint32_t type = 0;
   uint64_t u = 0;  // integer and bool scalars (sign-extended for signed types)
   double f = 0;    // float scalars
-  std::string_view str;
+  absl::string_view str;
   uint32_t elem_type = 0;  // arrays: element type, count, offset of the first element
   uint64_t count = 0;
   size_t offset = 0;
@@ -93,18 +117,63 @@ struct KvValue {
 absl::Status ReadValue(Cursor& c, uint32_t t, KvValue& v, int depth) {
   v.type = t;
   switch (t) {
-    case kU8: { ASSIGN_OR_RETURN(uint8_t x, c.Read<uint8_t>("u8")); v.u = x; break; }
-    case kI8: { ASSIGN_OR_RETURN(int8_t x, c.Read<int8_t>("i8")); v.u = static_cast<uint64_t>(int64_t{x}); break; }
-    case kU16: { ASSIGN_OR_RETURN(uint16_t x, c.Read<uint16_t>("u16")); v.u = x; break; }
-    case kI16: { ASSIGN_OR_RETURN(int16_t x, c.Read<int16_t>("i16")); v.u = static_cast<uint64_t>(int64_t{x}); break; }
-    case kU32: { ASSIGN_OR_RETURN(uint32_t x, c.Read<uint32_t>("u32")); v.u = x; break; }
-    case kI32: { ASSIGN_OR_RETURN(int32_t x, c.Read<int32_t>("i32")); v.u = static_cast<uint64_t>(int64_t{x}); break; }
-    case kU64: { ASSIGN_OR_RETURN(v.u, c.Read<uint64_t>("u64")); break; }
-    case kI64: { ASSIGN_OR_RETURN(int64_t x, c.Read<int64_t>("i64")); v.u = static_cast<uint64_t>(x); break; }
-    case kF32: { ASSIGN_OR_RETURN(float x, c.Read<float>("f32")); v.f = x; break; }
-    case kF64: { ASSIGN_OR_RETURN(v.f, c.Read<double>("f64")); break; }
-    case kBool: { ASSIGN_OR_RETURN(uint8_t x, c.Read<uint8_t>("bool")); v.u = x != 0; break; }
-    case kString: { ASSIGN_OR_RETURN(v.str, c.ReadString("string value")); break; }
+    case kU8: {
+      ASSIGN_OR_RETURN(uint8_t x, c.Read<uint8_t>("u8"));
+      v.u = x;
+      break;
+    }
+    case kI8: {
+      ASSIGN_OR_RETURN(int8_t x, c.Read<int8_t>("i8"));
+      v.u = static_cast<uint64_t>(int64_t{x});
+      break;
+    }
+    case kU16: {
+      ASSIGN_OR_RETURN(uint16_t x, c.Read<uint16_t>("u16"));
+      v.u = x;
+      break;
+    }
+    case kI16: {
+      ASSIGN_OR_RETURN(int16_t x, c.Read<int16_t>("i16"));
+      v.u = static_cast<uint64_t>(int64_t{x});
+      break;
+    }
+    case kU32: {
+      ASSIGN_OR_RETURN(uint32_t x, c.Read<uint32_t>("u32"));
+      v.u = x;
+      break;
+    }
+    case kI32: {
+      ASSIGN_OR_RETURN(int32_t x, c.Read<int32_t>("i32"));
+      v.u = static_cast<uint64_t>(int64_t{x});
+      break;
+    }
+    case kU64: {
+      ASSIGN_OR_RETURN(v.u, c.Read<uint64_t>("u64"));
+      break;
+    }
+    case kI64: {
+      ASSIGN_OR_RETURN(int64_t x, c.Read<int64_t>("i64"));
+      v.u = static_cast<uint64_t>(x);
+      break;
+    }
+    case kF32: {
+      ASSIGN_OR_RETURN(float x, c.Read<float>("f32"));
+      v.f = x;
+      break;
+    }
+    case kF64: {
+      ASSIGN_OR_RETURN(v.f, c.Read<double>("f64"));
+      break;
+    }
+    case kBool: {
+      ASSIGN_OR_RETURN(uint8_t x, c.Read<uint8_t>("bool"));
+      v.u = x != 0;
+      break;
+    }
+    case kString: {
+      ASSIGN_OR_RETURN(v.str, c.ReadString("string value"));
+      break;
+    }
     case kArray: {
       if (depth > 8) return absl::InvalidArgumentError("GGUF metadata arrays nested too deeply");
       ASSIGN_OR_RETURN(v.elem_type, c.Read<uint32_t>("array type"));
@@ -117,9 +186,12 @@ absl::Status ReadValue(Cursor& c, uint32_t t, KvValue& v, int depth) {
         c.set_pos(c.pos() + v.count * es);
       } else if (v.elem_type == kString || v.elem_type == kArray) {
         KvValue elem;
-        for (uint64_t i = 0; i < v.count; ++i) RETURN_IF_ERROR(ReadValue(c, v.elem_type, elem, depth + 1));
+        for (uint64_t i = 0; i < v.count; ++i) {
+          RETURN_IF_ERROR(ReadValue(c, v.elem_type, elem, depth + 1));
+        }
       } else {
-        return absl::InvalidArgumentError(absl::StrCat("unknown GGUF array element type ", v.elem_type));
+        return absl::InvalidArgumentError(
+            absl::StrCat("unknown GGUF array element type ", v.elem_type));
       }
       break;
     }
@@ -138,10 +210,17 @@ struct TensorInfo {
 // F32/F16/BF16 from a ggml type id; false for anything else (quantized, integer).
 bool ToDType(uint32_t ggml_type, DType* dt) {
   switch (ggml_type) {
-    case 0: *dt = DType::kF32; return true;
-    case 1: *dt = DType::kF16; return true;
-    case 30: *dt = DType::kBF16; return true;
-    default: return false;
+    case 0:
+      *dt = DType::kF32;
+      return true;
+    case 1:
+      *dt = DType::kF16;
+      return true;
+    case 30:
+      *dt = DType::kBF16;
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -151,28 +230,29 @@ class GgufReader {
 
   absl::Status Parse();
 
-  const KvValue* Find(std::string_view key) const {
+  const KvValue* Find(absl::string_view key) const {
     auto it = kv_.find(key);
     return it == kv_.end() ? nullptr : &it->second;
   }
-  absl::StatusOr<uint64_t> GetUInt(std::string_view key) const;
-  absl::StatusOr<double> GetFloat(std::string_view key) const;
-  absl::StatusOr<std::string_view> GetString(std::string_view key) const;
-  absl::StatusOr<bool> GetBool(std::string_view key) const;
-  absl::StatusOr<std::vector<std::string>> GetStringArray(std::string_view key) const;
-  absl::StatusOr<std::vector<float>> GetFloatArray(std::string_view key) const;
-  absl::StatusOr<std::vector<int32_t>> GetIntArray(std::string_view key) const;
-  // Fills *t from the tensor called name; NotFound when absent.
+  absl::StatusOr<uint64_t> GetUInt(absl::string_view key) const;
+  absl::StatusOr<double> GetFloat(absl::string_view key) const;
+  absl::StatusOr<absl::string_view> GetString(absl::string_view key) const;
+  absl::StatusOr<bool> GetBool(absl::string_view key) const;
+  absl::StatusOr<std::vector<std::string>> GetStringArray(absl::string_view key) const;
+  absl::StatusOr<std::vector<float>> GetFloatArray(absl::string_view key) const;
+  absl::StatusOr<std::vector<int32_t>> GetIntArray(absl::string_view key) const;
+  // Fills *t from the tensor called name; InvalidArgument ("missing tensor") when absent.
   absl::Status GetTensor(const std::string& name, TensorView* t) const;
   bool HasTensor(const std::string& name) const { return tensors_.contains(name); }
+  size_t num_tensors() const { return tensors_.size(); }
 
  private:
   absl::StatusOr<uint64_t> Extent(const std::string& name, const TensorInfo& ti, DType dt) const;
-  absl::StatusOr<const KvValue*> Get(std::string_view key) const;
-  absl::StatusOr<const KvValue*> GetArray(std::string_view key) const;
+  absl::StatusOr<const KvValue*> Get(absl::string_view key) const;
+  absl::StatusOr<const KvValue*> GetArray(absl::string_view key) const;
 
   const MappedFile& f_;
-  absl::flat_hash_map<std::string_view, KvValue> kv_;
+  absl::flat_hash_map<absl::string_view, KvValue> kv_;
   absl::flat_hash_map<std::string, TensorInfo> tensors_;
   size_t data_start_ = 0;
 };
@@ -203,13 +283,14 @@ absl::Status GgufReader::Parse() {
                                             " tensors cannot fit in ", f_.size(), " bytes"));
   }
   for (uint64_t i = 0; i < n_kv; ++i) {
-    ASSIGN_OR_RETURN(std::string_view key, c.ReadString("metadata key"));
+    ASSIGN_OR_RETURN(absl::string_view key, c.ReadString("metadata key"));
     ASSIGN_OR_RETURN(uint32_t type, c.Read<uint32_t>("metadata type"));
     KvValue v;
     absl::Status s = ReadValue(c, type, v, 0);
     if (!s.ok()) {
       // Keep "truncated" from the cursor, add which key it was.
-      return absl::Status(s.code(), absl::StrCat(s.message(), " (metadata key ", key, ", file ", path, ")"));
+      return absl::Status(s.code(),
+                          absl::StrCat(s.message(), " (metadata key ", key, ", file ", path, ")"));
     }
     kv_[key] = v;
   }
@@ -221,17 +302,19 @@ absl::Status GgufReader::Parse() {
     }
   }
   for (uint64_t i = 0; i < n_tensors; ++i) {
-    ASSIGN_OR_RETURN(std::string_view name, c.ReadString("tensor name"));
+    ASSIGN_OR_RETURN(absl::string_view name, c.ReadString("tensor name"));
     ASSIGN_OR_RETURN(uint32_t n_dims, c.Read<uint32_t>("tensor dimension count"));
     if (n_dims == 0 || n_dims > 4) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has ", n_dims, " dimensions"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", name, " has ", n_dims, " dimensions"));
     }
     TensorInfo ti;
     ti.shape.resize(n_dims);
     for (uint32_t d = 0; d < n_dims; ++d) {
       ASSIGN_OR_RETURN(uint64_t ne, c.Read<uint64_t>("tensor dimensions"));
       if (ne > (uint64_t{1} << 40)) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " dimension ", ne, " too large"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", name, " dimension ", ne, " too large"));
       }
       ti.shape[n_dims - 1 - d] = static_cast<int64_t>(ne);  // ggml lists ne0 (innermost) first
     }
@@ -245,8 +328,7 @@ absl::Status GgufReader::Parse() {
       return absl::InvalidArgumentError(absl::StrCat("duplicate tensor ", name, " in ", path));
     }
   }
-  // The data section starts at the next multiple of the alignment. A file cut right after the
-  // tensor infos has no data section: that is truncation too.
+  // The data section starts at the next multiple of the alignment.
   data_start_ = (c.pos() + alignment - 1) / alignment * alignment;
   if (data_start_ > f_.size()) {
     return Truncated(path, c.pos(), data_start_ - c.pos(), "alignment padding before tensor data");
@@ -260,7 +342,7 @@ absl::Status GgufReader::Parse() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<const KvValue*> GgufReader::Get(std::string_view key) const {
+absl::StatusOr<const KvValue*> GgufReader::Get(absl::string_view key) const {
   const KvValue* v = Find(key);
   if (v == nullptr) {
     return absl::NotFoundError(absl::StrCat("GGUF key ", key, " not found in ", f_.path()));
@@ -268,7 +350,7 @@ absl::StatusOr<const KvValue*> GgufReader::Get(std::string_view key) const {
   return v;
 }
 
-absl::StatusOr<uint64_t> GgufReader::GetUInt(std::string_view key) const {
+absl::StatusOr<uint64_t> GgufReader::GetUInt(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, Get(key));
   bool is_signed = v->type == kI8 || v->type == kI16 || v->type == kI32 || v->type == kI64;
   if (ScalarSize(v->type) == 0 || v->type == kF32 || v->type == kF64 || v->type == kBool) {
@@ -280,7 +362,7 @@ absl::StatusOr<uint64_t> GgufReader::GetUInt(std::string_view key) const {
   return v->u;
 }
 
-absl::StatusOr<double> GgufReader::GetFloat(std::string_view key) const {
+absl::StatusOr<double> GgufReader::GetFloat(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, Get(key));
   if (v->type != kF32 && v->type != kF64) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not a float"));
@@ -288,7 +370,7 @@ absl::StatusOr<double> GgufReader::GetFloat(std::string_view key) const {
   return v->f;
 }
 
-absl::StatusOr<std::string_view> GgufReader::GetString(std::string_view key) const {
+absl::StatusOr<absl::string_view> GgufReader::GetString(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, Get(key));
   if (v->type != kString) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not a string"));
@@ -296,7 +378,7 @@ absl::StatusOr<std::string_view> GgufReader::GetString(std::string_view key) con
   return v->str;
 }
 
-absl::StatusOr<bool> GgufReader::GetBool(std::string_view key) const {
+absl::StatusOr<bool> GgufReader::GetBool(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, Get(key));
   if (v->type != kBool) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not a bool"));
@@ -304,7 +386,7 @@ absl::StatusOr<bool> GgufReader::GetBool(std::string_view key) const {
   return v->u != 0;
 }
 
-absl::StatusOr<const KvValue*> GgufReader::GetArray(std::string_view key) const {
+absl::StatusOr<const KvValue*> GgufReader::GetArray(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, Get(key));
   if (v->type != kArray) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not an array"));
@@ -312,7 +394,7 @@ absl::StatusOr<const KvValue*> GgufReader::GetArray(std::string_view key) const 
   return v;
 }
 
-absl::StatusOr<std::vector<std::string>> GgufReader::GetStringArray(std::string_view key) const {
+absl::StatusOr<std::vector<std::string>> GgufReader::GetStringArray(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, GetArray(key));
   if (v->elem_type != kString) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not a string array"));
@@ -322,13 +404,13 @@ absl::StatusOr<std::vector<std::string>> GgufReader::GetStringArray(std::string_
   std::vector<std::string> out;
   out.reserve(v->count);
   for (uint64_t i = 0; i < v->count; ++i) {
-    ASSIGN_OR_RETURN(std::string_view s, c.ReadString("string array"));
+    ASSIGN_OR_RETURN(absl::string_view s, c.ReadString("string array"));
     out.emplace_back(s);
   }
   return out;
 }
 
-absl::StatusOr<std::vector<float>> GgufReader::GetFloatArray(std::string_view key) const {
+absl::StatusOr<std::vector<float>> GgufReader::GetFloatArray(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, GetArray(key));
   if (v->elem_type != kF32) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not an f32 array"));
@@ -338,16 +420,16 @@ absl::StatusOr<std::vector<float>> GgufReader::GetFloatArray(std::string_view ke
   return out;
 }
 
-absl::StatusOr<std::vector<int32_t>> GgufReader::GetIntArray(std::string_view key) const {
+absl::StatusOr<std::vector<int32_t>> GgufReader::GetIntArray(absl::string_view key) const {
   ASSIGN_OR_RETURN(const KvValue* v, GetArray(key));
   Cursor c(f_);
   c.set_pos(v->offset);
+  if (v->elem_type == kF32 || v->elem_type == kF64 || ScalarSize(v->elem_type) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not an integer array"));
+  }
   std::vector<int32_t> out(v->count);
   for (uint64_t i = 0; i < v->count; ++i) {
     KvValue e;
-    if (v->elem_type == kF32 || v->elem_type == kF64 || ScalarSize(v->elem_type) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " is not an integer array"));
-    }
     RETURN_IF_ERROR(ReadValue(c, v->elem_type, e, 0));
     out[i] = static_cast<int32_t>(e.u);
   }
@@ -398,7 +480,9 @@ absl::Status GgufReader::GetTensor(const std::string& name, TensorView* t) const
 // Config keys: "<arch>.<suffix>".
 absl::StatusOr<int> GetInt(const GgufReader& r, const std::string& key) {
   ASSIGN_OR_RETURN(uint64_t v, r.GetUInt(key));
-  if (v > (1u << 30)) return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " = ", v, " too large"));
+  if (v > (1u << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat("GGUF key ", key, " = ", v, " too large"));
+  }
   return static_cast<int>(v);
 }
 
@@ -406,10 +490,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> GgufTokenizer(const GgufReader& r) {
   if (r.Find("tokenizer.ggml.model") == nullptr) {
     return absl::NotFoundError("GGUF file has no tokenizer (tokenizer.ggml.model is missing)");
   }
-  ASSIGN_OR_RETURN(std::string_view model, r.GetString("tokenizer.ggml.model"));
+  ASSIGN_OR_RETURN(absl::string_view model, r.GetString("tokenizer.ggml.model"));
   if (model != "llama") {
-    return absl::UnimplementedError(absl::StrCat("GGUF tokenizer model \"", model,
-                                                 "\" is not supported (only \"llama\")"));
+    return absl::UnimplementedError(
+        absl::StrCat("GGUF tokenizer model \"", model, "\" is not supported (only \"llama\")"));
   }
   SpmVocab v;
   ASSIGN_OR_RETURN(v.pieces, r.GetStringArray("tokenizer.ggml.tokens"));
@@ -426,8 +510,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> GgufTokenizer(const GgufReader& r) {
   }
   if (v.scores.size() != n || v.types.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF tokenizer has ", n, " tokens but ",
-                                                   v.scores.size(), " scores and ",
-                                                   v.types.size(), " token types"));
+                                                   v.scores.size(), " scores and ", v.types.size(),
+                                                   " token types"));
   }
   // Ids are stored as u32; 0xFFFFFFFF and other out-of-range values mean "none" (-1).
   auto id = [&](const char* key, int32_t def) -> absl::StatusOr<int32_t> {
@@ -452,7 +536,7 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   GgufReader r(*file);
   RETURN_IF_ERROR(r.Parse());
 
-  ASSIGN_OR_RETURN(std::string_view arch, r.GetString("general.architecture"));
+  ASSIGN_OR_RETURN(absl::string_view arch, r.GetString("general.architecture"));
   if (arch != "llama") {
     return absl::UnimplementedError(absl::StrCat("GGUF architecture \"", arch, "\" of ", path,
                                                  " is not supported (only llama)"));
@@ -462,6 +546,13 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   if (r.HasTensor("rope_freqs.weight")) {
     return absl::UnimplementedError(
         absl::StrCat(path, " has rope_freqs.weight (GGUF rope scaling), which is not supported"));
+  }
+  if (r.Find("llama.rope.scaling.type") != nullptr) {
+    ASSIGN_OR_RETURN(absl::string_view type, r.GetString("llama.rope.scaling.type"));
+    if (type != "none") {
+      return absl::UnimplementedError(
+          absl::StrCat("GGUF rope scaling type \"", type, "\" is not supported"));
+    }
   }
   ModelConfig& c = m->config_;
   c.architecture = "llama";
@@ -493,9 +584,9 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   if (r.Find("llama.rope.dimension_count") != nullptr) {
     ASSIGN_OR_RETURN(int rot, GetInt(r, "llama.rope.dimension_count"));
     if (rot != c.head_dim) {
-      return absl::UnimplementedError(absl::StrCat("partial rotary embedding (rope.dimension_count ",
-                                                   rot, " != head_dim ", c.head_dim,
-                                                   ") is not supported"));
+      return absl::UnimplementedError(
+          absl::StrCat("partial rotary embedding (rope.dimension_count ", rot, " != head_dim ",
+                       c.head_dim, ") is not supported"));
     }
   }
 
@@ -511,6 +602,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   c.vocab_size = static_cast<int>(w.tok_embeddings.shape.empty() ? 0 : w.tok_embeddings.shape[0]);
   if (r.Find("llama.vocab_size") != nullptr) {
     ASSIGN_OR_RETURN(c.vocab_size, GetInt(r, "llama.vocab_size"));
+  }
+  // Nine tensors per block: a corrupt block_count must not size a huge allocation.
+  if (static_cast<uint64_t>(c.n_layers) * 9 > r.num_tensors()) {
+    return absl::InvalidArgumentError(absl::StrCat("llama.block_count ", c.n_layers, " but only ",
+                                                   r.num_tensors(), " tensors in ", path));
   }
   w.layers.resize(c.n_layers);
   for (int i = 0; i < c.n_layers; ++i) {

@@ -57,7 +57,7 @@ float HalfToF32(uint16_t h) {
   uint32_t mant = h & 0x3ff;
   if (exp == 0x1f) return BitsToF32(sign | 0x7f800000u | (mant << 13));  // inf / nan (payload kept)
   if (exp != 0) return BitsToF32(sign | ((exp + 112) << 23) | (mant << 13));  // 127 - 15 = 112
-  if (mant == 0) return BitsToF32(sign);                                       // +-0
+  if (mant == 0) return BitsToF32(sign);                                      // +-0
   // Subnormal half: value = mant * 2^-24. Normalise: shift the leading 1 into bit 10.
   int e = -1;
   do {
@@ -103,15 +103,14 @@ absl::Status CheckTensor(const TensorView& t, const char* slot, std::vector<int6
     return absl::InvalidArgumentError(absl::StrCat("tensor ", slot, " (", t.name, ") is missing"));
   }
   if (t.shape != want) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " (", slot,
-                                                   ") has shape ", ShapeStr(t.shape),
-                                                   ", expected shape ", ShapeStr(want)));
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " (", slot, ") has shape ",
+                                                   ShapeStr(t.shape), ", expected shape ",
+                                                   ShapeStr(want)));
   }
   if (t.nbytes != static_cast<size_t>(t.numel()) * DTypeSize(t.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " holds ", t.nbytes,
-                                                   " bytes, its shape ", ShapeStr(t.shape), " ",
-                                                   DTypeName(t.dtype), " needs ",
-                                                   t.numel() * DTypeSize(t.dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor ", t.name, " holds ", t.nbytes, " bytes, its shape ", ShapeStr(t.shape), " ",
+        DTypeName(t.dtype), " needs ", t.numel() * DTypeSize(t.dtype)));
   }
   return absl::OkStatus();
 }
@@ -148,9 +147,8 @@ absl::Status FinalizeModel(Model& m) {
         ", vocab_size ", c.vocab_size, ", max_seq_len ", c.max_seq_len, " (all must be > 0)"));
   }
   if (c.n_heads % c.n_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("n_heads ", c.n_heads,
-                                                   " is not a multiple of n_kv_heads ",
-                                                   c.n_kv_heads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("n_heads ", c.n_heads, " is not a multiple of n_kv_heads ", c.n_kv_heads));
   }
   if (c.head_dim % 2 != 0) {  // RoPE rotates pairs
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", c.head_dim, " is odd"));
@@ -162,8 +160,7 @@ absl::Status FinalizeModel(Model& m) {
   const ModelWeights& w = m.weights_;
   if (static_cast<int>(w.layers.size()) != c.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat("model has ", w.layers.size(),
-                                                   " layers of weights, config says ",
-                                                   c.n_layers));
+                                                   " layers of weights, config says ", c.n_layers));
   }
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim;
   const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
@@ -194,7 +191,9 @@ absl::Status FinalizeModel(Model& m) {
                 c.max_seq_len}) {
     h.U64(static_cast<uint64_t>(v));
   }
-  h.U64(FloatBits(c.rms_eps)).U64(FloatBits(c.rope_theta)).U64(static_cast<uint64_t>(c.rope_layout));
+  h.U64(FloatBits(c.rms_eps))
+      .U64(FloatBits(c.rope_theta))
+      .U64(static_cast<uint64_t>(c.rope_layout));
   const RopeScaling& rs = c.rope_scaling;
   h.U64(static_cast<uint64_t>(rs.type));
   if (rs.type != RopeScaling::Type::kNone) {
@@ -206,8 +205,8 @@ absl::Status FinalizeModel(Model& m) {
   HashTensor(h, w.final_norm);
   HashTensor(h, w.output);
   for (const LayerWeights& l : w.layers) {
-    for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate,
-                                &l.w_up, &l.w_down}) {
+    for (const TensorView* t :
+         {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down}) {
       HashTensor(h, *t);
     }
   }
@@ -227,8 +226,9 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
         absl::StrCat("model directory ", path, " has no config.json (not a Hugging Face model)"));
   }
   if (absl::EndsWith(path, ".gguf")) return LoadGguf(path);
-  return absl::InvalidArgumentError(absl::StrCat(
-      "cannot tell the format of ", path, ": expected a *.gguf file or a directory with config.json"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("cannot tell the format of ", path,
+                   ": expected a *.gguf file or a directory with config.json"));
 }
 
 std::string ModelsDir() {

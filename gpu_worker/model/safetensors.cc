@@ -9,11 +9,10 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "gpu_worker/model/model.h"
 
@@ -59,8 +58,8 @@ size_t StDTypeSize(const std::string& d) {
 absl::Status ParseSafetensors(const MappedFile& f, StTensors& out) {
   const std::string& path = f.path();
   if (f.size() < 8) {
-    return absl::DataLossError(absl::StrCat("safetensors file ", path, " is truncated: ",
-                                            f.size(), " bytes, no room for the header length"));
+    return absl::DataLossError(absl::StrCat("safetensors file ", path, " is truncated: ", f.size(),
+                                            " bytes, no room for the header length"));
   }
   uint64_t hlen;
   std::memcpy(&hlen, f.data(), 8);  // little-endian u64
@@ -71,9 +70,9 @@ absl::Status ParseSafetensors(const MappedFile& f, StTensors& out) {
         absl::StrCat("safetensors file ", path, " has a bad header length ", hlen));
   }
   if (hlen > f.size() - 8) {
-    return absl::DataLossError(absl::StrCat("safetensors file ", path, " is truncated: header length ",
-                                            hlen, " exceeds the ", f.size() - 8,
-                                            " bytes after it"));
+    return absl::DataLossError(absl::StrCat("safetensors file ", path,
+                                            " is truncated: header length ", hlen, " exceeds the ",
+                                            f.size() - 8, " bytes after it"));
   }
   const char* hdr = reinterpret_cast<const char*>(f.data()) + 8;
   json j = json::parse(hdr, hdr + hlen, nullptr, /*allow_exceptions=*/false);
@@ -89,9 +88,9 @@ absl::Status ParseSafetensors(const MappedFile& f, StTensors& out) {
       return absl::InvalidArgumentError(
           absl::StrCat("safetensors file ", path, ": tensor ", name, ": ", why));
     };
-    if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() ||
-        !e.contains("shape") || !e["shape"].is_array() || !e.contains("data_offsets") ||
-        !e["data_offsets"].is_array() || e["data_offsets"].size() != 2) {
+    if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() || !e.contains("shape") ||
+        !e["shape"].is_array() || !e.contains("data_offsets") || !e["data_offsets"].is_array() ||
+        e["data_offsets"].size() != 2) {
       return bad("needs dtype (string), shape (array) and data_offsets ([begin, end])");
     }
     StTensor t;
@@ -126,7 +125,8 @@ absl::Status ParseSafetensors(const MappedFile& f, StTensors& out) {
     t.data = base + b;
     t.nbytes = end - b;
     if (!out.emplace(name, std::move(t)).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " appears twice (", path, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", name, " appears twice (", path, ")"));
     }
   }
   return absl::OkStatus();
@@ -163,14 +163,17 @@ absl::StatusOr<int> IntField(const json& c, const char* key, std::optional<int> 
   }
   const json& v = c[key];
   if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (int64_t{1} << 30)) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " must be a small non-negative integer"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: ", key, " must be a small non-negative integer"));
   }
   return static_cast<int>(v.get<int64_t>());
 }
 
 absl::StatusOr<float> FloatField(const json& c, const char* key, float def) {
   if (!c.contains(key) || c[key].is_null()) return def;
-  if (!c[key].is_number()) return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " must be a number"));
+  if (!c[key].is_number()) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " must be a number"));
+  }
   return c[key].get<float>();
 }
 
@@ -178,7 +181,7 @@ absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
   if (!c.is_object()) return absl::InvalidArgumentError("config.json is not a JSON object");
   // Llama and Mistral (without a sliding window) share one architecture; anything else has
   // different tensors or attention and is refused by name.
-  std::string arch = "?";
+  std::string arch = "(none named)";
   bool known = false;
   if (c.contains("architectures") && c["architectures"].is_array()) {
     for (const json& a : c["architectures"]) {
@@ -190,11 +193,11 @@ absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
   if (c.contains("model_type") && c["model_type"].is_string()) {
     std::string mt = c["model_type"].get<std::string>();
     if (mt == "llama" || mt == "mistral") known = true;
-    if (arch == "?") arch = mt;
+    if (arch == "(none named)") arch = mt;
   }
   if (!known) {
-    return absl::UnimplementedError(absl::StrCat("model architecture ", arch,
-                                                 " is not supported (LlamaForCausalLM, MistralForCausalLM)"));
+    return absl::UnimplementedError(absl::StrCat(
+        "model architecture ", arch, " is not supported (LlamaForCausalLM, MistralForCausalLM)"));
   }
   cfg.architecture = "llama";
   cfg.rope_layout = RopeLayout::kHalves;
@@ -224,13 +227,14 @@ absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
   }
   if (c.contains("sliding_window") && c["sliding_window"].is_number_integer() &&
       c["sliding_window"].get<int64_t>() < cfg.max_seq_len) {
-    return absl::UnimplementedError(absl::StrCat("config.json: sliding_window ",
-                                                 c["sliding_window"].get<int64_t>(),
-                                                 " is not supported"));
+    return absl::UnimplementedError(absl::StrCat(
+        "config.json: sliding_window ", c["sliding_window"].get<int64_t>(), " is not supported"));
   }
   if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) {
     const json& rs = c["rope_scaling"];
-    if (!rs.is_object()) return absl::InvalidArgumentError("config.json: rope_scaling is not an object");
+    if (!rs.is_object()) {
+      return absl::InvalidArgumentError("config.json: rope_scaling is not an object");
+    }
     std::string type;
     for (const char* key : {"rope_type", "type"}) {
       if (rs.contains(key) && rs[key].is_string()) {
@@ -246,7 +250,8 @@ absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
       ASSIGN_OR_RETURN(s.high_freq_factor, FloatField(rs, "high_freq_factor", s.high_freq_factor));
       ASSIGN_OR_RETURN(s.original_max_position,
                        IntField(rs, "original_max_position_embeddings", s.original_max_position));
-      if (!(s.factor > 0) || !(s.high_freq_factor > s.low_freq_factor) || s.original_max_position <= 0) {
+      if (!(s.factor > 0) || !(s.high_freq_factor > s.low_freq_factor) ||
+          s.original_max_position <= 0) {
         return absl::InvalidArgumentError("config.json: invalid llama3 rope_scaling parameters");
       }
     } else if (type != "default") {
@@ -300,8 +305,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
   }
   for (const auto& [name, file] : weight_map.items()) {
     if (!tensors.contains(name)) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " listed in the index is not in ",
-                                                     file.get<std::string>()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", name, " listed in the index is not in ", file.get<std::string>()));
     }
   }
 
@@ -313,6 +318,12 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
   } else {
     w.output = w.tok_embeddings;
     m->config_.tied_embeddings = true;
+  }
+  // Nine tensors per layer: a corrupt num_hidden_layers must not size a huge allocation.
+  if (static_cast<uint64_t>(m->config_.n_layers) * 9 > tensors.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("num_hidden_layers ", m->config_.n_layers,
+                                                   " but only ", tensors.size(), " tensors in ",
+                                                   dir));
   }
   w.layers.resize(m->config_.n_layers);
   for (int i = 0; i < m->config_.n_layers; ++i) {

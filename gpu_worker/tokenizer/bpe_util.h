@@ -12,7 +12,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/string_view.h"
+
 namespace sparsex::tok_internal {
+
+// Debian's abseil has its own string_view (not std's), so heterogeneous lookups in absl maps
+// need the conversion spelled out.
+inline absl::string_view AsAbsl(std::string_view s) { return {s.data(), s.size()}; }
 
 // Length (1-4) of the well-formed UTF-8 sequence at s[i], or 0 when none starts there
 // (stray continuation, overlong form, surrogate, truncated sequence, > U+10FFFF).

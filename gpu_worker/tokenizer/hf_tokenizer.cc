@@ -371,8 +371,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     }
 
     auto find = [&](std::string_view s) -> int32_t {
-      if (auto it = added_ids.find(s); it != added_ids.end()) return it->second;
-      if (auto it = t.vocab_.find(s); it != t.vocab_.end()) return it->second;
+      if (auto it = added_ids.find(tok_internal::AsAbsl(s)); it != added_ids.end()) return it->second;
+      if (auto it = t.vocab_.find(tok_internal::AsAbsl(s)); it != t.vocab_.end()) return it->second;
       return -1;
     };
     // BOS: the special token TemplateProcessing puts before the text, else a well-known name.

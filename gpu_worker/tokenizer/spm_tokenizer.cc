@@ -163,7 +163,7 @@ class SpmTokenizer final : public Tokenizer {
   }
 
   int32_t Lookup(std::string_view piece) const {
-    auto it = piece_to_id_.find(piece);
+    auto it = piece_to_id_.find(tok_internal::AsAbsl(piece));
     return it == piece_to_id_.end() ? -1 : it->second;
   }
 

@@ -26,10 +26,6 @@ std::vector<uint8_t> Payload(size_t n, uint8_t seed = 7) {
   return p;
 }
 
-std::span<uint8_t> Mut(std::string& s) {
-  return {reinterpret_cast<uint8_t*>(s.data()), s.size()};
-}
-
 TEST(KvBlockTest, PayloadBytesFollowsShape) {
   KvBlockHeader h = SmallHeader();
   EXPECT_EQ(*KvPayloadBytes(h), 2u * 2 * 3 * 8 * 2);

@@ -49,7 +49,8 @@ TEST(Engine, PrefixCacheHitGivesTheSameLogitsAsACold) {
   auto warm = Engine::Create(*model, {});
   ASSERT_TRUE(cold.ok() && warm.ok());
   std::vector<int32_t> p = model->tokenizer().Encode(
-      "Once upon a time, there was a little girl named Lily. She loved to play outside.", true);
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in "
+      "the park. One day, she saw a big, red ball.", true);
   ASSERT_GT(p.size(), 32u);
   // Warm up the warm engine's prefix cache with the same prompt and another ending.
   auto first = p;

@@ -10,11 +10,10 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "gpu_worker/model/model.h"
 
@@ -28,10 +27,10 @@ std::string StoriesPath() { return ModelsDir() + "/stories260K/stories260K.gguf"
 
 // The real model is required: a missing file fails the test (never skips) and says where it
 // was looked for.
-#define REQUIRE_STORIES()                                                                        \
-  ASSERT_TRUE(fs::exists(StoriesPath()))                                                         \
-      << "test model " << StoriesPath() << " is missing; set $SPARSEX_MODELS to the folder "     \
-      << "that holds stories260K/ ($SPARSEX_MODELS is "                                          \
+#define REQUIRE_STORIES()                                                                    \
+  ASSERT_TRUE(fs::exists(StoriesPath()))                                                     \
+      << "test model " << StoriesPath() << " is missing; set $SPARSEX_MODELS to the folder " \
+      << "that holds stories260K/ ($SPARSEX_MODELS is "                                      \
       << (std::getenv("SPARSEX_MODELS") ? std::getenv("SPARSEX_MODELS") : "unset") << ")"
 
 std::string ReadBytes(const std::string& path) {
@@ -300,9 +299,9 @@ class GgufWriter {
 struct SynthGgufOptions {
   std::string arch = "llama";
   bool tokenizer = true;
-  bool output = true;               // false: tied to token_embd
-  std::string wrong_shape;          // tensor whose ne0 gets one extra element
-  uint32_t type = 0;                // ggml type of the 2-D tensors (0 F32, 1 F16, 30 BF16, 2 Q4_0)
+  bool output = true;       // false: tied to token_embd
+  std::string wrong_shape;  // tensor whose ne0 gets one extra element
+  uint32_t type = 0;        // ggml type of the 2-D tensors (0 F32, 1 F16, 30 BF16, 2 Q4_0)
   uint64_t alignment = 32;
   bool all_kv_types = false;
 };
@@ -321,7 +320,11 @@ void AddSpmVocab(GgufWriter& w) {
     scores.push_back(0);
     types.push_back(6);
   }
-  for (const char* p : {"\xe2\x96\x81" "a", "\xe2\x96\x81" "b", "ab"}) {
+  for (const char* p : {"\xe2\x96\x81"
+                        "a",
+                        "\xe2\x96\x81"
+                        "b",
+                        "ab"}) {
     tokens.push_back(p);
     scores.push_back(-static_cast<float>(tokens.size()));
     types.push_back(1);
@@ -421,8 +424,8 @@ void ExpectGgufValues(const Model& m, const std::map<std::string, std::vector<fl
   const ModelWeights& w = m.weights();
   std::vector<const TensorView*> all = {&w.tok_embeddings, &w.final_norm, &w.output};
   for (const auto& l : w.layers) {
-    for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate,
-                                &l.w_up, &l.w_down}) {
+    for (const TensorView* t :
+         {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down}) {
       all.push_back(t);
     }
   }
@@ -513,13 +516,14 @@ TEST_F(ModelLoaderTest, GgufUnsupportedTypeAndArchitecture) {
   EXPECT_NE(n.status().message().find("gpt2"), std::string::npos) << n.status();
 }
 
-TEST_F(ModelLoaderTest, TruncatedSyntheticGgufAtEveryByteOfTheHeader) {
-  // Every cut inside the metadata and tensor infos must be reported, never read past.
+TEST_F(ModelLoaderTest, TruncatedSyntheticGgufThroughoutTheHeader) {
+  // Cuts all through the metadata and tensor infos (every 17th byte) must be reported, never
+  // read past.
   SynthGgufOptions o;
   o.all_kv_types = true;
   WriteSynthGguf(Path("full.gguf"), o);
   std::string bytes = ReadBytes(Path("full.gguf"));
-  for (size_t cut = 0; cut < bytes.size(); cut += (cut < 8000 ? 7 : 997)) {
+  for (size_t cut = 0; cut < bytes.size(); cut += (cut < 8000 ? 17 : 997)) {
     WriteBytes(Path("cut.gguf"), bytes.substr(0, cut));
     auto m = LoadGguf(Path("cut.gguf"));
     ASSERT_FALSE(m.ok()) << "cut at " << cut;
@@ -564,8 +568,13 @@ json MinimalTokenizerJson() {
   json added = json::array();
   int id = 259;
   for (const char* s : {"<|begin_of_text|>", "<|end_of_text|>"}) {
-    added.push_back({{"id", id++}, {"content", s}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+    added.push_back({{"id", id++},
+                     {"content", s},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
   }
   return {{"version", "1.0"},
           {"truncation", nullptr},
@@ -573,17 +582,27 @@ json MinimalTokenizerJson() {
           {"added_tokens", added},
           {"normalizer", nullptr},
           {"pre_tokenizer",
-           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
+           {{"type", "ByteLevel"},
+            {"add_prefix_space", false},
+            {"trim_offsets", true},
             {"use_regex", true}}},
           {"post_processor", nullptr},
           {"decoder",
-           {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
+           {{"type", "ByteLevel"},
+            {"add_prefix_space", true},
+            {"trim_offsets", true},
             {"use_regex", true}}},
           {"model",
-           {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
-            {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
-            {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
-            {"vocab", vocab}, {"merges", merges}}}};
+           {{"type", "BPE"},
+            {"dropout", nullptr},
+            {"unk_token", nullptr},
+            {"continuing_subword_prefix", nullptr},
+            {"end_of_word_suffix", nullptr},
+            {"fuse_unk", false},
+            {"byte_fallback", false},
+            {"ignore_merges", false},
+            {"vocab", vocab},
+            {"merges", merges}}}};
 }
 
 struct HfTensor {
@@ -598,7 +617,8 @@ std::string SafetensorsBytes(const std::vector<HfTensor>& ts) {
   h["__metadata__"] = {{"format", "pt"}};
   uint64_t off = 0;
   for (const auto& t : ts) {
-    h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
+    h[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
     off += t.bytes.size();
   }
   std::string header = h.dump();
@@ -638,8 +658,11 @@ std::vector<HfTensor> WriteHfModel(const std::string& dir, const HfOptions& o) {
                  {"tie_word_embeddings", o.tied},
                  {"torch_dtype", "bfloat16"},
                  {"rope_scaling",
-                  {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
-                   {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}}};
+                  {{"rope_type", "llama3"},
+                   {"factor", 8.0},
+                   {"low_freq_factor", 1.0},
+                   {"high_freq_factor", 4.0},
+                   {"original_max_position_embeddings", 8192}}}};
   WriteBytes(dir + "/config.json", config.dump(2));
   if (o.tokenizer) WriteBytes(dir + "/tokenizer.json", MinimalTokenizerJson().dump());
 
@@ -686,7 +709,8 @@ std::vector<HfTensor> WriteHfModel(const std::string& dir, const HfOptions& o) {
   } else {
     const size_t half = ts.size() / 2;
     std::vector<HfTensor> a(ts.begin(), ts.begin() + half), b(ts.begin() + half, ts.end());
-    const std::string fa = "model-00001-of-00002.safetensors", fb = "model-00002-of-00002.safetensors";
+    const std::string fa = "model-00001-of-00002.safetensors",
+                      fb = "model-00002-of-00002.safetensors";
     WriteBytes(dir + "/" + fa, SafetensorsBytes(a));
     WriteBytes(dir + "/" + fb, SafetensorsBytes(b));
     json map = json::object();
@@ -702,8 +726,8 @@ std::vector<const TensorView*> AllTensors(const Model& m) {
   const ModelWeights& w = m.weights();
   std::vector<const TensorView*> all = {&w.tok_embeddings, &w.final_norm, &w.output};
   for (const auto& l : w.layers) {
-    for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate,
-                                &l.w_up, &l.w_down}) {
+    for (const TensorView* t :
+         {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down}) {
       all.push_back(t);
     }
   }
@@ -901,16 +925,17 @@ TEST_F(ModelLoaderTest, ShardIndexNamesMissingTensor) {
 // dtype conversion
 
 TEST(TensorViewTest, F16AndBF16ToF32) {
-  const uint16_t h[] = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x03FF, 0x0400, 0x8000, 0x7C00, 0xFC00, 0x3555};
+  const uint16_t h[] = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x03FF,
+                        0x0400, 0x8000, 0x7C00, 0xFC00, 0x3555};
   TensorView t{"h", DType::kF16, {10}, h, sizeof h};
   std::vector<float> f = ToF32(t);
   EXPECT_EQ(f[0], 1.0f);
   EXPECT_EQ(f[1], -2.0f);
   EXPECT_EQ(f[2], 65504.0f);
-  EXPECT_EQ(f[3], std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(f[3], std::ldexp(1.0f, -24));     // smallest subnormal
   EXPECT_EQ(f[4], std::ldexp(1023.0f, -24));  // largest subnormal
-  EXPECT_EQ(f[5], std::ldexp(1.0f, -14));  // smallest normal
-  EXPECT_EQ(F32Bits(f[6]), 0x80000000u);   // -0
+  EXPECT_EQ(f[5], std::ldexp(1.0f, -14));     // smallest normal
+  EXPECT_EQ(F32Bits(f[6]), 0x80000000u);      // -0
   EXPECT_EQ(f[7], INFINITY);
   EXPECT_EQ(f[8], -INFINITY);
   EXPECT_EQ(f[9], 0.333251953125f);

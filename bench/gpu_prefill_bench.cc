@@ -1,0 +1,428 @@
+// GPU prefill / decode benchmark on the synthetic Llama-3-8B shape (seeded random bf16 weights
+// generated on the GPU). The forward pass is the engine's own ModelRunner (embedding, then per
+// layer: rmsnorm, qkv matmul, rope, KV write, paged attention, o-proj, add, rmsnorm, gate_up,
+// swiglu, down, add; final norm + last-token logits), so the sparse-recompute executor built on
+// the same runner is measured the same way. Timing: CUDA events on the backend's stream, median
+// of --reps runs after --warmup runs. Also times single ops (attention per layer, the four
+// GEMMs) to place the time. Prints a table and writes JSON (--out).
+//
+//   gpu_prefill_bench --lengths 2048,8192,16384,32768 --reps 3 --out gpu_prefill_raw.json
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/engine/runner.h"
+
+#if SPARSEX_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "gpu_worker/backend/cuda/cuda_backend.h"
+#endif
+
+namespace sparsex {
+namespace {
+
+struct Options {
+  std::vector<int> lengths = {2048, 8192, 16384, 32768};
+  int reps = 3;
+  int warmup = 1;
+  int decode_ctx = 8192;
+  int decode_steps = 32;
+  int layers = 0;  // 0: the model's 32
+  bool micro = true;
+  std::string out = "gpu_prefill_raw.json";
+};
+
+ModelConfig Llama3_8B() {
+  ModelConfig c;
+  c.architecture = "llama";
+  c.n_layers = 32;
+  c.dim = 4096;
+  c.ffn_dim = 14336;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.vocab_size = 128256;
+  c.max_seq_len = 131072;
+  c.rms_eps = 1e-5f;
+  c.rope_theta = 500000.0f;
+  c.rope_layout = RopeLayout::kHalves;
+  c.rope_scaling.type = RopeScaling::Type::kLlama3;
+  c.rope_scaling.factor = 8.0f;
+  c.rope_scaling.low_freq_factor = 1.0f;
+  c.rope_scaling.high_freq_factor = 4.0f;
+  c.rope_scaling.original_max_position = 8192;
+  return c;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::vector<int> ParseList(const char* s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(std::atoi(item.c_str()));
+  return v;
+}
+
+#if SPARSEX_WITH_CUDA
+
+#define CHECK_OK(expr)                                                          \
+  do {                                                                          \
+    absl::Status st_ = (expr);                                                  \
+    if (!st_.ok()) {                                                            \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, st_.ToString().c_str()); \
+      std::exit(1);                                                             \
+    }                                                                           \
+  } while (0)
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return std::move(*v);
+}
+
+class EventTimer {
+ public:
+  explicit EventTimer(cudaStream_t s) : s_(s) {
+    cudaEventCreate(&a_);
+    cudaEventCreate(&b_);
+  }
+  ~EventTimer() {
+    cudaEventDestroy(a_);
+    cudaEventDestroy(b_);
+  }
+  void Start() { cudaEventRecord(a_, s_); }
+  double StopMs() {
+    cudaEventRecord(b_, s_);
+    cudaEventSynchronize(b_);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a_, b_);
+    return ms;
+  }
+
+ private:
+  cudaStream_t s_;
+  cudaEvent_t a_, b_;
+};
+
+// One sequence laid out over a shuffled block table.
+struct SeqLayout {
+  std::vector<int32_t> ids, pos, slots;
+  SeqLayout(int n, int num_blocks, int bs, int vocab, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<int32_t> table(num_blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng);
+    ids.resize(n);
+    pos.resize(n);
+    slots.resize(n);
+    std::uniform_int_distribution<int> tok(0, vocab - 1);
+    for (int i = 0; i < n; ++i) {
+      ids[i] = tok(rng);
+      pos[i] = i;
+      slots[i] = table[i / bs] * bs + i % bs;
+    }
+  }
+};
+
+struct Record {
+  std::string name;
+  int tokens;
+  double ms, min_ms;
+  int reps;
+  std::string extra;  // additional JSON fields, starting with ','
+};
+
+int Main(const Options& o) {
+  if (!CudaAvailable()) {
+    std::printf("gpu_prefill_bench: no CUDA device; nothing measured\n");
+    return 0;
+  }
+  auto be = Unwrap(CreateCudaBackend(0), "CreateCudaBackend");
+  cudaStream_t stream = CudaBackendStream(*be);
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  ModelConfig cfg = Llama3_8B();
+  if (o.layers > 0) cfg.n_layers = o.layers;
+  const int bs = 16;
+  int max_len = o.decode_ctx + o.decode_steps + 1;
+  for (int n : o.lengths) max_len = std::max(max_len, n);
+  KvCacheOptions kv;
+  kv.block_size = bs;
+  kv.num_blocks = (max_len + bs - 1) / bs + 8;
+  auto t0 = std::chrono::steady_clock::now();
+  auto runner = Unwrap(ModelRunner::CreateRandom(cfg, 1234, be.get(), kv), "CreateRandom");
+  CHECK_OK(be->Synchronize());
+  const double init_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("device: %s, %d SMs; synthetic llama3-8b, %d layers; weights generated in %.2f s\n",
+              prop.name, prop.multiProcessorCount, cfg.n_layers, init_s);
+
+  std::vector<Record> records;
+  EventTimer timer(stream);
+  const int H = cfg.n_heads, KV = cfg.n_kv_heads, hd = cfg.head_dim;
+
+  // ---- full prefill ----
+  for (int n : o.lengths) {
+    SeqLayout seq(n, kv.num_blocks, bs, cfg.vocab_size, 42 + n);
+    LayerRows rows{seq.pos, seq.slots, seq.slots};
+    std::vector<double> times;
+    float last_logit = 0;
+    for (int r = 0; r < o.warmup + o.reps; ++r) {
+      timer.Start();
+      Tensor x = Unwrap(runner->Embed(seq.ids), "Embed");
+      for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
+      const int32_t last = n - 1;
+      std::vector<float> logits = Unwrap(runner->Logits(x, {&last, 1}), "Logits");
+      be->Free(x);
+      const double ms = timer.StopMs();
+      last_logit = logits[0];
+      if (!std::isfinite(last_logit)) {
+        std::fprintf(stderr, "non-finite logits at %d tokens\n", n);
+        return 1;
+      }
+      if (r >= o.warmup) times.push_back(ms);
+    }
+    const double med = Median(times);
+    records.push_back({"full_prefill", n, med, *std::min_element(times.begin(), times.end()),
+                       o.reps, ""});
+    std::printf("full prefill %6d tokens: %9.2f ms (min %.2f, %d reps)\n", n, med,
+                records.back().min_ms, o.reps);
+    std::fflush(stdout);
+  }
+
+  // ---- single ops: attention of one layer at each length, GEMMs at the longest ----
+  if (o.micro) {
+    const int nmax = *std::max_element(o.lengths.begin(), o.lengths.end());
+    SeqLayout seq(nmax, kv.num_blocks, bs, cfg.vocab_size, 42 + nmax);
+    const int64_t qcols = static_cast<int64_t>(H + 2 * KV) * hd;
+    Tensor qkv = Unwrap(be->Alloc(nmax, qcols), "Alloc");
+    Tensor att = Unwrap(be->Alloc(nmax, static_cast<int64_t>(H) * hd), "Alloc");
+    {
+      std::vector<float> host(static_cast<size_t>(nmax) * qcols);
+      std::mt19937 rng(7);
+      std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+      for (float& v : host) v = d(rng);
+      CHECK_OK(be->Upload(host, qkv));
+    }
+    CHECK_OK(be->WriteKv(runner->pool(), 0, qkv, static_cast<int64_t>(H) * hd, qkv,
+                         static_cast<int64_t>(H + KV) * hd, seq.slots));
+    for (int n : o.lengths) {
+      Tensor q{qkv.data, qkv.dtype, n, qkv.cols};  // first n rows
+      Tensor out{att.data, att.dtype, n, att.cols};
+      AttentionArgs a;
+      a.n_heads = H;
+      a.n_kv_heads = KV;
+      a.head_dim = hd;
+      a.q_pos = std::span<const int32_t>(seq.pos.data(), n);
+      a.ctx_slots = std::span<const int32_t>(seq.slots.data(), n);
+      std::vector<double> t;
+      for (int r = 0; r < 2 + 5; ++r) {
+        timer.Start();
+        CHECK_OK(be->Attention(q, runner->pool(), 0, a, out));
+        const double ms = timer.StopMs();
+        if (r >= 2) t.push_back(ms);
+      }
+      const double ms = Median(t);
+      const double flops = 4.0 * (static_cast<double>(n) * (n + 1) / 2) * hd * H;
+      char extra[128];
+      std::snprintf(extra, sizeof extra, ", \"tflops\": %.1f", flops / ms * 1e-9);
+      records.push_back({"attention_layer_causal", n, ms, *std::min_element(t.begin(), t.end()),
+                         5, extra});
+      std::printf("attention (1 layer, causal) %6d: %8.3f ms  %6.1f TFLOP/s\n", n, ms,
+                  flops / ms * 1e-9);
+      // Sparse recompute shape: 15% of the rows (evenly spread) over all keys.
+      std::vector<int32_t> sel;
+      for (int i = 0; i < n; ++i)
+        if ((i * 20) % 133 < 20 || i == n - 1) sel.push_back(i);
+      Tensor qs{qkv.data, qkv.dtype, static_cast<int64_t>(sel.size()), qkv.cols};
+      Tensor os{att.data, att.dtype, static_cast<int64_t>(sel.size()), att.cols};
+      a.q_pos = sel;
+      t.clear();
+      for (int r = 0; r < 2 + 5; ++r) {
+        timer.Start();
+        CHECK_OK(be->Attention(qs, runner->pool(), 0, a, os));
+        const double ms2 = timer.StopMs();
+        if (r >= 2) t.push_back(ms2);
+      }
+      double sflops = 0;
+      for (int p : sel) sflops += 4.0 * (p + 1) * hd * H;
+      const double ms2 = Median(t);
+      std::snprintf(extra, sizeof extra, ", \"rows\": %zu, \"tflops\": %.1f", sel.size(),
+                    sflops / ms2 * 1e-9);
+      records.push_back({"attention_layer_sparse15", n, ms2,
+                         *std::min_element(t.begin(), t.end()), 5, extra});
+      std::printf("attention (1 layer, %zu sparse rows) %6d: %8.3f ms  %6.1f TFLOP/s\n",
+                  sel.size(), n, ms2, sflops / ms2 * 1e-9);
+    }
+    // GEMMs of one layer at nmax tokens.
+    struct G {
+      const char* name;
+      int64_t m, k;
+    } gemms[] = {{"gemm_qkv", qcols, cfg.dim},
+                 {"gemm_o", cfg.dim, static_cast<int64_t>(H) * hd},
+                 {"gemm_gate_up", 2LL * cfg.ffn_dim, cfg.dim},
+                 {"gemm_down", cfg.dim, cfg.ffn_dim}};
+    double gemm_total = 0;
+    for (const G& g : gemms) {
+      Tensor x = Unwrap(be->Alloc(nmax, g.k), "Alloc");
+      Tensor w = Unwrap(be->Alloc(g.m, g.k), "Alloc");
+      Tensor y = Unwrap(be->Alloc(nmax, g.m), "Alloc");
+      std::vector<float> hx(static_cast<size_t>(nmax) * g.k), hw(static_cast<size_t>(g.m) * g.k);
+      std::mt19937 rng(9);
+      std::uniform_real_distribution<float> d(-0.05f, 0.05f);
+      for (float& v : hx) v = d(rng);
+      for (float& v : hw) v = d(rng);
+      CHECK_OK(be->Upload(hx, x));
+      CHECK_OK(be->Upload(hw, w));
+      std::vector<double> t;
+      for (int r = 0; r < 2 + 5; ++r) {
+        timer.Start();
+        CHECK_OK(be->MatMul(x, w, y));
+        const double ms = timer.StopMs();
+        if (r >= 2) t.push_back(ms);
+      }
+      const double ms = Median(t);
+      gemm_total += ms;
+      const double flops = 2.0 * nmax * g.m * g.k;
+      char extra[64];
+      std::snprintf(extra, sizeof extra, ", \"tflops\": %.1f", flops / ms * 1e-9);
+      records.push_back({g.name, nmax, ms, *std::min_element(t.begin(), t.end()), 5, extra});
+      std::printf("%-13s %6d x %6lld x %6lld: %8.3f ms  %6.1f TFLOP/s\n", g.name, nmax,
+                  static_cast<long long>(g.m), static_cast<long long>(g.k), ms,
+                  flops / ms * 1e-9);
+      be->Free(x);
+      be->Free(w);
+      be->Free(y);
+    }
+    std::printf("GEMMs of one layer at %d tokens: %.2f ms (x%d layers = %.1f ms)\n", nmax,
+                gemm_total, cfg.n_layers, gemm_total * cfg.n_layers);
+    be->Free(qkv);
+    be->Free(att);
+    CHECK_OK(be->Synchronize());
+  }
+
+  // ---- decode, batch 1, at decode_ctx tokens of context ----
+  if (o.decode_steps > 0) {
+    const int ctx = o.decode_ctx;
+    SeqLayout seq(ctx + o.decode_steps, kv.num_blocks, bs, cfg.vocab_size, 4242);
+    {
+      std::span<const int32_t> ids(seq.ids.data(), ctx), pos(seq.pos.data(), ctx),
+          sl(seq.slots.data(), ctx);
+      Tensor x = Unwrap(runner->Embed(ids), "Embed");
+      LayerRows rows{pos, sl, sl};
+      for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
+      be->Free(x);
+      CHECK_OK(be->Synchronize());
+    }
+    std::vector<double> times;
+    int32_t tok = seq.ids[ctx - 1];
+    for (int t = 0; t < o.decode_steps; ++t) {
+      const int p = ctx + t;
+      timer.Start();
+      Tensor x = Unwrap(runner->Embed({&tok, 1}), "Embed");
+      LayerRows rows{std::span<const int32_t>(seq.pos.data() + p, 1),
+                     std::span<const int32_t>(seq.slots.data() + p, 1),
+                     std::span<const int32_t>(seq.slots.data(), p + 1)};
+      for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
+      const int32_t row0 = 0;
+      std::vector<float> logits = Unwrap(runner->Logits(x, {&row0, 1}), "Logits");
+      be->Free(x);
+      const double ms = timer.StopMs();
+      tok = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      if (t >= 2) times.push_back(ms);  // first steps warm up the decode shapes
+    }
+    const double med = Median(times);
+    char extra[96];
+    std::snprintf(extra, sizeof extra, ", \"batch\": 1, \"context\": %d", ctx);
+    records.push_back({"decode_bs1_ms_per_token", ctx, med,
+                       *std::min_element(times.begin(), times.end()),
+                       static_cast<int>(times.size()), extra});
+    std::printf("decode batch 1 at %d context: %.3f ms/token (min %.3f, %zu steps)\n", ctx, med,
+                records.back().min_ms, times.size());
+  }
+
+  std::ofstream f(o.out);
+  f << "{\n  \"device\": \"" << prop.name << "\",\n  \"model\": \"synthetic:llama3-8b\",\n"
+    << "  \"layers\": " << cfg.n_layers << ",\n  \"records\": [\n";
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Record& r = records[i];
+    char buf[512];
+    std::snprintf(buf, sizeof buf,
+                  "    {\"case\": \"%s\", \"tokens\": %d, \"ms\": %.3f, \"min_ms\": %.3f, "
+                  "\"reps\": %d%s}%s\n",
+                  r.name.c_str(), r.tokens, r.ms, r.min_ms, r.reps, r.extra.c_str(),
+                  i + 1 < records.size() ? "," : "");
+    f << buf;
+  }
+  f << "  ]\n}\n";
+  std::printf("wrote %s\n", o.out.c_str());
+  return 0;
+}
+#else
+int Main(const Options&) {
+  std::printf("gpu_prefill_bench: built without CUDA (SPARSEX_WITH_CUDA=0); nothing measured\n");
+  return 0;
+}
+#endif
+
+}  // namespace
+}  // namespace sparsex
+
+int main(int argc, char** argv) {
+  sparsex::Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--lengths") {
+      o.lengths = sparsex::ParseList(next());
+    } else if (a == "--reps") {
+      o.reps = std::atoi(next());
+    } else if (a == "--warmup") {
+      o.warmup = std::atoi(next());
+    } else if (a == "--decode-ctx") {
+      o.decode_ctx = std::atoi(next());
+    } else if (a == "--decode-steps") {
+      o.decode_steps = std::atoi(next());
+    } else if (a == "--layers") {
+      o.layers = std::atoi(next());
+    } else if (a == "--no-micro") {
+      o.micro = false;
+    } else if (a == "--out") {
+      o.out = next();
+    } else {
+      std::fprintf(stderr,
+                   "usage: gpu_prefill_bench [--lengths 2048,8192,16384,32768] [--reps 3] "
+                   "[--warmup 1] [--decode-ctx 8192] [--decode-steps 32] [--layers N] "
+                   "[--no-micro] [--out file.json]\n");
+      return 2;
+    }
+  }
+  if (o.lengths.empty() || o.reps < 1) return 2;
+  return sparsex::Main(o);
+}

@@ -1,0 +1,79 @@
+// Data plane behind two small interfaces. The server side owns the memory-tier arena and
+// makes it remotely readable/writable; the client side moves bytes between local memory and
+// that arena by one-sided RMA. Which wire is used (shm, cma, tcp, rc, cuda) is configuration
+// (TransportOptions::ucx_tls / UCX_TLS), not code.
+//
+//   server:  ASSIGN_OR_RETURN(auto t, CreateServerTransport(opts, 1 << 30));
+//            uint8_t* arena = t->arena();  EndpointInfo ep = t->endpoint();  // -> GetEndpoint
+//   client:  ASSIGN_OR_RETURN(auto c, CreateClientTransport(opts, ep));
+//            RemoteOp ops[] = {{offset, dst, size}};
+//            RETURN_IF_ERROR(c->Get(ops, [](size_t i) { /* op i (and all before) done */ },
+//                                   deadline));
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "cache_server/options.h"
+#include "common/status.h"
+
+namespace sparsex::cache {
+
+// What a client needs to reach a server's arena (the GetEndpoint reply).
+struct EndpointInfo {
+  std::string transport;       // "ucx" or "none"
+  std::string worker_address;  // packed ucp worker address
+  std::string rkey;            // packed remote key of the arena
+  uint64_t base_address = 0;   // remote virtual address of arena offset 0
+  uint64_t arena_bytes = 0;
+};
+
+class ServerTransport {
+ public:
+  virtual ~ServerTransport() = default;
+  virtual std::string name() const = 0;
+  virtual uint8_t* arena() const = 0;
+  virtual uint64_t arena_bytes() const = 0;
+  virtual EndpointInfo endpoint() const = 0;
+};
+
+// kind "ucx": UCX context + worker with a progress thread, arena registered with ucp_mem_map.
+// kind "none": an anonymous mapping; clients must use inline gRPC transfers.
+absl::StatusOr<std::unique_ptr<ServerTransport>> CreateServerTransport(
+    const TransportOptions& options, uint64_t arena_bytes);
+
+using Deadline = std::chrono::steady_clock::time_point;
+
+// One transfer between local memory and the remote arena.
+struct RemoteOp {
+  uint64_t remote_offset = 0;
+  uint8_t* local = nullptr;
+  uint64_t size = 0;
+};
+
+// A connection to one server's arena. Not thread-safe: one caller at a time.
+class ClientTransport {
+ public:
+  virtual ~ClientTransport() = default;
+  virtual std::string name() const = 0;
+  // Reads every op (issued together, in order). `on_done(i)` runs for i = 0, 1, 2, ... once
+  // op i and all ops before it have landed, so a consumer can start on layer 0 while later
+  // layers are in flight. DEADLINE_EXCEEDED (connection then unusable) or UNAVAILABLE on error.
+  virtual absl::Status Get(std::span<const RemoteOp> ops,
+                           const std::function<void(size_t)>& on_done, Deadline deadline) = 0;
+  // Writes every op and returns once they are remotely complete (visible to the server).
+  virtual absl::Status Put(std::span<const RemoteOp> ops, Deadline deadline) = 0;
+  // Registers local memory used for transfers (zero-copy on RDMA NICs). Optional.
+  virtual absl::Status RegisterMemory(void* p, size_t n) { return absl::OkStatus(); }
+  virtual void UnregisterMemory(void* p) {}
+};
+
+// UNAVAILABLE when `ep.transport` is "none" (use inline transfers) or unreachable.
+absl::StatusOr<std::unique_ptr<ClientTransport>> CreateClientTransport(
+    const TransportOptions& options, const EndpointInfo& ep);
+
+}  // namespace sparsex::cache

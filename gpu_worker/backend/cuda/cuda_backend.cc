@@ -1,0 +1,781 @@
+// CUDA backend: bf16 storage, fp32 accumulation, one stream per backend. Operations validate
+// their arguments on the host exactly as the CPU reference does, stage host index spans
+// (positions, slots, ids) through a pinned ring into a reusable device scratch buffer, and
+// launch the kernels of kernels/ on the stream; only Download, ReadKv, Attention with selection
+// statistics and Synchronize wait for the device.
+#include "gpu_worker/backend/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "gpu_worker/backend/rope.h"
+#include "kernels/attention.h"
+#include "kernels/gemm.h"
+#include "kernels/ops.h"
+#include "kernels/rope.h"
+
+namespace sparsex {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), " (",
+                                          cudaGetErrorString(e), ")"));
+}
+
+#define CUDA_RETURN(expr, what)                                  \
+  do {                                                           \
+    cudaError_t spx_cuda_err_ = (expr);                          \
+    if (spx_cuda_err_ != cudaSuccess) return CudaError(spx_cuda_err_, what); \
+  } while (0)
+
+bf16* B(const Tensor& t) { return static_cast<bf16*>(t.data); }
+
+absl::Status CheckShape(const Tensor& t, int64_t rows, int64_t cols, const char* what) {
+  if (t.rows != rows || t.cols != cols) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": expected [", rows, ", ", cols,
+                                                   "], got [", t.rows, ", ", t.cols, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBf16(const Tensor& t, const char* what) {
+  if (t.dtype != DType::kBF16 || (t.data == nullptr && !t.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a tensor of the CUDA backend"));
+  }
+  return absl::OkStatus();
+}
+
+// A device allocation that grows on demand (after synchronising the stream, so no queued
+// kernel still reads the old one).
+class DeviceScratch {
+ public:
+  ~DeviceScratch() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  absl::StatusOr<void*> Get(size_t bytes, cudaStream_t stream) {
+    if (bytes <= size_) return ptr_;
+    CUDA_RETURN(cudaStreamSynchronize(stream), "scratch grow: sync");
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+    size_t want = std::max<size_t>(bytes, 2 * size_);
+    want = std::max<size_t>(want, 1 << 20);
+    CUDA_RETURN(cudaMalloc(&ptr_, want), "scratch alloc");
+    size_ = want;
+    return ptr_;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Host spans to stage in one copy; each lands 16-byte aligned in the device scratch.
+struct HostSpan {
+  const void* data;
+  size_t bytes;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (auto& [k, p] : rope_tables_) cudaFree(p);
+    if (pinned_) cudaFreeHost(pinned_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init() {
+    CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
+    CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
+    // Keep freed pool memory cached: temporaries are allocated and freed every forward pass.
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device_) == cudaSuccess) {
+      uint64_t threshold = UINT64_MAX;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+    }
+    cublasStatus_t st = gemm_.Init(64u << 20);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
+    }
+    pinned_size_ = 16u << 20;
+    CUDA_RETURN(cudaMallocHost(&pinned_, pinned_size_), "pinned staging alloc");
+    return absl::OkStatus();
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  std::string name() const override { return "cuda"; }
+  DType compute_dtype() const override { return DType::kBF16; }
+
+  // ---- memory ----
+  absl::StatusOr<Tensor> Alloc(int64_t rows, int64_t cols) override {
+    if (rows < 0 || cols < 0) return absl::InvalidArgumentError("negative tensor shape");
+    Tensor t{nullptr, DType::kBF16, rows, cols};
+    const size_t bytes = std::max<size_t>(t.bytes(), 16);
+    cudaError_t e = cudaMallocAsync(&t.data, bytes, stream_);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes,
+                                                       " bytes on the GPU: ",
+                                                       cudaGetErrorString(e)));
+    }
+    return t;
+  }
+  void Free(Tensor& t) override {
+    if (t.data) cudaFreeAsync(t.data, stream_);
+    t = Tensor{};
+  }
+
+  absl::Status Upload(std::span<const float> host, Tensor& dst) override {
+    RETURN_IF_ERROR(CheckBf16(dst, "Upload"));
+    if (host.size() != static_cast<size_t>(dst.rows * dst.cols)) {
+      return absl::InvalidArgumentError("Upload: size mismatch");
+    }
+    if (host.empty()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
+    CUDA_RETURN(cudaMemcpyAsync(tmp, host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
+                                stream_),
+                "Upload copy");
+    CUDA_RETURN(kernels::F32ToBf16(static_cast<float*>(tmp), B(dst),
+                                   static_cast<int64_t>(host.size()), stream_),
+                "Upload convert");
+    return absl::OkStatus();
+  }
+
+  absl::Status Download(const Tensor& src, std::span<float> host) override {
+    RETURN_IF_ERROR(CheckBf16(src, "Download"));
+    if (host.size() != static_cast<size_t>(src.rows * src.cols)) {
+      return absl::InvalidArgumentError("Download: size mismatch");
+    }
+    if (host.empty()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
+    CUDA_RETURN(kernels::Bf16ToF32(B(src), static_cast<float*>(tmp),
+                                   static_cast<int64_t>(host.size()), stream_),
+                "Download convert");
+    CUDA_RETURN(cudaMemcpyAsync(host.data(), tmp, host.size_bytes(), cudaMemcpyDeviceToHost,
+                                stream_),
+                "Download copy");
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "Download sync");
+    return absl::OkStatus();
+  }
+
+  // Copies a host weight (F32/F16/BF16) into rows of dst as bf16, in bounded chunks.
+  absl::Status UploadView(const TensorView& v, bf16* dst) {
+    const int64_t n = v.numel();
+    if (n == 0) return absl::OkStatus();
+    if (v.data == nullptr) return absl::InvalidArgumentError(absl::StrCat(v.name, ": no data"));
+    const size_t esize = DTypeSize(v.dtype);
+    if (v.nbytes < static_cast<size_t>(n) * esize) {
+      return absl::InvalidArgumentError(absl::StrCat(v.name, ": buffer smaller than its shape"));
+    }
+    if (v.dtype == DType::kBF16) {
+      CUDA_RETURN(cudaMemcpyAsync(dst, v.data, n * 2, cudaMemcpyHostToDevice, stream_),
+                  "weight copy");
+      return absl::OkStatus();
+    }
+    constexpr int64_t kChunk = 16 << 20;  // elements per staged chunk
+    ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(kChunk * 4, stream_));
+    const char* src = static_cast<const char*>(v.data);
+    for (int64_t off = 0; off < n; off += kChunk) {
+      const int64_t c = std::min(kChunk, n - off);
+      CUDA_RETURN(cudaMemcpyAsync(tmp, src + off * esize, c * esize, cudaMemcpyHostToDevice,
+                                  stream_),
+                  "weight copy");
+      if (v.dtype == DType::kF32) {
+        CUDA_RETURN(kernels::F32ToBf16(static_cast<float*>(tmp), dst + off, c, stream_),
+                    "weight convert");
+      } else {
+        CUDA_RETURN(kernels::F16ToBf16(tmp, dst + off, c, stream_), "weight convert");
+      }
+      // The staging buffer is reused by the next chunk: wait for this one.
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "weight sync");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Tensor> FromViews(std::initializer_list<const TensorView*> views, int64_t cols,
+                                   int64_t expect_rows) {
+    int64_t rows = 0;
+    for (auto* v : views) {
+      if (cols <= 0 || v->numel() % cols != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("weight ", v->name, " has ", v->numel(),
+                                                       " elements, not a multiple of ", cols));
+      }
+      rows += v->numel() / cols;
+    }
+    if (expect_rows >= 0 && rows != expect_rows) {
+      return absl::InvalidArgumentError(absl::StrCat("weights ", (*views.begin())->name,
+                                                     "...: ", rows, " rows, expected ",
+                                                     expect_rows));
+    }
+    ASSIGN_OR_RETURN(Tensor t, Alloc(rows, cols));
+    bf16* p = B(t);
+    for (auto* v : views) {
+      absl::Status s = UploadView(*v, p);
+      if (!s.ok()) {
+        Free(t);
+        return s;
+      }
+      p += v->numel();
+    }
+    return t;
+  }
+
+  absl::StatusOr<BackendWeights> LoadWeights(const Model& model) override {
+    const ModelConfig& c = model.config();
+    const ModelWeights& w = model.weights();
+    BackendWeights out;
+    auto load = [&]() -> absl::Status {
+      const int64_t hd = c.head_dim;
+      ASSIGN_OR_RETURN(out.tok_embeddings, FromViews({&w.tok_embeddings}, c.dim, c.vocab_size));
+      ASSIGN_OR_RETURN(out.final_norm, FromViews({&w.final_norm}, c.dim, 1));
+      ASSIGN_OR_RETURN(out.output, FromViews({&w.output}, c.dim, c.vocab_size));
+      for (const LayerWeights& lw : w.layers) {
+        BackendLayer bl;
+        out.layers.push_back(bl);
+        BackendLayer& l = out.layers.back();
+        ASSIGN_OR_RETURN(l.attn_norm, FromViews({&lw.attn_norm}, c.dim, 1));
+        ASSIGN_OR_RETURN(l.wqkv, FromViews({&lw.wq, &lw.wk, &lw.wv}, c.dim,
+                                           (c.n_heads + 2 * c.n_kv_heads) * hd));
+        ASSIGN_OR_RETURN(l.wo, FromViews({&lw.wo}, c.n_heads * hd, c.dim));
+        ASSIGN_OR_RETURN(l.ffn_norm, FromViews({&lw.ffn_norm}, c.dim, 1));
+        ASSIGN_OR_RETURN(l.w_gate_up, FromViews({&lw.w_gate, &lw.w_up}, c.dim, 2 * c.ffn_dim));
+        ASSIGN_OR_RETURN(l.w_down, FromViews({&lw.w_down}, c.ffn_dim, c.dim));
+      }
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "LoadWeights sync");
+      return absl::OkStatus();
+    };
+    absl::Status s = load();
+    if (!s.ok()) {
+      FreeWeights(out);
+      return s;
+    }
+    return out;
+  }
+
+  absl::StatusOr<BackendWeights> RandomWeights(const ModelConfig& c, uint64_t seed) override {
+    BackendWeights out;
+    uint64_t counter = 0;
+    auto rand = [&](int64_t rows, int64_t cols) -> absl::StatusOr<Tensor> {
+      ASSIGN_OR_RETURN(Tensor t, Alloc(rows, cols));
+      const float a = 1.0f / std::sqrt(static_cast<float>(cols));
+      const uint64_t s = seed * 0x9E3779B97F4A7C15ull + (++counter) * 0xC2B2AE3D27D4EB4Full;
+      CUDA_RETURN(kernels::FillUniform(B(t), rows * cols, a, s, stream_), "RandomWeights fill");
+      return t;
+    };
+    auto ones = [&](int64_t n) -> absl::StatusOr<Tensor> {
+      ASSIGN_OR_RETURN(Tensor t, Alloc(1, n));
+      CUDA_RETURN(kernels::Fill(B(t), n, 1.0f, stream_), "RandomWeights fill");
+      return t;
+    };
+    auto make = [&]() -> absl::Status {
+      const int64_t hd = c.head_dim;
+      ASSIGN_OR_RETURN(out.tok_embeddings, rand(c.vocab_size, c.dim));
+      ASSIGN_OR_RETURN(out.final_norm, ones(c.dim));
+      ASSIGN_OR_RETURN(out.output, rand(c.vocab_size, c.dim));
+      for (int l = 0; l < c.n_layers; ++l) {
+        out.layers.push_back(BackendLayer{});
+        BackendLayer& bl = out.layers.back();
+        ASSIGN_OR_RETURN(bl.attn_norm, ones(c.dim));
+        ASSIGN_OR_RETURN(bl.wqkv, rand((c.n_heads + 2 * c.n_kv_heads) * hd, c.dim));
+        ASSIGN_OR_RETURN(bl.wo, rand(c.dim, c.n_heads * hd));
+        ASSIGN_OR_RETURN(bl.ffn_norm, ones(c.dim));
+        ASSIGN_OR_RETURN(bl.w_gate_up, rand(2 * c.ffn_dim, c.dim));
+        ASSIGN_OR_RETURN(bl.w_down, rand(c.dim, c.ffn_dim));
+      }
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "RandomWeights sync");
+      return absl::OkStatus();
+    };
+    absl::Status s = make();
+    if (!s.ok()) {
+      FreeWeights(out);
+      return s;
+    }
+    return out;
+  }
+
+  void FreeWeights(BackendWeights& w) override {
+    Free(w.tok_embeddings);
+    Free(w.final_norm);
+    Free(w.output);
+    for (BackendLayer& l : w.layers) {
+      for (Tensor* t : {&l.attn_norm, &l.wqkv, &l.wo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) {
+        Free(*t);
+      }
+    }
+    w.layers.clear();
+    cudaStreamSynchronize(stream_);
+  }
+
+  absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,
+                                     int kv_dim) override {
+    if (num_layers < 0 || num_blocks < 0 || block_size <= 0 || kv_dim <= 0) {
+      return absl::InvalidArgumentError("AllocKvPool: bad shape");
+    }
+    KvPool p;
+    p.num_layers = num_layers;
+    p.num_blocks = num_blocks;
+    p.block_size = block_size;
+    p.kv_dim = kv_dim;
+    const int64_t rows = static_cast<int64_t>(num_blocks) * block_size;
+    for (int l = 0; l < num_layers; ++l) {
+      for (std::vector<Tensor>* vec : {&p.k, &p.v}) {
+        Tensor t{nullptr, DType::kBF16, rows, kv_dim};
+        cudaError_t e = cudaMalloc(&t.data, std::max<size_t>(t.bytes(), 16));
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          FreeKvPool(p);
+          return absl::ResourceExhaustedError(absl::StrCat("KV pool: cannot allocate ",
+                                                           t.bytes(), " bytes"));
+        }
+        vec->push_back(t);
+        CUDA_RETURN(cudaMemsetAsync(t.data, 0, t.bytes(), stream_), "KV pool clear");
+      }
+    }
+    return p;
+  }
+  void FreeKvPool(KvPool& pool) override {
+    cudaStreamSynchronize(stream_);
+    for (Tensor& t : pool.k) cudaFree(t.data);
+    for (Tensor& t : pool.v) cudaFree(t.data);
+    pool = KvPool{};
+  }
+  absl::Status Synchronize() override {
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "Synchronize");
+    return absl::OkStatus();
+  }
+
+  // ---- operations ----
+  absl::Status Embedding(const Tensor& table, std::span<const int32_t> ids,
+                         Tensor& out) override {
+    RETURN_IF_ERROR(CheckBf16(table, "Embedding table"));
+    RETURN_IF_ERROR(CheckBf16(out, "Embedding out"));
+    RETURN_IF_ERROR(CheckShape(out, static_cast<int64_t>(ids.size()), table.cols, "Embedding"));
+    for (int32_t id : ids) {
+      if (id < 0 || id >= table.rows) {
+        return absl::InvalidArgumentError(absl::StrCat("token id ", id, " out of range [0, ",
+                                                       table.rows, ")"));
+      }
+    }
+    if (ids.empty()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(auto d, Stage({{ids.data(), ids.size_bytes()}}));
+    CUDA_RETURN(kernels::GatherRows(B(table), table.cols, table.rows,
+                                    static_cast<const int32_t*>(d[0]), B(out), out.cols,
+                                    out.rows, out.cols, stream_),
+                "Embedding");
+    return absl::OkStatus();
+  }
+
+  absl::Status RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override {
+    RETURN_IF_ERROR(CheckBf16(x, "RmsNorm x"));
+    RETURN_IF_ERROR(CheckBf16(w, "RmsNorm w"));
+    RETURN_IF_ERROR(CheckBf16(out, "RmsNorm out"));
+    RETURN_IF_ERROR(CheckShape(out, x.rows, x.cols, "RmsNorm"));
+    if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("RmsNorm: weight size");
+    CUDA_RETURN(kernels::RmsNorm(B(x), x.cols, B(w), B(out), out.cols, x.rows,
+                                 static_cast<int>(x.cols), eps, stream_),
+                "RmsNorm");
+    return absl::OkStatus();
+  }
+
+  absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) override {
+    RETURN_IF_ERROR(CheckBf16(x, "MatMul x"));
+    RETURN_IF_ERROR(CheckBf16(w, "MatMul w"));
+    RETURN_IF_ERROR(CheckBf16(out, "MatMul out"));
+    if (x.cols != w.cols) {
+      return absl::InvalidArgumentError(absl::StrCat("MatMul: inner dims ", x.cols, " vs ",
+                                                     w.cols));
+    }
+    RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows, "MatMul"));
+    if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
+    cublasStatus_t st = gemm_.Run(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
+                                  x.cols, 0.0f, stream_);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      return absl::InternalError(absl::StrCat("MatMul [", x.rows, "x", x.cols, "] @ [", w.rows,
+                                              "x", w.cols, "]^T: ",
+                                              kernels::CublasStatusName(st)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Add(Tensor& a, const Tensor& b) override {
+    RETURN_IF_ERROR(CheckBf16(a, "Add a"));
+    RETURN_IF_ERROR(CheckBf16(b, "Add b"));
+    RETURN_IF_ERROR(CheckShape(b, a.rows, a.cols, "Add"));
+    CUDA_RETURN(kernels::Add(B(a), a.cols, B(b), b.cols, a.rows, a.cols, stream_), "Add");
+    return absl::OkStatus();
+  }
+
+  absl::Status SwiGLU(const Tensor& x, Tensor& out) override {
+    RETURN_IF_ERROR(CheckBf16(x, "SwiGLU x"));
+    RETURN_IF_ERROR(CheckBf16(out, "SwiGLU out"));
+    RETURN_IF_ERROR(CheckShape(out, x.rows, x.cols / 2, "SwiGLU"));
+    CUDA_RETURN(kernels::SwiGlu(B(x), x.cols, B(out), out.cols, x.rows, out.cols, stream_),
+                "SwiGLU");
+    return absl::OkStatus();
+  }
+
+  absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads, std::span<const int32_t> pos,
+                    const RopeParams& p) override {
+    RETURN_IF_ERROR(CheckBf16(x, "Rope"));
+    if (static_cast<int64_t>(pos.size()) != x.rows) {
+      return absl::InvalidArgumentError("Rope: one position per row required");
+    }
+    if (col_offset < 0 || p.head_dim <= 0 ||
+        col_offset + static_cast<int64_t>(n_heads) * p.head_dim > x.cols || p.head_dim % 2) {
+      return absl::InvalidArgumentError("Rope: columns out of range or odd head_dim");
+    }
+    if (x.rows == 0 || n_heads == 0) return absl::OkStatus();
+    ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
+    ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()}}));
+    kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
+    CUDA_RETURN(kernels::Rope(B(x) + col_offset, x.cols, x.rows, n_heads,
+                              static_cast<const int32_t*>(d[0]), r, stream_),
+                "Rope");
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckSlots(const KvPool& pool, std::span<const int32_t> slots) {
+    const int64_t cap = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
+    for (int32_t s : slots) {
+      if (s < 0 || s >= cap) {
+        return absl::OutOfRangeError(absl::StrCat("KV slot ", s, " outside pool of ", cap));
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status CheckLayer(const KvPool& pool, int layer) {
+    if (layer < 0 || layer >= pool.num_layers || layer >= static_cast<int>(pool.k.size())) {
+      return absl::OutOfRangeError(absl::StrCat("KV layer ", layer, " outside pool of ",
+                                                pool.num_layers));
+    }
+    return absl::OkStatus();
+  }
+  kernels::KvPoolView View(const KvPool& pool, int layer) {
+    kernels::KvPoolView v;
+    v.k = B(pool.k[layer]);
+    v.v = B(pool.v[layer]);
+    v.num_slots = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
+    v.kv_dim = pool.kv_dim;
+    return v;
+  }
+
+  absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
+                       const Tensor& v_src, int64_t v_col,
+                       std::span<const int32_t> slots) override {
+    RETURN_IF_ERROR(CheckLayer(pool, layer));
+    RETURN_IF_ERROR(CheckBf16(k_src, "WriteKv k"));
+    RETURN_IF_ERROR(CheckBf16(v_src, "WriteKv v"));
+    RETURN_IF_ERROR(CheckSlots(pool, slots));
+    const int64_t n = static_cast<int64_t>(slots.size());
+    if (k_src.rows < n || v_src.rows < n || k_col < 0 || v_col < 0 ||
+        k_col + pool.kv_dim > k_src.cols || v_col + pool.kv_dim > v_src.cols) {
+      return absl::InvalidArgumentError("WriteKv: source rows/columns out of range");
+    }
+    if (n == 0) return absl::OkStatus();
+    ASSIGN_OR_RETURN(auto d, Stage({{slots.data(), slots.size_bytes()}}));
+    CUDA_RETURN(kernels::WriteKv(View(pool, layer), B(k_src) + k_col, k_src.cols,
+                                 B(v_src) + v_col, v_src.cols,
+                                 static_cast<const int32_t*>(d[0]), n, stream_),
+                "WriteKv");
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
+                      std::span<float> k_host, std::span<float> v_host) override {
+    RETURN_IF_ERROR(CheckLayer(pool, layer));
+    RETURN_IF_ERROR(CheckSlots(pool, slots));
+    const int64_t n = static_cast<int64_t>(slots.size()), d = pool.kv_dim;
+    if (k_host.size() != static_cast<size_t>(n * d) || v_host.size() != static_cast<size_t>(n * d)) {
+      return absl::InvalidArgumentError("ReadKv: host buffers must hold slots * kv_dim floats");
+    }
+    if (n == 0) return absl::OkStatus();
+    ASSIGN_OR_RETURN(auto dp, Stage({{slots.data(), slots.size_bytes()}}));
+    const int32_t* ds = static_cast<const int32_t*>(dp[0]);
+    // [n*d bf16 rows | n*d fp32] for each of K and V, in one scratch allocation.
+    const size_t rows_bytes = (static_cast<size_t>(n * d) * 2 + 15) / 16 * 16;
+    ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(2 * (rows_bytes + n * d * 4), stream_));
+    const int64_t num_slots = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
+    char* base = static_cast<char*>(tmp);
+    for (int which = 0; which < 2; ++which) {
+      const Tensor& src = which == 0 ? pool.k[layer] : pool.v[layer];
+      bf16* rows = reinterpret_cast<bf16*>(base + which * (rows_bytes + n * d * 4));
+      float* f = reinterpret_cast<float*>(reinterpret_cast<char*>(rows) + rows_bytes);
+      CUDA_RETURN(kernels::GatherRows(B(src), d, num_slots, ds, rows, d, n, d, stream_),
+                  "ReadKv gather");
+      CUDA_RETURN(kernels::Bf16ToF32(rows, f, n * d, stream_), "ReadKv convert");
+      float* host = which == 0 ? k_host.data() : v_host.data();
+      CUDA_RETURN(cudaMemcpyAsync(host, f, n * d * 4, cudaMemcpyDeviceToHost, stream_),
+                  "ReadKv copy");
+    }
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "ReadKv sync");
+    return absl::OkStatus();
+  }
+
+  absl::Status Attention(const Tensor& q, const KvPool& pool, int layer,
+                         const AttentionArgs& a, Tensor& out) override {
+    RETURN_IF_ERROR(CheckLayer(pool, layer));
+    RETURN_IF_ERROR(CheckBf16(q, "Attention q"));
+    RETURN_IF_ERROR(CheckBf16(out, "Attention out"));
+    const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
+    const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
+    if (static_cast<int64_t>(a.q_pos.size()) != n) {
+      return absl::InvalidArgumentError("Attention: one position per query row required");
+    }
+    RETURN_IF_ERROR(CheckShape(out, n, static_cast<int64_t>(H) * hd, "Attention out"));
+    if (KV <= 0 || H <= 0 || hd <= 0 || H % KV != 0 || KV * hd != pool.kv_dim ||
+        static_cast<int64_t>(H) * hd > q.cols) {
+      return absl::InvalidArgumentError("Attention: inconsistent head counts");
+    }
+    if (!kernels::PagedAttentionSupported(hd, H, KV)) {
+      return absl::UnimplementedError(absl::StrCat("Attention: unsupported head_dim ", hd,
+                                                   " with ", H, "/", KV, " heads"));
+    }
+    for (int32_t p : a.q_pos) {
+      if (p < 0 || p >= ctx) {
+        return absl::OutOfRangeError(absl::StrCat("query position ", p, " outside context of ",
+                                                  ctx));
+      }
+    }
+    RETURN_IF_ERROR(CheckSlots(pool, a.ctx_slots));
+    const bool want_cross = a.out_cross != nullptr;
+    const bool want_recv = a.out_recv != nullptr;
+    if (want_cross && (a.key_group.size() != static_cast<size_t>(ctx) ||
+                       a.q_group.size() != static_cast<size_t>(n))) {
+      return absl::InvalidArgumentError("Attention: cross statistic needs key_group and q_group");
+    }
+    if (want_recv && a.recv_weight.size() != static_cast<size_t>(n)) {
+      return absl::InvalidArgumentError("Attention: recv statistic needs recv_weight per row");
+    }
+    if (n == 0) return absl::OkStatus();
+    const bool stats = want_cross || want_recv;
+
+    std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
+                                   {a.ctx_slots.data(), a.ctx_slots.size_bytes()}};
+    if (want_cross) {
+      spans.push_back({a.key_group.data(), a.key_group.size_bytes()});
+      spans.push_back({a.q_group.data(), a.q_group.size_bytes()});
+    }
+    if (want_recv) spans.push_back({a.recv_weight.data(), a.recv_weight.size_bytes()});
+    ASSIGN_OR_RETURN(auto d, Stage(spans));
+
+    kernels::PagedAttentionParams p;
+    p.q = B(q);
+    p.q_stride = q.cols;
+    p.out = B(out);
+    p.out_stride = out.cols;
+    p.q_pos = static_cast<const int32_t*>(d[0]);
+    p.num_q = static_cast<int>(n);
+    p.k_pool = B(pool.k[layer]);
+    p.v_pool = B(pool.v[layer]);
+    p.kv_stride = pool.kv_dim;
+    p.ctx_slots = static_cast<const int32_t*>(d[1]);
+    p.ctx_len = static_cast<int>(ctx);
+    p.n_heads = H;
+    p.n_kv_heads = KV;
+    p.head_dim = hd;
+    p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));
+
+    // Workspace: [split-K partials | lse (n*H) | cross (n) | recv (ctx)], 256-byte aligned parts.
+    auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+    const size_t split_bytes = align(kernels::PagedAttentionWorkspaceBytes(p));
+    const size_t lse_bytes = stats ? align(static_cast<size_t>(n) * H * 4) : 0;
+    const size_t cross_bytes = want_cross ? align(static_cast<size_t>(n) * 4) : 0;
+    const size_t recv_bytes = want_recv ? align(static_cast<size_t>(ctx) * 4) : 0;
+    ASSIGN_OR_RETURN(void* ws, attn_scratch_.Get(split_bytes + lse_bytes + cross_bytes +
+                                                     recv_bytes + 256, stream_));
+    char* wp = static_cast<char*>(ws);
+    float* lse = stats ? reinterpret_cast<float*>(wp + split_bytes) : nullptr;
+    float* cross = want_cross ? reinterpret_cast<float*>(wp + split_bytes + lse_bytes) : nullptr;
+    float* recv =
+        want_recv ? reinterpret_cast<float*>(wp + split_bytes + lse_bytes + cross_bytes) : nullptr;
+    p.lse = lse;
+    CUDA_RETURN(kernels::PagedAttention(p, split_bytes ? ws : nullptr, split_bytes, stream_),
+                "Attention");
+    if (!stats) return absl::OkStatus();
+
+    kernels::AttentionStatsParams s;
+    if (want_cross) {
+      s.key_group = static_cast<const int32_t*>(d[2]);
+      s.q_group = static_cast<const int32_t*>(d[3]);
+      s.out_cross = cross;
+      CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");
+    }
+    if (want_recv) {
+      s.recv_weight = static_cast<const float*>(d[want_cross ? 4 : 2]);
+      s.out_recv = recv;
+      CUDA_RETURN(cudaMemsetAsync(recv, 0, ctx * 4, stream_), "Attention stats clear");
+    }
+    CUDA_RETURN(kernels::AttentionStats(p, s, stream_), "Attention stats");
+    std::vector<float> host_cross(want_cross ? n : 0), host_recv(want_recv ? ctx : 0);
+    if (want_cross) {
+      CUDA_RETURN(cudaMemcpyAsync(host_cross.data(), cross, n * 4, cudaMemcpyDeviceToHost,
+                                  stream_),
+                  "Attention stats copy");
+    }
+    if (want_recv) {
+      CUDA_RETURN(cudaMemcpyAsync(host_recv.data(), recv, ctx * 4, cudaMemcpyDeviceToHost,
+                                  stream_),
+                  "Attention stats copy");
+    }
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "Attention stats sync");
+    for (int64_t i = 0; i < static_cast<int64_t>(host_cross.size()); ++i)
+      a.out_cross[i] += host_cross[i];
+    for (int64_t j = 0; j < static_cast<int64_t>(host_recv.size()); ++j)
+      a.out_recv[j] += host_recv[j];
+    return absl::OkStatus();
+  }
+
+  absl::Status GatherRows(const Tensor& src, std::span<const int32_t> idx, Tensor& dst) override {
+    RETURN_IF_ERROR(CheckBf16(src, "GatherRows src"));
+    RETURN_IF_ERROR(CheckBf16(dst, "GatherRows dst"));
+    RETURN_IF_ERROR(CheckShape(dst, static_cast<int64_t>(idx.size()), src.cols, "GatherRows"));
+    for (int32_t i : idx) {
+      if (i < 0 || i >= src.rows) return absl::OutOfRangeError("GatherRows index");
+    }
+    if (idx.empty()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(auto d, Stage({{idx.data(), idx.size_bytes()}}));
+    CUDA_RETURN(kernels::GatherRows(B(src), src.cols, src.rows,
+                                    static_cast<const int32_t*>(d[0]), B(dst), dst.cols,
+                                    dst.rows, dst.cols, stream_),
+                "GatherRows");
+    return absl::OkStatus();
+  }
+
+  absl::Status ScatterRows(const Tensor& src, std::span<const int32_t> idx,
+                           Tensor& dst) override {
+    RETURN_IF_ERROR(CheckBf16(src, "ScatterRows src"));
+    RETURN_IF_ERROR(CheckBf16(dst, "ScatterRows dst"));
+    RETURN_IF_ERROR(CheckShape(src, static_cast<int64_t>(idx.size()), dst.cols, "ScatterRows"));
+    for (int32_t i : idx) {
+      if (i < 0 || i >= dst.rows) return absl::OutOfRangeError("ScatterRows index");
+    }
+    if (idx.empty()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(auto d, Stage({{idx.data(), idx.size_bytes()}}));
+    CUDA_RETURN(kernels::ScatterRows(B(src), src.cols, static_cast<const int32_t*>(d[0]),
+                                     B(dst), dst.cols, dst.rows, src.rows, src.cols, stream_),
+                "ScatterRows");
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
+                        int64_t n) override {
+    RETURN_IF_ERROR(CheckBf16(src, "CopyRows src"));
+    RETURN_IF_ERROR(CheckBf16(dst, "CopyRows dst"));
+    if (src.cols != dst.cols || src_row < 0 || dst_row < 0 || n < 0 || src_row + n > src.rows ||
+        dst_row + n > dst.rows) {
+      return absl::OutOfRangeError("CopyRows: range outside tensors");
+    }
+    if (n == 0 || src.cols == 0) return absl::OkStatus();
+    CUDA_RETURN(cudaMemcpyAsync(B(dst) + dst_row * dst.cols, B(src) + src_row * src.cols,
+                                static_cast<size_t>(n * src.cols) * 2, cudaMemcpyDeviceToDevice,
+                                stream_),
+                "CopyRows");
+    return absl::OkStatus();
+  }
+
+ private:
+  // Copies host spans into the pinned ring, then with one async copy into the device scratch;
+  // returns the device address of each span. The device scratch is reused by every call:
+  // stream order puts each copy after the kernels that read the previous call's data. The
+  // pinned ring only wraps after a stream sync, so no queued copy reads overwritten bytes.
+  absl::StatusOr<std::vector<void*>> Stage(const std::vector<HostSpan>& spans) {
+    size_t total = 0;
+    for (const HostSpan& s : spans) total += (s.bytes + 15) / 16 * 16;
+    total = std::max<size_t>(total, 16);
+    if (total > pinned_size_) {
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "stage: sync");
+      cudaFreeHost(pinned_);
+      pinned_ = nullptr;
+      pinned_size_ = std::max(total, 2 * pinned_size_);
+      CUDA_RETURN(cudaMallocHost(&pinned_, pinned_size_), "stage: pinned alloc");
+      pinned_off_ = 0;
+    } else if (pinned_off_ + total > pinned_size_) {
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "stage: sync");
+      pinned_off_ = 0;
+    }
+    ASSIGN_OR_RETURN(void* dev, idx_scratch_.Get(total, stream_));
+    char* host = static_cast<char*>(pinned_) + pinned_off_;
+    std::vector<void*> out;
+    size_t off = 0;
+    for (const HostSpan& s : spans) {
+      if (s.bytes) std::memcpy(host + off, s.data, s.bytes);
+      out.push_back(static_cast<char*>(dev) + off);
+      off += (s.bytes + 15) / 16 * 16;
+    }
+    CUDA_RETURN(cudaMemcpyAsync(dev, host, off ? off : 16, cudaMemcpyHostToDevice, stream_),
+                "stage: copy");
+    pinned_off_ += total;
+    return out;
+  }
+
+  absl::StatusOr<const float*> RopeTable(const RopeParams& p) {
+    const auto key = std::make_tuple(p.head_dim, p.theta, static_cast<int>(p.scaling.type),
+                                     p.scaling.factor, p.scaling.low_freq_factor,
+                                     p.scaling.high_freq_factor, p.scaling.original_max_position);
+    auto it = rope_tables_.find(key);
+    if (it != rope_tables_.end()) return it->second;
+    const std::vector<float> inv = RopeInvFreq(p);
+    float* dptr = nullptr;
+    CUDA_RETURN(cudaMalloc(&dptr, inv.size() * 4), "rope table alloc");
+    CUDA_RETURN(cudaMemcpy(dptr, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice),
+                "rope table copy");
+    rope_tables_.emplace(key, dptr);
+    return dptr;
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  kernels::LtGemm gemm_;
+  DeviceScratch idx_scratch_, f32_scratch_, attn_scratch_;
+  void* pinned_ = nullptr;
+  size_t pinned_size_ = 0, pinned_off_ = 0;
+  std::map<std::tuple<int, float, int, float, float, float, int>, float*> rope_tables_;
+};
+
+}  // namespace
+
+bool CudaAvailable() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat("no usable CUDA device: ",
+                                               e == cudaSuccess ? "none found"
+                                                                : cudaGetErrorString(e)));
+  }
+  if (device < 0 || device >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", device, " not in [0, ", n,
+                                                   ")"));
+  }
+  auto be = std::make_unique<CudaBackend>(device);
+  RETURN_IF_ERROR(be->Init());
+  return std::unique_ptr<Backend>(std::move(be));
+}
+
+cudaStream_t CudaBackendStream(Backend& backend) {
+  auto* cb = dynamic_cast<CudaBackend*>(&backend);
+  return cb ? cb->stream() : nullptr;
+}
+
+}  // namespace sparsex

@@ -1,0 +1,425 @@
+#include "gpu_worker/reuse/reuse_prefill.h"
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+
+#include "common/fingerprint.h"
+
+namespace sparsex {
+namespace {
+
+// Tokens a segment is encoded after, for its encoding context.
+absl::StatusOr<std::vector<int32_t>> EncodingContext(const std::string& enc, int32_t bos) {
+  if (enc == "none") return std::vector<int32_t>{};
+  if (enc == "bos") {
+    if (bos < 0) return absl::InvalidArgumentError("encoding 'bos' needs a model with a BOS token");
+    return std::vector<int32_t>{bos};
+  }
+  if (enc.rfind("prefix:", 0) == 0) {
+    std::vector<int32_t> out;
+    std::istringstream in(enc.substr(7));
+    int32_t t;
+    while (in >> t) out.push_back(t);
+    if (out.empty()) return absl::InvalidArgumentError("encoding prefix has no token ids");
+    return out;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown encoding '", enc,
+                                                 "' (expected none, bos or prefix:<ids>)"));
+}
+
+// Frees a backend tensor at scope exit.
+struct TensorGuard {
+  Backend* be;
+  Tensor t;
+  ~TensorGuard() { be->Free(t); }
+};
+
+}  // namespace
+
+absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers) {
+  if (o.full_layers < 0 || o.full_layers > n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("full_layers must be in [0, ", n_layers, "]"));
+  }
+  if (o.budget.ratio < 0 || o.budget.ratio > 1 || o.budget.max_ratio < 0 ||
+      o.budget.max_ratio > 1 || o.budget.target_mass < 0 || o.budget.target_mass > 1) {
+    return absl::InvalidArgumentError("budget ratios must be in [0, 1]");
+  }
+  for (size_t i = 0; i < o.layer_ratios.size(); ++i) {
+    if (o.layer_ratios[i] < 0 || o.layer_ratios[i] > 1 ||
+        (i > 0 && o.layer_ratios[i] > o.layer_ratios[i - 1])) {
+      return absl::InvalidArgumentError("layer_ratios must be in [0, 1] and non-increasing");
+    }
+  }
+  ASSIGN_OR_RETURN(auto unused, CreateSelector(o.selector));
+  (void)unused;
+  return EncodingContext(o.encoding, 0).status();
+}
+
+std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const ChunkingOptions& o) {
+  std::vector<PromptSegment> out;
+  for (auto [b, e] : ChunkTokens(ids, o)) {
+    out.push_back({std::vector<int32_t>(ids.begin() + b, ids.begin() + e), true});
+  }
+  return out;
+}
+
+Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens,
+                                 const std::string& encoding) const {
+  return SegmentFingerprint(engine_->model().fingerprint(), tokens, encoding);
+}
+
+absl::StatusOr<SegmentKv> ReuseEngine::Encode(const std::vector<int32_t>& tokens,
+                                              const std::string& encoding) {
+  ASSIGN_OR_RETURN(std::vector<int32_t> ctx,
+                   EncodingContext(encoding, engine_->model().tokenizer().bos_id()));
+  const int c = static_cast<int>(ctx.size());
+  std::vector<int32_t> all = ctx;
+  all.insert(all.end(), tokens.begin(), tokens.end());
+  if (static_cast<int>(all.size()) > engine_->model().config().max_seq_len) {
+    return absl::InvalidArgumentError("segment longer than the context length");
+  }
+  // Fresh blocks, no prefix matching: every row must pass through every layer to be captured.
+  Sequence seq;
+  seq.tokens = all;
+  RETURN_IF_ERROR(engine_->EnsureCapacity(seq, static_cast<int>(all.size())));
+  ModelRunner& r = engine_->runner();
+  const int n = static_cast<int>(all.size());
+  std::vector<int32_t> pos(n);
+  for (int i = 0; i < n; ++i) pos[i] = i;
+  const std::vector<int32_t> slots = engine_->CtxSlots(seq, n);
+  KvCapture cap;
+  absl::Status st;
+  auto x = r.Embed(all);
+  if (!x.ok()) st = x.status();
+  if (st.ok()) {
+    TensorGuard g{&r.backend(), *x};
+    LayerRows rows{pos, slots, slots};
+    for (int l = 0; l < r.config().n_layers && st.ok(); ++l) st = r.Layer(l, g.t, rows, nullptr, &cap);
+  }
+  engine_->Release(seq);
+  RETURN_IF_ERROR(st);
+  SegmentKv kv;
+  kv.n_tokens = static_cast<int>(tokens.size());
+  kv.n_layers = r.config().n_layers;
+  kv.kv_dim = r.kv_dim();
+  const size_t kd = kv.kv_dim;
+  for (int l = 0; l < kv.n_layers; ++l) {
+    kv.k.emplace_back(cap.k[l].begin() + c * kd, cap.k[l].end());
+    kv.v.emplace_back(cap.v[l].begin() + c * kd, cap.v[l].end());
+  }
+  return kv;
+}
+
+absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,
+                                       const ReuseOptions* override_opts) {
+  const ReuseOptions& o = override_opts ? *override_opts : opts_;
+  if (tokens.empty()) return absl::OkStatus();
+  const Hash128 fp = Fingerprint(tokens, o.encoding);
+  if (store_->Contains(fp)) return absl::OkStatus();
+  ASSIGN_OR_RETURN(SegmentKv kv, Encode(tokens, o.encoding));
+  return store_->Put(fp, std::move(kv));
+}
+
+absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<PromptSegment>& segs,
+                                                        bool add_bos,
+                                                        const ReuseOptions* override_opts) {
+  const ReuseOptions& o = override_opts ? *override_opts : opts_;
+  const ModelConfig& cfg = engine_->model().config();
+  const int L = cfg.n_layers;
+  RETURN_IF_ERROR(ValidateReuseOptions(o, L));
+  ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector, CreateSelector(o.selector));
+
+  // ---- plan: token layout, segment of every position ----
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> group;  // segment index per position, -1 for BOS (shared sink)
+  std::vector<int32_t> seg_start(segs.size());
+  const int32_t bos = engine_->model().tokenizer().bos_id();
+  if (add_bos && bos >= 0) {
+    tokens.push_back(bos);
+    group.push_back(-1);
+  }
+  for (size_t s = 0; s < segs.size(); ++s) {
+    seg_start[s] = static_cast<int32_t>(tokens.size());
+    tokens.insert(tokens.end(), segs[s].tokens.begin(), segs[s].tokens.end());
+    group.insert(group.end(), segs[s].tokens.size(), static_cast<int32_t>(s));
+  }
+  const int N = static_cast<int>(tokens.size());
+  ASSIGN_OR_RETURN(Sequence seq, engine_->Admit(tokens));
+  ReusePrefillResult res;
+  ReuseStats& st = res.stats;
+  const int P = seq.cached_prefix;
+  st.prompt_tokens = N;
+  st.prefix_tokens = P;
+
+  // On any error below the sequence's blocks go back to the pool.
+  struct SeqGuard {
+    Engine* e;
+    Sequence* s;
+    bool armed = true;
+    ~SeqGuard() {
+      if (armed) e->Release(*s);
+    }
+  } guard{engine_, &seq};
+
+  // Segments found in the store (checksums verified on Get; a corrupt one is a miss).
+  std::vector<std::shared_ptr<const SegmentKv>> found(segs.size());
+  std::vector<char> reused(N, 0);
+  if (o.enable_reuse) {
+    const int64_t corrupt0 = store_->stats().corrupt;
+    for (size_t s = 0; s < segs.size(); ++s) {
+      const int n = static_cast<int>(segs[s].tokens.size());
+      if (n == 0 || !segs[s].cacheable || seg_start[s] + n <= P) continue;
+      auto kv = store_->Get(Fingerprint(segs[s].tokens, o.encoding));
+      if (kv && kv->n_tokens == n && kv->n_layers == L && kv->kv_dim == engine_->runner().kv_dim()) {
+        found[s] = kv;
+        ++st.segments_hit;
+        for (int p = std::max(P, seg_start[s]); p < seg_start[s] + n; ++p) reused[p] = 1;
+      } else {
+        ++st.segments_missed;
+      }
+    }
+    st.segments_corrupt = static_cast<int>(store_->stats().corrupt - corrupt0);
+  }
+  reused[N - 1] = 0;  // the last token is always computed: its logits are the answer
+  const int n_rows = N - P;
+
+  // ---- assemble reused KV at the new positions (layers the full pass will not overwrite) ----
+  const int F = o.enable_reuse ? o.full_layers : L;
+  ModelRunner& r = engine_->runner();
+  const int bs = engine_->blocks().block_size();
+  const int kd = r.kv_dim();
+  for (size_t s = 0; s < segs.size(); ++s) {
+    if (!found[s]) continue;
+    const int b = std::max(P, seg_start[s]);
+    const int e = seg_start[s] + static_cast<int>(segs[s].tokens.size());
+    std::vector<int32_t> pos, slots;
+    for (int p = b; p < e; ++p) {
+      if (!reused[p]) continue;
+      pos.push_back(p);
+      slots.push_back(seq.Slot(p, bs));
+    }
+    const int off = b - seg_start[s];
+    const int cnt = static_cast<int>(pos.size());
+    for (int l = F; l < L; ++l) {
+      std::span<const float> k(found[s]->k[l].data() + static_cast<size_t>(off) * kd,
+                               static_cast<size_t>(cnt) * kd);
+      std::span<const float> v(found[s]->v[l].data() + static_cast<size_t>(off) * kd,
+                               static_cast<size_t>(cnt) * kd);
+      RETURN_IF_ERROR(r.AssembleKv(l, k, v, pos, slots));
+    }
+  }
+  for (int p = P; p < N; ++p) (reused[p] ? st.reused_tokens : st.new_tokens)++;
+
+  // ---- full layers [0, F): every non-prefix row, with the selection signal ----
+  const std::vector<int32_t> ctx = engine_->CtxSlots(seq, N);
+  std::vector<int32_t> pos_all(n_rows), slot_all(n_rows), qgroup(n_rows);
+  std::vector<float> recv_w(n_rows), cross(n_rows, 0.0f), recv(N, 0.0f);
+  for (int i = 0; i < n_rows; ++i) {
+    pos_all[i] = P + i;
+    slot_all[i] = ctx[P + i];
+    qgroup[i] = group[P + i];
+    recv_w[i] = reused[P + i] ? 0.0f : 1.0f;
+  }
+  ASSIGN_OR_RETURN(Tensor x0, r.Embed(std::span<const int32_t>(tokens.data() + P, n_rows)));
+  TensorGuard xg{&r.backend(), x0};
+  const bool want_attn = selector->needs_attention_stats() && st.reused_tokens > 0;
+  for (int l = 0; l < F; ++l) {
+    LayerRows rows{pos_all, slot_all, ctx};
+    AttentionArgs stats;
+    if (want_attn) {
+      stats.key_group = group;
+      stats.q_group = qgroup;
+      stats.out_cross = cross.data();
+      stats.recv_weight = recv_w;
+      stats.out_recv = recv.data();
+    }
+    RETURN_IF_ERROR(r.Layer(l, xg.t, rows, want_attn ? &stats : nullptr));
+  }
+  st.computed_token_layers = static_cast<int64_t>(F) * n_rows;
+
+  // ---- switch: rank the reused tokens ----
+  std::vector<int32_t> reused_rows;  // row index (position - P) of every reused token
+  for (int i = 0; i < n_rows; ++i) {
+    if (reused[P + i]) reused_rows.push_back(i);
+  }
+  std::vector<int32_t> ranked;  // into reused_rows, most important first
+  if (F < L && !reused_rows.empty()) {
+    SelectionInput in;
+    in.seed = o.seed;
+    for (int32_t i : reused_rows) {
+      const int p = P + i;
+      in.segment.push_back(group[p]);
+      in.offset.push_back(p - seg_start[group[p]]);
+      in.cross_mass.push_back(F > 0 ? cross[i] / F : 0.0f);
+      in.new_recv.push_back(F > 0 ? recv[p] / F : 0.0f);
+    }
+    if (selector->needs_kv_deviation()) {
+      // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V).
+      std::vector<float> k, v;
+      RETURN_IF_ERROR(r.ProjectKv(F, xg.t, &k, &v));
+      for (int32_t i : reused_rows) {
+        const int p = P + i;
+        const SegmentKv& kv = *found[group[p]];
+        const size_t src = static_cast<size_t>(p - seg_start[group[p]]) * kd;
+        double d = 0;
+        for (int t = 0; t < kd; ++t) {
+          const double dk = k[static_cast<size_t>(i) * kd + t] - kv.k[F][src + t];
+          const double dv = v[static_cast<size_t>(i) * kd + t] - kv.v[F][src + t];
+          d += dk * dk + dv * dv;
+        }
+        in.kv_deviation.push_back(static_cast<float>(d));
+      }
+    }
+    std::vector<float> score = selector->Score(in);
+    BudgetOptions full = o.budget;
+    full.mode = BudgetOptions::Mode::kFixed;
+    full.ratio = 1.0f;
+    ranked = ApplyBudget(score, full);  // full ranking
+    // Keep count for the first sparse layer.
+    const int first_keep = static_cast<int>(ApplyBudget(score, o.budget).size());
+    ranked.resize(first_keep);
+  }
+
+  // ---- sparse layers [F, L): selected reused rows + every new row + the last row ----
+  auto rows_for_layer = [&](int l) {
+    int keep = static_cast<int>(ranked.size());
+    const int li = l - F;
+    if (li < static_cast<int>(o.layer_ratios.size())) {
+      keep = std::min(keep, static_cast<int>(std::lround(o.layer_ratios[li] *
+                                                         static_cast<double>(reused_rows.size()))));
+    }
+    std::vector<int32_t> rows;
+    for (int i = 0; i < keep; ++i) rows.push_back(reused_rows[ranked[i]]);
+    for (int i = 0; i < n_rows; ++i) {
+      if (!reused[P + i]) rows.push_back(i);
+    }
+    std::sort(rows.begin(), rows.end());
+    return rows;
+  };
+  std::vector<int32_t> cur;  // rows (index into the full row set) currently in xs
+  for (int i = 0; i < n_rows; ++i) cur.push_back(i);
+  Tensor* xs = &xg.t;
+  TensorGuard sg{&r.backend(), Tensor{}};
+  for (int l = F; l < L; ++l) {
+    std::vector<int32_t> want = rows_for_layer(l);
+    if (l == F) st.selected_tokens = static_cast<int>(want.size()) - st.new_tokens;
+    if (want != cur) {
+      // want is a subset of cur (budgets are non-increasing): gather its rows.
+      std::vector<int32_t> idx;
+      size_t j = 0;
+      for (int32_t w : want) {
+        while (j < cur.size() && cur[j] < w) ++j;
+        idx.push_back(static_cast<int32_t>(j));
+      }
+      ASSIGN_OR_RETURN(Tensor nx, r.backend().Alloc(static_cast<int64_t>(want.size()), cfg.dim));
+      absl::Status gs = r.backend().GatherRows(*xs, idx, nx);
+      if (!gs.ok()) {
+        r.backend().Free(nx);
+        return gs;
+      }
+      r.backend().Free(sg.t);
+      sg.t = nx;
+      xs = &sg.t;
+      cur = std::move(want);
+    }
+    std::vector<int32_t> pos(cur.size()), slots(cur.size());
+    for (size_t i = 0; i < cur.size(); ++i) {
+      pos[i] = P + cur[i];
+      slots[i] = ctx[P + cur[i]];
+    }
+    LayerRows rows{pos, slots, ctx};
+    RETURN_IF_ERROR(r.Layer(l, *xs, rows));
+    st.computed_token_layers += static_cast<int64_t>(cur.size());
+  }
+  if (F >= L) st.selected_tokens = st.reused_tokens;
+  // The last row is always present and last in position order.
+  const int32_t last = static_cast<int32_t>(cur.size()) - 1;
+  ASSIGN_OR_RETURN(res.logits, r.Logits(*xs, std::span<const int32_t>(&last, 1)));
+  seq.computed = N;
+  st.compute_share = n_rows > 0 ? static_cast<double>(st.computed_token_layers) /
+                                      (static_cast<double>(L) * n_rows)
+                                : 0.0;
+
+  // ---- after the pass: store what was missing, register blocks for prefix reuse ----
+  if (o.enable_reuse && o.store_new_segments) {
+    for (size_t s = 0; s < segs.size(); ++s) {
+      if (found[s] || !segs[s].cacheable || segs[s].tokens.empty()) continue;
+      RETURN_IF_ERROR(EnsureStored(segs[s].tokens, &o));
+    }
+  }
+  // Exact up to the first reused token that some sparse layer did not recompute.
+  st.exact_tokens = N;
+  if (!reused_rows.empty() && F < L) {
+    std::vector<char> everywhere(n_rows, 0);
+    for (int32_t i : cur) everywhere[i] = 1;  // rows of the last (smallest) sparse layer
+    for (int32_t i : reused_rows) {
+      if (!everywhere[i]) {
+        st.exact_tokens = P + i;
+        break;
+      }
+    }
+  }
+  if (o.register_prefix) {
+    engine_->RegisterPrefix(seq, o.register_approximate_prefix ? -1 : st.exact_tokens);
+  }
+  guard.armed = false;
+  res.seq = std::move(seq);
+  return res;
+}
+
+absl::StatusOr<GenerateResult> ReuseEngine::Generate(const std::vector<PromptSegment>& segments,
+                                                     const SamplingParams& sampling,
+                                                     const TokenCallback& cb, ReuseStats* stats) {
+  RETURN_IF_ERROR(ValidateSampling(sampling));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(ReusePrefillResult pr, Prefill(segments));
+  if (stats != nullptr) *stats = pr.stats;
+  Sequence& seq = pr.seq;
+  GenerateResult res;
+  res.prompt_tokens = pr.stats.prompt_tokens;
+  res.cached_tokens = pr.stats.prefix_tokens + pr.stats.reused_tokens;
+  const Tokenizer& tok = engine_->model().tokenizer();
+  std::vector<int32_t> stops = sampling.stop_ids;
+  if (!sampling.ignore_eos) {
+    for (int32_t s : tok.StopIds()) stops.push_back(s);
+    if (tok.bos_id() >= 0) stops.push_back(tok.bos_id());
+  }
+  Sampler sampler(sampling);
+  StreamDecoder dec(tok);
+  absl::StatusOr<std::vector<float>> logits = std::move(pr.logits);
+  res.finish_reason = "length";
+  const int max_len = engine_->model().config().max_seq_len;
+  while (logits.ok() && static_cast<int>(res.tokens.size()) < sampling.max_tokens) {
+    const int32_t next = sampler.Sample(*logits);
+    if (res.tokens.empty()) {
+      res.ttft_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
+      res.finish_reason = "stop";
+      break;
+    }
+    res.tokens.push_back(next);
+    TokenEvent ev{next, dec.Push(next)};
+    res.text += ev.text;
+    if (cb && !cb(ev)) {
+      res.finish_reason = "cancelled";
+      break;
+    }
+    if (static_cast<int>(res.tokens.size()) == sampling.max_tokens ||
+        static_cast<int>(seq.tokens.size()) >= max_len) {
+      break;
+    }
+    logits = engine_->Step(seq, next);
+  }
+  absl::Status s = logits.status();
+  if (s.ok()) res.text += dec.Flush();
+  engine_->Release(seq);
+  RETURN_IF_ERROR(s);
+  res.total_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+}  // namespace sparsex

@@ -1,0 +1,105 @@
+// Segment reuse with single-pass sparse recompute (BRIEF section 3).
+//
+// A prompt is a list of segments. Leading blocks that are an exact cached prefix are used as
+// they are; segments found in the segment store are assembled into the request's paged KV at
+// their new positions (RoPE applied there); everything else is new. One forward pass then runs
+// layers [0, F) over all non-prefix tokens with full attention, picks the Sparse-Q rows at the
+// switch, and runs layers [F, L) only for those rows (selected reused tokens, every new token,
+// the last token), whose fresh K/V overwrite the reused entries; each row attends over all keys
+// up to its own position.
+//
+//   ReuseEngine re(engine.get(), &store, {});
+//   ASSIGN_OR_RETURN(ReusePrefillResult r, re.Prefill({{doc1}, {doc2}, {question}}));
+//   // r.logits: next-token logits; r.seq: the request's KV (continue with engine->Step).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "gpu_worker/engine/engine.h"
+#include "gpu_worker/reuse/chunking.h"
+#include "gpu_worker/reuse/segment_store.h"
+#include "gpu_worker/reuse/selector.h"
+
+namespace sparsex {
+
+struct ReuseOptions {
+  bool enable_reuse = true;  // false: plain prefill of the concatenation. Default: true
+  int full_layers = 1;       // F: layers with full attention over all tokens. Default: 1
+                             // (docs/fidelity.md: best KL per compute share on stories260K)
+  std::string selector = "sparsex";  // sparsex | cacheblend | epic | random. Default: sparsex
+  BudgetOptions budget;              // Default: fixed ratio 0.15
+  // Optional per-sparse-layer ratios for layers F, F+1, ... (non-increasing: a row dropped at
+  // one layer has no exact input at the next). Empty: budget for every sparse layer.
+  std::vector<float> layer_ratios;
+  // Context a segment is encoded in for storage: "none" (alone at positions 0..n-1), "bos"
+  // (after BOS, only the segment part kept) or "prefix:<id> <id> ..." (after fixed tokens).
+  // Default: none (stories260K: naive-reuse KL 3.6x lower than bos; docs/fidelity.md)
+  std::string encoding = "none";
+  bool store_new_segments = true;    // encode and store missing segments. Default: true
+  // Register the request's blocks for exact-prefix reuse. Only blocks before the first token
+  // whose KV is approximate (a reused token not recomputed in every layer) are exact; later
+  // blocks are registered only with register_approximate_prefix, which lets a follow-up see
+  // exactly the KV this request used instead of re-running reuse. Default: true / false
+  bool register_prefix = true;
+  bool register_approximate_prefix = false;
+  uint64_t seed = 0;                 // random selector seed. Default: 0
+};
+
+absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers);
+
+struct PromptSegment {
+  std::vector<int32_t> tokens;
+  bool cacheable = true;  // look up and store this segment. Default: true
+};
+
+struct ReuseStats {
+  int prompt_tokens = 0;
+  int prefix_tokens = 0;    // exact prefix-cache hits (never recomputed)
+  int reused_tokens = 0;    // tokens whose KV came from the segment store
+  int new_tokens = 0;       // tokens computed from scratch
+  int selected_tokens = 0;  // reused tokens recomputed at the first sparse layer
+  int exact_tokens = 0;     // leading tokens whose KV equals full prefill's
+  int segments_hit = 0, segments_missed = 0, segments_corrupt = 0;
+  int64_t computed_token_layers = 0;
+  double compute_share = 1.0;  // computed token-layers / (L x non-prefix tokens)
+};
+
+struct ReusePrefillResult {
+  Sequence seq;  // holds KV blocks: continue decoding with Engine::Step, then Release
+  std::vector<float> logits;
+  ReuseStats stats;
+};
+
+class ReuseEngine {
+ public:
+  ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts)
+      : engine_(engine), store_(store), opts_(std::move(opts)) {}
+  const ReuseOptions& options() const { return opts_; }
+  Engine& engine() { return *engine_; }
+
+  // add_bos prepends the tokenizer's BOS (a shared sink, never part of a segment).
+  absl::StatusOr<ReusePrefillResult> Prefill(const std::vector<PromptSegment>& segments,
+                                             bool add_bos = true,
+                                             const ReuseOptions* override_opts = nullptr);
+  // Encodes one segment in the configured context and stores its KV (idempotent).
+  absl::Status EnsureStored(const std::vector<int32_t>& tokens,
+                            const ReuseOptions* override_opts = nullptr);
+  Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
+  // Prefill + decode; stats of the prefill are returned through stats when non-null.
+  absl::StatusOr<GenerateResult> Generate(const std::vector<PromptSegment>& segments,
+                                          const SamplingParams& sampling, const TokenCallback& cb,
+                                          ReuseStats* stats = nullptr);
+
+ private:
+  absl::StatusOr<SegmentKv> Encode(const std::vector<int32_t>& tokens,
+                                   const std::string& encoding);
+  Engine* engine_;
+  SegmentStore* store_;
+  ReuseOptions opts_;
+};
+
+// Splits a plain prompt into segments by content-defined chunking.
+std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const ChunkingOptions& o);
+
+}  // namespace sparsex

@@ -1,0 +1,125 @@
+#include "gpu_worker/reuse/segment_store.h"
+
+#include <cstring>
+
+namespace sparsex {
+
+size_t SegmentKv::bytes() const {
+  return static_cast<size_t>(2) * n_layers * n_tokens * kv_dim * sizeof(float);
+}
+
+namespace {
+
+std::vector<uint64_t> Checksums(const SegmentKv& kv, int bt) {
+  std::vector<uint64_t> out;
+  const int nb = (kv.n_tokens + bt - 1) / bt;
+  for (int l = 0; l < kv.n_layers; ++l) {
+    for (int b = 0; b < nb; ++b) {
+      const size_t off = static_cast<size_t>(b) * bt * kv.kv_dim;
+      const size_t len =
+          static_cast<size_t>(std::min(bt, kv.n_tokens - b * bt)) * kv.kv_dim * sizeof(float);
+      const uint64_t hk = Hash64(kv.k[l].data() + off, len, l);
+      out.push_back(Hash64(kv.v[l].data() + off, len, hk));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void SealSegmentKv(SegmentKv& kv, int bt) { kv.checksums = Checksums(kv, bt); }
+
+bool VerifySegmentKv(const SegmentKv& kv, int bt) {
+  if (static_cast<int>(kv.k.size()) != kv.n_layers || static_cast<int>(kv.v.size()) != kv.n_layers) {
+    return false;
+  }
+  const size_t n = static_cast<size_t>(kv.n_tokens) * kv.kv_dim;
+  for (int l = 0; l < kv.n_layers; ++l) {
+    if (kv.k[l].size() != n || kv.v[l].size() != n) return false;
+  }
+  return Checksums(kv, bt) == kv.checksums;
+}
+
+absl::Status SegmentStore::Put(const Hash128& fp, SegmentKv kv) {
+  if (static_cast<int>(kv.k.size()) != kv.n_layers || kv.n_tokens <= 0) {
+    return absl::InvalidArgumentError("segment KV is empty or inconsistent");
+  }
+  SealSegmentKv(kv);
+  const size_t need = kv.bytes();
+  std::lock_guard<std::mutex> l(mu_);
+  if (need > opts_.capacity_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("segment of ", need,
+                                                     " bytes exceeds the store capacity of ",
+                                                     opts_.capacity_bytes));
+  }
+  EraseLocked(fp);
+  while (stats_.bytes + need > opts_.capacity_bytes && !lru_.empty()) {
+    EraseLocked(lru_.front());
+    ++stats_.evictions;
+  }
+  Entry e;
+  e.kv = std::make_shared<SegmentKv>(std::move(kv));
+  e.lru = lru_.insert(lru_.end(), fp);
+  map_.emplace(fp, std::move(e));
+  stats_.bytes += need;
+  ++stats_.entries;
+  ++stats_.puts;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const SegmentKv> SegmentStore::Get(const Hash128& fp) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = map_.find(fp);
+  if (it == map_.end()) {
+    ++stats_.misses;
+    return nullptr;
+  }
+  if (!VerifySegmentKv(*it->second.kv)) {
+    // Corrupt data is dropped and never served: the caller recomputes.
+    ++stats_.corrupt;
+    ++stats_.misses;
+    EraseLocked(fp);
+    return nullptr;
+  }
+  lru_.splice(lru_.end(), lru_, it->second.lru);
+  ++stats_.hits;
+  return it->second.kv;
+}
+
+bool SegmentStore::Contains(const Hash128& fp) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return map_.contains(fp);
+}
+
+void SegmentStore::Erase(const Hash128& fp) {
+  std::lock_guard<std::mutex> l(mu_);
+  EraseLocked(fp);
+}
+
+void SegmentStore::EraseLocked(const Hash128& fp) {
+  auto it = map_.find(fp);
+  if (it == map_.end()) return;
+  stats_.bytes -= it->second.kv->bytes();
+  --stats_.entries;
+  lru_.erase(it->second.lru);
+  map_.erase(it);
+}
+
+SegmentStoreStats SegmentStore::stats() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return stats_;
+}
+
+bool SegmentStore::CorruptForTest(const Hash128& fp) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = map_.find(fp);
+  if (it == map_.end() || it->second.kv->k.empty() || it->second.kv->k[0].empty()) return false;
+  float& x = it->second.kv->k[0][0];
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u ^= 0x00400000u;
+  std::memcpy(&x, &u, 4);
+  return true;
+}
+
+}  // namespace sparsex

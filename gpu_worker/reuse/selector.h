@@ -1,0 +1,56 @@
+// Sparse-Q selection: which reused tokens are recomputed in the sparse layers [F, L).
+// All selectors see the same input and return reused-token indices ranked by importance
+// (most important first); the budget (fixed ratio or adaptive) then decides how many to keep.
+//
+//   auto sel = CreateSelector("sparsex");
+//   std::vector<float> score = sel->Score(input);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sparsex {
+
+// Everything a selector may use, for the n reused (non-prefix) tokens of one request, measured
+// during the full layers [0, F) (averaged over those layers and heads).
+struct SelectionInput {
+  std::vector<int32_t> segment;    // [n] segment index of each reused token
+  std::vector<int32_t> offset;     // [n] position of the token inside its segment
+  std::vector<float> cross_mass;   // [n] attention mass the token's query puts outside its segment
+  std::vector<float> new_recv;     // [n] attention the new tokens pay to this token
+  std::vector<float> kv_deviation; // [n] |fresh - cached| of K and V at the first sparse layer
+  uint64_t seed = 0;               // for the random control
+};
+
+class Selector {
+ public:
+  virtual ~Selector() = default;
+  virtual std::string name() const = 0;
+  // Non-negative importance per reused token; higher is recomputed first.
+  virtual std::vector<float> Score(const SelectionInput& in) const = 0;
+  // What the executor must measure for this selector.
+  virtual bool needs_attention_stats() const { return false; }
+  virtual bool needs_kv_deviation() const { return false; }
+};
+
+// "sparsex" (cross-segment mass + new-token attention), "cacheblend" (KV deviation),
+// "epic" (first tokens of each segment), "random" (control).
+absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name);
+
+// Budget: how many of the ranked tokens to keep.
+struct BudgetOptions {
+  enum class Mode { kFixed, kAdaptive } mode = Mode::kFixed;  // Default: fixed
+  float ratio = 0.15f;         // fixed: share of reused tokens recomputed. Default: 0.15
+  float target_mass = 0.5f;    // adaptive: smallest set holding this share of the score mass.
+                               // Default: 0.5
+  float max_ratio = 0.3f;      // adaptive: cap. Default: 0.3
+};
+
+// Indices (into the reused tokens) of the selected set, sorted by importance.
+std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b);
+
+}  // namespace sparsex

@@ -1,0 +1,598 @@
+#include "kernels/attention.h"
+
+#include <cmath>
+
+#include "kernels/common.cuh"
+
+namespace sparsex::kernels {
+namespace {
+
+using detail::CeilDiv;
+using detail::CpAsync16;
+using detail::LdMatrixX4;
+using detail::LdMatrixX4Trans;
+using detail::MmaBf16;
+using detail::PackBf16x2;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -INFINITY;
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core path (head_dim 64 / 128).
+//
+// A block owns one KV head and a tile of QT = 64 / G query rows, where G = n_heads / n_kv_heads:
+// its 64 "M rows" are the (head-in-group, query row) pairs m -> (m / QT, m % QT), so the G query
+// heads of a group share each K/V tile. 4 warps, each 16 M rows; key tiles of 64 double-buffered
+// with cp.async; shared tiles are XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)) so ldmatrix
+// reads are bank-conflict free.
+// ---------------------------------------------------------------------------------------------
+constexpr int kBM = 64;
+constexpr int kBN = 64;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+template <int HD>
+__device__ __forceinline__ int Swz(int row, int chunk) {
+  return row * HD + ((chunk ^ (row & 7)) << 3);
+}
+
+template <int HD, bool STATS>
+constexpr int FlashSmemBytes() {
+  // Q tile + 2 K buffers (+ 2 V buffers).
+  return (kBM * HD + 2 * kBN * HD + (STATS ? 0 : 2 * kBN * HD)) * 2;
+}
+
+struct FlashExtra {
+  int group = 1;            // G: query heads per KV head
+  int qt = 64;              // query rows per block (kBM / G)
+  int tiles_per_split = 0;  // key tiles per split (gridDim.z splits)
+  float* ws_o = nullptr;    // [splits, num_q, n_heads, HD] fp32, split mode only
+  float* ws_lse = nullptr;  // [splits, num_q, n_heads]
+};
+
+template <int HD, bool STATS>
+__global__ void __launch_bounds__(kThreads, 2)
+    FlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, const FlashExtra ex) {
+  constexpr int CH = HD / 8;  // 16-byte chunks per row
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sK = sQ + kBM * HD;                // [2][kBN * HD]
+  bf16* sV = sK + 2 * kBN * HD;            // [2][kBN * HD] (unused in STATS)
+  __shared__ int s_lim[kBM];
+  __shared__ int s_max_lim, s_min_lim;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = ex.group, QT = ex.qt;
+  const int qtile = gridDim.x - 1 - blockIdx.x;  // heavy (late) tiles first
+  const int kvh = blockIdx.y;
+  const int split = blockIdx.z;
+  const int q0 = qtile * QT;
+  const int H = p.n_heads;
+
+  if (tid == 0) {
+    s_max_lim = -1;
+    s_min_lim = 0x7fffffff;
+  }
+  __syncthreads();
+  bool has_weight = false;
+  for (int m = tid; m < kBM; m += kThreads) {
+    const int qrow = q0 + m % QT;
+    int lim = -1;
+    if (qrow < p.num_q) {
+      lim = min(p.q_pos[qrow], p.ctx_len - 1);
+      if (lim < 0) lim = -1;
+      if constexpr (STATS) {
+        if (st.recv_weight && st.out_recv && st.recv_weight[qrow] > 0.0f) has_weight = true;
+      }
+    }
+    s_lim[m] = lim;
+    // The minimum includes rows without keys (-1) so that tiles are masked for them.
+    atomicMin(&s_min_lim, lim);
+    if (lim >= 0) atomicMax(&s_max_lim, lim);
+  }
+  if constexpr (STATS) {
+    has_weight = __syncthreads_or(has_weight);
+  } else {
+    __syncthreads();
+  }
+  const int kv_end = s_max_lim + 1;  // keys [0, kv_end) are needed by some row
+  const int min_lim = s_min_lim;
+  const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBN));
+  int t_begin = 0, t_end = n_tiles;
+  if (ex.ws_o != nullptr) {
+    t_begin = split * ex.tiles_per_split;
+    t_end = min(n_tiles, t_begin + ex.tiles_per_split);
+  }
+
+  // Rows owned by this thread inside its warp's 16: g and g + 8.
+  const int g = lane >> 2, tq = lane & 3;
+  const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
+  int qrow[2], head[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    qrow[i] = q0 + mr[i] % QT;
+    head[i] = kvh * G + mr[i] / QT;
+  }
+  const float scale_log2 = p.scale * kLog2e;
+
+  auto load_kv = [&](int buf, int tile) {
+    bf16* dk = sK + buf * kBN * HD;
+    bf16* dv = sV + buf * kBN * HD;
+    for (int idx = tid; idx < kBN * CH; idx += kThreads) {
+      const int r = idx / CH, c = idx % CH;
+      const int j = tile * kBN + r;
+      const bool valid = j < kv_end;
+      const int64_t slot = valid ? p.ctx_slots[j] : 0;
+      const int64_t off = slot * p.kv_stride + kvh * HD + c * 8;
+      CpAsync16(dk + Swz<HD>(r, c), p.k_pool + (valid ? off : 0), valid);
+      if constexpr (!STATS) CpAsync16(dv + Swz<HD>(r, c), p.v_pool + (valid ? off : 0), valid);
+    }
+  };
+
+  // Q tile (group 0 together with the first K/V tile).
+  for (int idx = tid; idx < kBM * CH; idx += kThreads) {
+    const int m = idx / CH, c = idx % CH;
+    const int qr = q0 + m % QT;
+    const int hh = kvh * G + m / QT;
+    const bool valid = qr < p.num_q;
+    const int64_t off = valid ? (int64_t)qr * p.q_stride + hh * HD + c * 8 : 0;
+    CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
+  }
+
+  float o[STATS ? 1 : HD / 8][4];
+  float row_m[2] = {kNegInf, kNegInf}, row_l[2] = {0.0f, 0.0f};
+  if constexpr (!STATS) {
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+  }
+  // STATS state.
+  float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
+  int qg[2] = {0, 0};
+  if constexpr (STATS) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (lim[i] >= 0) {
+        lse_row[i] = p.lse[(int64_t)qrow[i] * H + head[i]];
+        if (st.q_group) qg[i] = st.q_group[qrow[i]];
+        if (st.recv_weight) w_row[i] = fmaxf(st.recv_weight[qrow[i]], 0.0f);
+      }
+    }
+  }
+
+  if (t_begin < t_end) load_kv(0, t_begin);
+  detail::CpAsyncCommit();
+
+  for (int t = t_begin; t < t_end; ++t) {
+    const int buf = (t - t_begin) & 1;
+    if (t + 1 < t_end) load_kv(buf ^ 1, t + 1);
+    detail::CpAsyncCommit();
+    detail::CpAsyncWait<1>();
+    __syncthreads();
+
+    const bf16* tK = sK + buf * kBN * HD;
+    float s[kBN / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < kBN / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      uint32_t a[4];
+      LdMatrixX4(a[0], a[1], a[2], a[3], sQ + Swz<HD>(warp * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nb2 = 0; nb2 < kBN / 16; ++nb2) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4(b0, b1, b2, b3,
+                   tK + Swz<HD>(nb2 * 16 + ((lane >> 4) << 3) + (lane & 7),
+                                ks * 2 + ((lane >> 3) & 1)));
+        MmaBf16(s[2 * nb2], a, b0, b1);
+        MmaBf16(s[2 * nb2 + 1], a, b2, b3);
+      }
+    }
+
+    // Scale (log2 domain) and causal mask by each row's own limit.
+    const int key0 = t * kBN + 2 * tq;
+    const bool need_mask = (t * kBN + kBN - 1) > min_lim;
+#pragma unroll
+    for (int nb = 0; nb < kBN / 8; ++nb) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int key = key0 + nb * 8 + (c & 1);
+        float v = s[nb][c] * scale_log2;
+        if (need_mask && key > lim[c >> 1]) v = kNegInf;
+        s[nb][c] = v;
+      }
+    }
+
+    if constexpr (STATS) {
+      float colsum[kBN / 8][2];
+#pragma unroll
+      for (int nb = 0; nb < kBN / 8; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + nb * 8 + e;
+          const int kg = (key < p.ctx_len && st.key_group) ? st.key_group[key] : -1;
+          const float p0 = exp2f(s[nb][e] - lse_row[0]);
+          const float p1 = exp2f(s[nb][2 + e] - lse_row[1]);
+          if (kg >= 0) {
+            if (kg != qg[0]) cross[0] += p0;
+            if (kg != qg[1]) cross[1] += p1;
+          }
+          colsum[nb][e] = w_row[0] * p0 + w_row[1] * p1;
+        }
+      }
+      if (has_weight) {
+#pragma unroll
+        for (int nb = 0; nb < kBN / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = colsum[nb][e];
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            v += __shfl_xor_sync(0xffffffffu, v, 16);
+            const int key = key0 + nb * 8 + e;
+            if (g == 0 && v != 0.0f && key < p.ctx_len)
+              atomicAdd(st.out_recv + key, v / static_cast<float>(H));
+          }
+        }
+      }
+    } else {
+      // Online softmax.
+      float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+      for (int nb = 0; nb < kBN / 8; ++nb) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[nb][0], s[nb][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[nb][2], s[nb][3]));
+      }
+      float ref[2], corr[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float m_new = fmaxf(row_m[i], mx[i]);
+        ref[i] = m_new == kNegInf ? 0.0f : m_new;
+        corr[i] = exp2f(row_m[i] - ref[i]);
+        row_m[i] = m_new;
+        row_l[i] *= corr[i];
+      }
+#pragma unroll
+      for (int nb = 0; nb < kBN / 8; ++nb) {
+        s[nb][0] = exp2f(s[nb][0] - ref[0]);
+        s[nb][1] = exp2f(s[nb][1] - ref[0]);
+        s[nb][2] = exp2f(s[nb][2] - ref[1]);
+        s[nb][3] = exp2f(s[nb][3] - ref[1]);
+        row_l[0] += s[nb][0] + s[nb][1];
+        row_l[1] += s[nb][2] + s[nb][3];
+      }
+#pragma unroll
+      for (int nd = 0; nd < HD / 8; ++nd) {
+        o[nd][0] *= corr[0];
+        o[nd][1] *= corr[0];
+        o[nd][2] *= corr[1];
+        o[nd][3] *= corr[1];
+      }
+      const bf16* tV = sV + buf * kBN * HD;
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = PackBf16x2(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = PackBf16x2(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = PackBf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = PackBf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd2 = 0; nd2 < HD / 16; ++nd2) {
+          uint32_t b0, b1, b2, b3;
+          LdMatrixX4Trans(b0, b1, b2, b3,
+                          tV + Swz<HD>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                       nd2 * 2 + (lane >> 4)));
+          MmaBf16(o[2 * nd2], a, b0, b1);
+          MmaBf16(o[2 * nd2 + 1], a, b2, b3);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  detail::CpAsyncWait<0>();
+
+  if constexpr (STATS) {
+    if (st.out_cross && st.key_group && st.q_group) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float v = cross[i];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (tq == 0 && lim[i] >= 0 && v != 0.0f)
+          atomicAdd(st.out_cross + qrow[i], v / static_cast<float>(H));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 1);
+      row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (qrow[i] >= p.num_q) continue;
+      const float inv = row_l[i] > 0.0f ? 1.0f / row_l[i] : 0.0f;
+      const float lse = row_l[i] > 0.0f ? row_m[i] + log2f(row_l[i]) : kNegInf;
+      const int64_t rh = (int64_t)qrow[i] * H + head[i];
+      if (ex.ws_o != nullptr) {
+        const int64_t base = (int64_t)split * p.num_q * H + rh;
+        float* wo = ex.ws_o + base * HD;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd) {
+          *reinterpret_cast<float2*>(wo + nd * 8 + 2 * tq) =
+              make_float2(o[nd][2 * i] * inv, o[nd][2 * i + 1] * inv);
+        }
+        if (tq == 0) ex.ws_lse[base] = lse;
+      } else {
+        bf16* orow = p.out + (int64_t)qrow[i] * p.out_stride + head[i] * HD;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd) {
+          *reinterpret_cast<uint32_t*>(orow + nd * 8 + 2 * tq) =
+              PackBf16x2(o[nd][2 * i] * inv, o[nd][2 * i + 1] * inv);
+        }
+        if (tq == 0 && p.lse) p.lse[rh] = lse;
+      }
+    }
+  }
+}
+
+// Merges split-K partials: one block of head_dim threads per (query row, head).
+__global__ void CombineKernel(const PagedAttentionParams p, const float* ws_o,
+                              const float* ws_lse, int splits) {
+  const int64_t rh = blockIdx.x;  // qrow * H + head
+  const int qrow = static_cast<int>(rh / p.n_heads), head = static_cast<int>(rh % p.n_heads);
+  const int d = threadIdx.x;
+  const int64_t stride = (int64_t)p.num_q * p.n_heads;
+  float mx = kNegInf;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ws_lse[s * stride + rh]);
+  float acc = 0.0f, wsum = 0.0f;
+  if (mx != kNegInf) {
+    for (int s = 0; s < splits; ++s) {
+      const float l = ws_lse[s * stride + rh];
+      if (l == kNegInf) continue;
+      const float w = exp2f(l - mx);
+      wsum += w;
+      acc += w * ws_o[(s * stride + rh) * p.head_dim + d];
+    }
+  }
+  const float v = wsum > 0.0f ? acc / wsum : 0.0f;
+  p.out[(int64_t)qrow * p.out_stride + head * p.head_dim + d] = __float2bfloat16_rn(v);
+  if (d == 0 && p.lse) p.lse[rh] = wsum > 0.0f ? mx + log2f(wsum) : kNegInf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generic path (head_dim <= 64): one warp per (query row, head), lanes split the keys, fp32.
+// ---------------------------------------------------------------------------------------------
+template <int MAXD>
+__global__ void GenericAttentionKernel(const PagedAttentionParams p) {
+  const int64_t w = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= (int64_t)p.num_q * p.n_heads) return;
+  const int qrow = static_cast<int>(w / p.n_heads), head = static_cast<int>(w % p.n_heads);
+  const int kvh = head / (p.n_heads / p.n_kv_heads);
+  const int hd = p.head_dim;
+  const int lim = min(p.q_pos[qrow], p.ctx_len - 1);
+  const float scale_log2 = p.scale * kLog2e;
+  float q[MAXD], o[MAXD];
+  const bf16* qp = p.q + (int64_t)qrow * p.q_stride + head * hd;
+#pragma unroll
+  for (int d = 0; d < MAXD; ++d) {
+    q[d] = d < hd ? __bfloat162float(qp[d]) * scale_log2 : 0.0f;
+    o[d] = 0.0f;
+  }
+  float m = kNegInf, l = 0.0f;
+  for (int j = lane; j <= lim; j += 32) {
+    const int64_t off = (int64_t)p.ctx_slots[j] * p.kv_stride + kvh * hd;
+    const bf16* kp = p.k_pool + off;
+    const bf16* vp = p.v_pool + off;
+    float sc = 0.0f;
+#pragma unroll
+    for (int d = 0; d < MAXD; ++d)
+      if (d < hd) sc += q[d] * __bfloat162float(kp[d]);
+    const float m_new = fmaxf(m, sc);
+    const float corr = exp2f(m - m_new);
+    const float pr = exp2f(sc - m_new);
+    l = l * corr + pr;
+#pragma unroll
+    for (int d = 0; d < MAXD; ++d)
+      if (d < hd) o[d] = o[d] * corr + pr * __bfloat162float(vp[d]);
+    m = m_new;
+  }
+  const float M = detail::WarpMax(m);
+  const float f = (m == kNegInf) ? 0.0f : exp2f(m - M);
+  l = detail::WarpSum(l * f);
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  bf16* op = p.out + (int64_t)qrow * p.out_stride + head * hd;
+#pragma unroll
+  for (int d = 0; d < MAXD; ++d) {
+    const float v = detail::WarpSum(o[d] * f);
+    if (d < hd && (d & 31) == lane) op[d] = __float2bfloat16_rn(v * inv);
+  }
+  if (lane == 0 && p.lse) p.lse[w] = l > 0.0f ? M + log2f(l) : kNegInf;
+}
+
+template <int MAXD>
+__global__ void GenericStatsKernel(const PagedAttentionParams p, const AttentionStatsParams st) {
+  const int64_t w = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= (int64_t)p.num_q * p.n_heads) return;
+  const int qrow = static_cast<int>(w / p.n_heads), head = static_cast<int>(w % p.n_heads);
+  const int kvh = head / (p.n_heads / p.n_kv_heads);
+  const int hd = p.head_dim;
+  const int lim = min(p.q_pos[qrow], p.ctx_len - 1);
+  if (lim < 0) return;
+  const float scale_log2 = p.scale * kLog2e;
+  const float lse = p.lse[w];
+  const bool do_cross = st.out_cross && st.key_group && st.q_group;
+  const int qg = st.q_group ? st.q_group[qrow] : 0;
+  const float wr = (st.recv_weight && st.out_recv) ? st.recv_weight[qrow] : 0.0f;
+  if (!do_cross && !(wr > 0.0f)) return;
+  float q[MAXD];
+  const bf16* qp = p.q + (int64_t)qrow * p.q_stride + head * hd;
+#pragma unroll
+  for (int d = 0; d < MAXD; ++d) q[d] = d < hd ? __bfloat162float(qp[d]) * scale_log2 : 0.0f;
+  const float inv_h = 1.0f / static_cast<float>(p.n_heads);
+  float cross = 0.0f;
+  for (int j = lane; j <= lim; j += 32) {
+    const bf16* kp = p.k_pool + (int64_t)p.ctx_slots[j] * p.kv_stride + kvh * hd;
+    float sc = 0.0f;
+#pragma unroll
+    for (int d = 0; d < MAXD; ++d)
+      if (d < hd) sc += q[d] * __bfloat162float(kp[d]);
+    const float pr = exp2f(sc - lse);
+    if (do_cross) {
+      const int kg = st.key_group[j];
+      if (kg >= 0 && kg != qg) cross += pr;
+    }
+    if (wr > 0.0f) atomicAdd(st.out_recv + j, wr * pr * inv_h);
+  }
+  if (do_cross) {
+    cross = detail::WarpSum(cross);
+    if (lane == 0 && cross != 0.0f) atomicAdd(st.out_cross + qrow, cross * inv_h);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch.
+// ---------------------------------------------------------------------------------------------
+bool TensorCorePath(const PagedAttentionParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  const int G = p.n_heads / p.n_kv_heads;
+  if (kBM % G != 0) return false;
+  if (p.q_stride % 8 || p.kv_stride % 8 || !detail::Aligned16(p.q) ||
+      !detail::Aligned16(p.k_pool) || !detail::Aligned16(p.v_pool))
+    return false;
+  return true;
+}
+
+int NumSms() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
+  return sms > 0 ? sms : 132;
+}
+
+struct SplitPlan {
+  int splits = 1;
+  int tiles_per_split = 0;
+};
+
+SplitPlan PlanSplits(const PagedAttentionParams& p) {
+  SplitPlan plan;
+  if (!TensorCorePath(p)) return plan;
+  const int G = p.n_heads / p.n_kv_heads;
+  const int64_t blocks = CeilDiv(p.num_q, kBM / G) * p.n_kv_heads;
+  const int tiles = static_cast<int>(CeilDiv(p.ctx_len, kBN));
+  const int sms = NumSms();
+  if (blocks >= sms || tiles < 4) return plan;
+  int want = static_cast<int>(CeilDiv(2 * sms, blocks));
+  want = want > 64 ? 64 : want;
+  want = want > tiles / 2 ? tiles / 2 : want;
+  if (want <= 1) return plan;
+  plan.tiles_per_split = static_cast<int>(CeilDiv(tiles, want));
+  plan.splits = static_cast<int>(CeilDiv(tiles, plan.tiles_per_split));
+  return plan;
+}
+
+template <int HD, bool STATS>
+cudaError_t LaunchFlash(const PagedAttentionParams& p, const AttentionStatsParams& st,
+                        FlashExtra ex, int splits, cudaStream_t stream) {
+  constexpr int smem = FlashSmemBytes<HD, STATS>();
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(FlashKernel<HD, STATS>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  const int G = p.n_heads / p.n_kv_heads;
+  ex.group = G;
+  ex.qt = kBM / G;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, ex.qt)), p.n_kv_heads, splits);
+  FlashKernel<HD, STATS><<<grid, kThreads, smem, stream>>>(p, st, ex);
+  return cudaGetLastError();
+}
+
+bool ValidCommon(const PagedAttentionParams& p) {
+  if (p.num_q < 0 || p.ctx_len < 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.head_dim <= 0)
+    return false;
+  if (p.n_heads % p.n_kv_heads != 0) return false;
+  if (p.num_q > 0 && (!p.q || !p.q_pos || !p.out)) return false;
+  if (p.ctx_len > 0 && (!p.k_pool || !p.v_pool || !p.ctx_slots)) return false;
+  return true;
+}
+
+}  // namespace
+
+bool PagedAttentionSupported(int head_dim, int n_heads, int n_kv_heads) {
+  if (head_dim <= 0 || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads) return false;
+  if (head_dim <= 64) return true;
+  return head_dim == 128 && kBM % (n_heads / n_kv_heads) == 0;
+}
+
+size_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& p) {
+  if (!ValidCommon(p) || p.num_q == 0) return 0;
+  const SplitPlan plan = PlanSplits(p);
+  if (plan.splits <= 1) return 0;
+  return static_cast<size_t>(plan.splits) * p.num_q * p.n_heads * (p.head_dim + 1) *
+         sizeof(float);
+}
+
+cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  if (!ValidCommon(p)) return cudaErrorInvalidValue;
+  if (p.num_q == 0) return cudaSuccess;
+  if (TensorCorePath(p)) {
+    const SplitPlan plan = PlanSplits(p);
+    FlashExtra ex;
+    AttentionStatsParams none;
+    if (plan.splits > 1) {
+      if (workspace_bytes < PagedAttentionWorkspaceBytes(p) || workspace == nullptr)
+        return cudaErrorInvalidValue;
+      ex.tiles_per_split = plan.tiles_per_split;
+      ex.ws_o = static_cast<float*>(workspace);
+      ex.ws_lse = ex.ws_o + static_cast<size_t>(plan.splits) * p.num_q * p.n_heads * p.head_dim;
+    }
+    cudaError_t e = p.head_dim == 128
+                        ? LaunchFlash<128, false>(p, none, ex, plan.splits, stream)
+                        : LaunchFlash<64, false>(p, none, ex, plan.splits, stream);
+    if (e != cudaSuccess || plan.splits <= 1) return e;
+    CombineKernel<<<static_cast<unsigned>((int64_t)p.num_q * p.n_heads), p.head_dim, 0, stream>>>(
+        p, ex.ws_o, ex.ws_lse, plan.splits);
+    return cudaGetLastError();
+  }
+  if (p.head_dim > 64) return cudaErrorInvalidValue;
+  const int64_t warps = (int64_t)p.num_q * p.n_heads;
+  const unsigned blocks = static_cast<unsigned>(CeilDiv(warps * 32, 128));
+  if (p.head_dim <= 16) {
+    GenericAttentionKernel<16><<<blocks, 128, 0, stream>>>(p);
+  } else {
+    GenericAttentionKernel<64><<<blocks, 128, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
+                           cudaStream_t stream) {
+  if (!ValidCommon(p) || p.lse == nullptr) return cudaErrorInvalidValue;
+  if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
+  if (!s.out_cross && !s.out_recv) return cudaSuccess;
+  if (TensorCorePath(p)) {
+    FlashExtra ex;
+    return p.head_dim == 128 ? LaunchFlash<128, true>(p, s, ex, 1, stream)
+                             : LaunchFlash<64, true>(p, s, ex, 1, stream);
+  }
+  if (p.head_dim > 64) return cudaErrorInvalidValue;
+  const int64_t warps = (int64_t)p.num_q * p.n_heads;
+  const unsigned blocks = static_cast<unsigned>(CeilDiv(warps * 32, 128));
+  if (p.head_dim <= 16) {
+    GenericStatsKernel<16><<<blocks, 128, 0, stream>>>(p, s);
+  } else {
+    GenericStatsKernel<64><<<blocks, 128, 0, stream>>>(p, s);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace sparsex::kernels

@@ -1,0 +1,246 @@
+// Segment reuse with sparse recompute on the real stories260K model.
+#include "gpu_worker/reuse/reuse_prefill.h"
+
+#include "common/fingerprint.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "tests/gpu_worker/test_util.h"
+
+namespace sparsex {
+namespace {
+
+class ReuseTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::LoadStories260K();
+    ASSERT_NE(model_, nullptr);
+    EngineOptions eo;
+    eo.kv.num_blocks = 512;
+    eo.kv.enable_prefix_caching = false;
+    auto e = Engine::Create(*model_, eo);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = std::move(*e);
+    store_ = std::make_unique<SegmentStore>(SegmentStoreOptions{});
+    reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_.get(), ReuseOptions{});
+  }
+  std::vector<int32_t> Enc(const std::string& s) { return model_->tokenizer().Encode(s, false); }
+
+  // Logits of a plain full prefill of the same segments.
+  std::vector<float> Full(const std::vector<PromptSegment>& segs, bool add_bos = true) {
+    ReuseOptions o;
+    o.enable_reuse = false;
+    auto r = reuse_->Prefill(segs, add_bos, &o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    engine_->Release(r->seq);
+    return r->logits;
+  }
+  ReusePrefillResult Run(const std::vector<PromptSegment>& segs, const ReuseOptions& o,
+                         bool add_bos = true) {
+    auto r = reuse_->Prefill(segs, add_bos, &o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    engine_->Release(r->seq);
+    return std::move(*r);
+  }
+  static float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    float m = 0;
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+    return m;
+  }
+
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<SegmentStore> store_;
+  std::unique_ptr<ReuseEngine> reuse_;
+  const std::string kDocA = "Lily went to the park with her mom. They saw a big red ball and played "
+                            "with it all day long until the sun went down.";
+  const std::string kDocB = "Tom had a little dog named Max. Max liked to run and jump in the "
+                            "garden, and he barked at the birds in the tall tree.";
+  const std::string kDocC = "One day, a bird flew into the kitchen.";
+  const std::string kQ = " What did they do next? They";
+};
+
+TEST_F(ReuseTest, FullRecomputeEqualsFullPrefillForEverySelector) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  const std::vector<float> full = Full(segs);
+  for (const char* sel : {"sparsex", "cacheblend", "epic", "random"}) {
+    for (int F : {0, 1, 2}) {
+      ReuseOptions o;
+      o.selector = sel;
+      o.full_layers = F;
+      o.budget.ratio = 1.0f;
+      ReusePrefillResult r = Run(segs, o);
+      EXPECT_GT(r.stats.reused_tokens, 0);
+      EXPECT_LT(MaxDiff(full, r.logits), 1e-4) << sel << " F=" << F;
+      EXPECT_NEAR(r.stats.compute_share, 1.0, 1e-9);
+    }
+  }
+}
+
+TEST_F(ReuseTest, NaiveReuseEqualsExactKvWhenTheEncodingContextMatches) {
+  // A segment stored after a fixed prefix and reused right after that same prefix at its new
+  // position has exactly the KV full prefill computes: naive reuse (F=0, r=0) must match full
+  // prefill. This checks assembly and RoPE re-alignment at a shifted position.
+  std::vector<int32_t> a = Enc(kDocA);
+  std::string ctx = "prefix:";
+  ctx += std::to_string(model_->tokenizer().bos_id());
+  for (int32_t t : a) ctx += " " + std::to_string(t);
+  ReuseOptions o;
+  o.encoding = ctx;
+  o.full_layers = 0;
+  o.budget.ratio = 0.0f;
+  std::vector<int32_t> b = Enc(kDocB);
+  ASSERT_TRUE(reuse_->EnsureStored(b, &o).ok());
+  std::vector<PromptSegment> segs = {{a, false}, {b}, {Enc(kQ), false}};
+  ReusePrefillResult r = Run(segs, o);
+  EXPECT_EQ(r.stats.reused_tokens, static_cast<int>(b.size()));
+  EXPECT_EQ(r.stats.selected_tokens, 0);
+  EXPECT_LT(MaxDiff(Full(segs), r.logits), 1e-4);
+  // The same with "bos" encoding and the segment right after BOS.
+  ReuseOptions ob = o;
+  ob.encoding = "bos";
+  ASSERT_TRUE(reuse_->EnsureStored(b, &ob).ok());
+  std::vector<PromptSegment> segs2 = {{b}, {Enc(kQ), false}};
+  EXPECT_LT(MaxDiff(Full(segs2), Run(segs2, ob).logits), 1e-4);
+  // And "none" without BOS: the segment at position 0 is exactly its standalone encoding.
+  ReuseOptions on = o;
+  on.encoding = "none";
+  ASSERT_TRUE(reuse_->EnsureStored(b, &on).ok());
+  EXPECT_LT(MaxDiff(Full(segs2, false), Run(segs2, on, false).logits), 1e-4);
+}
+
+TEST_F(ReuseTest, NaiveReuseDiffersWhenContextIsMissingAndRecomputeHelps) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  const std::vector<float> full = Full(segs);
+  ReuseOptions naive;
+  naive.full_layers = 0;
+  naive.budget.ratio = 0;
+  ReuseOptions half;
+  half.full_layers = 1;
+  half.budget.ratio = 0.5f;
+  const float dn = MaxDiff(full, Run(segs, naive).logits);
+  const float dh = MaxDiff(full, Run(segs, half).logits);
+  EXPECT_GT(dn, 1e-3);  // reuse really is approximate without the cross-segment attention
+  EXPECT_LT(dh, dn);
+}
+
+TEST_F(ReuseTest, EdgeCasesRunAndCount) {
+  std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB), c = Enc(kDocC);
+  for (auto* t : {&a, &b, &c}) ASSERT_TRUE(reuse_->EnsureStored(*t).ok());
+  ASSERT_TRUE(reuse_->EnsureStored({a[0]}).ok());  // one-token segment
+  ReuseOptions o;  // defaults
+  // Reordered segments: every document is found.
+  ReusePrefillResult r1 = Run({{c}, {a}, {b}, {Enc(kQ), false}}, o);
+  EXPECT_EQ(r1.stats.segments_hit, 3);
+  EXPECT_EQ(r1.stats.reused_tokens, static_cast<int>(a.size() + b.size() + c.size()));
+  // The same segment twice in one prompt, an empty and a one-token segment.
+  ReusePrefillResult r2 = Run({{a}, {}, {std::vector<int32_t>{a[0]}}, {a}, {Enc(kQ), false}}, o);
+  EXPECT_EQ(r2.stats.segments_hit, 3);
+  EXPECT_EQ(r2.stats.reused_tokens, static_cast<int>(2 * a.size() + 1));
+  // 100% hits: the last token is still computed (its logits are the answer), BOS too.
+  ReusePrefillResult r3 = Run({{a}, {b}}, o);
+  EXPECT_EQ(r3.stats.new_tokens, 2);
+  EXPECT_EQ(r3.stats.reused_tokens, static_cast<int>(a.size() + b.size()) - 1);
+  EXPECT_EQ(r3.logits.size(), static_cast<size_t>(model_->config().vocab_size));
+  // Segments longer than a block and not block-aligned are the norm here.
+  EXPECT_GT(a.size(), 16u);
+  EXPECT_NE((a.size() + 1) % 16, 0u);
+  // Over the context length: a clear error.
+  std::vector<int32_t> huge(model_->config().max_seq_len, a[0]);
+  auto bad = reuse_->Prefill({{huge}, {a}}, true, &o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("context length"), std::string::npos);
+  EXPECT_EQ(engine_->blocks().available(), engine_->blocks().num_blocks());
+}
+
+TEST_F(ReuseTest, ExactPrefixPlusReusedSegments) {
+  EngineOptions eo;  // prefix caching on
+  auto e = Engine::Create(*model_, eo);
+  ASSERT_TRUE(e.ok());
+  ReuseEngine re(e->get(), store_.get(), {});
+  std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB), c = Enc(kDocC);
+  ReuseOptions o;
+  // First request computes a, b (stored) and registers its blocks as prefix.
+  auto r0 = re.Prefill({{a}, {b}, {Enc(kQ), false}}, true, &o);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  (*e)->Release(r0->seq);
+  EXPECT_EQ(r0->stats.segments_missed, 2);
+  // Follow-up: same start (exact prefix over a's full blocks), then b and c reused/new.
+  auto r1 = re.Prefill({{a}, {c}, {b}, {Enc(kQ), false}}, true, &o);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  (*e)->Release(r1->seq);
+  EXPECT_EQ(r1->stats.prefix_tokens, static_cast<int>((1 + a.size()) / 16 * 16));
+  EXPECT_GT(r1->stats.prefix_tokens, 0);
+  EXPECT_GE(r1->stats.segments_hit, 1);  // b from the store (a's tail too if it spans blocks)
+  // Only exact blocks were registered by r1 (those before its first approximated token), so
+  // with full recompute the answer is exact despite the mix.
+  o.budget.ratio = 1.0f;
+  auto r2 = re.Prefill({{a}, {c}, {b}, {Enc(kQ), false}}, true, &o);
+  ASSERT_TRUE(r2.ok());
+  (*e)->Release(r2->seq);
+  EXPECT_LT(MaxDiff(Full({{a}, {c}, {b}, {Enc(kQ), false}}), r2->logits), 1e-4);
+}
+
+TEST_F(ReuseTest, CorruptStoredSegmentIsAMissAndRecomputed) {
+  std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB);
+  ASSERT_TRUE(reuse_->EnsureStored(a).ok());
+  ASSERT_TRUE(reuse_->EnsureStored(b).ok());
+  ASSERT_TRUE(store_->CorruptForTest(reuse_->Fingerprint(a, "none")));
+  ASSERT_TRUE(store_->CorruptForTest(reuse_->Fingerprint(b, "none")));
+  std::vector<PromptSegment> segs = {{a}, {b}, {Enc(kQ), false}};
+  ReuseOptions o;
+  o.store_new_segments = false;
+  ReusePrefillResult r = Run(segs, o);
+  EXPECT_EQ(r.stats.segments_corrupt, 2);
+  EXPECT_EQ(r.stats.reused_tokens, 0);
+  EXPECT_LT(MaxDiff(Full(segs), r.logits), 1e-4);  // everything recomputed: exact
+  EXPECT_EQ(store_->stats().corrupt, 2);
+}
+
+TEST_F(ReuseTest, FingerprintsArePositionIndependentAndSalted) {
+  std::vector<int32_t> a = Enc(kDocA);
+  EXPECT_EQ(reuse_->Fingerprint(a, "none"), reuse_->Fingerprint(a, "none"));
+  EXPECT_NE(reuse_->Fingerprint(a, "none"), reuse_->Fingerprint(a, "bos"));
+  auto a2 = a;
+  a2.pop_back();
+  EXPECT_NE(reuse_->Fingerprint(a, "none"), reuse_->Fingerprint(a2, "none"));
+  EXPECT_NE(SegmentFingerprint(HashBytes128("m1", 2), a, "none"),
+            SegmentFingerprint(HashBytes128("m2", 2), a, "none"));
+}
+
+TEST(Chunking, DeterministicAndContentDefined) {
+  std::vector<int32_t> doc(400);
+  for (int i = 0; i < 400; ++i) doc[i] = (i * 7919 + 13) % 500;
+  ChunkingOptions o{.min_tokens = 8, .avg_tokens = 32, .max_tokens = 96};
+  auto c1 = ChunkTokens(doc, o);
+  EXPECT_EQ(c1, ChunkTokens(doc, o));
+  int covered = 0;
+  for (auto [b, e] : c1) {
+    EXPECT_EQ(b, covered);
+    EXPECT_LE(e - b, 96);
+    covered = e;
+  }
+  EXPECT_EQ(covered, 400);
+  // The same content after a different prefix is cut at the same places once resynchronised.
+  std::vector<int32_t> shifted = {1, 2, 3, 4, 5};
+  shifted.insert(shifted.end(), doc.begin(), doc.end());
+  auto c2 = ChunkTokens(shifted, o);
+  std::set<int> ends1, ends2;
+  for (auto [b, e] : c1) ends1.insert(e);
+  for (auto [b, e] : c2) ends2.insert(e - 5);
+  int common = 0;
+  for (int e : ends1) common += ends2.count(e);
+  EXPECT_GE(common, static_cast<int>(ends1.size()) - 2);
+}
+
+}  // namespace
+}  // namespace sparsex

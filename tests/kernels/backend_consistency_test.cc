@@ -1,0 +1,405 @@
+// Every Backend operation on the CUDA backend against the CPU reference, on fresh random inputs
+// (rounded to bf16 first, so both start from identical values): relative error
+// ||cuda - cpu|| / ||cpu|| below 1e-2. Skips when no CUDA device is usable.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gpu_worker/backend/backend.h"
+#include "gtest/gtest.h"
+
+namespace sparsex {
+namespace {
+
+constexpr double kTol = 1e-2;
+
+float RoundBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);
+  u &= 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+double RelErr(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+class BackendConsistency : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
+    auto c = CreateCpuBackend();
+    ASSERT_TRUE(c.ok()) << c.status();
+    cpu_ = std::move(*c);
+    auto g = CreateBackend({.kind = "cuda"});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    rng_.seed(std::random_device{}());
+  }
+
+  std::vector<float> Rand(size_t n, float a = 1.0f) {
+    std::uniform_real_distribution<float> d(-a, a);
+    std::vector<float> v(n);
+    for (float& x : v) x = RoundBf16(d(rng_));
+    return v;
+  }
+
+  // The same host values in a tensor of each backend.
+  struct Pair {
+    Tensor c, g;
+  };
+  Pair Make(int64_t rows, int64_t cols, const std::vector<float>& host) {
+    Pair p;
+    auto c = cpu_->Alloc(rows, cols);
+    auto g = gpu_->Alloc(rows, cols);
+    EXPECT_TRUE(c.ok() && g.ok());
+    p.c = *c;
+    p.g = *g;
+    EXPECT_TRUE(cpu_->Upload(host, p.c).ok());
+    EXPECT_TRUE(gpu_->Upload(host, p.g).ok());
+    return p;
+  }
+  Pair MakeRand(int64_t rows, int64_t cols, float a = 1.0f) {
+    return Make(rows, cols, Rand(rows * cols, a));
+  }
+  // Poisoned outputs: every element must be written by the operation.
+  Pair MakeOut(int64_t rows, int64_t cols) {
+    return Make(rows, cols, std::vector<float>(rows * cols, NAN));
+  }
+  std::vector<float> Get(Backend& b, const Tensor& t) {
+    std::vector<float> v(t.rows * t.cols);
+    absl::Status s = b.Download(t, v);
+    EXPECT_TRUE(s.ok()) << s;
+    return v;
+  }
+  double Compare(const Pair& p) { return RelErr(Get(*gpu_, p.g), Get(*cpu_, p.c)); }
+  void Free(Pair& p) {
+    cpu_->Free(p.c);
+    gpu_->Free(p.g);
+  }
+
+  std::unique_ptr<Backend> cpu_, gpu_;
+  std::mt19937 rng_;
+};
+
+TEST_F(BackendConsistency, Embedding) {
+  const int V = 1000, D = 256;
+  Pair table = MakeRand(V, D);
+  std::vector<int32_t> ids(77);
+  for (auto& i : ids) i = std::uniform_int_distribution<int>(0, V - 1)(rng_);
+  Pair out = MakeOut(ids.size(), D);
+  ASSERT_TRUE(cpu_->Embedding(table.c, ids, out.c).ok());
+  ASSERT_TRUE(gpu_->Embedding(table.g, ids, out.g).ok());
+  EXPECT_EQ(Compare(out), 0.0);
+  std::vector<int32_t> bad = {V};
+  EXPECT_FALSE(gpu_->Embedding(table.g, bad, out.g).ok());
+  Free(table);
+  Free(out);
+}
+
+TEST_F(BackendConsistency, RmsNorm) {
+  for (int dim : {4096, 64, 100}) {
+    Pair x = MakeRand(37, dim, 2.0f);
+    Pair w = MakeRand(1, dim);
+    Pair out = MakeOut(37, dim);
+    ASSERT_TRUE(cpu_->RmsNorm(x.c, w.c, 1e-5f, out.c).ok());
+    ASSERT_TRUE(gpu_->RmsNorm(x.g, w.g, 1e-5f, out.g).ok());
+    EXPECT_LT(Compare(out), kTol) << "dim " << dim;
+    Free(x);
+    Free(w);
+    Free(out);
+  }
+}
+
+TEST_F(BackendConsistency, MatMul) {
+  struct Shape {
+    int n, m, k;
+  };
+  for (Shape s : {Shape{67, 384, 512}, Shape{1, 1000, 256}, Shape{130, 72, 40}, Shape{5, 3, 8}}) {
+    Pair x = MakeRand(s.n, s.k);
+    Pair w = MakeRand(s.m, s.k);
+    Pair out = MakeOut(s.n, s.m);
+    ASSERT_TRUE(cpu_->MatMul(x.c, w.c, out.c).ok());
+    absl::Status st = gpu_->MatMul(x.g, w.g, out.g);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_LT(Compare(out), kTol) << s.n << "x" << s.k << " @ " << s.m << "x" << s.k;
+    Free(x);
+    Free(w);
+    Free(out);
+  }
+}
+
+TEST_F(BackendConsistency, AddAndSwiGLU) {
+  for (int half : {4096, 100}) {
+    Pair a = MakeRand(19, half);
+    Pair b = MakeRand(19, half);
+    ASSERT_TRUE(cpu_->Add(a.c, b.c).ok());
+    ASSERT_TRUE(gpu_->Add(a.g, b.g).ok());
+    EXPECT_LT(Compare(a), kTol);
+    Pair x = MakeRand(19, 2 * half, 4.0f);
+    Pair out = MakeOut(19, half);
+    ASSERT_TRUE(cpu_->SwiGLU(x.c, out.c).ok());
+    ASSERT_TRUE(gpu_->SwiGLU(x.g, out.g).ok());
+    EXPECT_LT(Compare(out), kTol) << "half " << half;
+    Free(a);
+    Free(b);
+    Free(x);
+    Free(out);
+  }
+}
+
+TEST_F(BackendConsistency, RopeBothLayoutsAndLlama3Scaling) {
+  for (RopeLayout layout : {RopeLayout::kAdjacentPairs, RopeLayout::kHalves}) {
+    for (int hd : {128, 8}) {
+      for (bool llama3 : {false, true}) {
+        RopeParams p;
+        p.head_dim = hd;
+        p.theta = llama3 ? 500000.0f : 10000.0f;
+        p.layout = layout;
+        if (llama3) {
+          p.scaling.type = RopeScaling::Type::kLlama3;
+          p.scaling.factor = 8.0f;
+        }
+        const int heads = 3, rows = 41;
+        const int64_t cols = 16 + heads * hd + 8;  // rotate a column window
+        Pair x = MakeRand(rows, cols);
+        std::vector<int32_t> pos(rows);
+        for (auto& v : pos) v = std::uniform_int_distribution<int>(0, 40000)(rng_);
+        ASSERT_TRUE(cpu_->Rope(x.c, 16, heads, pos, p).ok());
+        ASSERT_TRUE(gpu_->Rope(x.g, 16, heads, pos, p).ok());
+        EXPECT_LT(Compare(x), kTol) << "hd " << hd << " halves "
+                                    << (layout == RopeLayout::kHalves) << " llama3 " << llama3;
+        Free(x);
+      }
+    }
+  }
+}
+
+TEST_F(BackendConsistency, GatherScatterCopyRows) {
+  const int R = 50, C = 136;
+  Pair src = MakeRand(R, C);
+  std::vector<int32_t> idx = {3, 49, 0, 7, 7, 22};
+  Pair g = MakeOut(idx.size(), C);
+  ASSERT_TRUE(cpu_->GatherRows(src.c, idx, g.c).ok());
+  ASSERT_TRUE(gpu_->GatherRows(src.g, idx, g.g).ok());
+  EXPECT_EQ(Compare(g), 0.0);
+
+  Pair dst = MakeRand(R, C);
+  std::vector<int32_t> sidx = {5, 1, 40, 33, 12, 0};
+  ASSERT_TRUE(cpu_->ScatterRows(g.c, sidx, dst.c).ok());
+  ASSERT_TRUE(gpu_->ScatterRows(g.g, sidx, dst.g).ok());
+  EXPECT_EQ(Compare(dst), 0.0);
+
+  ASSERT_TRUE(cpu_->CopyRows(src.c, 10, dst.c, 30, 15).ok());
+  ASSERT_TRUE(gpu_->CopyRows(src.g, 10, dst.g, 30, 15).ok());
+  EXPECT_EQ(Compare(dst), 0.0);
+  EXPECT_FALSE(gpu_->CopyRows(src.g, 40, dst.g, 0, 15).ok());
+  Free(src);
+  Free(g);
+  Free(dst);
+}
+
+TEST_F(BackendConsistency, WriteKvReadKv) {
+  const int kv_dim = 64, blocks = 8, bs = 16;
+  auto pc = cpu_->AllocKvPool(2, blocks, bs, kv_dim);
+  auto pg = gpu_->AllocKvPool(2, blocks, bs, kv_dim);
+  ASSERT_TRUE(pc.ok() && pg.ok());
+  const int n = 40;
+  Pair src = MakeRand(n, 32 + 2 * kv_dim);
+  std::vector<int32_t> slots(n);
+  std::vector<int32_t> all(blocks * bs);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng_);
+  std::copy_n(all.begin(), n, slots.begin());
+  ASSERT_TRUE(cpu_->WriteKv(*pc, 1, src.c, 32, src.c, 32 + kv_dim, slots).ok());
+  ASSERT_TRUE(gpu_->WriteKv(*pg, 1, src.g, 32, src.g, 32 + kv_dim, slots).ok());
+  std::vector<float> kc(n * kv_dim), vc(n * kv_dim), kg(n * kv_dim), vg(n * kv_dim);
+  ASSERT_TRUE(cpu_->ReadKv(*pc, 1, slots, kc, vc).ok());
+  ASSERT_TRUE(gpu_->ReadKv(*pg, 1, slots, kg, vg).ok());
+  EXPECT_EQ(RelErr(kg, kc), 0.0);
+  EXPECT_EQ(RelErr(vg, vc), 0.0);
+  std::vector<int32_t> bad = {blocks * bs};
+  EXPECT_FALSE(gpu_->WriteKv(*pg, 1, src.g, 32, src.g, 32 + kv_dim, bad).ok());
+  cpu_->FreeKvPool(*pc);
+  gpu_->FreeKvPool(*pg);
+  Free(src);
+}
+
+// Attention over a paged pool with shuffled blocks; q_pos chooses the case.
+struct AttnCase {
+  const char* name;
+  int H, KV, hd, ctx;
+  std::vector<int32_t> q_pos;
+  bool stats = false;
+};
+
+class AttentionConsistency : public BackendConsistency {
+ protected:
+  void Run(const AttnCase& tc) {
+    const int bs = 16;
+    const int blocks = (tc.ctx + bs - 1) / bs + 3;
+    const int kv_dim = tc.KV * tc.hd;
+    auto pc = cpu_->AllocKvPool(1, blocks, bs, kv_dim);
+    auto pg = gpu_->AllocKvPool(1, blocks, bs, kv_dim);
+    ASSERT_TRUE(pc.ok() && pg.ok());
+    // Block table: a shuffled set of blocks.
+    std::vector<int32_t> table(blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng_);
+    std::vector<int32_t> ctx_slots(tc.ctx);
+    for (int j = 0; j < tc.ctx; ++j) ctx_slots[j] = table[j / bs] * bs + j % bs;
+    // Keys and values of every position (K scaled so that softmax is far from uniform).
+    Pair kv = Make(tc.ctx, 2 * kv_dim, Rand(tc.ctx * 2 * kv_dim, 2.0f));
+    ASSERT_TRUE(cpu_->WriteKv(*pc, 0, kv.c, 0, kv.c, kv_dim, ctx_slots).ok());
+    ASSERT_TRUE(gpu_->WriteKv(*pg, 0, kv.g, 0, kv.g, kv_dim, ctx_slots).ok());
+
+    const int n = static_cast<int>(tc.q_pos.size());
+    // q as the Q part of a wider qkv matrix, like the model runner passes it.
+    const int64_t qcols = static_cast<int64_t>(tc.H + 2 * tc.KV) * tc.hd;
+    Pair q = MakeRand(n, qcols, 2.0f);
+    Pair out = MakeOut(n, static_cast<int64_t>(tc.H) * tc.hd);
+
+    AttentionArgs a;
+    a.n_heads = tc.H;
+    a.n_kv_heads = tc.KV;
+    a.head_dim = tc.hd;
+    a.q_pos = tc.q_pos;
+    a.ctx_slots = ctx_slots;
+    std::vector<int32_t> key_group(tc.ctx), q_group(n);
+    std::vector<float> recv_w(n), cross_c(n), cross_g(n), recv_c(tc.ctx), recv_g(tc.ctx);
+    if (tc.stats) {
+      // Segments of ~100 tokens after a shared sink at position 0.
+      for (int j = 0; j < tc.ctx; ++j) key_group[j] = j == 0 ? -1 : 1 + (j - 1) / 100;
+      for (int i = 0; i < n; ++i) {
+        q_group[i] = key_group[tc.q_pos[i]];
+        recv_w[i] = (i % 3 == 0) ? 1.0f + 0.5f * (i % 5) : 0.0f;
+      }
+      for (int i = 0; i < n; ++i) cross_c[i] = cross_g[i] = 0.25f * (i % 4);  // accumulates
+      a.key_group = key_group;
+      a.q_group = q_group;
+      a.recv_weight = recv_w;
+    }
+    AttentionArgs ac = a, ag = a;
+    if (tc.stats) {
+      ac.out_cross = cross_c.data();
+      ac.out_recv = recv_c.data();
+      ag.out_cross = cross_g.data();
+      ag.out_recv = recv_g.data();
+    }
+    absl::Status sc = cpu_->Attention(q.c, *pc, 0, ac, out.c);
+    ASSERT_TRUE(sc.ok()) << sc;
+    absl::Status sg = gpu_->Attention(q.g, *pg, 0, ag, out.g);
+    ASSERT_TRUE(sg.ok()) << sg;
+    EXPECT_LT(Compare(out), kTol) << tc.name;
+    if (tc.stats) {
+      EXPECT_LT(RelErr(cross_g, cross_c), kTol) << tc.name << " out_cross";
+      EXPECT_LT(RelErr(recv_g, recv_c), kTol) << tc.name << " out_recv";
+      double total = 0;
+      for (float v : recv_c) total += v;
+      EXPECT_GT(total, 0.0) << "the case must exercise out_recv";
+    }
+    cpu_->FreeKvPool(*pc);
+    gpu_->FreeKvPool(*pg);
+    Free(kv);
+    Free(q);
+    Free(out);
+  }
+
+  std::vector<int32_t> Dense(int begin, int end) {
+    std::vector<int32_t> v(end - begin);
+    std::iota(v.begin(), v.end(), begin);
+    return v;
+  }
+  // Sorted random subset of [0, ctx) of about frac * ctx rows, always with the last position.
+  std::vector<int32_t> Sparse(int ctx, double frac) {
+    std::vector<int32_t> v;
+    std::bernoulli_distribution keep(frac);
+    for (int j = 0; j < ctx - 1; ++j)
+      if (keep(rng_)) v.push_back(j);
+    v.push_back(ctx - 1);
+    return v;
+  }
+};
+
+TEST_F(AttentionConsistency, DenseCausalPrefill) {
+  Run({"gqa hd128", 32, 8, 128, 300, Dense(0, 300)});
+  Run({"mha hd64", 4, 4, 64, 200, Dense(0, 200)});
+  Run({"tiny hd8", 8, 4, 8, 150, Dense(0, 150)});
+  Run({"hd32 fallback", 4, 2, 32, 90, Dense(0, 90)});
+}
+
+TEST_F(AttentionConsistency, ChunkedAndSparseRows) {
+  Run({"chunk", 32, 8, 128, 700, Dense(500, 700)});
+  Run({"sparse rows hd128", 32, 8, 128, 1500, Sparse(1500, 0.15)});
+  Run({"sparse rows tiny", 8, 4, 8, 500, Sparse(500, 0.2)});
+  std::vector<int32_t> unsorted = {900, 3, 450, 17, 899, 0, 600};
+  Run({"unsorted rows", 32, 8, 128, 901, unsorted});
+}
+
+TEST_F(AttentionConsistency, DecodeSplitK) {
+  Run({"decode 8k", 32, 8, 128, 8192, {8191}});
+  Run({"decode 3 rows", 32, 8, 128, 5000, {4997, 4998, 4999}});
+  Run({"decode mid-context", 32, 8, 128, 4096, {1234}});
+  Run({"decode tiny", 8, 4, 8, 400, {399}});
+}
+
+TEST_F(AttentionConsistency, SelectionStatistics) {
+  Run({"stats dense hd128", 32, 8, 128, 420, Dense(0, 420), true});
+  Run({"stats sparse hd128", 32, 8, 128, 1200, Sparse(1200, 0.2), true});
+  Run({"stats tiny", 8, 4, 8, 300, Dense(0, 300), true});
+}
+
+TEST_F(BackendConsistency, RandomWeightsAreSeededAndShaped) {
+  ModelConfig c;
+  c.n_layers = 2;
+  c.dim = 256;
+  c.ffn_dim = 512;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 1000;
+  auto w1 = gpu_->RandomWeights(c, 7);
+  auto w2 = gpu_->RandomWeights(c, 7);
+  auto w3 = gpu_->RandomWeights(c, 8);
+  ASSERT_TRUE(w1.ok() && w2.ok() && w3.ok());
+  ASSERT_EQ(w1->layers.size(), 2u);
+  EXPECT_EQ(w1->layers[0].wqkv.rows, (4 + 2 * 2) * 64);
+  EXPECT_EQ(w1->layers[0].w_gate_up.rows, 2 * 512);
+  auto a = Get(*gpu_, w1->layers[1].w_down);
+  auto b = Get(*gpu_, w2->layers[1].w_down);
+  auto d = Get(*gpu_, w3->layers[1].w_down);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, d);
+  const float lim = 1.0f / std::sqrt(512.0f);
+  double mean = 0;
+  for (float v : a) {
+    ASSERT_LE(std::abs(v), lim * 1.01f);
+    mean += v;
+  }
+  EXPECT_LT(std::abs(mean / a.size()), lim * 0.05);
+  auto norm = Get(*gpu_, w1->layers[0].attn_norm);
+  for (float v : norm) ASSERT_EQ(v, 1.0f);
+  auto wq = Get(*gpu_, w1->layers[0].wqkv);
+  auto wg = Get(*gpu_, w1->layers[0].w_gate_up);
+  EXPECT_NE(std::vector<float>(wq.begin(), wq.begin() + 100),
+            std::vector<float>(wg.begin(), wg.begin() + 100));
+  gpu_->FreeWeights(*w1);
+  gpu_->FreeWeights(*w2);
+  gpu_->FreeWeights(*w3);
+}
+
+}  // namespace
+}  // namespace sparsex
