@@ -1,8 +1,8 @@
 // sparsex-cache-server: the cache server binary. Every ServerOptions field is a flag
 // (--name=value or --name value); sizes accept K/M/G/T suffixes (powers of 1024).
 //
-//   sparsex-cache-server --disk_path=/var/lib/sparsex/cache --memory_capacity=8G \
-//       --grpc_port=50070 --metrics_port=9470
+//   sparsex-cache-server --disk_path=/var/lib/sparsex/cache --memory_capacity=8G
+//                        --grpc_port=50070 --metrics_port=9470
 //
 // SIGTERM/SIGINT shut down cleanly (in-flight RPCs finish; in write-back mode memory blocks
 // are written to disk). With --ready_file=PATH the server writes
@@ -132,6 +132,8 @@ std::map<std::string, Flag> Flags(ServerOptions* o, std::string* ready_file) {
   f["ucx_tls"] = {"UCX transports, as UCX_TLS (default: env / UCX's choice)", str(&t.ucx_tls)};
   f["ucx_allocate_arena"] = {"let UCX allocate the arena (default true)",
                              boolean(&t.ucx_allocate_arena), true};
+  f["prefault_arena"] = {"fault the arena in at startup, in the background (default true)",
+                         boolean(&t.prefault_arena), true};
   f["ready_file"] = {"write ports as JSON here once serving", str(ready_file)};
   return f;
 }

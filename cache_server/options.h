@@ -71,6 +71,9 @@ struct TransportOptions {
   // Let UCX allocate the arena (shared-memory segments remote peers on the same host map
   // directly); false: mmap + register. Default: true.
   bool ucx_allocate_arena = true;
+  // Fault the whole arena in (MADV_POPULATE_WRITE) in the background at startup, so that the
+  // first puts do not pay a page fault per 4 KiB on the server side. Default: true.
+  bool prefault_arena = true;
 };
 
 struct ServerOptions {

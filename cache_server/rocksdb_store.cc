@@ -21,7 +21,7 @@ absl::Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   else if (s.IsCorruption()) code = absl::StatusCode::kDataLoss;
   else if (s.IsIOError()) code = absl::StatusCode::kUnavailable;
   else if (s.IsInvalidArgument()) code = absl::StatusCode::kInvalidArgument;
-  return absl::Status(code, absl::StrCat("rocksdb ", what, ": ", s.ToString()));
+  return absl::Status(code, absl::StrCat("rocksdb ", absl::string_view(what.data(), what.size()), ": ", s.ToString()));
 }
 
 class RocksDbStore final : public DiskStore {

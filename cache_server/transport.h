@@ -72,6 +72,22 @@ class ClientTransport {
   virtual void UnregisterMemory(void* p) {}
 };
 
+namespace internal {
+// Prefaults [p, p + n) page by page range in a detached-safe background thread; the returned
+// object joins it on destruction (before the memory goes away).
+class Prefaulter {
+ public:
+  Prefaulter(void* p, uint64_t n);
+  ~Prefaulter();
+  Prefaulter(const Prefaulter&) = delete;
+  Prefaulter& operator=(const Prefaulter&) = delete;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+}  // namespace internal
+
 // UNAVAILABLE when `ep.transport` is "none" (use inline transfers) or unreachable.
 absl::StatusOr<std::unique_ptr<ClientTransport>> CreateClientTransport(
     const TransportOptions& options, const EndpointInfo& ep);

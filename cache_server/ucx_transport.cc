@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -22,7 +23,7 @@
 namespace sparsex::cache::internal {
 namespace {
 
-absl::Status UcsError(ucs_status_t s, std::string_view what) {
+absl::Status UcsError(ucs_status_t s, const char* what) {
   return absl::UnavailableError(absl::StrCat("ucx ", what, ": ", ucs_status_string(s)));
 }
 
@@ -77,7 +78,9 @@ class UcxServerTransport final : public ServerTransport {
   static absl::StatusOr<std::unique_ptr<ServerTransport>> Create(const TransportOptions& o,
                                                                  uint64_t n) {
     auto t = std::unique_ptr<UcxServerTransport>(new UcxServerTransport());
-    ASSIGN_OR_RETURN(t->ctx_, UcxContext::Create(o.ucx_tls, /*wakeup=*/true));
+    // No UCP_FEATURE_WAKEUP: it excludes transports without event support (cma among them),
+    // and then one-sided RMA falls back to emulation through the target's CPU.
+    ASSIGN_OR_RETURN(t->ctx_, UcxContext::Create(o.ucx_tls, /*wakeup=*/false));
     ASSIGN_OR_RETURN(t->worker_, NewWorker(t->ctx_->get(), UCS_THREAD_MODE_MULTI));
 
     ucp_mem_map_params_t mp{};
@@ -103,6 +106,7 @@ class UcxServerTransport final : public ServerTransport {
     if (attr.length < n) return absl::InternalError("ucx mapped a shorter arena than asked");
     t->arena_ = static_cast<uint8_t*>(attr.address);
     t->n_ = n;
+    if (o.prefault_arena) t->prefault_ = std::make_unique<Prefaulter>(t->arena_, n);
 
     void* rkey = nullptr;
     size_t rkey_len = 0;
@@ -118,7 +122,6 @@ class UcxServerTransport final : public ServerTransport {
     t->address_.assign(reinterpret_cast<const char*>(addr), addr_len);
     ucp_worker_release_address(t->worker_, addr);
 
-    if (ucp_worker_get_efd(t->worker_, &t->efd_) != UCS_OK) t->efd_ = -1;
     t->stop_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     t->thread_ = std::thread([p = t.get()] { p->ProgressLoop(); });
     return std::unique_ptr<ServerTransport>(std::move(t));
@@ -132,6 +135,7 @@ class UcxServerTransport final : public ServerTransport {
       thread_.join();
     }
     if (stop_fd_ >= 0) close(stop_fd_);
+    prefault_.reset();
     if (memh_ != nullptr) ucp_mem_unmap(ctx_->get(), memh_);
     if (own_mapping_ != nullptr) munmap(own_mapping_, n_);
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
@@ -153,19 +157,27 @@ class UcxServerTransport final : public ServerTransport {
  private:
   UcxServerTransport() = default;
 
+  // Serves wireup and transports that need the target's CPU (tcp's emulated RMA). Spins
+  // while there is work, then backs off to sleeping up to 1 ms between polls: the one-sided
+  // paths (shared memory, cma, RDMA) never wait for it.
   void ProgressLoop() {
+    uint32_t idle_us = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
-      while (ucp_worker_progress(worker_) != 0) {
-      }
-      if (efd_ < 0) {
-        usleep(200);
+      unsigned n = 0;
+      while (ucp_worker_progress(worker_) != 0) ++n;
+      if (n > 0) {
+        idle_us = 0;
         continue;
       }
-      ucs_status_t s = ucp_worker_arm(worker_);
-      if (s == UCS_ERR_BUSY) continue;
-      pollfd fds[2] = {{efd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-      poll(fds, 2, 100);
+      idle_us = std::min<uint32_t>(idle_us == 0 ? 10 : idle_us * 2, 1000);
+      pollfd fd = {stop_fd_, POLLIN, 0};
+      ppoll_us(&fd, idle_us);
     }
+  }
+
+  static void ppoll_us(pollfd* fd, uint32_t us) {
+    timespec ts{0, static_cast<long>(us) * 1000};
+    ppoll(fd, 1, &ts, nullptr);
   }
 
   std::shared_ptr<UcxContext> ctx_;
@@ -175,7 +187,8 @@ class UcxServerTransport final : public ServerTransport {
   uint8_t* arena_ = nullptr;
   uint64_t n_ = 0;
   std::string rkey_, address_;
-  int efd_ = -1, stop_fd_ = -1;
+  int stop_fd_ = -1;
+  std::unique_ptr<Prefaulter> prefault_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

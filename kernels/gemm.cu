@@ -32,7 +32,7 @@ cublasStatus_t LtGemm::Init(size_t workspace_bytes) {
 // Row-major out[n, m] = x[n, k] @ w[m, k]^T is, in cuBLAS's column-major terms,
 // out^T (m x n, ld out_stride) = op_T(W) (W: k x m, ld w_stride) * X (k x n, ld x_stride).
 cublasStatus_t LtGemm::MakePlan(const Key& key, Plan& plan) {
-  const auto [n, m, k, xs, ws, os] = key;
+  const auto [n, m, k, xs, ws, os, align] = key;
   SPX_LT_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   SPX_LT_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
@@ -47,6 +47,14 @@ cublasStatus_t LtGemm::MakePlan(const Key& key, Plan& plan) {
   size_t wsb = workspace_bytes_;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb,
                                        sizeof(wsb));
+  // The heuristic assumes 256-byte aligned buffers unless told otherwise.
+  const uint32_t al = static_cast<uint32_t>(align);
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    cublasLtMatmulPreferenceSetAttribute(pref, attr, &al, sizeof(al));
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c,
@@ -64,7 +72,10 @@ cublasStatus_t LtGemm::Run(const __nv_bfloat16* x, int64_t x_stride, const __nv_
                            int64_t m, int64_t k, float beta, cudaStream_t stream) {
   if (n == 0 || m == 0) return CUBLAS_STATUS_SUCCESS;
   if (!handle_) return CUBLAS_STATUS_NOT_INITIALIZED;
-  const Key key{n, m, k, x_stride, w_stride, out_stride};
+  uintptr_t bits = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) |
+                   reinterpret_cast<uintptr_t>(out) | 256;
+  const int align = static_cast<int>(bits & (~bits + 1));  // lowest set bit, at most 256
+  const Key key{n, m, k, x_stride, w_stride, out_stride, align};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     Plan plan;

@@ -42,7 +42,8 @@ class LtGemm {
     cublasLtMatmulAlgo_t algo{};
     bool has_algo = false;
   };
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+  // (n, m, k, x_stride, w_stride, out_stride, alignment of x | w | out in bytes)
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int>;
   cublasStatus_t MakePlan(const Key& key, Plan& plan);
 
   cublasLtHandle_t handle_ = nullptr;

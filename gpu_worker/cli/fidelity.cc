@@ -103,6 +103,23 @@ absl::Status Fidelity(const Args& a) {
     std::string t;
     while (std::getline(ss, t, ',')) encodings.push_back(t);
   }
+  auto list = [&](const std::string& k, const std::string& d) {
+    std::vector<std::string> out;
+    std::stringstream ss(get(k, d));
+    std::string t;
+    while (std::getline(ss, t, ',')) out.push_back(t);
+    return out;
+  };
+  const std::vector<std::string> selectors = list("selectors", "sparsex,cacheblend,epic,random");
+  std::vector<float> ratios;
+  for (const std::string& r : list("ratios", "0,0.05,0.10,0.15,0.30,0.50,1.0")) {
+    ratios.push_back(std::stof(r));
+  }
+  SparsexWeights weights;
+  {
+    std::vector<std::string> w = list("sparsex-weights", "");
+    if (w.size() == 3) weights = {std::stof(w[0]), std::stof(w[1]), std::stof(w[2])};
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(model_path));
   const Tokenizer& tok = model->tokenizer();
 
@@ -166,13 +183,12 @@ absl::Status Fidelity(const Args& a) {
   }
 
   std::vector<Setting> settings;
-  const std::vector<float> ratios = {0.0f, 0.05f, 0.10f, 0.15f, 0.30f, 0.50f, 1.0f};
   for (const std::string& enc : encodings) {
     settings.push_back({"naive", 0, enc, 0.0f});
     for (int F : fl_values) {
-      for (const char* sel : {"sparsex", "cacheblend", "epic", "random"}) {
+      for (const std::string& sel : selectors) {
         // Encodings other than the first are compared at the default selector only.
-        if (enc != encodings[0] && std::string(sel) != "sparsex") continue;
+        if (enc != encodings[0] && sel != "sparsex") continue;
         for (float r : ratios) settings.push_back({sel, F, enc, r});
       }
     }
@@ -192,6 +208,7 @@ absl::Status Fidelity(const Args& a) {
     o.budget.ratio = s.ratio;
     o.store_new_segments = false;
     o.seed = seed;
+    o.sparsex_weights = weights;
     std::vector<double> kls, shares;
     double top1 = 0, greedy = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {

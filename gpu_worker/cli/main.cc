@@ -23,7 +23,8 @@ void Usage() {
                "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
                "                   [--device cpu|cuda] [--ids]\n"
                "  sparsex fidelity --model PATH --docs FILE --json OUT [--prompts N]\n"
-               "                   [--seed S] [--full-layers F,...] [--encoding none|bos]\n"
+               "                   [--seed S] [--full-layers F,...] [--encodings none,bos]\n"
+               "                   [--selectors a,b] [--ratios r,...] [--sparsex-weights c,r,d]\n"
                "  sparsex info --model PATH\n");
 }
 

@@ -128,7 +128,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   const ModelConfig& cfg = engine_->model().config();
   const int L = cfg.n_layers;
   RETURN_IF_ERROR(ValidateReuseOptions(o, L));
-  ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector, CreateSelector(o.selector));
+  ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
+                   CreateSelector(o.selector, o.sparsex_weights));
 
   // ---- plan: token layout, segment of every position ----
   std::vector<int32_t> tokens;

@@ -25,9 +25,10 @@ namespace sparsex {
 
 struct ReuseOptions {
   bool enable_reuse = true;  // false: plain prefill of the concatenation. Default: true
-  int full_layers = 1;       // F: layers with full attention over all tokens. Default: 1
-                             // (docs/fidelity.md: best KL per compute share on stories260K)
+  int full_layers = 2;       // F: layers with full attention over all tokens. Default: 2
+                             // (docs/fidelity.md: lowest KL at r = 0.15 on stories260K)
   std::string selector = "sparsex";  // sparsex | cacheblend | epic | random. Default: sparsex
+  SparsexWeights sparsex_weights;    // Default: see SparsexWeights
   BudgetOptions budget;              // Default: fixed ratio 0.15
   // Optional per-sparse-layer ratios for layers F, F+1, ... (non-increasing: a row dropped at
   // one layer has no exact input at the next). Empty: budget for every sparse layer.

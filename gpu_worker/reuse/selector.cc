@@ -20,18 +20,26 @@ std::vector<float> Normalized(const std::vector<float>& v) {
 
 class SparsexSelector final : public Selector {
  public:
+  explicit SparsexSelector(const SparsexWeights& w) : w_(w) {}
   std::string name() const override { return "sparsex"; }
   bool needs_attention_stats() const override { return true; }
+  bool needs_kv_deviation() const override { return w_.deviation > 0; }
   std::vector<float> Score(const SelectionInput& in) const override {
     // Two views of the missing cross-segment attention: how much a reused token's own query
     // reaches outside its segment (its KV was computed without that context), and how much the
     // new tokens read from it (errors there reach the answer directly). Each is normalised to a
     // distribution so neither dominates by scale.
     std::vector<float> a = Normalized(in.cross_mass), b = Normalized(in.new_recv);
+    std::vector<float> c = Normalized(in.kv_deviation);
     std::vector<float> s(a.size());
-    for (size_t i = 0; i < s.size(); ++i) s[i] = a[i] + b[i];
+    for (size_t i = 0; i < s.size(); ++i) {
+      s[i] = w_.cross * a[i] + w_.recv * b[i] + (c.empty() ? 0.0f : w_.deviation * c[i]);
+    }
     return s;
   }
+
+ private:
+  SparsexWeights w_;
 };
 
 class CacheBlendSelector final : public Selector {
@@ -66,8 +74,9 @@ class RandomSelector final : public Selector {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name) {
-  if (name == "sparsex") return std::unique_ptr<Selector>(new SparsexSelector());
+absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name,
+                                                          const SparsexWeights& w) {
+  if (name == "sparsex") return std::unique_ptr<Selector>(new SparsexSelector(w));
   if (name == "cacheblend") return std::unique_ptr<Selector>(new CacheBlendSelector());
   if (name == "epic") return std::unique_ptr<Selector>(new EpicSelector());
   if (name == "random") return std::unique_ptr<Selector>(new RandomSelector());

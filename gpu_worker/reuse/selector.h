@@ -26,6 +26,13 @@ struct SelectionInput {
   uint64_t seed = 0;               // for the random control
 };
 
+// Weights of the normalised signals in the "sparsex" score.
+struct SparsexWeights {
+  float cross = 1.0f;      // cross-segment mass of the token's own query. Default: 1
+  float recv = 1.0f;       // attention paid by new tokens. Default: 1
+  float deviation = 1.0f;  // KV deviation at the first sparse layer. Default: 1
+};
+
 class Selector {
  public:
   virtual ~Selector() = default;
@@ -39,7 +46,8 @@ class Selector {
 
 // "sparsex" (cross-segment mass + new-token attention), "cacheblend" (KV deviation),
 // "epic" (first tokens of each segment), "random" (control).
-absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name);
+absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name,
+                                                          const SparsexWeights& w = {});
 
 // Budget: how many of the ranked tokens to keep.
 struct BudgetOptions {

@@ -1,12 +1,12 @@
 // Hugging Face tokenizer.json, byte-level BPE (GPT-2, Llama-3, Qwen2 style): added tokens are cut
 // out first, the rest is split into pre-tokens by regex (PCRE2), each pre-token's bytes are mapped
 // to GPT-2's printable alphabet and merged by merge rank.
+#include <pcre2.h>
+
 #include <array>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
-#include <pcre2.h>
+#include <sstream>
 
 #include "absl/container/flat_hash_map.h"
 #include "gpu_worker/tokenizer/bpe_util.h"
@@ -104,12 +104,18 @@ absl::StatusOr<Regex> CompileRegex(const std::string& pattern, uint32_t extra_op
 // Split with behaviour "Isolated": every match is a pre-token and so is every gap between them.
 void SplitIsolated(const pcre2_code* re, std::string_view s, pcre2_match_data* md,
                    std::vector<std::string_view>& out) {
+#ifdef PCRE2_MATCH_INVALID_UTF
+  constexpr uint32_t kOptions = 0;
+#else
+  constexpr uint32_t kOptions = PCRE2_NO_UTF_CHECK;  // only valid runs get here; a check per
+                                                     // call would make this quadratic
+#endif
   size_t pos = 0, gap = 0;
   while (pos < s.size()) {
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
-    int rc = pcre2_match(re, subject, s.size(), pos, 0, md, nullptr);
+    int rc = pcre2_match(re, subject, s.size(), pos, kOptions, md, nullptr);
     if (rc < 0 && rc != PCRE2_ERROR_NOMATCH) {  // e.g. JIT stack limit: retry interpreted
-      rc = pcre2_match(re, subject, s.size(), pos, PCRE2_NO_JIT, md, nullptr);
+      rc = pcre2_match(re, subject, s.size(), pos, kOptions | PCRE2_NO_JIT, md, nullptr);
     }
     if (rc < 0) break;  // no more matches (or a hard error): the rest is one gap
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
@@ -222,26 +228,29 @@ class HfTokenizer final : public Tokenizer {
     std::vector<BpeSymbol> syms(p.size());
     for (size_t i = 0; i < p.size(); ++i) {
       const auto k = static_cast<int32_t>(i);
-      syms[i] = {k - 1, k + 1, static_cast<uint32_t>(i), 1, byte_id_[static_cast<unsigned char>(p[i])]};
+      syms[i] = {k - 1, k + 1, static_cast<uint32_t>(i), 1,
+                 byte_id_[static_cast<unsigned char>(p[i])]};
     }
     if (syms.empty()) return;
     syms.back().next = -1;
-    tok_internal::BpeMerge(syms, [&](const BpeSymbol& l, const BpeSymbol& r)
-                                     -> std::optional<std::pair<double, int32_t>> {
-      if (l.id < 0 || r.id < 0) return std::nullopt;
-      auto it = merges_.find(PairKey(l.id, r.id));
-      if (it == merges_.end()) return std::nullopt;
-      return std::make_pair(static_cast<double>(it->second.first), it->second.second);
-    });
-    for (int32_t k = 0; k >= 0; k = syms[k].next) out.push_back(syms[k].id >= 0 ? syms[k].id : unk_);
+    tok_internal::BpeMerge(
+        syms,
+        [&](const BpeSymbol& l, const BpeSymbol& r) -> std::optional<std::pair<double, int32_t>> {
+          if (l.id < 0 || r.id < 0) return std::nullopt;
+          auto it = merges_.find(PairKey(l.id, r.id));
+          if (it == merges_.end()) return std::nullopt;
+          return std::make_pair(static_cast<double>(it->second.first), it->second.second);
+        });
+    for (int32_t k = 0; k >= 0; k = syms[k].next)
+      out.push_back(syms[k].id >= 0 ? syms[k].id : unk_);
   }
 
   static uint64_t PairKey(int32_t l, int32_t r) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(l)) << 32) | static_cast<uint32_t>(r);
   }
 
-  absl::flat_hash_map<std::string, int32_t> vocab_;                        // byte-level piece -> id
-  absl::flat_hash_map<uint64_t, std::pair<int32_t, int32_t>> merges_;      // (l, r) -> (rank, id)
+  absl::flat_hash_map<std::string, int32_t> vocab_;                    // byte-level piece -> id
+  absl::flat_hash_map<uint64_t, std::pair<int32_t, int32_t>> merges_;  // (l, r) -> (rank, id)
   std::array<int32_t, 256> byte_id_{};
   std::vector<std::string> pieces_;  // raw bytes per id
   std::vector<uint8_t> special_;
@@ -281,11 +290,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
         }
         const json& pat = p.at("pattern");
         const bool literal = !pat.contains("Regex");
-        ASSIGN_OR_RETURN(Regex re, CompileRegex(pat.at(literal ? "String" : "Regex").get<std::string>(),
-                                                literal ? PCRE2_LITERAL : 0));
+        ASSIGN_OR_RETURN(Regex re,
+                         CompileRegex(pat.at(literal ? "String" : "Regex").get<std::string>(),
+                                      literal ? PCRE2_LITERAL : 0));
         t.splits_.push_back(std::move(re));
       } else if (type == "Digits") {
-        ASSIGN_OR_RETURN(Regex re, CompileRegex(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", 0));
+        ASSIGN_OR_RETURN(
+            Regex re,
+            CompileRegex(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", 0));
         t.splits_.push_back(std::move(re));
       } else if (type == "ByteLevel") {
         byte_level = true;
@@ -302,7 +314,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     RETURN_IF_ERROR(add_pre(j.value("pre_tokenizer", json()), add_pre));
     const json dec = j.value("decoder", json());
     if (dec.is_object() && dec.value("type", "") == "ByteLevel") byte_level = true;
-    if (!byte_level) return absl::UnimplementedError("only byte-level BPE tokenizer.json is supported");
+    if (!byte_level)
+      return absl::UnimplementedError("only byte-level BPE tokenizer.json is supported");
     const json norm = j.value("normalizer", json());
     if (!norm.is_null() && norm.value("type", "") != "NFC") {
       return absl::UnimplementedError("normalizer " + norm.value("type", std::string("?")) +
@@ -312,7 +325,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     constexpr int64_t kMaxId = 1 << 24;  // a sanity bound so a bad id cannot allocate gigabytes
     int64_t n = 0;
     auto check_id = [&](int64_t id) -> absl::Status {
-      if (id < 0 || id >= kMaxId) return absl::InvalidArgumentError(absl::StrCat("bad token id ", id));
+      if (id < 0 || id >= kMaxId)
+        return absl::InvalidArgumentError(absl::StrCat("bad token id ", id));
       n = std::max(n, id + 1);
       return absl::OkStatus();
     };
@@ -346,8 +360,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
       auto it = t.vocab_.find(a.to_char[b]);
       t.byte_id_[b] = it == t.vocab_.end() ? -1 : it->second;
       if (t.byte_id_[b] < 0 && t.unk_ < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "byte-level vocabulary lacks byte ", b, " and has no unk_token to stand for it"));
+        return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary lacks byte ", b,
+                                                       " and has no unk_token to stand for it"));
       }
     }
 
@@ -371,7 +385,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     }
 
     auto find = [&](std::string_view s) -> int32_t {
-      if (auto it = added_ids.find(tok_internal::AsAbsl(s)); it != added_ids.end()) return it->second;
+      if (auto it = added_ids.find(tok_internal::AsAbsl(s)); it != added_ids.end())
+        return it->second;
       if (auto it = t.vocab_.find(tok_internal::AsAbsl(s)); it != t.vocab_.end()) return it->second;
       return -1;
     };
@@ -385,7 +400,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
       } else if (type == "TemplateProcessing") {
         for (const json& item : pp.value("single", json::array())) {
           if (item.contains("Sequence")) break;
-          if (item.contains("SpecialToken")) return item["SpecialToken"].at("id").get<std::string>();
+          if (item.contains("SpecialToken"))
+            return item["SpecialToken"].at("id").get<std::string>();
         }
       }
       return "";
@@ -415,7 +431,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& pa
   ss << in.rdbuf();
   if (in.bad()) return absl::DataLossError("cannot read " + path);
   auto tok = ParseHfTokenizer(ss.str());
-  if (!tok.ok()) return absl::Status(tok.status().code(), path + ": " + std::string(tok.status().message()));
+  if (!tok.ok())
+    return absl::Status(tok.status().code(), path + ": " + std::string(tok.status().message()));
   return tok;
 }
 

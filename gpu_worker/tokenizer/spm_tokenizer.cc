@@ -13,7 +13,14 @@ namespace {
 using tok_internal::BpeSymbol;
 
 constexpr std::string_view kSpace = "\xE2\x96\x81";  // U+2581 '▁', SentencePiece's space mark
-enum TokenType : int32_t { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6 };
+enum TokenType : int32_t {
+  kNormal = 1,
+  kUnknown = 2,
+  kControl = 3,
+  kUserDefined = 4,
+  kUnused = 5,
+  kByte = 6
+};
 
 std::string ReplaceAll(std::string_view s, std::string_view from, std::string_view to) {
   std::string out;
@@ -139,12 +146,13 @@ class SpmTokenizer final : public Tokenizer {
     }
     if (syms.empty()) return;
     syms.back().next = -1;
-    tok_internal::BpeMerge(syms, [&](const BpeSymbol& l, const BpeSymbol& r)
-                                     -> std::optional<std::pair<double, int32_t>> {
-      const int32_t id = Lookup(std::string_view(s).substr(l.start, l.len + r.len));
-      if (id < 0) return std::nullopt;
-      return std::make_pair(-static_cast<double>(v_.scores[id]), id);  // highest score first
-    });
+    tok_internal::BpeMerge(
+        syms,
+        [&](const BpeSymbol& l, const BpeSymbol& r) -> std::optional<std::pair<double, int32_t>> {
+          const int32_t id = Lookup(std::string_view(s).substr(l.start, l.len + r.len));
+          if (id < 0) return std::nullopt;
+          return std::make_pair(-static_cast<double>(v_.scores[id]), id);  // highest score first
+        });
     for (int32_t k = 0; k >= 0; k = syms[k].next) {
       const BpeSymbol& sym = syms[k];
       if (sym.id >= 0) {
@@ -170,7 +178,7 @@ class SpmTokenizer final : public Tokenizer {
   SpmVocab v_;
   absl::flat_hash_map<std::string, int32_t> piece_to_id_;  // mergeable pieces only
   std::array<int32_t, 256> byte_id_;                       // <0xXX> tokens, -1 when absent
-  std::vector<std::string> decoded_;                        // TokenPiece per id
+  std::vector<std::string> decoded_;                       // TokenPiece per id
   tok_internal::TokenMatcher matcher_;
 };
 
@@ -184,12 +192,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeSpmTokenizer(SpmVocab vocab) {
                                                    vocab.scores.size(), " scores, ",
                                                    vocab.types.size(), " types"));
   }
-  if (n > static_cast<size_t>(INT32_MAX)) return absl::InvalidArgumentError("SPM vocabulary too large");
+  if (n > static_cast<size_t>(INT32_MAX))
+    return absl::InvalidArgumentError("SPM vocabulary too large");
   const auto bad = [n](int32_t id) { return id < -1 || id >= static_cast<int64_t>(n); };
   if (bad(vocab.bos_id) || bad(vocab.eos_id) || bad(vocab.unk_id)) {
-    return absl::InvalidArgumentError(absl::StrCat("SPM special id out of range: bos ", vocab.bos_id,
-                                                   ", eos ", vocab.eos_id, ", unk ", vocab.unk_id,
-                                                   ", vocabulary ", n));
+    return absl::InvalidArgumentError(absl::StrCat("SPM special id out of range: bos ",
+                                                   vocab.bos_id, ", eos ", vocab.eos_id, ", unk ",
+                                                   vocab.unk_id, ", vocabulary ", n));
   }
   return std::unique_ptr<Tokenizer>(new SpmTokenizer(std::move(vocab)));
 }

@@ -1,26 +1,26 @@
 // Tokenizer tests: SentencePiece BPE against the real stories260K vocabulary (tok512.bin, read
 // here in llama2.c format so the GGUF loader is not needed), and byte-level BPE against a small
 // hand-built tokenizer.json whose expected ids are derived by hand from the merge ranks.
+#include "gpu_worker/tokenizer/tokenizer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <algorithm>
-#include <sstream>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-
-#include "gpu_worker/tokenizer/tokenizer.h"
+#include <sstream>
 
 namespace sparsex {
 namespace {
 
+using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::Not;
-using ::testing::Contains;
 
 std::string ModelsRoot() {
   const char* env = std::getenv("SPARSEX_MODELS");
@@ -103,6 +103,19 @@ TEST_F(SpmTest, GreedyOracleSentence) {
   EXPECT_EQ(tok->Decode(with_bos), text);
   EXPECT_EQ(tok->Decode(oracle), text);
   EXPECT_THAT(tok->Encode(text, true), ElementsAreArray(with_bos));
+}
+
+TEST_F(SpmTest, EncodesGreedyOutputToItsIds) {
+  // The model's own greedy output (345 tokens) re-encodes to exactly the ids it generated.
+  const std::string dir = ModelsRoot() + "/stories260K/";
+  std::string text = ReadFileOrDie(dir + "expected_greedy_t0.txt");
+  if (!text.empty() && text.back() == '\n') text.pop_back();  // added when the file was written
+  std::istringstream in(ReadFileOrDie(dir + "expected_greedy_t0.ids"));
+  std::vector<int32_t> ids;
+  for (int32_t id; in >> id;) ids.push_back(id);
+  ASSERT_EQ(ids.size(), 345u);
+  EXPECT_THAT(tok->Encode(text, false), ElementsAreArray(ids));
+  EXPECT_EQ(tok->Decode(ids), text);
 }
 
 TEST_F(SpmTest, RoundTripsSampleText) {
@@ -215,12 +228,13 @@ constexpr const char* kLlama3Regex =
 
 // Merges in rank order, as raw text pairs; the merged token of merge k gets id 256 + k.
 const std::vector<std::pair<std::string, std::string>> kMerges = {
-    {" ", "t"},  {"h", "e"},    {" t", "he"}, {"3", "4"},      {"1", "2"},    {"12", "3"},
-    {"n", "'"},  {"'", "t"},    {"'", "S"},   {"\n", "\n"},    {"l", "l"},    {"he", "ll"},
-    {"hell", "o"}, {" ", "w"},  {"o", "r"},   {" w", "or"},    {"l", "d"},    {" wor", "ld"},
-    {"\xF0", "\x9F"}};
+    {" ", "t"},   {"h", "e"},   {" t", "he"},   {"3", "4"},      {"1", "2"},
+    {"12", "3"},  {"n", "'"},   {"'", "t"},     {"'", "S"},      {"\n", "\n"},
+    {"l", "l"},   {"he", "ll"}, {"hell", "o"},  {" ", "w"},      {"o", "r"},
+    {" w", "or"}, {"l", "d"},   {" wor", "ld"}, {"\xF0", "\x9F"}};
 constexpr int32_t kXyz = 256 + 19;  // " xyz": in the vocabulary, reachable by no merge
-constexpr int32_t kBot = 300, kEot = 302, kTool = 303;
+// Added tokens follow the vocabulary without a gap, as in Llama-3 (HF renumbers them otherwise).
+constexpr int32_t kBot = kXyz + 1, kEnd = kXyz + 2, kEot = kXyz + 3, kTool = kXyz + 4;
 
 // Raw text -> its id in the test vocabulary (bytes are ids 0..255).
 int32_t Id(const std::string& raw) {
@@ -249,7 +263,7 @@ std::string MakeTokenizerJson(bool llama3) {
     j["added_tokens"].push_back({{"id", id}, {"content", content}, {"special", special}});
   };
   added(kBot, "<|begin_of_text|>", true);
-  added(301, "<|end_of_text|>", true);
+  added(kEnd, "<|end_of_text|>", true);
   added(kEot, "<|eot_id|>", true);
   added(kTool, "<tool>", false);
   j["normalizer"] = nullptr;
@@ -257,14 +271,15 @@ std::string MakeTokenizerJson(bool llama3) {
     j["pre_tokenizer"] = {
         {"type", "Sequence"},
         {"pretokenizers",
-         {{{"type", "Split"}, {"pattern", {{"Regex", kLlama3Regex}}}, {"behavior", "Isolated"},
+         {{{"type", "Split"},
+           {"pattern", {{"Regex", kLlama3Regex}}},
+           {"behavior", "Isolated"},
            {"invert", false}},
           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
-    j["post_processor"] = {
-        {"type", "TemplateProcessing"},
-        {"single",
-         {{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}},
-          {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
+    j["post_processor"] = {{"type", "TemplateProcessing"},
+                           {"single",
+                            {{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}},
+                             {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
   } else {
     j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}};
   }
@@ -284,7 +299,7 @@ class HfTest : public ::testing::Test {
 };
 
 TEST_F(HfTest, MergesByRank) {
-  EXPECT_EQ(tok->vocab_size(), 304);
+  EXPECT_EQ(tok->vocab_size(), kTool + 1);
   EXPECT_THAT(Enc("hello world"), ElementsAre(Id("hello"), Id(" world")));
   EXPECT_THAT(Enc(" the"), ElementsAre(Id(" the")));
   EXPECT_THAT(Enc("the"), ElementsAre(Id("t"), Id("he")));
@@ -321,8 +336,8 @@ TEST_F(HfTest, Gpt2ByteLevelPattern) {
 
 TEST_F(HfTest, SpecialTokens) {
   EXPECT_EQ(tok->bos_id(), kBot);
-  EXPECT_EQ(tok->eos_id(), 301);
-  EXPECT_THAT(tok->StopIds(), ElementsAre(301, kEot));
+  EXPECT_EQ(tok->eos_id(), kEnd);
+  EXPECT_THAT(tok->StopIds(), ElementsAre(kEnd, kEot));
   EXPECT_THAT(tok->Encode("hi", true), ElementsAre(kBot, Id("h"), Id("i")));
   const std::string text = "<|begin_of_text|>hi<|eot_id|>";
   EXPECT_THAT(tok->Encode(text, false, true), ElementsAre(kBot, Id("h"), Id("i"), kEot));
@@ -362,10 +377,9 @@ TEST(HfLoadTest, Errors) {
   EXPECT_EQ(ParseHfTokenizer(R"({"model":{"type":"WordPiece","vocab":{}}})").status().code(),
             absl::StatusCode::kUnimplemented);
   // No byte-level pre-tokenizer or decoder: not a byte-level BPE.
-  EXPECT_EQ(ParseHfTokenizer(R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]}})")
-                .status()
-                .code(),
-            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(
+      ParseHfTokenizer(R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]}})").status().code(),
+      absl::StatusCode::kUnimplemented);
   EXPECT_EQ(LoadHfTokenizer("/nonexistent/tokenizer.json").status().code(),
             absl::StatusCode::kNotFound);
 }

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Builds SparseX on the H200 machine (Ubuntu 24.04, gcc 13, CMake 4, nvcc 13; no abseil, xxhash,
+# nlohmann-json or pcre2 headers there), runs the GPU tests, the GPU benchmark and the
+# Hugging Face transformers baseline, and writes everything to $OUT:
+#   build.log, tests.log, bench.log, gpu_prefill_raw.json (ours), hf_baseline.json,
+#   gpu_prefill.json (records: case, tokens, ms, baseline_ms, ratio).
+# The missing libraries travel as Debian 12 packages in .deps/debs (fetched on a Debian machine
+# with `apt-get download libabsl-dev libabsl20220623 libxxhash-dev nlohmann-json3-dev
+# libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 pkgconf pkgconf-bin
+# libpkgconf3`) and are unpacked here with dpkg -x. The stories260K test model travels in
+# .deps/models.
+#
+#   OUT=/tmp/out bench/gpu/run.sh            # everything
+#   SPX_SKIP_HF=1 SPX_BENCH_ARGS="--lengths 2048 --reps 1" bench/gpu/run.sh
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-$ROOT/build-gpu-out}
+BUILD=${SPX_BUILD_DIR:-/tmp/spx-build}
+DEPS=${SPX_DEPS_DIR:-/tmp/spx-deps}
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$OUT" "$BUILD" "$DEPS"
+T0=$(date +%s)
+stamp() { echo "[run.sh +$(( $(date +%s) - T0 ))s] $*"; }
+
+stamp "machine"
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv;
+  nvcc --version | tail -2; gcc --version | head -1; cmake --version | head -1; } 2>&1 | tee "$OUT/machine.txt"
+
+# ---- dependencies ----
+for f in "$ROOT"/.deps/debs/*.deb; do dpkg -x "$f" "$DEPS"; done
+LIBDIR=$DEPS/usr/lib/x86_64-linux-gnu
+sed -i "s|^prefix=.*|prefix=$DEPS/usr|" "$LIBDIR"/pkgconfig/*.pc
+export PKG_CONFIG_PATH=$LIBDIR/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if ! command -v pkg-config >/dev/null; then export PATH=$PATH:$DEPS/usr/bin; fi
+export SPARSEX_MODELS=${SPARSEX_MODELS:-$ROOT/.deps/models}
+
+# ---- build ----
+stamp "configure + build (jobs $JOBS)"
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DSPARSEX_WITH_SERVICES=OFF -DSPARSEX_WITH_ROCKSDB=OFF -DSPARSEX_WITH_UCX=OFF \
+  -DSPARSEX_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
+  -DCMAKE_CUDA_ARCHITECTURES=${SPX_CUDA_ARCH:-90} \
+  -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_INCLUDE_PATH="$DEPS/usr/include" \
+  -DCMAKE_CXX_FLAGS="-include cstdint" >"$OUT/build.log" 2>&1
+cmake_rc=$?
+ninja -C "$BUILD" -j"$JOBS" backend_consistency_test cuda_engine_test gpu_prefill_bench \
+  >>"$OUT/build.log" 2>&1
+build_rc=$?
+stamp "build rc: cmake $cmake_rc ninja $build_rc"
+if [ $cmake_rc -ne 0 ] || [ $build_rc -ne 0 ]; then
+  grep -E "error|Error|CMake Error" -A3 "$OUT/build.log" | head -60
+  exit 1
+fi
+
+# ---- tests ----
+stamp "GPU tests"
+tests_rc=0
+for t in backend_consistency_test cuda_engine_test; do
+  "$BUILD/bin/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 || tests_rc=1
+done
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|Expected|Which is|actual|rel" "$OUT/tests.log" | head -40
+stamp "tests rc $tests_rc"
+
+# ---- benchmark ----
+stamp "benchmark"
+# shellcheck disable=SC2086
+"$BUILD/bin/gpu_prefill_bench" ${SPX_BENCH_ARGS:-} --out "$OUT/gpu_prefill_raw.json" \
+  2>&1 | tee "$OUT/bench.log"
+stamp "bench done"
+
+# ---- transformers baseline ----
+if [ -z "${SPX_SKIP_HF:-}" ]; then
+  stamp "transformers baseline"
+  timeout ${SPX_HF_TIMEOUT:-240} python3 "$ROOT/bench/gpu/hf_baseline.py" \
+    --lengths ${SPX_HF_LENGTHS:-2048,8192,16384,32768} --out "$OUT/hf_baseline.json" \
+    2>&1 | grep -v Warning | tail -20 | tee "$OUT/hf.log"
+fi
+
+# ---- memory checker over the GPU tests (optional) ----
+if [ -n "${SPX_SANITIZE:-}" ]; then
+  stamp "compute-sanitizer memcheck"
+  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  timeout ${SPX_SANITIZE_TIMEOUT:-120} "$CS" --tool memcheck --error-exitcode 9 \
+    "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
+    --gtest_filter="${SPX_SANITIZE_FILTER:-*}" >"$OUT/sanitizer.log" 2>&1
+  stamp "memcheck rc $?"
+  grep -E "ERROR SUMMARY|Invalid|out of bounds|PASSED|FAILED" "$OUT/sanitizer.log" | head -20
+fi
+
+# ---- merged records ----
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+ours = json.load(open(os.path.join(out, "gpu_prefill_raw.json")))
+base = {}
+p = os.path.join(out, "hf_baseline.json")
+if os.path.exists(p):
+    for r in json.load(open(p))["records"]:
+        base[(r["case"], r["tokens"])] = r["ms"]
+recs = []
+for r in ours["records"]:
+    b = base.get((r["case"], r["tokens"]))
+    r = dict(r, baseline_ms=b, ratio=(round(r["ms"] / b, 3) if b else None))
+    recs.append(r)
+json.dump({"device": ours.get("device"), "model": ours.get("model"), "records": recs},
+          open(os.path.join(out, "gpu_prefill.json"), "w"), indent=1)
+print("%-28s %7s %10s %10s %7s" % ("case", "tokens", "ms", "base_ms", "ratio"))
+for r in recs:
+    print("%-28s %7d %10.2f %10s %7s" % (r["case"], r["tokens"], r["ms"],
+          "%.1f" % r["baseline_ms"] if r["baseline_ms"] else "-", r["ratio"] or "-"))
+EOF
+stamp "done (tests rc $tests_rc)"
+exit $tests_rc
