@@ -27,6 +27,8 @@
 #include <cuda_runtime.h>
 
 #include "gpu_worker/backend/cuda/cuda_backend.h"
+#include "kernels/attention.h"
+#include "kernels/gemm.h"
 #endif
 
 namespace sparsex {
@@ -226,54 +228,115 @@ int Main(const Options& o) {
     }
     CHECK_OK(be->WriteKv(runner->pool(), 0, qkv, static_cast<int64_t>(H) * hd, qkv,
                          static_cast<int64_t>(H + KV) * hd, seq.slots));
-    for (int n : o.lengths) {
-      Tensor q{qkv.data, qkv.dtype, n, qkv.cols};  // first n rows
-      Tensor out{att.data, att.dtype, n, att.cols};
-      AttentionArgs a;
-      a.n_heads = H;
-      a.n_kv_heads = KV;
-      a.head_dim = hd;
-      a.q_pos = std::span<const int32_t>(seq.pos.data(), n);
-      a.ctx_slots = std::span<const int32_t>(seq.slots.data(), n);
+    // Attention kernels called directly (both block sizes), on the pool of layer 0.
+    int32_t *d_pos = nullptr, *d_slots = nullptr, *d_sel = nullptr, *d_group = nullptr;
+    float *d_lse = nullptr, *d_cross = nullptr, *d_recv = nullptr, *d_w = nullptr;
+    cudaMalloc(&d_pos, nmax * 4);
+    cudaMalloc(&d_slots, nmax * 4);
+    cudaMalloc(&d_sel, nmax * 4);
+    cudaMalloc(&d_group, nmax * 4);
+    cudaMalloc(&d_lse, static_cast<size_t>(nmax) * H * 4);
+    cudaMalloc(&d_cross, nmax * 4);
+    cudaMalloc(&d_recv, nmax * 4);
+    cudaMalloc(&d_w, nmax * 4);
+    cudaMemcpy(d_pos, seq.pos.data(), nmax * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_slots, seq.slots.data(), nmax * 4, cudaMemcpyHostToDevice);
+    {
+      // Selector shapes: segments of 4096 tokens after a sink; the last 256 rows are "new".
+      std::vector<int32_t> grp(nmax);
+      std::vector<float> w(nmax, 0.0f);
+      for (int j = 0; j < nmax; ++j) grp[j] = j == 0 ? -1 : (j - 1) / 4096;
+      for (int j = std::max(0, nmax - 256); j < nmax; ++j) w[j] = 1.0f;
+      cudaMemcpy(d_group, grp.data(), nmax * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_w, w.data(), nmax * 4, cudaMemcpyHostToDevice);
+    }
+    auto time_op = [&](auto&& fn) {
       std::vector<double> t;
       for (int r = 0; r < 2 + 5; ++r) {
         timer.Start();
-        CHECK_OK(be->Attention(q, runner->pool(), 0, a, out));
+        fn();
         const double ms = timer.StopMs();
         if (r >= 2) t.push_back(ms);
       }
-      const double ms = Median(t);
+      return std::make_pair(Median(t), *std::min_element(t.begin(), t.end()));
+    };
+    for (int n : o.lengths) {
+      kernels::PagedAttentionParams p;
+      p.q = static_cast<const kernels::bf16*>(qkv.data);
+      p.q_stride = qkv.cols;
+      p.out = static_cast<kernels::bf16*>(att.data);
+      p.out_stride = att.cols;
+      p.q_pos = d_pos;
+      p.num_q = n;
+      p.k_pool = static_cast<const kernels::bf16*>(runner->pool().k[0].data);
+      p.v_pool = static_cast<const kernels::bf16*>(runner->pool().v[0].data);
+      p.kv_stride = runner->pool().kv_dim;
+      p.ctx_slots = d_slots;
+      p.ctx_len = n;
+      p.n_heads = H;
+      p.n_kv_heads = KV;
+      p.head_dim = hd;
+      p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
       const double flops = 4.0 * (static_cast<double>(n) * (n + 1) / 2) * hd * H;
-      char extra[128];
-      std::snprintf(extra, sizeof extra, ", \"tflops\": %.1f", flops / ms * 1e-9);
-      records.push_back({"attention_layer_causal", n, ms, *std::min_element(t.begin(), t.end()),
-                         5, extra});
-      std::printf("attention (1 layer, causal) %6d: %8.3f ms  %6.1f TFLOP/s\n", n, ms,
-                  flops / ms * 1e-9);
-      // Sparse recompute shape: 15% of the rows (evenly spread) over all keys.
+      // Sparse recompute shape: 15% of the rows (evenly spread), each over all earlier keys.
       std::vector<int32_t> sel;
       for (int i = 0; i < n; ++i)
         if ((i * 20) % 133 < 20 || i == n - 1) sel.push_back(i);
-      Tensor qs{qkv.data, qkv.dtype, static_cast<int64_t>(sel.size()), qkv.cols};
-      Tensor os{att.data, att.dtype, static_cast<int64_t>(sel.size()), att.cols};
-      a.q_pos = sel;
-      t.clear();
-      for (int r = 0; r < 2 + 5; ++r) {
-        timer.Start();
-        CHECK_OK(be->Attention(qs, runner->pool(), 0, a, os));
-        const double ms2 = timer.StopMs();
-        if (r >= 2) t.push_back(ms2);
-      }
+      cudaMemcpy(d_sel, sel.data(), sel.size() * 4, cudaMemcpyHostToDevice);
       double sflops = 0;
-      for (int p : sel) sflops += 4.0 * (p + 1) * hd * H;
-      const double ms2 = Median(t);
-      std::snprintf(extra, sizeof extra, ", \"rows\": %zu, \"tflops\": %.1f", sel.size(),
-                    sflops / ms2 * 1e-9);
-      records.push_back({"attention_layer_sparse15", n, ms2,
-                         *std::min_element(t.begin(), t.end()), 5, extra});
-      std::printf("attention (1 layer, %zu sparse rows) %6d: %8.3f ms  %6.1f TFLOP/s\n",
-                  sel.size(), n, ms2, sflops / ms2 * 1e-9);
+      for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
+      for (int warps : {4, 8}) {
+        p.warps = warps;
+        p.q_pos = d_pos;
+        p.num_q = n;
+        p.lse = nullptr;
+        auto [ms, mn] = time_op([&] {
+          if (kernels::PagedAttention(p, nullptr, 0, stream) != cudaSuccess) std::exit(1);
+        });
+        char extra[128];
+        std::snprintf(extra, sizeof extra, ", \"warps\": %d, \"tflops\": %.1f", warps,
+                      flops / ms * 1e-9);
+        records.push_back({"attention_layer_causal", n, ms, mn, 5, extra});
+        std::printf("attention (1 layer, causal, %d warps) %6d: %8.3f ms  %6.1f TFLOP/s\n",
+                    warps, n, ms, flops / ms * 1e-9);
+        p.q_pos = d_sel;
+        p.num_q = static_cast<int>(sel.size());
+        auto [ms2, mn2] = time_op([&] {
+          if (kernels::PagedAttention(p, nullptr, 0, stream) != cudaSuccess) std::exit(1);
+        });
+        std::snprintf(extra, sizeof extra, ", \"warps\": %d, \"rows\": %zu, \"tflops\": %.1f",
+                      warps, sel.size(), sflops / ms2 * 1e-9);
+        records.push_back({"attention_layer_sparse15", n, ms2, mn2, 5, extra});
+        std::printf("attention (1 layer, %zu sparse rows, %d warps) %6d: %8.3f ms  %6.1f "
+                    "TFLOP/s\n", sel.size(), warps, n, ms2, sflops / ms2 * 1e-9);
+      }
+      // Selection statistics (second pass) over the dense causal layer, default block size.
+      p.warps = 0;
+      p.q_pos = d_pos;
+      p.num_q = n;
+      p.lse = d_lse;
+      if (kernels::PagedAttention(p, nullptr, 0, stream) != cudaSuccess) std::exit(1);
+      kernels::AttentionStatsParams st;
+      st.key_group = d_group;
+      st.q_group = d_group;
+      st.recv_weight = d_w;
+      st.out_cross = d_cross;
+      st.out_recv = d_recv;
+      auto [ms3, mn3] = time_op([&] {
+        if (kernels::AttentionStats(p, st, stream) != cudaSuccess) std::exit(1);
+      });
+      records.push_back({"attention_stats_layer", n, ms3, mn3, 5, ""});
+      std::printf("selection statistics pass (1 layer, cross + recv of 256 rows) %6d: %8.3f ms\n",
+                  n, ms3);
     }
+    cudaFree(d_pos);
+    cudaFree(d_slots);
+    cudaFree(d_sel);
+    cudaFree(d_group);
+    cudaFree(d_lse);
+    cudaFree(d_cross);
+    cudaFree(d_recv);
+    cudaFree(d_w);
     // GEMMs of one layer at nmax tokens.
     struct G {
       const char* name;
@@ -316,6 +379,52 @@ int Main(const Options& o) {
     }
     std::printf("GEMMs of one layer at %d tokens: %.2f ms (x%d layers = %.1f ms)\n", nmax,
                 gemm_total, cfg.n_layers, gemm_total * cfg.n_layers);
+    // Decode-sized matmuls (n = 1): the weight-streaming kernel against cuBLASLt.
+    {
+      kernels::LtGemm lt;
+      lt.Init(64u << 20);
+      struct G1 {
+        const char* name;
+        int64_t m, k;
+      } shapes[] = {{"gemv_qkv", qcols, cfg.dim},
+                    {"gemv_o", cfg.dim, static_cast<int64_t>(H) * hd},
+                    {"gemv_gate_up", 2LL * cfg.ffn_dim, cfg.dim},
+                    {"gemv_down", cfg.dim, cfg.ffn_dim},
+                    {"gemv_lm_head", cfg.vocab_size, cfg.dim}};
+      for (const G1& g : shapes) {
+        Tensor x = Unwrap(be->Alloc(1, g.k), "Alloc");
+        Tensor w = Unwrap(be->Alloc(g.m, g.k), "Alloc");
+        Tensor y = Unwrap(be->Alloc(1, g.m), "Alloc");
+        const double bytes = 2.0 * g.m * g.k;
+        auto* xp = static_cast<const kernels::bf16*>(x.data);
+        auto* wp = static_cast<const kernels::bf16*>(w.data);
+        auto* yp = static_cast<kernels::bf16*>(y.data);
+        auto [ms_a, mn_a] = time_op([&] {
+          if (kernels::SmallNGemm(xp, g.k, wp, g.k, yp, g.m, 1, g.m, g.k, 0.0f, stream) !=
+              cudaSuccess)
+            std::exit(1);
+        });
+        auto [ms_b, mn_b] = time_op([&] {
+          if (lt.Run(xp, g.k, wp, g.k, yp, g.m, 1, g.m, g.k, 0.0f, stream) !=
+              CUBLAS_STATUS_SUCCESS)
+            std::exit(1);
+        });
+        char extra[128];
+        std::snprintf(extra, sizeof extra, ", \"impl\": \"small_n\", \"tb_s\": %.2f",
+                      bytes / ms_a * 1e-9);
+        records.push_back({g.name, 1, ms_a, mn_a, 5, extra});
+        std::snprintf(extra, sizeof extra, ", \"impl\": \"cublaslt\", \"tb_s\": %.2f",
+                      bytes / ms_b * 1e-9);
+        records.push_back({g.name, 1, ms_b, mn_b, 5, extra});
+        std::printf("%-13s 1 x %6lld x %6lld: small-n %7.3f ms (%.2f TB/s), cuBLASLt %7.3f ms "
+                    "(%.2f TB/s)\n", g.name, static_cast<long long>(g.m),
+                    static_cast<long long>(g.k), ms_a, bytes / ms_a * 1e-9, ms_b,
+                    bytes / ms_b * 1e-9);
+        be->Free(x);
+        be->Free(w);
+        be->Free(y);
+      }
+    }
     be->Free(qkv);
     be->Free(att);
     CHECK_OK(be->Synchronize());
@@ -334,16 +443,19 @@ int Main(const Options& o) {
       be->Free(x);
       CHECK_OK(be->Synchronize());
     }
-    std::vector<double> times;
+    std::vector<double> times, host_ms;
     int32_t tok = seq.ids[ctx - 1];
     for (int t = 0; t < o.decode_steps; ++t) {
       const int p = ctx + t;
       timer.Start();
+      const auto h0 = std::chrono::steady_clock::now();
       Tensor x = Unwrap(runner->Embed({&tok, 1}), "Embed");
       LayerRows rows{std::span<const int32_t>(seq.pos.data() + p, 1),
                      std::span<const int32_t>(seq.slots.data() + p, 1),
                      std::span<const int32_t>(seq.slots.data(), p + 1)};
       for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
+      host_ms.push_back(std::chrono::duration<double, std::milli>(
+                            std::chrono::steady_clock::now() - h0).count());
       const int32_t row0 = 0;
       std::vector<float> logits = Unwrap(runner->Logits(x, {&row0, 1}), "Logits");
       be->Free(x);
@@ -353,12 +465,14 @@ int Main(const Options& o) {
     }
     const double med = Median(times);
     char extra[96];
-    std::snprintf(extra, sizeof extra, ", \"batch\": 1, \"context\": %d", ctx);
+    std::snprintf(extra, sizeof extra, ", \"batch\": 1, \"context\": %d, \"host_enqueue_ms\": %.3f",
+                  ctx, Median(host_ms));
     records.push_back({"decode_bs1_ms_per_token", ctx, med,
                        *std::min_element(times.begin(), times.end()),
                        static_cast<int>(times.size()), extra});
-    std::printf("decode batch 1 at %d context: %.3f ms/token (min %.3f, %zu steps)\n", ctx, med,
-                records.back().min_ms, times.size());
+    std::printf("decode batch 1 at %d context: %.3f ms/token (min %.3f, %zu steps); host time to "
+                "enqueue the 32 layers %.3f ms (median)\n", ctx, med, records.back().min_ms,
+                times.size(), Median(host_ms));
   }
 
   std::ofstream f(o.out);

@@ -26,33 +26,40 @@ constexpr float kNegInf = -INFINITY;
 // with cp.async; shared tiles are XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)) so ldmatrix
 // reads are bank-conflict free.
 // ---------------------------------------------------------------------------------------------
-constexpr int kBM = 64;
-constexpr int kBN = 64;
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
+constexpr int kBN = 64;       // keys per step
+constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
+
+// ex2.approx: one MUFU op (2^-inf = +0); the scores are already in the log2 domain.
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 template <int HD>
 __device__ __forceinline__ int Swz(int row, int chunk) {
   return row * HD + ((chunk ^ (row & 7)) << 3);
 }
 
-template <int HD, bool STATS>
+template <int HD, bool STATS, int NW>
 constexpr int FlashSmemBytes() {
-  // Q tile + 2 K buffers (+ 2 V buffers).
-  return (kBM * HD + 2 * kBN * HD + (STATS ? 0 : 2 * kBN * HD)) * 2;
+  // Q tile (16 * NW rows) + 2 K buffers (+ 2 V buffers).
+  return (16 * NW * HD + 2 * kBN * HD + (STATS ? 0 : 2 * kBN * HD)) * 2;
 }
 
 struct FlashExtra {
   int group = 1;            // G: query heads per KV head
-  int qt = 64;              // query rows per block (kBM / G)
+  int qt = 64;              // query rows per block (16 * warps / G)
   int tiles_per_split = 0;  // key tiles per split (gridDim.z splits)
   float* ws_o = nullptr;    // [splits, num_q, n_heads, HD] fp32, split mode only
   float* ws_lse = nullptr;  // [splits, num_q, n_heads]
 };
 
-template <int HD, bool STATS>
-__global__ void __launch_bounds__(kThreads, 2)
+template <int HD, bool STATS, int NW>
+__global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
     FlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, const FlashExtra ex) {
+  constexpr int kBM = 16 * NW;       // M rows (query row x head-in-group) per block
+  constexpr int kThreads = 32 * NW;
   constexpr int CH = HD / 8;  // 16-byte chunks per row
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
@@ -139,6 +146,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t off = valid ? (int64_t)qr * p.q_stride + hh * HD + c * 8 : 0;
     CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
   }
+  detail::CpAsyncCommit();
+  uint32_t qf[HD / 16][4];  // this warp's 16 Q rows as mma A fragments, loaded once
 
   float o[STATS ? 1 : HD / 8][4];
   float row_m[2] = {kNegInf, kNegInf}, row_l[2] = {0.0f, 0.0f};
@@ -170,22 +179,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     detail::CpAsyncWait<1>();
     __syncthreads();
 
+    if (t == t_begin) {
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ++ks)
+        LdMatrixX4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3],
+                   sQ + Swz<HD>(warp * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+    }
     const bf16* tK = sK + buf * kBN * HD;
     float s[kBN / 8][4];
 #pragma unroll
     for (int nb = 0; nb < kBN / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks) {
-      uint32_t a[4];
-      LdMatrixX4(a[0], a[1], a[2], a[3], sQ + Swz<HD>(warp * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
       for (int nb2 = 0; nb2 < kBN / 16; ++nb2) {
         uint32_t b0, b1, b2, b3;
         LdMatrixX4(b0, b1, b2, b3,
                    tK + Swz<HD>(nb2 * 16 + ((lane >> 4) << 3) + (lane & 7),
                                 ks * 2 + ((lane >> 3) & 1)));
-        MmaBf16(s[2 * nb2], a, b0, b1);
-        MmaBf16(s[2 * nb2 + 1], a, b2, b3);
+        MmaBf16(s[2 * nb2], qf[ks], b0, b1);
+        MmaBf16(s[2 * nb2 + 1], qf[ks], b2, b3);
       }
     }
 
@@ -211,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int e = 0; e < 2; ++e) {
           const int key = key0 + nb * 8 + e;
           const int kg = (key < p.ctx_len && st.key_group) ? st.key_group[key] : -1;
-          const float p0 = exp2f(s[nb][e] - lse_row[0]);
-          const float p1 = exp2f(s[nb][2 + e] - lse_row[1]);
+          const float p0 = Ex2(s[nb][e] - lse_row[0]);
+          const float p1 = Ex2(s[nb][2 + e] - lse_row[1]);
           if (kg >= 0) {
             if (kg != qg[0]) cross[0] += p0;
             if (kg != qg[1]) cross[1] += p1;
@@ -250,16 +263,16 @@ __global__ void __launch_bounds__(kThreads, 2)
         mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
         const float m_new = fmaxf(row_m[i], mx[i]);
         ref[i] = m_new == kNegInf ? 0.0f : m_new;
-        corr[i] = exp2f(row_m[i] - ref[i]);
+        corr[i] = Ex2(row_m[i] - ref[i]);
         row_m[i] = m_new;
         row_l[i] *= corr[i];
       }
 #pragma unroll
       for (int nb = 0; nb < kBN / 8; ++nb) {
-        s[nb][0] = exp2f(s[nb][0] - ref[0]);
-        s[nb][1] = exp2f(s[nb][1] - ref[0]);
-        s[nb][2] = exp2f(s[nb][2] - ref[1]);
-        s[nb][3] = exp2f(s[nb][3] - ref[1]);
+        s[nb][0] = Ex2(s[nb][0] - ref[0]);
+        s[nb][1] = Ex2(s[nb][1] - ref[0]);
+        s[nb][2] = Ex2(s[nb][2] - ref[1]);
+        s[nb][3] = Ex2(s[nb][3] - ref[1]);
         row_l[0] += s[nb][0] + s[nb][1];
         row_l[1] += s[nb][2] + s[nb][3];
       }
@@ -457,10 +470,12 @@ __global__ void GenericStatsKernel(const PagedAttentionParams p, const Attention
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 // ---------------------------------------------------------------------------------------------
+int Warps(const PagedAttentionParams& p) { return p.warps == 4 ? 4 : 8; }
+
 bool TensorCorePath(const PagedAttentionParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128) return false;
   const int G = p.n_heads / p.n_kv_heads;
-  if (kBM % G != 0) return false;
+  if (kMaxGroup % G != 0) return false;
   if (p.q_stride % 8 || p.kv_stride % 8 || !detail::Aligned16(p.q) ||
       !detail::Aligned16(p.k_pool) || !detail::Aligned16(p.v_pool))
     return false;
@@ -483,7 +498,7 @@ SplitPlan PlanSplits(const PagedAttentionParams& p) {
   SplitPlan plan;
   if (!TensorCorePath(p)) return plan;
   const int G = p.n_heads / p.n_kv_heads;
-  const int64_t blocks = CeilDiv(p.num_q, kBM / G) * p.n_kv_heads;
+  const int64_t blocks = CeilDiv(p.num_q, 16 * Warps(p) / G) * p.n_kv_heads;
   const int tiles = static_cast<int>(CeilDiv(p.ctx_len, kBN));
   const int sms = NumSms();
   if (blocks >= sms || tiles < 4) return plan;
@@ -496,23 +511,30 @@ SplitPlan PlanSplits(const PagedAttentionParams& p) {
   return plan;
 }
 
-template <int HD, bool STATS>
-cudaError_t LaunchFlash(const PagedAttentionParams& p, const AttentionStatsParams& st,
-                        FlashExtra ex, int splits, cudaStream_t stream) {
-  constexpr int smem = FlashSmemBytes<HD, STATS>();
+template <int HD, bool STATS, int NW>
+cudaError_t LaunchFlashNW(const PagedAttentionParams& p, const AttentionStatsParams& st,
+                          FlashExtra ex, int splits, cudaStream_t stream) {
+  constexpr int smem = FlashSmemBytes<HD, STATS, NW>();
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(FlashKernel<HD, STATS>,
+    cudaError_t e = cudaFuncSetAttribute(FlashKernel<HD, STATS, NW>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured = true;
   }
   const int G = p.n_heads / p.n_kv_heads;
   ex.group = G;
-  ex.qt = kBM / G;
+  ex.qt = 16 * NW / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, ex.qt)), p.n_kv_heads, splits);
-  FlashKernel<HD, STATS><<<grid, kThreads, smem, stream>>>(p, st, ex);
+  FlashKernel<HD, STATS, NW><<<grid, 32 * NW, smem, stream>>>(p, st, ex);
   return cudaGetLastError();
+}
+
+template <int HD, bool STATS>
+cudaError_t LaunchFlash(const PagedAttentionParams& p, const AttentionStatsParams& st,
+                        FlashExtra ex, int splits, cudaStream_t stream) {
+  return Warps(p) == 4 ? LaunchFlashNW<HD, STATS, 4>(p, st, ex, splits, stream)
+                       : LaunchFlashNW<HD, STATS, 8>(p, st, ex, splits, stream);
 }
 
 bool ValidCommon(const PagedAttentionParams& p) {
@@ -529,7 +551,7 @@ bool ValidCommon(const PagedAttentionParams& p) {
 bool PagedAttentionSupported(int head_dim, int n_heads, int n_kv_heads) {
   if (head_dim <= 0 || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads) return false;
   if (head_dim <= 64) return true;
-  return head_dim == 128 && kBM % (n_heads / n_kv_heads) == 0;
+  return head_dim == 128 && kMaxGroup % (n_heads / n_kv_heads) == 0;
 }
 
 size_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& p) {

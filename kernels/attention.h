@@ -8,7 +8,8 @@
 //
 // Paths (chosen by PagedAttention, "unsupported head_dim" otherwise):
 //   head_dim 64 or 128, 16-byte aligned rows: FlashAttention-2 style tiles on mma.sync bf16
-//     tensor cores (64 query-head rows x 64 keys per step, online softmax in fp32); when there
+//     tensor cores (64 or 128 query-head rows x 64 keys per step, online softmax in fp32,
+//     exponentials on ex2.approx); when there
 //     are too few query tiles to fill the GPU (decode, short chunks) the key axis is split over
 //     blocks and a combine kernel merges the partial results (split-K / flash-decoding).
 //   head_dim <= 64 (any): one warp per (query row, head), fp32 throughout.
@@ -46,6 +47,9 @@ struct PagedAttentionParams {
   // Optional out: [num_q, n_heads] log2-domain log-sum-exp of the scaled scores
   // (log2(sum_j 2^(s_ij * scale * log2 e))); -inf for a row with no keys.
   float* lse = nullptr;
+  // Tensor-core path block size: 4 warps (64 query-head rows, 2 blocks per SM) or 8 warps
+  // (128 rows, 1 block per SM, half the K/V traffic per FLOP). 0: the default (8).
+  int warps = 0;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

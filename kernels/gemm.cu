@@ -110,4 +110,111 @@ const char* CublasStatusName(cublasStatus_t s) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Small-n GEMM (decode).
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int kGemvWarps = 4;
+constexpr int kGemvRowsPerWarp = 2;
+
+template <int N>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    SmallNGemmKernel(const __nv_bfloat16* __restrict__ x, int64_t xs,
+                     const __nv_bfloat16* __restrict__ w, int64_t ws, __nv_bfloat16* out,
+                     int64_t os, int64_t m, int64_t k, float beta) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = blockIdx.x * int64_t(kGemvWarps) + (threadIdx.x >> 5);
+  const int64_t row0 = warp * kGemvRowsPerWarp;
+  if (row0 >= m) return;
+  const bool has1 = row0 + 1 < m;
+  const __nv_bfloat16* w0 = w + row0 * ws;
+  const __nv_bfloat16* w1 = has1 ? w0 + ws : w0;
+  float acc[kGemvRowsPerWarp][N];
+#pragma unroll
+  for (int r = 0; r < kGemvRowsPerWarp; ++r)
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[r][j] = 0.0f;
+#pragma unroll 4
+  for (int64_t c = lane * 8; c < k; c += 256) {
+    const uint4 a = __ldcs(reinterpret_cast<const uint4*>(w0 + c));  // streamed once
+    const uint4 b = __ldcs(reinterpret_cast<const uint4*>(w1 + c));
+    const __nv_bfloat162* ah = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* bh = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + j * xs + c));
+      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 xf = __bfloat1622float2(xh[e]);
+        const float2 af = __bfloat1622float2(ah[e]);
+        const float2 bf = __bfloat1622float2(bh[e]);
+        acc[0][j] = fmaf(af.x, xf.x, fmaf(af.y, xf.y, acc[0][j]));
+        acc[1][j] = fmaf(bf.x, xf.x, fmaf(bf.y, xf.y, acc[1][j]));
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvRowsPerWarp; ++r)
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float v = acc[r][j];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      acc[r][j] = v;
+    }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+      if (r == 1 && !has1) break;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        __nv_bfloat16* o = out + j * os + row0 + r;
+        float v = acc[r][j];
+        if (beta != 0.0f) v += beta * __bfloat162float(*o);
+        *o = __float2bfloat16_rn(v);
+      }
+    }
+  }
+}
+
+template <int N>
+cudaError_t LaunchSmallN(const __nv_bfloat16* x, int64_t xs, const __nv_bfloat16* w, int64_t ws,
+                         __nv_bfloat16* out, int64_t os, int64_t m, int64_t k, float beta,
+                         cudaStream_t stream) {
+  const int64_t rows_per_block = kGemvWarps * kGemvRowsPerWarp;
+  const int64_t blocks = (m + rows_per_block - 1) / rows_per_block;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  SmallNGemmKernel<N><<<static_cast<unsigned>(blocks), kGemvWarps * 32, 0, stream>>>(
+      x, xs, w, ws, out, os, m, k, beta);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                         int64_t w_stride, int64_t n, int64_t k) {
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return n >= 1 && n <= kSmallNGemmMaxRows && k % 8 == 0 && x_stride % 8 == 0 &&
+         w_stride % 8 == 0 && al(x) && al(w);
+}
+
+cudaError_t SmallNGemm(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                       int64_t w_stride, __nv_bfloat16* out, int64_t out_stride, int64_t n,
+                       int64_t m, int64_t k, float beta, cudaStream_t stream) {
+  if (n == 0 || m == 0) return cudaSuccess;
+  if (!SmallNGemmSupported(x, x_stride, w, w_stride, n, k)) return cudaErrorInvalidValue;
+  switch (n) {
+    case 1: return LaunchSmallN<1>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    case 2: return LaunchSmallN<2>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    case 3: return LaunchSmallN<3>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    case 4: return LaunchSmallN<4>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    case 5: return LaunchSmallN<5>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    case 6: return LaunchSmallN<6>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    case 7: return LaunchSmallN<7>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+    default: return LaunchSmallN<8>(x, x_stride, w, w_stride, out, out_stride, m, k, beta, stream);
+  }
+}
+
 }  // namespace sparsex::kernels

@@ -54,4 +54,14 @@ class LtGemm {
 
 const char* CublasStatusName(cublasStatus_t s);
 
+// Weight-streaming GEMM for few rows (decode): out[n, m] = x[n, k] @ w[m, k]^T + beta * out.
+// Each warp owns two output features and streams their weight rows once with 16-byte loads;
+// x rows come through L1. fp32 accumulation. Supported when SmallNGemmSupported(...).
+constexpr int kSmallNGemmMaxRows = 8;
+bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                         int64_t w_stride, int64_t n, int64_t k);
+cudaError_t SmallNGemm(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                       int64_t w_stride, __nv_bfloat16* out, int64_t out_stride, int64_t n,
+                       int64_t m, int64_t k, float beta, cudaStream_t stream);
+
 }  // namespace sparsex::kernels

@@ -59,6 +59,9 @@ tests_rc=0
 for t in backend_consistency_test cuda_engine_test; do
   "$BUILD/bin/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 || tests_rc=1
 done
+# The other attention block size (4 warps) through the same checks.
+SPX_ATTN_WARPS=4 "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
+  --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1 || tests_rc=1
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|Expected|Which is|actual|rel" "$OUT/tests.log" | head -40
 stamp "tests rc $tests_rc"
 

@@ -190,6 +190,31 @@ TEST_F(ReuseTest, ExactPrefixPlusReusedSegments) {
   EXPECT_LT(MaxDiff(Full({{a}, {c}, {b}, {Enc(kQ), false}}), r2->logits), 1e-4);
 }
 
+TEST_F(ReuseTest, PerLayerRatiosAndAdaptiveBudget) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  ReuseOptions o;
+  o.full_layers = 2;
+  o.budget.ratio = 0.5f;
+  o.layer_ratios = {0.5f, 0.25f, 0.0f};  // layers 2, 3, 4
+  ReusePrefillResult r = Run(segs, o);
+  const int n = r.stats.prompt_tokens - r.stats.prefix_tokens;
+  const int reused = r.stats.reused_tokens, fresh = r.stats.new_tokens;
+  const int64_t expect = 2LL * n + (std::lround(0.5 * reused) + fresh) +
+                         (std::lround(0.25 * reused) + fresh) + fresh;
+  EXPECT_EQ(r.stats.computed_token_layers, expect);
+  EXPECT_LT(r.stats.exact_tokens, r.stats.prompt_tokens);
+  o.layer_ratios = {0.1f, 0.5f};  // increasing: rejected
+  EXPECT_FALSE(reuse_->Prefill(segs, true, &o).ok());
+  ReuseOptions a;
+  a.budget.mode = BudgetOptions::Mode::kAdaptive;
+  a.budget.target_mass = 0.5f;
+  a.budget.max_ratio = 0.3f;
+  ReusePrefillResult ra = Run(segs, a);
+  EXPECT_GT(ra.stats.selected_tokens, 0);
+  EXPECT_LE(ra.stats.selected_tokens, std::lround(0.3 * ra.stats.reused_tokens));
+}
+
 TEST_F(ReuseTest, CorruptStoredSegmentIsAMissAndRecomputed) {
   std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB);
   ASSERT_TRUE(reuse_->EnsureStored(a).ok());

@@ -128,7 +128,8 @@ TEST_F(BackendConsistency, MatMul) {
   struct Shape {
     int n, m, k;
   };
-  for (Shape s : {Shape{67, 384, 512}, Shape{1, 1000, 256}, Shape{130, 72, 40}, Shape{5, 3, 8}}) {
+  for (Shape s : {Shape{67, 384, 512}, Shape{1, 1000, 256}, Shape{130, 72, 40}, Shape{5, 3, 8},
+                  Shape{3, 520, 4096}, Shape{8, 77, 1024}, Shape{9, 64, 64}}) {
     Pair x = MakeRand(s.n, s.k);
     Pair w = MakeRand(s.m, s.k);
     Pair out = MakeOut(s.n, s.m);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -108,6 +109,11 @@ class CudaBackend final : public Backend {
     if (st != CUBLAS_STATUS_SUCCESS) {
       return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
     }
+    // SPX_SMALL_N_GEMM=0 sends decode-sized matmuls to cuBLASLt too (for comparisons).
+    const char* env = std::getenv("SPX_SMALL_N_GEMM");
+    use_small_n_gemm_ = env == nullptr || std::string(env) != "0";
+    // SPX_ATTN_WARPS=4|8 picks the attention block size (default: the kernel's).
+    if (const char* w = std::getenv("SPX_ATTN_WARPS")) attn_warps_ = std::atoi(w);
     pinned_size_ = 16u << 20;
     CUDA_RETURN(cudaMallocHost(&pinned_, pinned_size_), "pinned staging alloc");
     return absl::OkStatus();
@@ -399,6 +405,13 @@ class CudaBackend final : public Backend {
     }
     RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows, "MatMul"));
     if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
+    if (use_small_n_gemm_ &&
+        kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
+      CUDA_RETURN(kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
+                                      w.rows, x.cols, 0.0f, stream_),
+                  "MatMul (small n)");
+      return absl::OkStatus();
+    }
     cublasStatus_t st = gemm_.Run(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
                                   x.cols, 0.0f, stream_);
     if (st != CUBLAS_STATUS_SUCCESS) {
@@ -586,6 +599,7 @@ class CudaBackend final : public Backend {
     p.n_kv_heads = KV;
     p.head_dim = hd;
     p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));
+    p.warps = attn_warps_;
 
     // Workspace: [split-K partials | lse (n*H) | cross (n) | recv (ctx)], 256-byte aligned parts.
     auto align = [](size_t b) { return (b + 255) / 256 * 256; };
@@ -739,6 +753,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   kernels::LtGemm gemm_;
   DeviceScratch idx_scratch_, f32_scratch_, attn_scratch_;
+  bool use_small_n_gemm_ = true;
+  int attn_warps_ = 0;
   void* pinned_ = nullptr;
   size_t pinned_size_ = 0, pinned_off_ = 0;
   std::map<std::tuple<int, float, int, float, float, float, int>, float*> rope_tables_;

@@ -1,0 +1,174 @@
+#include "gpu_worker/service/kv_tier.h"
+
+#include <cstring>
+
+#include "cache_server/client/cluster_client.h"
+#include "common/kv_block.h"
+
+namespace sparsex::service {
+
+absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Hash128& fp,
+                                               const SegmentKv& kv, int layer) {
+  if (layer < 0 || layer >= kv.n_layers) return absl::InvalidArgumentError("layer out of range");
+  const size_t n = static_cast<size_t>(kv.n_tokens) * kv.kv_dim;
+  if (kv.k[layer].size() != n || kv.v[layer].size() != n) {
+    return absl::InvalidArgumentError("segment KV has the wrong shape");
+  }
+  KvBlockHeader h;
+  h.model_fp = model_fp;
+  h.segment_fp = fp;
+  h.layer_begin = static_cast<uint32_t>(layer);
+  h.layer_end = static_cast<uint32_t>(layer + 1);
+  h.num_tokens = static_cast<uint32_t>(kv.n_tokens);
+  h.kv_dim = static_cast<uint32_t>(kv.kv_dim);
+  h.dtype = KvDtype::kF32;
+  std::string payload(2 * n * sizeof(float), '\0');
+  std::memcpy(payload.data(), kv.k[layer].data(), n * sizeof(float));
+  std::memcpy(payload.data() + n * sizeof(float), kv.v[layer].data(), n * sizeof(float));
+  return EncodeKvBlock(h, KvBlockBytes(payload));
+}
+
+absl::Status DecodeSegmentLayer(std::span<const uint8_t> block, const Hash128& model_fp,
+                                const Hash128& fp, int layer, SegmentKv* kv) {
+  ASSIGN_OR_RETURN(KvBlockView v, VerifyKvBlock(block));
+  RETURN_IF_ERROR(CheckKvLayout(v.header));
+  const KvBlockHeader& h = v.header;
+  if (!(h.model_fp == model_fp) || !(h.segment_fp == fp)) {
+    return absl::DataLossError("fetched block belongs to another model or segment");
+  }
+  if (h.layer_begin != static_cast<uint32_t>(layer) ||
+      h.layer_end != static_cast<uint32_t>(layer + 1) || h.dtype != KvDtype::kF32 ||
+      h.num_tokens != static_cast<uint32_t>(kv->n_tokens) ||
+      h.kv_dim != static_cast<uint32_t>(kv->kv_dim)) {
+    return absl::DataLossError(absl::StrCat("fetched block has the wrong shape: layers [",
+                                            h.layer_begin, ",", h.layer_end, ") tokens ",
+                                            h.num_tokens, " kv_dim ", h.kv_dim, " dtype ",
+                                            KvDtypeName(h.dtype)));
+  }
+  const size_t n = static_cast<size_t>(kv->n_tokens) * kv->kv_dim;
+  kv->k[layer].resize(n);
+  kv->v[layer].resize(n);
+  std::memcpy(kv->k[layer].data(), v.payload.data(), n * sizeof(float));
+  std::memcpy(kv->v[layer].data(), v.payload.data() + n * sizeof(float), n * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ClusterKvTier>> ClusterKvTier::Connect(
+    const ClusterTierOptions& o, const Hash128& model_fp, int n_layers, int kv_dim) {
+  if (o.servers.empty()) return absl::InvalidArgumentError("cluster tier: no cache servers");
+  cache::ClusterClientOptions co;
+  co.members = o.servers;
+  co.replication = o.replication;
+  co.client.model_fp = model_fp;
+  co.client.transport = o.transport;
+  co.client.ucx_tls = o.ucx_tls;
+  co.client.rpc_timeout_ms = o.rpc_timeout_ms;
+  ASSIGN_OR_RETURN(auto client, cache::ClusterClient::Connect(co));
+  std::unique_ptr<ClusterKvTier> t(new ClusterKvTier());
+  t->opts_ = o;
+  t->model_fp_ = model_fp;
+  t->n_layers_ = n_layers;
+  t->kv_dim_ = kv_dim;
+  t->client_ = std::move(client);
+  return t;
+}
+
+ClusterKvTier::~ClusterKvTier() = default;
+
+FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
+                                         SegmentStore* store) {
+  FetchOutcome out;
+  std::vector<SegmentRef> want;
+  for (const SegmentRef& s : segments) {
+    if (s.num_tokens <= 0 || store->Contains(s.fp)) continue;
+    bool dup = false;
+    for (const SegmentRef& w : want) dup = dup || w.fp == s.fp;
+    if (!dup) want.push_back(s);
+  }
+  if (want.empty()) return out;
+  auto fail = [&out](const std::string& reason) {
+    ++out.failures;
+    out.failure_reasons.push_back(reason);
+  };
+  std::lock_guard<std::mutex> l(mu_);
+  // Which segments the cluster has (layer 0 stands for the segment).
+  std::vector<cache::BlockKey> probe;
+  for (const SegmentRef& s : want) probe.push_back({s.fp, 0, 1});
+  auto look = client_->Lookup(probe);
+  if (!look.ok()) {
+    // The cluster cannot tell: nothing is known to be there; count one transport failure.
+    fail("transport");
+    return out;
+  }
+  std::vector<SegmentRef> present;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if ((*look)[i].present) present.push_back(want[i]);
+    else ++out.absent;
+  }
+  if (present.empty()) return out;
+  std::vector<cache::BlockKey> keys;
+  for (const SegmentRef& s : present) {
+    for (int l = 0; l < n_layers_; ++l) {
+      keys.push_back({s.fp, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)});
+    }
+  }
+  std::vector<std::string> bufs(keys.size());
+  auto st = client_->FetchInto(
+      keys,
+      [&bufs](size_t i, uint64_t size) {
+        bufs[i].resize(size);
+        return reinterpret_cast<uint8_t*>(bufs[i].data());
+      },
+      {});
+  if (!st.ok()) {
+    for (size_t i = 0; i < present.size(); ++i) fail("transport");
+    return out;
+  }
+  for (size_t s = 0; s < present.size(); ++s) {
+    SegmentKv kv;
+    kv.n_tokens = present[s].num_tokens;
+    kv.n_layers = n_layers_;
+    kv.kv_dim = kv_dim_;
+    kv.k.resize(n_layers_);
+    kv.v.resize(n_layers_);
+    std::string reason;
+    for (int l = 0; l < n_layers_ && reason.empty(); ++l) {
+      const size_t i = s * n_layers_ + l;
+      const absl::Status& ks = (*st)[i];
+      if (!ks.ok()) {
+        // NOT_FOUND after a positive lookup: evicted meanwhile, or dropped as corrupt.
+        reason = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
+        continue;
+      }
+      absl::Status ds = DecodeSegmentLayer(KvBlockBytes(bufs[i]), model_fp_, present[s].fp, l, &kv);
+      if (!ds.ok()) reason = "corrupt";
+    }
+    if (!reason.empty()) {
+      fail(reason);
+      continue;
+    }
+    if (store->Put(present[s].fp, std::move(kv)).ok()) {
+      ++out.fetched;
+      out.stored.push_back(present[s]);
+    }
+  }
+  return out;
+}
+
+absl::Status ClusterKvTier::Put(const Hash128& fp, const SegmentKv& kv) {
+  std::vector<std::string> blocks;
+  for (int l = 0; l < kv.n_layers; ++l) {
+    ASSIGN_OR_RETURN(std::string b, EncodeSegmentLayer(model_fp_, fp, kv, l));
+    blocks.push_back(std::move(b));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Layer 0 last: a reader that finds layer 0 (the presence probe) finds every layer.
+  for (int l = kv.n_layers - 1; l >= 0; --l) {
+    absl::Status s = client_->Put({fp, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)},
+                                  KvBlockBytes(blocks[l]));
+    if (!s.ok() && s.code() != absl::StatusCode::kAlreadyExists) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace sparsex::service

@@ -1,0 +1,85 @@
+// The cache-cluster tier of a worker: segments missing from the local store are looked up in
+// the cache servers (rendezvous-placed), fetched over UCX, verified and put into the local
+// store before prefill; segments the worker computes are written back. A failed, partial or
+// corrupt fetch is never used: the segment is recomputed and the failure counted.
+//
+// A segment's KV travels as one KV block per layer (common/kv_block.h, fp32, K before RoPE
+// then V, [n_tokens][kv_dim] each), keyed by the segment fingerprint and the layer.
+//
+//   ASSIGN_OR_RETURN(auto tier, ClusterKvTier::Connect(opts, model_fp, n_layers, kv_dim));
+//   FetchOutcome f = tier->FetchMissing(segments, &store);   // before prefill
+//   tier->Put(fp, kv);                                       // write-back
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/hash.h"
+#include "common/status.h"
+#include "gpu_worker/reuse/segment_store.h"
+
+namespace sparsex::cache {
+class ClusterClient;
+}
+
+namespace sparsex::service {
+
+struct ClusterTierOptions {
+  // Cache server gRPC addresses; empty turns the tier off. Default: none
+  std::vector<std::string> servers;
+  uint32_t replication = 1;     // copies of each segment. Default: 1
+  std::string transport = "ucx";  // data plane: ucx | grpc. Default: ucx
+  std::string ucx_tls;          // UCX transports (as UCX_TLS); "": UCX's choice. Default: ""
+  uint32_t rpc_timeout_ms = 5000;  // per control RPC. Default: 5000
+};
+
+struct SegmentRef {
+  Hash128 fp;
+  int num_tokens = 0;
+};
+
+struct FetchOutcome {
+  int fetched = 0;   // segments fetched and stored locally
+  int failures = 0;  // present in the cluster but not usable (transport error, corrupt, partial)
+  int absent = 0;    // not in the cluster
+  std::vector<std::string> failure_reasons;  // one per failure: transport | corrupt | incomplete
+  std::vector<SegmentRef> stored;
+};
+
+// Encodes layer `layer` of a segment as one KV block (fp32).
+absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Hash128& fp,
+                                               const SegmentKv& kv, int layer);
+// Checks a fetched block (header, checksum, model, segment, layer, shape) and copies its K/V
+// into layer `layer` of *kv (already shaped: n_tokens, n_layers, kv_dim). DATA_LOSS or
+// FAILED_PRECONDITION when it does not match.
+absl::Status DecodeSegmentLayer(std::span<const uint8_t> block, const Hash128& model_fp,
+                                const Hash128& fp, int layer, SegmentKv* kv);
+
+class ClusterKvTier {
+ public:
+  static absl::StatusOr<std::unique_ptr<ClusterKvTier>> Connect(const ClusterTierOptions& o,
+                                                                const Hash128& model_fp,
+                                                                int n_layers, int kv_dim);
+  ~ClusterKvTier();
+
+  // Fetches the segments the local store lacks and puts them there. Thread-safe.
+  FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store);
+  // Writes a segment's KV to its owners (ALREADY_EXISTS counts as success). Thread-safe.
+  absl::Status Put(const Hash128& fp, const SegmentKv& kv);
+  const std::vector<std::string>& servers() const { return opts_.servers; }
+
+ private:
+  ClusterKvTier() = default;
+  ClusterTierOptions opts_;
+  Hash128 model_fp_;
+  int n_layers_ = 0, kv_dim_ = 0;
+  std::mutex mu_;
+  std::unique_ptr<cache::ClusterClient> client_;
+};
+
+}  // namespace sparsex::service

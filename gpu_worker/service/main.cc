@@ -1,0 +1,92 @@
+// sparsex-worker: a GPU (or CPU) worker serving the router over gRPC (proto/worker.proto).
+// Every WorkerOptions field is a flag; see docs/operations.md.
+//
+//   sparsex-worker --model stories260K.gguf --device cpu --port 0 --ready_file /tmp/w.json \
+//       --cache_servers 127.0.0.1:50070 --etcd 127.0.0.1:2379
+//
+// SIGTERM / SIGINT drain: deregister from etcd, refuse new requests, finish the running ones
+// (up to --drain_timeout_ms), exit 0.
+#include <signal.h>
+
+#include <iostream>
+
+#include "common/flags.h"
+#include "gpu_worker/service/worker_server.h"
+
+int main(int argc, char** argv) {
+  using sparsex::service::WorkerOptions;
+  WorkerOptions o;
+  int kv_blocks = o.scheduler.engine.kv.num_blocks;
+  int block_size = o.scheduler.engine.kv.block_size;
+  bool prefix_caching = o.scheduler.engine.kv.enable_prefix_caching;
+  int64_t host_store_mb = static_cast<int64_t>(o.host_store_bytes >> 20);
+  int replication = static_cast<int>(o.cluster.replication);
+  int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
+  float recompute_ratio = o.scheduler.reuse.budget.ratio;
+  sparsex::FlagSet f("sparsex-worker");
+  f.Add("model", &o.model_path, "GGUF file or HF model directory (required)");
+  f.Add("model_name", &o.model_name, "model name in the API (default: file name stem)");
+  f.Add("device", &o.device, "cpu | cuda");
+  f.Add("cuda_device", &o.cuda_device, "CUDA device ordinal");
+  f.Add("address", &o.address, "bind address for gRPC and metrics");
+  f.Add("port", &o.port, "gRPC port, 0 = any free");
+  f.Add("metrics_port", &o.metrics_port, "metrics port, 0 = any free, -1 = off");
+  f.Add("advertise_address", &o.advertise_address, "host:port the router dials (default: address:port)");
+  f.Add("worker_id", &o.worker_id, "worker name (default: worker-<port>)");
+  f.Add("kv_blocks", &kv_blocks, "paged KV blocks");
+  f.Add("block_size", &block_size, "tokens per KV block");
+  f.Add("prefix_caching", &prefix_caching, "exact prefix caching in the paged KV");
+  f.Add("max_running", &o.scheduler.max_running, "sequences admitted at once");
+  f.Add("max_queue", &o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED");
+  f.Add("prefill_chunk", &o.scheduler.prefill_chunk, "tokens per plain prefill chunk per iteration");
+  f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
+  f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
+  f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
+  f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
+  f.Add("host_store_mb", &host_store_mb, "host segment store capacity in MiB");
+  f.Add("cache_servers", &o.cluster.servers, "cache server gRPC addresses (comma-separated)");
+  f.Add("cache_replication", &replication, "copies of each segment in the cache cluster");
+  f.Add("cache_transport", &o.cluster.transport, "cache data plane: ucx | grpc");
+  f.Add("ucx_tls", &o.cluster.ucx_tls, "UCX transports (as UCX_TLS)");
+  f.Add("cache_rpc_timeout_ms", &cache_rpc_timeout_ms, "cache control RPC deadline");
+  f.Add("write_back", &o.write_back, "write computed segments to the cache cluster");
+  f.Add("etcd", &o.etcd_endpoints, "etcd client URLs host:port (comma-separated); empty = no registration");
+  f.Add("etcd_prefix", &o.etcd_prefix, "etcd key prefix");
+  f.Add("etcd_ttl_s", &o.etcd_ttl_s, "registration lease TTL in seconds");
+  f.Add("drain_timeout_ms", &o.drain_timeout_ms, "how long SIGTERM waits for running requests");
+  f.Add("load_report_ms", &o.load_report_ms, "load report period on the event stream");
+  f.Add("ready_file", &o.ready_file, "write {grpc_port, metrics_port, pid} here once serving");
+  if (absl::Status s = f.Parse(argc, argv); !s.ok()) {
+    std::cerr << "sparsex-worker: " << s.message() << "\n";
+    return 2;
+  }
+  if (f.help()) {
+    std::cout << f.Usage();
+    return 0;
+  }
+  o.scheduler.engine.kv.num_blocks = kv_blocks;
+  o.scheduler.engine.kv.block_size = block_size;
+  o.scheduler.engine.kv.enable_prefix_caching = prefix_caching;
+  o.scheduler.reuse.budget.ratio = recompute_ratio;
+  o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;
+  o.cluster.replication = static_cast<uint32_t>(replication);
+  o.cluster.rpc_timeout_ms = static_cast<uint32_t>(cache_rpc_timeout_ms);
+
+  // Signals are taken synchronously by this thread; every other thread has them blocked.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto w = sparsex::service::WorkerServer::Start(o);
+  if (!w.ok()) {
+    std::cerr << "sparsex-worker: " << w.status() << "\n";
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&set, &sig);
+  (*w)->Drain();
+  return 0;
+}

@@ -1,0 +1,429 @@
+#include "gpu_worker/service/scheduler.h"
+
+#include <algorithm>
+#include <future>
+
+namespace sparsex::service {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MsBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+// ---- RequestHandle ----
+
+bool RequestHandle::Wait(std::vector<StreamChunk>* out, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  if (!cv_.wait_for(l, timeout, [this] { return !q_.empty(); })) return false;
+  while (!q_.empty()) {
+    out->push_back(std::move(q_.front()));
+    q_.pop_front();
+  }
+  return true;
+}
+
+void RequestHandle::Push(StreamChunk c) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    q_.push_back(std::move(c));
+  }
+  cv_.notify_all();
+}
+
+// ---- one request inside the scheduler ----
+
+struct BatchScheduler::Active {
+  enum class State { kQueued, kPrefill, kDecode, kDone };
+  std::shared_ptr<RequestHandle> h;
+  WorkItem w;
+  State state = State::kQueued;
+  bool plain = false;             // reuse disabled: chunked dense prefill
+  std::vector<int32_t> prompt;    // plain: the whole prompt
+  Sequence seq;
+  bool has_seq = false;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<StreamDecoder> dec;
+  std::vector<int32_t> stops;
+  int32_t last = -1;
+  int generated = 0;
+  int reserve = 0;
+  RequestUsage usage;
+  Clock::time_point t_last;
+  bool first_done = false;
+};
+
+BatchScheduler::BatchScheduler(const Model& model, SegmentStore* store, const SchedulerOptions& o,
+                               SchedulerHooks hooks)
+    : model_(model), store_(store), opts_(o), hooks_(std::move(hooks)) {
+  block_size_ = o.engine.kv.block_size;
+  max_len_ = model.config().max_seq_len;
+}
+
+absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
+    const Model& model, SegmentStore* store, const SchedulerOptions& options,
+    SchedulerHooks hooks) {
+  if (options.max_running < 1 || options.max_queue < 0 || options.prefill_chunk < 1) {
+    return absl::InvalidArgumentError(
+        "scheduler: max_running and prefill_chunk must be >= 1, max_queue >= 0");
+  }
+  RETURN_IF_ERROR(ValidateReuseOptions(options.reuse, model.config().n_layers));
+  std::unique_ptr<BatchScheduler> s(new BatchScheduler(model, store, options, std::move(hooks)));
+  std::promise<absl::Status> ready;
+  std::future<absl::Status> f = ready.get_future();
+  BatchScheduler* self = s.get();
+  s->thread_ = std::thread([self, &ready] { self->Loop(&ready); });
+  absl::Status st = f.get();
+  if (!st.ok()) {
+    s->thread_.join();
+    return st;
+  }
+  return s;
+}
+
+BatchScheduler::~BatchScheduler() { Stop(); }
+
+void BatchScheduler::Stop() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+int BatchScheduler::BlocksNeeded(const WorkItem& w) const {
+  int prompt = (w.add_bos && model_.tokenizer().bos_id() >= 0) ? 1 : 0;
+  int longest = 0;
+  for (const auto& s : w.segments) {
+    prompt += static_cast<int>(s.tokens.size());
+    if (s.cacheable) longest = std::max(longest, static_cast<int>(s.tokens.size()));
+  }
+  const int gen = std::max(0, std::min(w.sampling.max_tokens, max_len_ - prompt));
+  const int bs = block_size_;
+  int blocks = (prompt + gen + bs - 1) / bs;
+  if (w.reuse.enable_reuse && w.reuse.store_new_segments && longest > 0) {
+    blocks += (longest + bs - 1) / bs + 1;  // encoding a missing segment (+ its context)
+  }
+  return blocks;
+}
+
+absl::Status BatchScheduler::Validate(const WorkItem& w) const {
+  const ModelConfig& c = model_.config();
+  int n = (w.add_bos && model_.tokenizer().bos_id() >= 0) ? 1 : 0;
+  for (const auto& s : w.segments) {
+    for (int32_t t : s.tokens) {
+      if (t < 0 || t >= c.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", t, " outside the vocabulary of ", c.vocab_size));
+      }
+    }
+    n += static_cast<int>(s.tokens.size());
+  }
+  if (n == 0) return absl::InvalidArgumentError("empty prompt");
+  if (n > max_len_) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", n,
+                                                   " tokens exceeds the context length of ",
+                                                   max_len_));
+  }
+  RETURN_IF_ERROR(ValidateSampling(w.sampling));
+  if (w.sampling.max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
+  RETURN_IF_ERROR(ValidateReuseOptions(w.reuse, c.n_layers));
+  const int need = BlocksNeeded(w);
+  if (need > opts_.engine.kv.num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("request needs ", need,
+                                                   " KV blocks; this worker has ",
+                                                   opts_.engine.kv.num_blocks));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<RequestHandle>> BatchScheduler::Submit(WorkItem work) {
+  RETURN_IF_ERROR(Validate(work));
+  auto a = std::make_unique<Active>();
+  a->h = std::make_shared<RequestHandle>();
+  a->h->id_ = work.id;
+  a->reserve = BlocksNeeded(work);
+  a->w = std::move(work);
+  std::shared_ptr<RequestHandle> h = a->h;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (stop_) return absl::UnavailableError("worker is stopping");
+    if (static_cast<int>(queue_.size()) >= opts_.max_queue) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("worker queue full (", opts_.max_queue, " waiting requests)"));
+    }
+    queue_.push_back(std::move(a));
+    load_.queue_depth = static_cast<int>(queue_.size());
+  }
+  cv_.notify_all();
+  return h;
+}
+
+SchedulerLoad BatchScheduler::load() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return load_;
+}
+
+void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
+  {
+    auto e = Engine::Create(model_, opts_.engine);
+    if (!e.ok()) {
+      ready->set_value(e.status());
+      return;
+    }
+    engine_ = std::move(*e);
+    reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_, opts_.reuse);
+    block_size_ = engine_->blocks().block_size();
+    PublishLoad();
+    ready->set_value(absl::OkStatus());  // `ready` dies with Start's frame: not used again
+  }
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [this] { return stop_ || !queue_.empty() || !active_.empty(); });
+      if (stop_) break;
+    }
+    Iteration();
+    PublishLoad();
+  }
+  // Shutting down: fail everything still here.
+  std::deque<std::unique_ptr<Active>> rest;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    rest.swap(queue_);
+  }
+  for (auto& a : active_) Finish(*a, "", absl::UnavailableError("worker stopped"));
+  for (auto& a : rest) Finish(*a, "", absl::UnavailableError("worker stopped"));
+  active_.clear();
+  PublishLoad();
+  reuse_.reset();
+  engine_.reset();
+}
+
+void BatchScheduler::Iteration() {
+  // 1. Cancelled requests free their KV now.
+  for (auto& a : active_) {
+    if (a->state != Active::State::kDone && a->h->cancelled()) Finish(*a, "cancelled");
+  }
+  std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
+
+  // 2. Admission: FIFO, bounded by max_running and the KV reservation.
+  const int total_blocks = engine_->blocks().num_blocks();
+  std::vector<std::unique_ptr<Active>> admitted, dropped;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    while (!queue_.empty() &&
+           static_cast<int>(active_.size() + admitted.size()) < opts_.max_running) {
+      Active& a = *queue_.front();
+      if (a.h->cancelled()) {
+        dropped.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+        continue;
+      }
+      if (reserved_blocks_ + a.reserve > total_blocks && !(active_.empty() && admitted.empty())) {
+        break;
+      }
+      reserved_blocks_ += a.reserve;
+      admitted.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+  }
+  for (auto& a : dropped) Finish(*a, "cancelled");
+  const Tokenizer& tok = model_.tokenizer();
+  for (auto& a : admitted) {
+    const Clock::time_point now = Clock::now();
+    a->usage.queue_ms = MsBetween(a->w.arrival, now);
+    a->usage.segments_fetched = a->w.segments_fetched;
+    a->usage.fetch_failures = a->w.fetch_failures;
+    a->state = Active::State::kPrefill;
+    a->plain = !a->w.reuse.enable_reuse;
+    if (a->plain) {
+      if (a->w.add_bos && tok.bos_id() >= 0) a->prompt.push_back(tok.bos_id());
+      for (const auto& s : a->w.segments) {
+        a->prompt.insert(a->prompt.end(), s.tokens.begin(), s.tokens.end());
+      }
+    }
+    a->sampler = std::make_unique<Sampler>(a->w.sampling);
+    a->dec = std::make_unique<StreamDecoder>(tok);
+    a->stops = a->w.sampling.stop_ids;
+    if (!a->w.sampling.ignore_eos) {
+      for (int32_t s : tok.StopIds()) a->stops.push_back(s);
+      if (tok.bos_id() >= 0) a->stops.push_back(tok.bos_id());  // a new document starts
+    }
+    active_.push_back(std::move(a));
+  }
+
+  // 3. One prefill unit (the oldest request still prefilling). 4. One decode step for every
+  // sequence that was decoding when the iteration started.
+  std::vector<Active*> decoding;
+  for (auto& a : active_) {
+    if (a->state == Active::State::kDecode) decoding.push_back(a.get());
+  }
+  for (auto& a : active_) {
+    if (a->state == Active::State::kPrefill) {
+      PrefillOne(*a);
+      break;
+    }
+  }
+  for (Active* a : decoding) {
+    if (a->state == Active::State::kDecode) DecodeOne(*a);
+  }
+  std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
+}
+
+bool BatchScheduler::PrefillOne(Active& a) {
+  std::vector<float> logits;
+  if (!a.plain) {
+    // Which segments the store holds before, to tell the ones this prefill stores.
+    const ReuseOptions& o = a.w.reuse;
+    std::vector<Hash128> fps(a.w.segments.size());
+    std::vector<char> had(a.w.segments.size(), 1);
+    if (o.enable_reuse && o.store_new_segments) {
+      for (size_t i = 0; i < a.w.segments.size(); ++i) {
+        const auto& s = a.w.segments[i];
+        if (!s.cacheable || s.tokens.empty()) continue;
+        fps[i] = reuse_->Fingerprint(s.tokens, o.encoding);
+        had[i] = store_->Contains(fps[i]) ? 1 : 0;
+      }
+    }
+    auto r = reuse_->Prefill(a.w.segments, a.w.add_bos, &a.w.reuse);
+    if (!r.ok()) {
+      Finish(a, "", r.status());
+      return true;
+    }
+    a.seq = std::move(r->seq);
+    a.has_seq = true;
+    const ReuseStats& st = r->stats;
+    a.usage.prompt_tokens = st.prompt_tokens;
+    a.usage.prefix_tokens = st.prefix_tokens;
+    a.usage.reused_tokens = st.reused_tokens;
+    a.usage.recomputed_tokens = st.selected_tokens;
+    a.usage.new_tokens = st.new_tokens;
+    a.usage.segments_hit = st.segments_hit;
+    a.usage.compute_share = st.compute_share;
+    std::vector<std::pair<Hash128, int>> stored;
+    for (size_t i = 0; i < a.w.segments.size(); ++i) {
+      if (!had[i] && store_->Contains(fps[i])) {
+        stored.emplace_back(fps[i], static_cast<int>(a.w.segments[i].tokens.size()));
+      }
+    }
+    if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
+    logits = std::move(r->logits);
+  } else {
+    if (!a.has_seq) {
+      auto s = engine_->Admit(a.prompt);
+      if (!s.ok()) {
+        Finish(a, "", s.status());
+        return true;
+      }
+      a.seq = std::move(*s);
+      a.has_seq = true;
+      a.usage.prefix_tokens = a.seq.cached_prefix;
+    }
+    const int total = static_cast<int>(a.prompt.size());
+    const int end = std::min(total, a.seq.computed + opts_.prefill_chunk);
+    // One chunk: the engine prefills [computed, size), so show it the prompt up to `end`.
+    std::vector<int32_t> full = std::move(a.seq.tokens);
+    a.seq.tokens.assign(full.begin(), full.begin() + end);
+    auto lg = engine_->Prefill(a.seq);
+    a.seq.tokens = std::move(full);
+    if (!lg.ok()) {
+      Finish(a, "", lg.status());
+      return true;
+    }
+    if (end < total) return true;  // more chunks in later iterations
+    a.usage.prompt_tokens = total;
+    a.usage.new_tokens = total - a.usage.prefix_tokens;
+    a.usage.compute_share = 1.0;
+    logits = std::move(*lg);
+  }
+  a.state = Active::State::kDecode;
+  Emit(a, a.sampler->Sample(logits));
+  return true;
+}
+
+bool BatchScheduler::DecodeOne(Active& a) {
+  auto lg = engine_->Step(a.seq, a.last);
+  if (!lg.ok()) {
+    Finish(a, "", lg.status());
+    return false;
+  }
+  return Emit(a, a.sampler->Sample(*lg));
+}
+
+bool BatchScheduler::Emit(Active& a, int32_t token) {
+  const Clock::time_point now = Clock::now();
+  if (!a.first_done) {
+    a.first_done = true;
+    a.usage.ttft_ms = MsBetween(a.w.arrival, now);
+    if (hooks_.on_first_token) hooks_.on_first_token(a.usage.ttft_ms / 1000.0);
+  } else if (hooks_.on_token) {
+    hooks_.on_token(MsBetween(a.t_last, now) / 1000.0);
+  }
+  a.t_last = now;
+  if (std::find(a.stops.begin(), a.stops.end(), token) != a.stops.end()) {
+    Finish(a, "stop");
+    return false;
+  }
+  ++a.generated;
+  a.last = token;
+  StreamChunk c;
+  c.ids.push_back(token);
+  c.text = a.dec->Push(token);
+  a.h->Push(std::move(c));
+  if (a.generated >= a.w.sampling.max_tokens ||
+      static_cast<int>(a.seq.tokens.size()) >= max_len_) {
+    Finish(a, "length");
+    return false;
+  }
+  return true;
+}
+
+void BatchScheduler::Finish(Active& a, const std::string& reason, absl::Status status) {
+  if (a.state == Active::State::kDone) return;
+  if (a.has_seq) {
+    // A plain prefill is exact: its blocks (generated ones too) serve later exact prefixes.
+    if (a.plain && status.ok() && a.state == Active::State::kDecode && a.w.reuse.register_prefix) {
+      engine_->RegisterPrefix(a.seq);
+    }
+    engine_->Release(a.seq);
+    a.has_seq = false;
+  }
+  if (a.state != Active::State::kQueued) reserved_blocks_ -= a.reserve;
+  a.state = Active::State::kDone;
+  StreamChunk c;
+  c.final = true;
+  c.status = status;
+  a.usage.completion_tokens = a.generated;
+  a.usage.total_ms = MsBetween(a.w.arrival, Clock::now());
+  if (status.ok()) {
+    c.finish_reason = reason;
+    if (a.dec) c.text = a.dec->Flush();
+  }
+  c.usage = a.usage;
+  a.h->Push(std::move(c));
+  if (hooks_.on_finished) hooks_.on_finished(a.usage, reason, status);
+}
+
+void BatchScheduler::PublishLoad() {
+  int64_t tokens = 0;
+  for (const auto& a : active_) {
+    tokens += a->has_seq ? static_cast<int64_t>(a->seq.tokens.size())
+                         : static_cast<int64_t>(a->prompt.size());
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  load_.queue_depth = static_cast<int>(queue_.size());
+  load_.running = static_cast<int>(active_.size());
+  load_.running_tokens = tokens;
+  if (engine_) {
+    load_.kv_blocks_total = engine_->blocks().num_blocks();
+    load_.kv_blocks_free = engine_->blocks().available();
+  }
+  ++load_.iterations;
+}
+
+}  // namespace sparsex::service

@@ -1,0 +1,179 @@
+// The worker's engine loop: one thread owns the Engine (and its ReuseEngine) and runs
+// iteration-level continuous batching. Each iteration
+//   1. drops cancelled requests (their KV blocks go back to the pool at once),
+//   2. admits waiting requests while the KV reservation and max_running allow,
+//   3. runs one prefill unit: a whole reuse prefill (one sparse-recompute pass), or one chunk
+//      of a plain prefill (prefill_chunk tokens),
+//   4. runs one decode step for every sequence past its prefill,
+// and streams each new token to the request's RequestHandle, which the RPC thread drains.
+// No gRPC here: the service (worker_server.cc) adapts handles onto server streams.
+//
+//   ASSIGN_OR_RETURN(auto sched, BatchScheduler::Start(model, &store, opts));
+//   ASSIGN_OR_RETURN(auto h, sched->Submit(std::move(work)));
+//   std::vector<StreamChunk> chunks;
+//   while (h->Wait(&chunks, 50ms) ...) { ... if (chunks.back().final) break; }
+//   h->Cancel();  // client went away: the engine thread releases the sequence
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/hash.h"
+#include "common/status.h"
+#include "gpu_worker/engine/engine.h"
+#include "gpu_worker/reuse/reuse_prefill.h"
+#include "gpu_worker/reuse/segment_store.h"
+
+namespace sparsex::service {
+
+struct SchedulerOptions {
+  EngineOptions engine;  // backend and KV pool. Default: cpu, 16-token blocks, 4096 blocks
+  // Sequences admitted at once (prefilling or decoding). Default: 32
+  int max_running = 32;
+  // Requests waiting for admission before Submit answers RESOURCE_EXHAUSTED. Default: 256
+  int max_queue = 256;
+  // Tokens of a plain (reuse disabled) prefill run per iteration, so long prompts do not stall
+  // the decoding sequences. Default: 256
+  int prefill_chunk = 256;
+  // Defaults for every request's reuse; requests override fields. Default: ReuseOptions{}
+  ReuseOptions reuse;
+};
+
+// Per-request figures reported with the final chunk.
+struct RequestUsage {
+  int prompt_tokens = 0, completion_tokens = 0;
+  int prefix_tokens = 0, reused_tokens = 0, recomputed_tokens = 0, new_tokens = 0;
+  int segments_hit = 0, segments_fetched = 0, fetch_failures = 0;
+  double ttft_ms = 0, total_ms = 0, queue_ms = 0, compute_share = 1.0;
+};
+
+struct StreamChunk {
+  std::vector<int32_t> ids;  // new tokens
+  std::string text;          // new text
+  bool final = false;
+  std::string finish_reason;  // "stop" | "length" | "cancelled" (final only)
+  RequestUsage usage;         // final only
+  absl::Status status;        // non-OK: the request failed (final)
+};
+
+struct WorkItem {
+  std::string id;
+  std::vector<PromptSegment> segments;
+  bool add_bos = true;
+  SamplingParams sampling;
+  ReuseOptions reuse;  // complete options for this request (defaults already merged)
+  std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
+  // Filled by the caller's fetch stage (cluster tier), reported in the usage.
+  int segments_fetched = 0, fetch_failures = 0;
+};
+
+// The consumer side of one request's token stream.
+class RequestHandle {
+ public:
+  // Waits up to `timeout` for chunks; appends what is there to *out. false on timeout.
+  bool Wait(std::vector<StreamChunk>* out, std::chrono::milliseconds timeout);
+  // Asks the engine thread to stop the request and free its KV (idempotent).
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+  const std::string& id() const { return id_; }
+
+ private:
+  friend class BatchScheduler;
+  void Push(StreamChunk c);
+  std::string id_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<StreamChunk> q_;
+};
+
+// A snapshot of the scheduler's load (updated by the engine thread every iteration).
+struct SchedulerLoad {
+  int queue_depth = 0, running = 0;
+  int64_t running_tokens = 0;
+  int kv_blocks_total = 0, kv_blocks_free = 0;
+  int64_t iterations = 0;
+};
+
+// Observer hooks, called on the engine thread (keep them short).
+struct SchedulerHooks {
+  // Segments a reuse prefill encoded and stored into the local store (write-back, events).
+  std::function<void(const std::vector<std::pair<Hash128, int>>& stored)> on_segments_stored;
+  // The first token of a request (ttft), every later token (gap since the previous one).
+  std::function<void(double ttft_s)> on_first_token;
+  std::function<void(double gap_s)> on_token;
+  // A request finished (any reason, also failures).
+  std::function<void(const RequestUsage&, const std::string& finish_reason,
+                     const absl::Status& status)>
+      on_finished;
+};
+
+class BatchScheduler {
+ public:
+  // Creates the Engine on the engine thread; returns once it is ready (or failed).
+  static absl::StatusOr<std::unique_ptr<BatchScheduler>> Start(const Model& model,
+                                                               SegmentStore* store,
+                                                               const SchedulerOptions& options,
+                                                               SchedulerHooks hooks = {});
+  ~BatchScheduler();  // Stop()
+
+  // Validates and queues. INVALID_ARGUMENT: bad tokens, empty or over-long prompt, bad
+  // sampling/reuse options, a request bigger than the whole KV pool. RESOURCE_EXHAUSTED: queue
+  // full. UNAVAILABLE: stopped.
+  absl::StatusOr<std::shared_ptr<RequestHandle>> Submit(WorkItem work);
+  // Checks a request without queueing it (what Submit checks).
+  absl::Status Validate(const WorkItem& work) const;
+
+  SchedulerLoad load() const;
+  // Fails every queued and running request with UNAVAILABLE and joins the engine thread.
+  void Stop();
+  const SchedulerOptions& options() const { return opts_; }
+  // Blocks the KV pool needs for a request (prompt + max_tokens + the largest segment, which
+  // may be encoded for storage), in blocks.
+  int BlocksNeeded(const WorkItem& w) const;
+
+  struct Active;
+
+ private:
+  BatchScheduler(const Model& model, SegmentStore* store, const SchedulerOptions& o,
+                 SchedulerHooks hooks);
+  void Loop(std::promise<absl::Status>* ready);
+  void Iteration();
+  bool PrefillOne(Active& a);
+  bool DecodeOne(Active& a);
+  // Emits a sampled token; returns false when the request finished.
+  bool Emit(Active& a, int32_t token);
+  void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
+  void PublishLoad();
+
+  const Model& model_;
+  SegmentStore* store_;
+  SchedulerOptions opts_;
+  SchedulerHooks hooks_;
+  int block_size_ = 16;
+  int max_len_ = 0;
+
+  // Engine state: touched by the engine thread only.
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ReuseEngine> reuse_;
+  std::vector<std::unique_ptr<Active>> active_;
+  int reserved_blocks_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Active>> queue_;
+  bool stop_ = false;
+  SchedulerLoad load_;
+  std::thread thread_;
+};
+
+}  // namespace sparsex::service

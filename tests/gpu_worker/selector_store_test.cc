@@ -1,0 +1,101 @@
+#include <numeric>
+#include <set>
+
+#include "gpu_worker/reuse/segment_store.h"
+#include "gpu_worker/reuse/selector.h"
+#include "gtest/gtest.h"
+
+namespace sparsex {
+namespace {
+
+TEST(Budget, FixedRatioKeepsTheTopShare) {
+  std::vector<float> s = {0.1f, 0.9f, 0.3f, 0.7f, 0.0f, 0.5f, 0.2f, 0.8f, 0.4f, 0.6f};
+  BudgetOptions b;
+  b.ratio = 0.3f;
+  EXPECT_EQ(ApplyBudget(s, b), (std::vector<int32_t>{1, 7, 3}));
+  b.ratio = 0.0f;
+  EXPECT_TRUE(ApplyBudget(s, b).empty());
+  b.ratio = 1.0f;
+  EXPECT_EQ(ApplyBudget(s, b).size(), s.size());
+}
+
+TEST(Budget, AdaptiveCoversTargetMassWithinTheCap) {
+  // One dominant token holds 80% of the mass: adaptive keeps just it for a 0.5 target.
+  std::vector<float> s(10, 0.2f / 9);
+  s[4] = 0.8f;
+  BudgetOptions b;
+  b.mode = BudgetOptions::Mode::kAdaptive;
+  b.target_mass = 0.5f;
+  b.max_ratio = 0.5f;
+  EXPECT_EQ(ApplyBudget(s, b), (std::vector<int32_t>{4}));
+  // Flat scores need many tokens; the cap stops at 30%.
+  std::vector<float> flat(10, 1.0f);
+  b.target_mass = 0.9f;
+  b.max_ratio = 0.3f;
+  EXPECT_EQ(ApplyBudget(flat, b).size(), 3u);
+}
+
+TEST(Selectors, EachRanksByItsOwnSignal) {
+  SelectionInput in;
+  in.segment = {0, 0, 0, 1, 1, 1};
+  in.offset = {0, 1, 2, 0, 1, 2};
+  in.cross_mass = {0, 0, 5, 0, 0, 0};
+  in.new_recv = {0, 0, 0, 0, 5, 0};
+  in.kv_deviation = {0, 9, 0, 0, 0, 0};
+  auto top = [&](const std::string& name) {
+    auto sel = CreateSelector(name);
+    EXPECT_TRUE(sel.ok());
+    BudgetOptions b;
+    b.ratio = 0.5f;
+    return ApplyBudget((*sel)->Score(in), b);
+  };
+  auto sx = top("sparsex");  // cross, recv and deviation tokens all rank first
+  EXPECT_EQ(std::set<int32_t>(sx.begin(), sx.end()), (std::set<int32_t>{1, 2, 4}));
+  EXPECT_EQ(top("cacheblend")[0], 1);
+  auto ep = top("epic");  // segment heads first
+  EXPECT_EQ(std::set<int32_t>(ep.begin(), ep.begin() + 2), (std::set<int32_t>{0, 3}));
+  EXPECT_EQ(top("random").size(), 3u);
+  EXPECT_FALSE(CreateSelector("bogus").ok());
+}
+
+SegmentKv MakeKv(int n, int layers, int dim, float v) {
+  SegmentKv kv;
+  kv.n_tokens = n;
+  kv.n_layers = layers;
+  kv.kv_dim = dim;
+  kv.k.assign(layers, std::vector<float>(n * dim, v));
+  kv.v.assign(layers, std::vector<float>(n * dim, -v));
+  return kv;
+}
+
+TEST(SegmentStore, CapacityLruAndChecksums) {
+  const size_t one = MakeKv(20, 2, 8, 0).bytes();
+  SegmentStore store({.capacity_bytes = 3 * one});
+  Hash128 a = HashBytes128("a", 1), b = HashBytes128("b", 1), c = HashBytes128("c", 1),
+          d = HashBytes128("d", 1);
+  ASSERT_TRUE(store.Put(a, MakeKv(20, 2, 8, 1)).ok());
+  ASSERT_TRUE(store.Put(b, MakeKv(20, 2, 8, 2)).ok());
+  ASSERT_TRUE(store.Put(c, MakeKv(20, 2, 8, 3)).ok());
+  ASSERT_NE(store.Get(a), nullptr);  // a becomes most recently used
+  ASSERT_TRUE(store.Put(d, MakeKv(20, 2, 8, 4)).ok());
+  EXPECT_FALSE(store.Contains(b));  // least recently used went
+  EXPECT_TRUE(store.Contains(a));
+  EXPECT_LE(store.stats().bytes, 3 * one);
+  EXPECT_EQ(store.stats().evictions, 1);
+  auto got = store.Get(d);
+  ASSERT_NE(got, nullptr);
+  EXPECT_EQ(got->k[1][5], 4.0f);
+  EXPECT_EQ(got->v[0][0], -4.0f);
+  // Corruption: detected on use, reported as a miss, entry dropped.
+  ASSERT_TRUE(store.CorruptForTest(c));
+  EXPECT_EQ(store.Get(c), nullptr);
+  EXPECT_EQ(store.stats().corrupt, 1);
+  EXPECT_FALSE(store.Contains(c));
+  // Too large for the whole store: refused, nothing evicted.
+  EXPECT_EQ(store.Put(HashBytes128("big", 3), MakeKv(100, 2, 8, 1)).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store.Contains(a));
+}
+
+}  // namespace
+}  // namespace sparsex
