@@ -124,7 +124,9 @@ int Main(int argc, char** argv) {
       else if (!s.ok()) return Fail(s);
       else ++stored;
     }
-    std::cout << "{\"ok\":true,\"stored\":" << stored << ",\"existed\":" << existed << "}"
+    auto m0 = c.Member(c.Owners(keys.empty() ? Hash128{} : keys[0].segment)[0]);
+    std::cout << "{\"ok\":true,\"stored\":" << stored << ",\"existed\":" << existed
+              << ",\"data_plane\":\"" << (m0.ok() ? (*m0)->data_plane() : "?") << "\"}"
               << std::endl;
     return 0;
   }

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   for (int r = 0; r < kGemvRowsPerWarp; ++r)
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[r][j] = 0.0f;
-#pragma unroll 4
+#pragma unroll(N <= 2 ? 4 : 2)
   for (int64_t c = lane * 8; c < k; c += 256) {
     const uint4 a = __ldcs(reinterpret_cast<const uint4*>(w0 + c));  // streamed once
     const uint4 b = __ldcs(reinterpret_cast<const uint4*>(w1 + c));

@@ -54,7 +54,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model& model,
     return absl::InvalidArgumentError("kv block_size and num_blocks must be positive");
   }
   ASSIGN_OR_RETURN(e->backend_, CreateBackend(opts.backend));
-  ASSIGN_OR_RETURN(e->runner_, ModelRunner::Create(model, e->backend_.get(), opts.kv));
+  const Model* weights = &model;
+  if (opts.tp.size > 1) {
+    if (opts.tp.comm == nullptr || opts.tp.comm->size() != opts.tp.size ||
+        opts.tp.comm->rank() != opts.tp.rank) {
+      return absl::InvalidArgumentError("tensor parallelism needs a communicator of its size");
+    }
+    ASSIGN_OR_RETURN(e->shard_, ShardModel(model, opts.tp.rank, opts.tp.size));
+    weights = e->shard_.get();
+  }
+  ASSIGN_OR_RETURN(e->runner_,
+                   ModelRunner::Create(*weights, e->backend_.get(), opts.kv, opts.tp.comm));
   e->blocks_ = std::make_unique<BlockManager>(opts.kv, model.fingerprint());
   return e;
 }

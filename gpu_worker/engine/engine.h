@@ -24,6 +24,7 @@ struct EngineOptions {
   KvCacheOptions kv;       // Default: 16-token blocks, 4096 blocks
   int prefill_chunk = 4096;  // tokens per prefill forward call (bounds scratch memory).
                              // Default: 4096
+  TensorParallelOptions tp;  // Default: no sharding
 };
 
 // A request's token sequence and its KV blocks.
@@ -87,6 +88,7 @@ class Engine {
  private:
   Engine() = default;
   const Model* model_ = nullptr;
+  std::unique_ptr<Model> shard_;  // this rank's weights under tensor parallelism
   EngineOptions opts_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<ModelRunner> runner_;

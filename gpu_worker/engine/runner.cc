@@ -27,10 +27,12 @@ class Scratch {
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Model& model,
                                                                  Backend* backend,
-                                                                 const KvCacheOptions& kv) {
+                                                                 const KvCacheOptions& kv,
+                                                                 Communicator* comm) {
   std::unique_ptr<ModelRunner> r(new ModelRunner());
   r->cfg_ = model.config();
   r->be_ = backend;
+  r->comm_ = comm != nullptr && comm->size() > 1 ? comm : nullptr;
   ASSIGN_OR_RETURN(r->w_, backend->LoadWeights(model));
   RETURN_IF_ERROR(r->Init(kv));
   return r;
@@ -105,7 +107,22 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   RETURN_IF_ERROR(be_->WriteKv(pool_, l, *qkv, static_cast<int64_t>(H) * hd, *qkv,
                                static_cast<int64_t>(H + KV) * hd, rows.slots));
   AttentionArgs args;
-  if (stats != nullptr) args = *stats;
+  // Under tensor parallelism each rank sees only its heads: statistics are gathered into
+  // zeroed local arrays, summed over ranks and averaged, so every rank selects identically.
+  std::vector<float> cross_local, recv_local;
+  if (stats != nullptr) {
+    args = *stats;
+    if (comm_ != nullptr) {
+      if (stats->out_cross != nullptr) {
+        cross_local.assign(n, 0.0f);
+        args.out_cross = cross_local.data();
+      }
+      if (stats->out_recv != nullptr) {
+        recv_local.assign(rows.ctx_slots.size(), 0.0f);
+        args.out_recv = recv_local.data();
+      }
+    }
+  }
   args.n_heads = H;
   args.n_kv_heads = KV;
   args.head_dim = hd;
@@ -113,8 +130,18 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   args.ctx_slots = rows.ctx_slots;
   ASSIGN_OR_RETURN(Tensor* att, s.Get(n, static_cast<int64_t>(H) * hd));
   RETURN_IF_ERROR(be_->Attention(*qkv, pool_, l, args, *att));
+  if (comm_ != nullptr && stats != nullptr) {
+    const float inv = 1.0f / static_cast<float>(comm_->size());
+    for (auto [local, out] : {std::pair{&cross_local, stats->out_cross},
+                              std::pair{&recv_local, stats->out_recv}}) {
+      if (out == nullptr) continue;
+      RETURN_IF_ERROR(comm_->AllReduceSumHost(*local));
+      for (size_t i = 0; i < local->size(); ++i) out[i] += (*local)[i] * inv;
+    }
+  }
   ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
+  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
   RETURN_IF_ERROR(be_->Add(x, *o));
   RETURN_IF_ERROR(be_->RmsNorm(x, w.ffn_norm, cfg_.rms_eps, *h));
   ASSIGN_OR_RETURN(Tensor* gu, s.Get(n, 2 * static_cast<int64_t>(cfg_.ffn_dim)));
@@ -122,6 +149,7 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
   RETURN_IF_ERROR(be_->SwiGLU(*gu, *act));
   RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
+  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
   return be_->Add(x, *o);
 }
 

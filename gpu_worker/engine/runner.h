@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
+#include "gpu_worker/engine/tensor_parallel.h"
 #include "gpu_worker/kv/block_manager.h"
 
 namespace sparsex {
@@ -31,8 +32,11 @@ struct KvCapture {
 
 class ModelRunner {
  public:
+  // With comm (tensor parallelism), `model` is this rank's shard (see ShardModel): the runner
+  // all-reduces the attention and MLP outputs and the selection statistics.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const Model& model, Backend* backend,
-                                                             const KvCacheOptions& kv);
+                                                             const KvCacheOptions& kv,
+                                                             Communicator* comm = nullptr);
   // Random weights of the given shapes (speed work; see Backend::RandomWeights).
   static absl::StatusOr<std::unique_ptr<ModelRunner>> CreateRandom(const ModelConfig& cfg,
                                                                    uint64_t seed,
@@ -54,6 +58,10 @@ class ModelRunner {
   // Pre-RoPE K and V that layer l would compute for the rows of x (no KV write, no attention):
   // the CacheBlend deviation signal at the first sparse layer.
   absl::Status ProjectKv(int l, const Tensor& x, std::vector<float>* k, std::vector<float>* v);
+  // Sums a host array over tensor-parallel ranks (no-op without tensor parallelism).
+  absl::Status SumAcrossRanks(std::span<float> v) {
+    return comm_ != nullptr ? comm_->AllReduceSumHost(v) : absl::OkStatus();
+  }
   // Final norm + output projection of the given rows: [rows.size() * vocab] fp32.
   absl::StatusOr<std::vector<float>> Logits(const Tensor& x, std::span<const int32_t> rows);
   // RoPE at `pos` applied to pre-RoPE K rows from the host, written with V into the pool.
@@ -67,6 +75,7 @@ class ModelRunner {
   Backend* be_ = nullptr;
   BackendWeights w_;
   KvPool pool_;
+  Communicator* comm_ = nullptr;
   RopeParams rope_;
 };
 

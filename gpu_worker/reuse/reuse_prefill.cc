@@ -271,6 +271,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
         }
         in.kv_deviation.push_back(static_cast<float>(d));
       }
+      // Each tensor-parallel rank holds only its KV heads: sum so all ranks rank identically.
+      RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
     }
     std::vector<float> score = selector->Score(in);
     BudgetOptions full = o.budget;

@@ -17,4 +17,8 @@ absl::StatusOr<SamplingParams> SamplingFromProto(const v1::SamplingParams& p);
 absl::StatusOr<ReuseOptions> ReuseFromProto(const v1::ReuseOptions& p,
                                             const ReuseOptions& defaults, int n_layers);
 
+// UTF-8 checks for API strings (proto3 strings must be valid UTF-8 on the wire).
+bool IsValidUtf8(std::string_view s);
+std::string SanitizeUtf8(std::string_view s);  // invalid sequences become U+FFFD
+
 }  // namespace sparsex::service

@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
+
 #include "cache_server/block_key.h"
 #include "common/etcd/etcd_client.h"
 #include "common/metrics/http_server.h"
@@ -306,12 +308,14 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
           u->set_total_ms(ru.total_ms);
           u->set_queue_ms(ru.queue_ms);
           u->set_compute_share(ru.compute_share);
+          if (!IsValidUtf8(msg.text())) msg.set_text(SanitizeUtf8(msg.text()));
           if (!writer->Write(msg)) {
             return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
           }
           return grpc::Status::OK;
         }
       }
+      if (!IsValidUtf8(msg.text())) msg.set_text(SanitizeUtf8(msg.text()));
       if (have && !writer->Write(msg)) {
         h->Cancel();
         return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

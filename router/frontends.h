@@ -1,0 +1,53 @@
+// The router's two front ends over Router (router.h):
+//   GrpcFrontend  the public gRPC API (proto/sparsex.proto: Generate, Tokenize, ListModels,
+//                 Health), deadlines and cancellation propagated to the worker call.
+//   HttpFrontend  OpenAI-compatible HTTP (civetweb): POST /v1/completions and
+//                 /v1/chat/completions (SSE with "stream": true; each chat message becomes a
+//                 segment), GET /v1/models, /healthz and the Prometheus /metrics. docs/api.md.
+//
+//   ASSIGN_OR_RETURN(auto g, GrpcFrontend::Start(router.get(), "127.0.0.1:50051"));
+//   ASSIGN_OR_RETURN(auto h, HttpFrontend::Start(router.get(), "127.0.0.1:8000", 64));
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace sparsex::router {
+
+class Router;
+
+class GrpcFrontend {
+ public:
+  // `address` "host:port" (port 0 picks a free one, see port()).
+  static absl::StatusOr<std::unique_ptr<GrpcFrontend>> Start(Router* router,
+                                                             const std::string& address);
+  ~GrpcFrontend();
+  void Shutdown();
+  int port() const { return port_; }
+  struct Impl;
+
+ private:
+  GrpcFrontend() = default;
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+};
+
+class HttpFrontend {
+ public:
+  static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(Router* router,
+                                                             const std::string& address,
+                                                             int threads);
+  ~HttpFrontend();
+  void Shutdown();
+  int port() const { return port_; }
+  struct Impl;
+
+ private:
+  HttpFrontend() = default;
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+};
+
+}  // namespace sparsex::router

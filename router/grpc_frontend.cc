@@ -1,0 +1,82 @@
+#include <grpcpp/grpcpp.h>
+
+#include "proto/grpc_status.h"
+#include "proto/sparsex.grpc.pb.h"
+#include "router/frontends.h"
+#include "router/router.h"
+
+namespace sparsex::router {
+namespace {
+
+class SparseXService final : public v1::SparseX::Service {
+ public:
+  explicit SparseXService(Router* r) : r_(r) {}
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    CallControl ctl;
+    ctl.grpc_parent = ctx;
+    ctl.deadline = ctx->deadline();
+    ctl.api = "grpc";
+    absl::Status s = r_->Generate(
+        *req, [writer](const v1::GenerateResponse& m) { return writer->Write(m); }, ctl);
+    return ToGrpcStatus(s);
+  }
+
+  grpc::Status Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* req,
+                        v1::TokenizeResponse* resp) override {
+    auto r = r_->Tokenize(*req);
+    if (!r.ok()) return ToGrpcStatus(r.status());
+    *resp = std::move(*r);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+                          v1::ListModelsResponse* resp) override {
+    *resp = r_->ListModels();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Health(grpc::ServerContext*, const v1::HealthRequest*,
+                      v1::HealthResponse* resp) override {
+    *resp = r_->Health();
+    return grpc::Status::OK;
+  }
+
+ private:
+  Router* r_;
+};
+
+}  // namespace
+
+struct GrpcFrontend::Impl {
+  std::unique_ptr<SparseXService> service;
+  std::unique_ptr<grpc::Server> server;
+};
+
+absl::StatusOr<std::unique_ptr<GrpcFrontend>> GrpcFrontend::Start(Router* router,
+                                                                  const std::string& address) {
+  std::unique_ptr<GrpcFrontend> f(new GrpcFrontend());
+  f->impl_ = std::make_unique<Impl>();
+  f->impl_->service = std::make_unique<SparseXService>(router);
+  grpc::ServerBuilder b;
+  b.AddListeningPort(address, grpc::InsecureServerCredentials(), &f->port_);
+  b.RegisterService(f->impl_->service.get());
+  b.SetMaxReceiveMessageSize(64 << 20);
+  f->impl_->server = b.BuildAndStart();
+  if (!f->impl_->server || f->port_ == 0) {
+    return absl::UnavailableError("router: cannot listen on " + address + " (gRPC)");
+  }
+  return f;
+}
+
+GrpcFrontend::~GrpcFrontend() { Shutdown(); }
+
+void GrpcFrontend::Shutdown() {
+  if (impl_ && impl_->server) {
+    impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    impl_->server.reset();
+  }
+}
+
+}  // namespace sparsex::router

@@ -1,0 +1,98 @@
+// The router: the public API front end of SparseX. It tokenizes prompts (explicit segments,
+// or a plain prompt split by content-defined chunking), fingerprints every segment exactly as
+// the workers do, keeps a cluster index fed by the workers' cache events, picks a worker by
+// reusable tokens weighed against load, streams the worker's tokens back, retries on another
+// worker when one fails before the first token, and sheds load with RESOURCE_EXHAUSTED when
+// every worker is saturated. Membership comes from etcd (polled) and/or a static list.
+//
+// The core (this class) is transport-neutral; the gRPC service (proto/sparsex.proto) and the
+// OpenAI-compatible HTTP API are thin front ends over it (frontends.h).
+//
+//   RouterOptions o;
+//   o.model_path = "stories260K.gguf";
+//   o.etcd_endpoints = {"127.0.0.1:2379"};
+//   ASSIGN_OR_RETURN(auto r, Router::Create(o));
+//   RETURN_IF_ERROR(r->Generate(req, [](const v1::GenerateResponse& m) { ...; return true; },
+//                               CallControl{}));
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "gpu_worker/reuse/chunking.h"
+#include "proto/sparsex.pb.h"
+#include "router/cluster_index.h"
+
+namespace grpc {
+class ServerContext;
+}
+namespace sparsex {
+class Model;
+namespace metrics {
+class Registry;
+}
+}  // namespace sparsex
+
+namespace sparsex::router {
+
+struct RouterOptions {
+  std::string model_path;   // the served model (tokenizer, fingerprint). Default: "" (required)
+  std::string model_name;   // API name. Default: the file name without extension
+  std::string grpc_address = "127.0.0.1:50051";  // public gRPC API; "" disables. Default
+  std::string http_address = "127.0.0.1:8000";   // OpenAI HTTP + /metrics; "" disables. Default
+  int http_threads = 64;    // concurrent HTTP requests (each stream holds one). Default: 64
+  size_t max_body_bytes = size_t{16} << 20;  // largest HTTP request body. Default: 16 MiB
+  std::vector<std::string> workers;          // static members (host:port). Default: none
+  std::vector<std::string> etcd_endpoints;   // etcd membership. Default: none
+  std::string etcd_prefix = "/sparsex";      // workers under <prefix>/workers/. Default
+  int membership_poll_ms = 500;  // etcd poll period. Default: 500 ms
+  RoutingWeights weights;        // Default: see RoutingWeights
+  ChunkingOptions chunking;      // plain prompts. Default: ChunkingOptions{}
+  std::string segment_encoding = "none";  // must match the workers'. Default: none
+  int max_attempts = 3;          // workers tried before the first token. Default: 3
+  int request_timeout_ms = 0;    // deadline when the client sets none; 0 = none. Default: 0
+  std::string ready_file;        // JSON with the ports, written once serving. Default: none
+};
+
+struct CallControl {
+  // Absolute deadline of the whole request. Default: none
+  std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  // gRPC front end: the server call; cancellation and deadline propagate to the worker call.
+  grpc::ServerContext* grpc_parent = nullptr;
+  std::string api = "grpc";  // metrics label. Default: grpc
+};
+
+using GenerateSink = std::function<bool(const v1::GenerateResponse&)>;  // false: client gone
+
+class Router {
+ public:
+  static absl::StatusOr<std::unique_ptr<Router>> Create(const RouterOptions& options);
+  ~Router();
+
+  // Streams the response chunks to `sink`; the last one has finished = true and the usage.
+  absl::Status Generate(const v1::GenerateRequest& req, const GenerateSink& sink,
+                        const CallControl& ctl);
+  absl::StatusOr<v1::TokenizeResponse> Tokenize(const v1::TokenizeRequest& req);
+  v1::ListModelsResponse ListModels();
+  v1::HealthResponse Health();
+  // INVALID_ARGUMENT "unknown model" unless `model` is "" or the served model's name.
+  absl::Status CheckModel(const std::string& model) const;
+
+  const Model& model() const;
+  const std::string& model_name() const;
+  metrics::Registry& registry();
+  const RouterOptions& options() const;
+  void Shutdown();
+
+  struct Impl;
+
+ private:
+  Router();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sparsex::router
