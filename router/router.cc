@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
-#include "cache_server/block_key.h"
 #include "common/etcd/etcd_client.h"
 #include "common/fingerprint.h"
 #include "common/metrics/metrics.h"
@@ -301,7 +300,7 @@ struct Router::Impl {
         if (ev.has_snapshot()) {
           std::vector<IndexEntry> entries;
           for (const auto& e : ev.snapshot().entries()) {
-            auto fp = cache::DecodeFingerprint(e.fingerprint());
+            auto fp = service::DecodeFingerprintBytes(e.fingerprint());
             if (fp.ok()) entries.push_back({*fp, e.num_tokens()});
           }
           index.ApplySnapshot(c.address, ev.instance_id(), ev.snapshot().seq(), entries);
@@ -315,7 +314,7 @@ struct Router::Impl {
                                           : ClusterIndex::EventKind::kStored;
           Hash128 fp;
           if (k != ClusterIndex::EventKind::kCleared) {
-            auto d = cache::DecodeFingerprint(ce.fingerprint());
+            auto d = service::DecodeFingerprintBytes(ce.fingerprint());
             if (!d.ok()) continue;
             fp = *d;
           }

@@ -46,6 +46,25 @@ absl::StatusOr<ReuseOptions> ReuseFromProto(const v1::ReuseOptions& p,
   return o;
 }
 
+std::string EncodeFingerprintBytes(const Hash128& h) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+absl::StatusOr<Hash128> DecodeFingerprintBytes(std::string_view s) {
+  if (s.size() != 16) return absl::InvalidArgumentError("fingerprint must be 16 bytes");
+  Hash128 h;
+  for (int i = 0; i < 8; ++i) {
+    h.hi = (h.hi << 8) | static_cast<unsigned char>(s[i]);
+    h.lo = (h.lo << 8) | static_cast<unsigned char>(s[8 + i]);
+  }
+  return h;
+}
+
 namespace {
 
 // Length of the valid UTF-8 sequence at s[i], or 0 when it is invalid (overlongs, surrogates

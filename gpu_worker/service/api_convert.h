@@ -3,6 +3,7 @@
 // defaults and the same checks.
 #pragma once
 
+#include "common/hash.h"
 #include "common/status.h"
 #include "gpu_worker/engine/sampler.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
@@ -16,6 +17,10 @@ absl::StatusOr<SamplingParams> SamplingFromProto(const v1::SamplingParams& p);
 // `defaults` with the request's set fields applied; validated against the model's layer count.
 absl::StatusOr<ReuseOptions> ReuseFromProto(const v1::ReuseOptions& p,
                                             const ReuseOptions& defaults, int n_layers);
+
+// Hash128 <-> 16 bytes, big-endian (hi then lo): the fingerprint encoding of every proto.
+std::string EncodeFingerprintBytes(const Hash128& h);
+absl::StatusOr<Hash128> DecodeFingerprintBytes(std::string_view s);
 
 // UTF-8 checks for API strings (proto3 strings must be valid UTF-8 on the wire).
 bool IsValidUtf8(std::string_view s);

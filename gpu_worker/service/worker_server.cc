@@ -18,7 +18,6 @@
 
 #include "absl/strings/ascii.h"
 
-#include "cache_server/block_key.h"
 #include "common/etcd/etcd_client.h"
 #include "common/metrics/http_server.h"
 #include "common/metrics/metrics.h"
@@ -182,7 +181,7 @@ struct WorkerServer::State {
     r.set_seq(seq);
     for (const auto& e : entries) {
       wpb::CacheEntry* c = r.add_entries();
-      c->set_fingerprint(cache::EncodeFingerprint(e.fp));
+      c->set_fingerprint(EncodeFingerprintBytes(e.fp));
       c->set_num_tokens(e.num_tokens);
       c->set_tier(ToProtoTier(e.tier));
     }
@@ -351,7 +350,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         c->set_kind(r.kind == EventKind::kStored    ? wpb::CacheEvent::SEGMENT_STORED
                     : r.kind == EventKind::kRemoved ? wpb::CacheEvent::SEGMENT_REMOVED
                                                     : wpb::CacheEvent::ALL_CLEARED);
-        if (r.kind != EventKind::kCleared) c->set_fingerprint(cache::EncodeFingerprint(r.fp));
+        if (r.kind != EventKind::kCleared) c->set_fingerprint(EncodeFingerprintBytes(r.fp));
         c->set_num_tokens(r.num_tokens);
         c->set_tier(ToProtoTier(r.tier));
         if (!writer->Write(e)) return grpc::Status::OK;
