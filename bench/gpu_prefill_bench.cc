@@ -250,6 +250,22 @@ int Main(const Options& o) {
       cudaMemcpy(d_group, grp.data(), nmax * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(d_w, w.data(), nmax * 4, cudaMemcpyHostToDevice);
     }
+    void* d_ws = nullptr;
+    size_t ws_bytes = 0;
+    auto attention = [&](const kernels::PagedAttentionParams& p) {
+      const size_t need = kernels::PagedAttentionWorkspaceBytes(p);
+      if (need > ws_bytes) {
+        cudaStreamSynchronize(stream);
+        cudaFree(d_ws);
+        cudaMalloc(&d_ws, need);
+        ws_bytes = need;
+      }
+      const cudaError_t e = kernels::PagedAttention(p, d_ws, ws_bytes, stream);
+      if (e != cudaSuccess) {
+        std::fprintf(stderr, "PagedAttention: %s\n", cudaGetErrorString(e));
+        std::exit(1);
+      }
+    };
     auto time_op = [&](auto&& fn) {
       std::vector<double> t;
       for (int r = 0; r < 2 + 5; ++r) {
@@ -291,7 +307,7 @@ int Main(const Options& o) {
         p.num_q = n;
         p.lse = nullptr;
         auto [ms, mn] = time_op([&] {
-          if (kernels::PagedAttention(p, nullptr, 0, stream) != cudaSuccess) std::exit(1);
+          attention(p);
         });
         char extra[128];
         std::snprintf(extra, sizeof extra, ", \"warps\": %d, \"tflops\": %.1f", warps,
@@ -302,7 +318,7 @@ int Main(const Options& o) {
         p.q_pos = d_sel;
         p.num_q = static_cast<int>(sel.size());
         auto [ms2, mn2] = time_op([&] {
-          if (kernels::PagedAttention(p, nullptr, 0, stream) != cudaSuccess) std::exit(1);
+          attention(p);
         });
         std::snprintf(extra, sizeof extra, ", \"warps\": %d, \"rows\": %zu, \"tflops\": %.1f",
                       warps, sel.size(), sflops / ms2 * 1e-9);
@@ -315,7 +331,7 @@ int Main(const Options& o) {
       p.q_pos = d_pos;
       p.num_q = n;
       p.lse = d_lse;
-      if (kernels::PagedAttention(p, nullptr, 0, stream) != cudaSuccess) std::exit(1);
+      attention(p);
       kernels::AttentionStatsParams st;
       st.key_group = d_group;
       st.q_group = d_group;
@@ -323,7 +339,11 @@ int Main(const Options& o) {
       st.out_cross = d_cross;
       st.out_recv = d_recv;
       auto [ms3, mn3] = time_op([&] {
-        if (kernels::AttentionStats(p, st, stream) != cudaSuccess) std::exit(1);
+        const cudaError_t e = kernels::AttentionStats(p, st, stream);
+        if (e != cudaSuccess) {
+          std::fprintf(stderr, "AttentionStats: %s\n", cudaGetErrorString(e));
+          std::exit(1);
+        }
       });
       records.push_back({"attention_stats_layer", n, ms3, mn3, 5, ""});
       std::printf("selection statistics pass (1 layer, cross + recv of 256 rows) %6d: %8.3f ms\n",
@@ -337,6 +357,7 @@ int Main(const Options& o) {
     cudaFree(d_cross);
     cudaFree(d_recv);
     cudaFree(d_w);
+    cudaFree(d_ws);
     // GEMMs of one layer at nmax tokens.
     struct G {
       const char* name;
@@ -401,13 +422,17 @@ int Main(const Options& o) {
         auto* yp = static_cast<kernels::bf16*>(y.data);
         auto [ms_a, mn_a] = time_op([&] {
           if (kernels::SmallNGemm(xp, g.k, wp, g.k, yp, g.m, 1, g.m, g.k, 0.0f, stream) !=
-              cudaSuccess)
+              cudaSuccess) {
+            std::fprintf(stderr, "SmallNGemm failed\n");
             std::exit(1);
+          }
         });
         auto [ms_b, mn_b] = time_op([&] {
           if (lt.Run(xp, g.k, wp, g.k, yp, g.m, 1, g.m, g.k, 0.0f, stream) !=
-              CUBLAS_STATUS_SUCCESS)
+              CUBLAS_STATUS_SUCCESS) {
+            std::fprintf(stderr, "cuBLASLt GEMV failed\n");
             std::exit(1);
+          }
         });
         char extra[128];
         std::snprintf(extra, sizeof extra, ", \"impl\": \"small_n\", \"tb_s\": %.2f",

@@ -2,8 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "cache_server/service.h"
 #include "cache_server/transport.h"
@@ -215,7 +217,44 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
 
   absl::Status transfer;
   if (!ops.empty()) {
-    if (impl_->transport != nullptr) {
+    if (impl_->transport != nullptr && impl_->opt.verify && impl_->opt.verify_in_background &&
+        present.size() > 1) {
+      // Pipeline: this thread drives the transfer, a helper verifies (and reports) block j
+      // while block j + 1 is being copied.
+      std::mutex qm;
+      std::condition_variable qcv;
+      size_t arrived = 0;
+      bool finished = false;
+      std::thread verifier([&] {
+        for (size_t j = 0; j < present.size(); ++j) {
+          {
+            std::unique_lock<std::mutex> l(qm);
+            qcv.wait(l, [&] { return arrived > j || finished; });
+            if (arrived <= j) return;
+          }
+          landed(j);
+        }
+      });
+      {
+        std::lock_guard<std::mutex> lock(impl_->transport_mu);
+        transfer = impl_->transport->Get(
+            ops,
+            [&](size_t j) {
+              {
+                std::lock_guard<std::mutex> l(qm);
+                arrived = j + 1;
+              }
+              qcv.notify_one();
+            },
+            impl_->TransferDeadline());
+      }
+      {
+        std::lock_guard<std::mutex> l(qm);
+        finished = true;
+      }
+      qcv.notify_one();
+      verifier.join();
+    } else if (impl_->transport != nullptr) {
       std::lock_guard<std::mutex> lock(impl_->transport_mu);
       transfer = impl_->transport->Get(ops, landed, impl_->TransferDeadline());
     } else {

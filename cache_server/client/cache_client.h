@@ -51,6 +51,9 @@ struct CacheClientOptions {
   uint32_t lease_ttl_ms = 0;
   // Verify the checksum of every fetched block. Default: true.
   bool verify = true;
+  // Verify on a helper thread, overlapped with the transfer of the next block (on_block then
+  // runs on that thread, still one block at a time and in order). Default: true.
+  bool verify_in_background = true;
 };
 
 struct LookupInfo {
@@ -86,7 +89,8 @@ class CacheClient {
 
   // Where block i (of `size` bytes) lands; must stay valid until FetchInto returns.
   using Allocator = std::function<uint8_t*(size_t index, uint64_t size)>;
-  // Called in key order as each block is ready (OK) or known missing (NOT_FOUND).
+  // Called in key order as each block is ready (OK) or known missing (NOT_FOUND), never
+  // concurrently; possibly from a helper thread (CacheClientOptions::verify_in_background).
   using OnBlock =
       std::function<void(size_t index, const absl::Status& status, std::span<const uint8_t>)>;
 

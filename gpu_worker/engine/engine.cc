@@ -63,8 +63,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model& model,
     ASSIGN_OR_RETURN(e->shard_, ShardModel(model, opts.tp.rank, opts.tp.size));
     weights = e->shard_.get();
   }
-  ASSIGN_OR_RETURN(e->runner_,
-                   ModelRunner::Create(*weights, e->backend_.get(), opts.kv, opts.tp.comm));
+  if (model.synthetic_) {
+    if (opts.tp.size > 1) return absl::UnimplementedError("synthetic models run without TP");
+    ASSIGN_OR_RETURN(e->runner_, ModelRunner::CreateRandom(model.config(), model.synthetic_seed_,
+                                                           e->backend_.get(), opts.kv));
+  } else {
+    ASSIGN_OR_RETURN(e->runner_,
+                     ModelRunner::Create(*weights, e->backend_.get(), opts.kv, opts.tp.comm));
+  }
   e->blocks_ = std::make_unique<BlockManager>(opts.kv, model.fingerprint());
   return e;
 }

@@ -215,6 +215,7 @@ absl::Status FinalizeModel(Model& m) {
 }
 
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
+  if (absl::StartsWith(path, "synthetic:")) return MakeSyntheticModel(path.substr(10));
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     return absl::NotFoundError(absl::StrCat("model path ", path, " does not exist"));

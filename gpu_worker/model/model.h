@@ -102,6 +102,10 @@ class Model {
   std::unique_ptr<Tokenizer> tokenizer_;
   Hash128 fingerprint_;
   std::string source_;
+  // Synthetic models (speed work) have shapes but no weights: backends generate seeded random
+  // weights in their own memory (Backend::RandomWeights).
+  bool synthetic_ = false;
+  uint64_t synthetic_seed_ = 0;
   std::vector<std::unique_ptr<MappedFile>> files_;  // keeps the mappings alive
   std::vector<std::vector<uint8_t>> owned_;         // weights not backed by a file
 };
@@ -109,7 +113,13 @@ class Model {
 // Validates the config and every weight's shape, then computes the fingerprint.
 absl::Status FinalizeModel(Model& m);
 
-// Dispatches on the path: a *.gguf file, or a directory with config.json.
+// "llama3-8b" (Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q / 8 kv heads, head dim 128,
+// FFN 14336, vocab 128256, rope theta 500000, llama3 rope scaling) or "tiny" (a 4-layer model
+// for tests), with a numeric tokenizer (text "12 7 99" <-> ids 12 7 99). Speed work only: the
+// weights are random, so the text is meaningless.
+absl::StatusOr<std::unique_ptr<Model>> MakeSyntheticModel(const std::string& name);
+
+// Dispatches on the path: "synthetic:<name>", a *.gguf file, or a directory with config.json.
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path);
 absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path);
 absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir);

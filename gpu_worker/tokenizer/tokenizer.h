@@ -25,7 +25,8 @@ class Tokenizer {
                                       bool parse_special = false) const = 0;
   // Ids to text; special tokens (BOS/EOS) are skipped. Out-of-range ids decode to "".
   virtual std::string Decode(const std::vector<int32_t>& ids) const = 0;
-  // The raw bytes one token stands for (used by streaming decoders).
+  // The raw bytes one token stands for (used by streaming decoders); "" for special tokens.
+  // SPM: the space the encoder prefixes is not stripped here, only in Decode.
   virtual std::string TokenPiece(int32_t id) const = 0;
   virtual int32_t vocab_size() const = 0;
   virtual int32_t bos_id() const = 0;  // -1 when the vocabulary has none

@@ -91,7 +91,7 @@ TEST_F(ServerE2ETest, ManyConcurrentClientProcessesPutAndGetOverUcx) {
   // 4 writers of their own data + all 4 racing on one shared seed (seed 100).
   std::vector<std::unique_ptr<t::ChildProcess>> procs;
   for (int w = 0; w < 4; ++w) {
-    for (const std::string seed : {std::to_string(10 + w), std::string("100")}) {
+    for (const std::string& seed : {std::to_string(10 + w), std::string("100")}) {
       auto p = t::ChildProcess::Spawn(
           {bin_ + "/sparsex-cache-cli", "put", addr, "--seed=" + seed, "--model_seed=1",
            "--segments=6", "--layers=4", "--tokens=64", "--kv_dim=128"},

@@ -1,0 +1,154 @@
+// The worker's cache-cluster tier against a real in-process cache server (UCX data plane):
+// write-back then fetch into a fresh store gives back the same KV; a block that is not the
+// segment's (wrong shape) or is corrupt is never used, and the failure is reported.
+#include "gpu_worker/service/kv_tier.h"
+
+#include <filesystem>
+
+#include "cache_server/client/cache_client.h"
+#include "cache_server/server.h"
+#include "common/kv_block.h"
+#include "gtest/gtest.h"
+
+namespace sparsex::service {
+namespace {
+
+constexpr int kLayers = 3, kDim = 8;
+
+SegmentKv MakeKv(int n, float base) {
+  SegmentKv kv;
+  kv.n_tokens = n;
+  kv.n_layers = kLayers;
+  kv.kv_dim = kDim;
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> k(n * kDim), v(n * kDim);
+    for (int i = 0; i < n * kDim; ++i) {
+      k[i] = base + l + 0.001f * i;
+      v[i] = -base - l - 0.002f * i;
+    }
+    kv.k.push_back(k);
+    kv.v.push_back(v);
+  }
+  return kv;
+}
+
+TEST(KvTierCodecTest, RoundTripAndRejects) {
+  const Hash128 model{1, 2}, seg{3, 4};
+  SegmentKv kv = MakeKv(5, 1.0f);
+  auto b = EncodeSegmentLayer(model, seg, kv, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  SegmentKv out;
+  out.n_tokens = 5;
+  out.n_layers = kLayers;
+  out.kv_dim = kDim;
+  out.k.resize(kLayers);
+  out.v.resize(kLayers);
+  ASSERT_TRUE(DecodeSegmentLayer(KvBlockBytes(*b), model, seg, 1, &out).ok());
+  EXPECT_EQ(out.k[1], kv.k[1]);
+  EXPECT_EQ(out.v[1], kv.v[1]);
+  EXPECT_FALSE(DecodeSegmentLayer(KvBlockBytes(*b), model, seg, 2, &out).ok());       // layer
+  EXPECT_FALSE(DecodeSegmentLayer(KvBlockBytes(*b), Hash128{9, 9}, seg, 1, &out).ok());  // model
+  std::string bad = *b;
+  bad[bad.size() - 3] ^= 0x40;  // payload bit flip
+  EXPECT_EQ(DecodeSegmentLayer(KvBlockBytes(bad), model, seg, 1, &out).code(),
+            absl::StatusCode::kDataLoss);
+  out.n_tokens = 6;  // shape mismatch
+  EXPECT_FALSE(DecodeSegmentLayer(KvBlockBytes(*b), model, seg, 1, &out).ok());
+}
+
+class KvTierServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("sparsex-kvtier-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+    cache::ServerOptions o;
+    o.grpc_port = 0;
+    o.metrics_port = -1;
+    o.cache.memory_capacity_bytes = 64 << 20;
+    o.cache.disk_backend = "memory";
+    auto s = cache::CacheServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    ClusterTierOptions t;
+    t.servers = {server_->grpc_address()};
+    auto tier = ClusterKvTier::Connect(t, model_, kLayers, kDim);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    tier_ = std::move(*tier);
+  }
+  void TearDown() override {
+    tier_.reset();
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  std::filesystem::path dir_;
+  const Hash128 model_{11, 22};
+  std::unique_ptr<cache::CacheServer> server_;
+  std::unique_ptr<ClusterKvTier> tier_;
+};
+
+TEST_F(KvTierServerTest, WriteBackThenFetchIntoAnotherWorkersStore) {
+  const Hash128 a{100, 1}, b{100, 2}, absent{100, 3};
+  ASSERT_TRUE(tier_->Put(a, MakeKv(20, 1.0f)).ok());
+  ASSERT_TRUE(tier_->Put(b, MakeKv(7, 2.0f)).ok());
+  ASSERT_TRUE(tier_->Put(a, MakeKv(20, 1.0f)).ok());  // again: ALREADY_EXISTS is fine
+
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<SegmentRef> refs = {{a, 20}, {b, 7}, {absent, 4}};
+  FetchOutcome f = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(f.fetched, 2);
+  EXPECT_EQ(f.absent, 1);
+  EXPECT_EQ(f.failures, 0);
+  auto got = store.Get(a);
+  ASSERT_NE(got, nullptr);
+  SegmentKv want = MakeKv(20, 1.0f);
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(got->k[l], want.k[l]);
+    EXPECT_EQ(got->v[l], want.v[l]);
+  }
+  // Already local: nothing to fetch.
+  FetchOutcome again = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(again.fetched, 0);
+  EXPECT_EQ(again.absent, 1);
+}
+
+TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
+  // Another writer put a well-formed block under the segment's key whose shape does not match
+  // the segment (e.g. a buggy or older worker): the fetch must not use it.
+  const Hash128 seg{200, 1};
+  cache::CacheClientOptions co;
+  co.address = server_->grpc_address();
+  co.model_fp = model_;
+  auto client = cache::CacheClient::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  SegmentKv wrong = MakeKv(9, 5.0f);  // 9 tokens; the request's segment has 12
+  for (int l = kLayers - 1; l >= 0; --l) {
+    auto blk = EncodeSegmentLayer(model_, seg, wrong, l);
+    ASSERT_TRUE(blk.ok());
+    ASSERT_TRUE((*client)->Put({seg, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)},
+                               KvBlockBytes(*blk))
+                    .ok());
+  }
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<SegmentRef> refs = {{seg, 12}};
+  FetchOutcome f = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(f.fetched, 0);
+  EXPECT_EQ(f.failures, 1);
+  ASSERT_EQ(f.failure_reasons.size(), 1u);
+  EXPECT_EQ(f.failure_reasons[0], "corrupt");
+  EXPECT_FALSE(store.Contains(seg));
+}
+
+TEST_F(KvTierServerTest, UnreachableClusterIsATransportFailure) {
+  const Hash128 seg{300, 1};
+  server_->Shutdown();
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<SegmentRef> refs = {{seg, 4}};
+  FetchOutcome f = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(f.fetched, 0);
+  EXPECT_EQ(f.failures, 1);
+  EXPECT_EQ(f.failure_reasons[0], "transport");
+}
+
+}  // namespace
+}  // namespace sparsex::service
