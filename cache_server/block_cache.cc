@@ -411,7 +411,7 @@ class BlockCache::Impl {
         memory_policy_->Touch(k);
       }
       Entry& ep = entries_.at(k);
-      ep.pins++;
+      if (ep.pins++ == 0) pinned_bytes_ += ep.size;
       rec.pinned.push_back(k);
       b.code = absl::StatusCode::kOk;
       b.offset = ep.offset;
@@ -446,7 +446,7 @@ class BlockCache::Impl {
         auto pin = std::find(rec.pinned.begin(), rec.pinned.end(), k);
         if (pin != rec.pinned.end()) rec.pinned.erase(pin);
         alloc_.Free(e.offset, e.size);
-        e.pins--;
+        if (--e.pins == 0) pinned_bytes_ -= e.size;
         e.doomed = true;
         if (e.pins == 0) RemoveEntryLocked(k);
         failed = true;
@@ -797,7 +797,10 @@ class BlockCache::Impl {
     auto it = entries_.find(k);
     if (it == entries_.end() || it->second.pins == 0) return;
     Entry& e = it->second;
-    if (--e.pins == 0 && e.doomed && !e.promoting) RemoveEntryLocked(k);
+    if (--e.pins == 0) {
+      pinned_bytes_ -= e.size;
+      if (e.doomed && !e.promoting) RemoveEntryLocked(k);
+    }
   }
 
   void AbandonPromotionLocked(const BlockKey& k) {
@@ -979,6 +982,7 @@ class BlockCache::Impl {
     m_.blocks_disk->Set(static_cast<double>(disk_policy_->size()));
     m_.leases->Set(static_cast<double>(leases_.size()));
     m_.reservations->Set(static_cast<double>(reservations_.size()));
+    m_.pinned_bytes->Set(static_cast<double>(pinned_bytes_));
   }
 
   CacheOptions opt_;
@@ -993,6 +997,7 @@ class BlockCache::Impl {
   std::unique_ptr<EvictionPolicy> disk_policy_;    // blocks on disk (LRU by commit)
   std::unique_ptr<DiskStore> disk_;
   uint64_t disk_used_ = 0;
+  uint64_t pinned_bytes_ = 0;  // bytes of entries with pins > 0
   std::unordered_map<BlockKey, Entry, absl::Hash<BlockKey>> entries_;
   absl::flat_hash_map<uint64_t, ReservationRec> reservations_;
   absl::flat_hash_map<uint64_t, LeaseRec> leases_;

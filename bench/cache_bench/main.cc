@@ -2,7 +2,8 @@
 // latency, on this machine in one run.
 //
 //   build/bin/sparsex-cache-bench --json OUT.json [--iters 10] [--lookups 100000]
-//       [--ucx_tls sysv,posix,cma,self] [--tokens 4096 --layers 32 --kv_dim 1024]
+//       [--rounds 3] [--ucx_tls sysv,posix,cma,self] [--tokens 4096 --layers 32 --kv_dim 1024]
+//       [--perftest /usr/bin/ucx_perftest] [--server_args "--flag=value ..."]
 //
 // 1. Starts build/bin/sparsex-cache-server (no disk tier) on 127.0.0.1, puts one segment of a
 //    Llama-3-8B shape (4096 tokens x 32 layers x 8 KV heads x 128 dims x K,V x bf16 = 512 MiB,
@@ -60,6 +61,8 @@ struct Args {
 };
 
 // ucx_perftest ucp_get bandwidth (GB/s, 1e9) for `size`-byte messages.
+std::string g_perftest = "ucx_perftest";  // --perftest: path or name on PATH
+
 absl::StatusOr<double> Perftest(uint64_t size, int iters, const std::string& tls,
                                 std::string* log) {
   static int runs = 0;
@@ -67,12 +70,13 @@ absl::StatusOr<double> Perftest(uint64_t size, int iters, const std::string& tls
   std::vector<std::string> env;
   if (!tls.empty()) env.push_back("UCX_TLS=" + tls);
   const std::string dir = testing::MakeTempDir("sparsex-perftest-");
-  ASSIGN_OR_RETURN(auto server, testing::ChildProcess::Spawn(
-                                    {"/usr/bin/ucx_perftest", "-p", std::to_string(port)},
-                                    dir + "/server.log", env));
+  ASSIGN_OR_RETURN(auto server,
+                   testing::ChildProcess::Spawn(
+                       {"/bin/sh", "-c", absl::StrCat("exec ", g_perftest, " -p ", port)},
+                       dir + "/server.log", env));
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   std::string cmd = absl::StrCat(tls.empty() ? "" : "UCX_TLS=" + tls + " ",
-                                 "/usr/bin/ucx_perftest 127.0.0.1 -p ", port,
+                                 g_perftest, " 127.0.0.1 -p ", port,
                                  " -t ucp_get -s ", size, " -n ", iters, " -w 5");
   *log = cmd;
   auto r = testing::RunCommand(cmd, std::chrono::seconds(120));
@@ -91,6 +95,7 @@ absl::StatusOr<double> Perftest(uint64_t size, int iters, const std::string& tls
 
 int Run(const Args& a) {
   const std::string json_path = a.Get("json", "");
+  g_perftest = a.Get("perftest", "ucx_perftest");
   const int iters = static_cast<int>(a.U("iters", 10));
   const uint64_t lookups = a.U("lookups", 100000);
   const uint64_t lookup_blocks = a.U("lookup_blocks", 10000);

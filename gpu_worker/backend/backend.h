@@ -135,6 +135,10 @@ class Backend {
   // dst[idx[i]] = src[i]
   virtual absl::Status ScatterRows(const Tensor& src, std::span<const int32_t> idx,
                                    Tensor& dst) = 0;
+  // out[i] += sum_j (a[i, a_col + j] - b[i, b_col + j])^2 for j < n_cols (KV deviation signal).
+  // Default: on the host after downloading both (backends may override with a kernel).
+  virtual absl::Status RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
+                                 int64_t n_cols, std::span<float> out);
   // Copies rows [src_row, src_row + n) of src to rows [dst_row, ...) of dst (same cols).
   virtual absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
                                 int64_t n) = 0;

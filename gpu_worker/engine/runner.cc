@@ -153,24 +153,36 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   return be_->Add(x, *o);
 }
 
-absl::Status ModelRunner::ProjectKv(int l, const Tensor& x, std::vector<float>* k,
-                                   std::vector<float>* v) {
-  const int64_t n = x.rows, kd = kv_dim(), qd = static_cast<int64_t>(cfg_.n_heads) * cfg_.head_dim;
-  k->assign(n * kd, 0.0f);
-  v->assign(n * kd, 0.0f);
-  if (n == 0) return absl::OkStatus();
+absl::StatusOr<Tensor> ModelRunner::ProjectQkv(int l, const Tensor& x) {
+  const int64_t n = x.rows;
+  const int64_t cols = static_cast<int64_t>(cfg_.n_heads) * cfg_.head_dim + 2 * kv_dim();
   Scratch s(be_);
   ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->RmsNorm(x, w_.layers[l].attn_norm, cfg_.rms_eps, *h));
-  ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, qd + 2 * kd));
-  RETURN_IF_ERROR(be_->MatMul(*h, w_.layers[l].wqkv, *qkv));
-  std::vector<float> all(static_cast<size_t>(n * qkv->cols));
-  RETURN_IF_ERROR(be_->Download(*qkv, all));
-  for (int64_t i = 0; i < n; ++i) {
-    std::copy_n(all.begin() + i * qkv->cols + qd, kd, k->begin() + i * kd);
-    std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v->begin() + i * kd);
+  ASSIGN_OR_RETURN(Tensor qkv, be_->Alloc(n, cols));
+  absl::Status st = be_->MatMul(*h, w_.layers[l].wqkv, qkv);
+  if (!st.ok()) {
+    be_->Free(qkv);
+    return st;
   }
-  return absl::OkStatus();
+  return qkv;
+}
+
+absl::Status ModelRunner::AssembleKvFrom(int layer, const Tensor& k_pre, const Tensor& v,
+                                         int64_t row0, std::span<const int32_t> pos,
+                                         std::span<const int32_t> slots) {
+  const int64_t n = static_cast<int64_t>(pos.size());
+  if (n == 0) return absl::OkStatus();
+  if (static_cast<int64_t>(slots.size()) != n) {
+    return absl::InvalidArgumentError("AssembleKvFrom: one slot per position required");
+  }
+  Scratch s(be_);
+  ASSIGN_OR_RETURN(Tensor* k, s.Get(n, kv_dim()));
+  ASSIGN_OR_RETURN(Tensor* vt, s.Get(n, kv_dim()));
+  RETURN_IF_ERROR(be_->CopyRows(k_pre, row0, *k, 0, n));
+  RETURN_IF_ERROR(be_->CopyRows(v, row0, *vt, 0, n));
+  RETURN_IF_ERROR(be_->Rope(*k, 0, cfg_.n_kv_heads, pos, rope_));
+  return be_->WriteKv(pool_, layer, *k, 0, *vt, 0, slots);
 }
 
 absl::StatusOr<std::vector<float>> ModelRunner::Logits(const Tensor& x,

@@ -55,15 +55,20 @@ class ModelRunner {
   // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
   absl::Status Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats = nullptr,
                      KvCapture* capture = nullptr);
-  // Pre-RoPE K and V that layer l would compute for the rows of x (no KV write, no attention):
-  // the CacheBlend deviation signal at the first sparse layer.
-  absl::Status ProjectKv(int l, const Tensor& x, std::vector<float>* k, std::vector<float>* v);
+  // The pre-RoPE Q|K|V projection layer l would compute for the rows of x (no KV write, no
+  // attention), in backend memory (caller frees): the CacheBlend deviation signal at the first
+  // sparse layer. Columns: [q (H*hd) | k (kv_dim) | v (kv_dim)].
+  absl::StatusOr<Tensor> ProjectQkv(int l, const Tensor& x);
   // Sums a host array over tensor-parallel ranks (no-op without tensor parallelism).
   absl::Status SumAcrossRanks(std::span<float> v) {
     return comm_ != nullptr ? comm_->AllReduceSumHost(v) : absl::OkStatus();
   }
   // Final norm + output projection of the given rows: [rows.size() * vocab] fp32.
   absl::StatusOr<std::vector<float>> Logits(const Tensor& x, std::span<const int32_t> rows);
+  // RoPE at `pos` applied to rows [row0, row0 + pos.size()) of pre-RoPE K (backend memory),
+  // written with the same rows of V into the pool at slots.
+  absl::Status AssembleKvFrom(int layer, const Tensor& k_pre, const Tensor& v, int64_t row0,
+                              std::span<const int32_t> pos, std::span<const int32_t> slots);
   // RoPE at `pos` applied to pre-RoPE K rows from the host, written with V into the pool.
   absl::Status AssembleKv(int layer, std::span<const float> k_pre, std::span<const float> v,
                           std::span<const int32_t> pos, std::span<const int32_t> slots);

@@ -163,17 +163,27 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     }
   } guard{engine_, &seq};
 
-  // Segments found in the store (checksums verified on Get; a corrupt one is a miss).
-  std::vector<std::shared_ptr<const SegmentKv>> found(segs.size());
+  // Segments found in the device tier, else in the host store (checksums verified on Get; a
+  // corrupt one is a miss) and then copied into backend memory.
+  std::vector<std::shared_ptr<const DeviceSegment>> found(segs.size());
   std::vector<char> reused(N, 0);
+  const int kd = engine_->runner().kv_dim();
   if (o.enable_reuse) {
     const int64_t corrupt0 = store_->stats().corrupt;
     for (size_t s = 0; s < segs.size(); ++s) {
       const int n = static_cast<int>(segs[s].tokens.size());
       if (n == 0 || !segs[s].cacheable || seg_start[s] + n <= P) continue;
-      auto kv = store_->Get(Fingerprint(segs[s].tokens, o.encoding));
-      if (kv && kv->n_tokens == n && kv->n_layers == L && kv->kv_dim == engine_->runner().kv_dim()) {
-        found[s] = kv;
+      const Hash128 fp = Fingerprint(segs[s].tokens, o.encoding);
+      found[s] = tier_.Get(fp);
+      if (found[s]) {
+        ++st.segments_device_hit;
+      } else {
+        auto kv = store_->Get(fp);
+        if (kv && kv->n_tokens == n && kv->n_layers == L && kv->kv_dim == kd) {
+          ASSIGN_OR_RETURN(found[s], tier_.Upload(fp, *kv));
+        }
+      }
+      if (found[s]) {
         ++st.segments_hit;
         for (int p = std::max(P, seg_start[s]); p < seg_start[s] + n; ++p) reused[p] = 1;
       } else {
@@ -189,7 +199,6 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   const int F = o.enable_reuse ? o.full_layers : L;
   ModelRunner& r = engine_->runner();
   const int bs = engine_->blocks().block_size();
-  const int kd = r.kv_dim();
   for (size_t s = 0; s < segs.size(); ++s) {
     if (!found[s]) continue;
     const int b = std::max(P, seg_start[s]);
@@ -200,14 +209,9 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       pos.push_back(p);
       slots.push_back(seq.Slot(p, bs));
     }
-    const int off = b - seg_start[s];
-    const int cnt = static_cast<int>(pos.size());
+    const int off = b - seg_start[s];  // reused rows of a segment are contiguous
     for (int l = F; l < L; ++l) {
-      std::span<const float> k(found[s]->k[l].data() + static_cast<size_t>(off) * kd,
-                               static_cast<size_t>(cnt) * kd);
-      std::span<const float> v(found[s]->v[l].data() + static_cast<size_t>(off) * kd,
-                               static_cast<size_t>(cnt) * kd);
-      RETURN_IF_ERROR(r.AssembleKv(l, k, v, pos, slots));
+      RETURN_IF_ERROR(r.AssembleKvFrom(l, found[s]->k[l], found[s]->v[l], off, pos, slots));
     }
   }
   for (int p = P; p < N; ++p) (reused[p] ? st.reused_tokens : st.new_tokens)++;
@@ -256,21 +260,34 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       in.new_recv.push_back(F > 0 ? recv[p] / F : 0.0f);
     }
     if (selector->needs_kv_deviation()) {
-      // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V).
-      std::vector<float> k, v;
-      RETURN_IF_ERROR(r.ProjectKv(F, xg.t, &k, &v));
-      for (int32_t i : reused_rows) {
-        const int p = P + i;
-        const SegmentKv& kv = *found[group[p]];
-        const size_t src = static_cast<size_t>(p - seg_start[group[p]]) * kd;
-        double d = 0;
-        for (int t = 0; t < kd; ++t) {
-          const double dk = k[static_cast<size_t>(i) * kd + t] - kv.k[F][src + t];
-          const double dv = v[static_cast<size_t>(i) * kd + t] - kv.v[F][src + t];
-          d += dk * dk + dv * dv;
-        }
-        in.kv_deviation.push_back(static_cast<float>(d));
+      // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V),
+      // on the backend: only one float per reused row comes back.
+      Backend& be = r.backend();
+      const int64_t nr = static_cast<int64_t>(reused_rows.size());
+      const int64_t qd = static_cast<int64_t>(r.config().n_heads) * r.config().head_dim;
+      ASSIGN_OR_RETURN(Tensor qkv_all, r.ProjectQkv(F, xg.t));
+      TensorGuard qg{&be, qkv_all};
+      ASSIGN_OR_RETURN(Tensor qkv_r, be.Alloc(nr, qkv_all.cols));
+      TensorGuard rg{&be, qkv_r};
+      ASSIGN_OR_RETURN(Tensor ref_k, be.Alloc(nr, kd));
+      TensorGuard kg{&be, ref_k};
+      ASSIGN_OR_RETURN(Tensor ref_v, be.Alloc(nr, kd));
+      TensorGuard vg{&be, ref_v};
+      RETURN_IF_ERROR(be.GatherRows(qkv_all, reused_rows, rg.t));
+      int64_t row = 0;  // reused rows are in position order, segment by segment
+      for (size_t s = 0; s < segs.size(); ++s) {
+        if (!found[s]) continue;
+        const int b = std::max(P, seg_start[s]);
+        const int e = seg_start[s] + static_cast<int>(segs[s].tokens.size());
+        int cnt = 0;
+        for (int p = b; p < e; ++p) cnt += reused[p];
+        RETURN_IF_ERROR(be.CopyRows(found[s]->k[F], b - seg_start[s], kg.t, row, cnt));
+        RETURN_IF_ERROR(be.CopyRows(found[s]->v[F], b - seg_start[s], vg.t, row, cnt));
+        row += cnt;
       }
+      in.kv_deviation.assign(nr, 0.0f);
+      RETURN_IF_ERROR(be.RowSqDist(rg.t, qd, kg.t, 0, kd, in.kv_deviation));
+      RETURN_IF_ERROR(be.RowSqDist(rg.t, qd + kd, vg.t, 0, kd, in.kv_deviation));
       // Each tensor-parallel rank holds only its KV heads: sum so all ranks rank identically.
       RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
     }

@@ -18,6 +18,7 @@
 
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/reuse/chunking.h"
+#include "gpu_worker/reuse/device_tier.h"
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/selector.h"
 
@@ -62,6 +63,7 @@ struct ReuseStats {
   int selected_tokens = 0;  // reused tokens recomputed at the first sparse layer
   int exact_tokens = 0;     // leading tokens whose KV equals full prefill's
   int segments_hit = 0, segments_missed = 0, segments_corrupt = 0;
+  int segments_device_hit = 0;  // served from the device tier
   int64_t computed_token_layers = 0;
   double compute_share = 1.0;  // computed token-layers / (L x non-prefix tokens)
 };
@@ -74,8 +76,15 @@ struct ReusePrefillResult {
 
 class ReuseEngine {
  public:
-  ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts)
-      : engine_(engine), store_(store), opts_(std::move(opts)) {}
+  // device_tier_bytes: backend memory kept for segment KV across requests (the GPU tier).
+  // Default: 0 (segments are copied from the host store for each request).
+  ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts,
+              size_t device_tier_bytes = 0)
+      : engine_(engine),
+        store_(store),
+        opts_(std::move(opts)),
+        tier_(&engine->runner().backend(), device_tier_bytes) {}
+  DeviceSegmentTier& device_tier() { return tier_; }
   const ReuseOptions& options() const { return opts_; }
   Engine& engine() { return *engine_; }
 
@@ -98,6 +107,7 @@ class ReuseEngine {
   Engine* engine_;
   SegmentStore* store_;
   ReuseOptions opts_;
+  DeviceSegmentTier tier_;
 };
 
 // Splits a plain prompt into segments by content-defined chunking.

@@ -275,6 +275,7 @@ TEST_F(BlockCacheTest, CapacityPressureEvictsButNeverLeased) {
   std::vector<BlockKey> pinned = {SyntheticKey(kSeed, 100, 0), SyntheticKey(kSeed, 101, 0)};
   auto g = cache_->Lease(model_, kKvLayoutVersion, pinned, 60000, false);
   ASSERT_TRUE(g.ok());
+  EXPECT_EQ(Metric("sparsex_cache_pinned_bytes"), static_cast<double>(2 * bs));
   for (uint64_t s = 0; s < 60; ++s) {
     ASSERT_TRUE(Put(200 + s, 0).ok()) << s;
     auto st = cache_->Stats();
@@ -301,6 +302,7 @@ TEST_F(BlockCacheTest, CapacityPressureEvictsButNeverLeased) {
   EXPECT_EQ((*look)[0].tier, Tier::kMemory);
   EXPECT_TRUE(cache_->ReleaseLease(g2->id).ok());
   EXPECT_TRUE(cache_->ReleaseLease(g->id).ok());
+  EXPECT_EQ(Metric("sparsex_cache_pinned_bytes"), 0);
 }
 
 TEST_F(BlockCacheTest, OutOfCapacityWhenEverythingIsLeased) {

@@ -215,6 +215,30 @@ TEST_F(ReuseTest, PerLayerRatiosAndAdaptiveBudget) {
   EXPECT_LE(ra.stats.selected_tokens, std::lround(0.3 * ra.stats.reused_tokens));
 }
 
+TEST_F(ReuseTest, DeviceTierServesRepeatsWithIdenticalResults) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  ReuseEngine tiered(engine_.get(), store_.get(), {}, size_t{64} << 20);
+  auto a = tiered.Prefill(segs);
+  ASSERT_TRUE(a.ok());
+  engine_->Release(a->seq);
+  EXPECT_EQ(a->stats.segments_device_hit, 0);
+  EXPECT_GT(tiered.device_tier().bytes(), 0u);
+  std::swap(segs[0], segs[1]);  // reordered: still device hits
+  auto b = tiered.Prefill(segs);
+  ASSERT_TRUE(b.ok());
+  engine_->Release(b->seq);
+  EXPECT_EQ(b->stats.segments_device_hit, 2);
+  EXPECT_LT(MaxDiff(Run(segs, ReuseOptions{}).logits, b->logits), 1e-6);
+  // A tier too small for a segment still serves the request (from the host store).
+  ReuseEngine tiny(engine_.get(), store_.get(), {}, 16);
+  auto c = tiny.Prefill(segs);
+  ASSERT_TRUE(c.ok());
+  engine_->Release(c->seq);
+  EXPECT_EQ(c->stats.segments_hit, 2);
+  EXPECT_EQ(tiny.device_tier().bytes(), 0u);
+}
+
 TEST_F(ReuseTest, CorruptStoredSegmentIsAMissAndRecomputed) {
   std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB);
   ASSERT_TRUE(reuse_->EnsureStored(a).ok());

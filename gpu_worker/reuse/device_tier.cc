@@ -1,0 +1,49 @@
+#include "gpu_worker/reuse/device_tier.h"
+
+namespace sparsex {
+
+std::shared_ptr<const DeviceSegment> DeviceSegmentTier::Get(const Hash128& fp) {
+  auto it = map_.find(fp);
+  if (it == map_.end()) return nullptr;
+  lru_.splice(lru_.end(), lru_, it->second.lru);
+  ++hits_;
+  return it->second.seg;
+}
+
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
+    const Hash128& fp, const SegmentKv& kv) {
+  Backend* be = be_;
+  // Frees the backend tensors when the last user (tier or request) lets go.
+  std::shared_ptr<DeviceSegment> seg(new DeviceSegment(), [be](DeviceSegment* s) {
+    for (Tensor& t : s->k) be->Free(t);
+    for (Tensor& t : s->v) be->Free(t);
+    delete s;
+  });
+  seg->n_tokens = kv.n_tokens;
+  for (int l = 0; l < kv.n_layers; ++l) {
+    ASSIGN_OR_RETURN(Tensor k, be->Alloc(kv.n_tokens, kv.kv_dim));
+    seg->k.push_back(k);
+    ASSIGN_OR_RETURN(Tensor v, be->Alloc(kv.n_tokens, kv.kv_dim));
+    seg->v.push_back(v);
+    RETURN_IF_ERROR(be->Upload(kv.k[l], seg->k.back()));
+    RETURN_IF_ERROR(be->Upload(kv.v[l], seg->v.back()));
+    seg->bytes += k.bytes() + v.bytes();
+  }
+  if (seg->bytes <= capacity_) {
+    while (bytes_ + seg->bytes > capacity_ && !lru_.empty()) {
+      auto it = map_.find(lru_.front());
+      bytes_ -= it->second.seg->bytes;
+      map_.erase(it);
+      lru_.pop_front();
+    }
+    auto [it, inserted] = map_.try_emplace(fp);
+    if (inserted) {
+      it->second.seg = seg;
+      it->second.lru = lru_.insert(lru_.end(), fp);
+      bytes_ += seg->bytes;
+    }
+  }
+  return std::shared_ptr<const DeviceSegment>(seg);
+}
+
+}  // namespace sparsex

@@ -1,0 +1,47 @@
+// The device tier of the segment store: segment KV resident in backend memory (bf16 on a GPU),
+// pre-RoPE K and V per layer, so assembling a reused segment is a device copy plus RoPE instead
+// of a host transfer. Capacity-bounded LRU; entries in use by a running request stay alive
+// (shared ownership) even if evicted meanwhile. Not thread-safe: owned by the engine thread.
+#pragma once
+
+#include <list>
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/reuse/segment_store.h"
+
+namespace sparsex {
+
+struct DeviceSegment {
+  int n_tokens = 0;
+  std::vector<Tensor> k, v;  // [n_layers] of [n_tokens, kv_dim]
+  size_t bytes = 0;
+};
+
+class DeviceSegmentTier {
+ public:
+  // capacity 0 keeps nothing across requests (every Get misses; Upload still works).
+  DeviceSegmentTier(Backend* be, size_t capacity_bytes) : be_(be), capacity_(capacity_bytes) {}
+  std::shared_ptr<const DeviceSegment> Get(const Hash128& fp);
+  // Copies a host segment into backend memory, caching it when capacity allows.
+  absl::StatusOr<std::shared_ptr<const DeviceSegment>> Upload(const Hash128& fp,
+                                                              const SegmentKv& kv);
+  size_t bytes() const { return bytes_; }
+  int64_t hits() const { return hits_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<const DeviceSegment> seg;
+    std::list<Hash128>::iterator lru;
+  };
+  Backend* be_;
+  size_t capacity_;
+  size_t bytes_ = 0;
+  int64_t hits_ = 0;
+  absl::flat_hash_map<Hash128, Entry> map_;
+  std::list<Hash128> lru_;
+};
+
+}  // namespace sparsex
