@@ -209,6 +209,7 @@ absl::Status Fidelity(const Args& a) {
     o.store_new_segments = false;
     o.seed = seed;
     o.sparsex_weights = weights;
+    o.stats_all_full_layers = get("stats-layers", "all") == "all";
     std::vector<double> kls, shares;
     double top1 = 0, greedy = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {

@@ -229,17 +229,20 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   ASSIGN_OR_RETURN(Tensor x0, r.Embed(std::span<const int32_t>(tokens.data() + P, n_rows)));
   TensorGuard xg{&r.backend(), x0};
   const bool want_attn = selector->needs_attention_stats() && st.reused_tokens > 0;
+  const int stats_from = o.stats_all_full_layers ? 0 : F - 1;
+  const int stats_layers = F - std::max(0, stats_from);
   for (int l = 0; l < F; ++l) {
     LayerRows rows{pos_all, slot_all, ctx};
     AttentionArgs stats;
-    if (want_attn) {
+    const bool measure = want_attn && l >= stats_from;
+    if (measure) {
       stats.key_group = group;
       stats.q_group = qgroup;
       stats.out_cross = cross.data();
       stats.recv_weight = recv_w;
       stats.out_recv = recv.data();
     }
-    RETURN_IF_ERROR(r.Layer(l, xg.t, rows, want_attn ? &stats : nullptr));
+    RETURN_IF_ERROR(r.Layer(l, xg.t, rows, measure ? &stats : nullptr));
   }
   st.computed_token_layers = static_cast<int64_t>(F) * n_rows;
 
@@ -256,8 +259,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       const int p = P + i;
       in.segment.push_back(group[p]);
       in.offset.push_back(p - seg_start[group[p]]);
-      in.cross_mass.push_back(F > 0 ? cross[i] / F : 0.0f);
-      in.new_recv.push_back(F > 0 ? recv[p] / F : 0.0f);
+      in.cross_mass.push_back(stats_layers > 0 ? cross[i] / stats_layers : 0.0f);
+      in.new_recv.push_back(stats_layers > 0 ? recv[p] / stats_layers : 0.0f);
     }
     if (selector->needs_kv_deviation()) {
       // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V),

@@ -1,8 +1,8 @@
 // sparsex-worker: a GPU (or CPU) worker serving the router over gRPC (proto/worker.proto).
 // Every WorkerOptions field is a flag; see docs/operations.md.
 //
-//   sparsex-worker --model stories260K.gguf --device cpu --port 0 --ready_file /tmp/w.json \
-//       --cache_servers 127.0.0.1:50070 --etcd 127.0.0.1:2379
+//   sparsex-worker --model stories260K.gguf --device cpu --port 0 --ready_file /tmp/w.json
+//                  --cache_servers 127.0.0.1:50070 --etcd 127.0.0.1:2379
 //
 // SIGTERM / SIGINT drain: deregister from etcd, refuse new requests, finish the running ones
 // (up to --drain_timeout_ms), exit 0.

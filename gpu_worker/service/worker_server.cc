@@ -19,6 +19,7 @@
 #include "absl/strings/ascii.h"
 
 #include "common/etcd/etcd_client.h"
+#include "common/fingerprint.h"
 #include "common/metrics/http_server.h"
 #include "common/metrics/metrics.h"
 #include "gpu_worker/model/model.h"

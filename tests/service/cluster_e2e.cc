@@ -325,6 +325,11 @@ TEST_F(ClusterTest, SkewedLoadSpreadsOverBothWorkers) {
   EXPECT_EQ(failures.load(), 0);
   ASSERT_EQ(by_worker.size(), 2u) << "all 12 requests went to one worker";
   for (const auto& [w, n] : by_worker) EXPECT_GE(n, 3) << w;
+  // The worker that lacked the hot documents fetched them from the cache server (written back
+  // by the first) instead of recomputing them.
+  double fetched = 0;
+  for (int i = 0; i < 2; ++i) fetched += MetricValue(WorkerMetrics(i), "sparsex_worker_fetched_segments_total");
+  EXPECT_GE(fetched, 2);
   // The routing decisions are visible in the router's metrics.
   std::string page = Get(env_["ROUTER_HTTP"], "/metrics");
   EXPECT_NE(page.find("sparsex_router_routing_decisions_total{worker=\"worker-"), std::string::npos);

@@ -139,15 +139,19 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   EXPECT_FALSE(store.Contains(seg));
 }
 
-TEST_F(KvTierServerTest, UnreachableClusterIsATransportFailure) {
+TEST_F(KvTierServerTest, UnreachableClusterMeansRecompute) {
+  // The cluster client skips members that do not answer: their segments count as absent, the
+  // request recomputes them, nothing blocks or crashes.
   const Hash128 seg{300, 1};
+  ASSERT_TRUE(tier_->Put(seg, MakeKv(4, 1.0f)).ok());
   server_->Shutdown();
   SegmentStore store(SegmentStoreOptions{});
   std::vector<SegmentRef> refs = {{seg, 4}};
   FetchOutcome f = tier_->FetchMissing(refs, &store);
   EXPECT_EQ(f.fetched, 0);
-  EXPECT_EQ(f.failures, 1);
-  EXPECT_EQ(f.failure_reasons[0], "transport");
+  EXPECT_EQ(f.failures + f.absent, 1);
+  EXPECT_FALSE(store.Contains(seg));
+  EXPECT_FALSE(tier_->Put(Hash128{300, 2}, MakeKv(4, 1.0f)).ok());
 }
 
 }  // namespace

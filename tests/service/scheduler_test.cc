@@ -179,7 +179,9 @@ TEST_F(SchedulerTest, ValidationAndLoadShedding) {
   WorkItem bad_sampling = Item({{Enc(kDocA)}}, 4);
   bad_sampling.sampling.top_p = 0;
   EXPECT_EQ(s->Submit(bad_sampling).status().code(), absl::StatusCode::kInvalidArgument);
-  auto empty = s->Submit(Item({}, 4));
+  WorkItem empty_item = Item({}, 4);
+  empty_item.add_bos = false;
+  auto empty = s->Submit(empty_item);
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
   auto full = s->Submit(Item({{Enc(kDocA)}}, 4));
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
@@ -203,6 +205,8 @@ TEST_F(SchedulerTest, ManyConcurrentReuseRequestsAllFinish) {
     EXPECT_TRUE(c.final.status.ok()) << c.final.status;
     EXPECT_GE(c.final.usage.completion_tokens, 1);
   }
+  // The load snapshot is published at the end of the iteration that finished the last one.
+  for (int i = 0; i < 100 && s->load().running != 0; ++i) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(s->load().running, 0);
   EXPECT_EQ(s->load().kv_blocks_free, s->load().kv_blocks_total);
 }
