@@ -70,6 +70,10 @@ class ClientTransport {
   // Registers local memory used for transfers (zero-copy on RDMA NICs). Optional.
   virtual absl::Status RegisterMemory(void* p, size_t n) { return absl::OkStatus(); }
   virtual void UnregisterMemory(void* p) {}
+  // Memory allocated and registered by the transport (for UCX on one host: shared memory,
+  // which takes the zero-copy paths). nullptr when unsupported. Freed by FreeMemory.
+  virtual void* AllocateMemory(size_t n) { return nullptr; }
+  virtual void FreeMemory(void* p) {}
 };
 
 namespace internal {

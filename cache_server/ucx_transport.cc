@@ -312,6 +312,27 @@ class UcxClientTransport final : public ClientTransport {
     return absl::OkStatus();
   }
 
+  void* AllocateMemory(size_t n) override {
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = nullptr;
+    mp.length = n;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    ucp_mem_h m = nullptr;
+    if (ucp_mem_map(ctx_->get(), &mp, &m) != UCS_OK) return nullptr;
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    if (ucp_mem_query(m, &attr) != UCS_OK) {
+      ucp_mem_unmap(ctx_->get(), m);
+      return nullptr;
+    }
+    memh_[reinterpret_cast<uintptr_t>(attr.address)] = {attr.length, m};
+    return attr.address;
+  }
+
+  void FreeMemory(void* p) override { UnregisterMemory(p); }
+
   void UnregisterMemory(void* p) override {
     auto it = memh_.find(reinterpret_cast<uintptr_t>(p));
     if (it == memh_.end()) return;

@@ -5,11 +5,14 @@ PKGS=(build-essential cmake ninja-build ccache pkg-config git python3
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   librocksdb-dev libucx-dev ucx-utils libabsl-dev libcivetweb-dev civetweb
   nlohmann-json3-dev libxxhash-dev libpcre2-dev
-  libgtest-dev libgmock-dev etcd-server prometheus curl iproute2)
+  libgtest-dev libgmock-dev etcd-server prometheus curl iproute2 nodejs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm (the real-client tests install the openai and @grpc/grpc-js packages with it): Debian's
+# nodejs ships without it, NodeSource's nodejs includes it.
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   export DEBIAN_FRONTEND=noninteractive

@@ -148,15 +148,25 @@ int Run(const Args& a) {
   // 4 KiB on both sides, which a VM makes expensive; the second is the steady state)
   std::vector<BlockKey> keys;
   for (uint32_t l = 0; l < layers; ++l) keys.push_back(SyntheticKey(7, 0, l));
-  uint8_t* buf = static_cast<uint8_t*>(mmap(nullptr, segment_bytes, PROT_READ | PROT_WRITE,
-                                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0));
+  // Destination/source: memory from the data plane (--buffer=ucx, default) or plain
+  // anonymous memory registered with it (--buffer=mmap).
+  const bool ucx_buffer = a.Get("buffer", "ucx") == "ucx";
+  uint8_t* buf = ucx_buffer ? c.AllocateBuffer(segment_bytes)
+                            : static_cast<uint8_t*>(mmap(nullptr, segment_bytes,
+                                                         PROT_READ | PROT_WRITE,
+                                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (buf == nullptr) {
+    std::cerr << "no buffer\n";
+    return 1;
+  }
+  std::memset(buf, 0, segment_bytes);
   auto fill = [&] {
     for (uint32_t l = 0; l < layers; ++l) {
       std::span<uint8_t> blk(buf + l * block_bytes, block_bytes);
       (void)SyntheticBlockInto(co.model_fp, 7, 0, l, shape, blk);
     }
   };
-  (void)c.RegisterMemory(buf, segment_bytes);
+  if (!ucx_buffer) (void)c.RegisterMemory(buf, segment_bytes);
   auto put_all = [&]() -> absl::StatusOr<double> {
     auto t0 = Clock::now();
     for (uint32_t l = 0; l < layers; ++l) {
@@ -198,7 +208,7 @@ int Run(const Args& a) {
     std::cerr << c2.status() << "\n";
     return 1;
   }
-  (void)(*c2)->RegisterMemory(buf, segment_bytes);
+  if (!ucx_buffer) (void)(*c2)->RegisterMemory(buf, segment_bytes);
   const int rounds = static_cast<int>(a.U("rounds", 3));
   std::vector<double> times, first_layer, times_nv, perf_r, perf_block_r;
   std::string perf_cmd, perf_block_cmd;
@@ -238,10 +248,13 @@ int Run(const Args& a) {
       mismatches += std::memcmp(want.data(), buf + l * block_bytes, block_bytes) != 0;
     }
   }
-  (*c2)->UnregisterMemory(buf);
+  if (!ucx_buffer) {
+    (*c2)->UnregisterMemory(buf);
+    c.UnregisterMemory(buf);
+  }
   c2->reset();
-  c.UnregisterMemory(buf);
-  munmap(buf, segment_bytes);
+  if (ucx_buffer) c.FreeBuffer(buf, segment_bytes);
+  else munmap(buf, segment_bytes);
   const double fetch_s = Percentile(times, 0.5);
   const double fetch_gbps = static_cast<double>(segment_bytes) / fetch_s / 1e9;
   const double fetch_best_gbps =
@@ -303,7 +316,7 @@ int Run(const Args& a) {
       out, sizeof out,
       "{\n"
       "  \"segment_bytes\": %llu,\n  \"block_bytes\": %llu,\n  \"blocks\": %u,\n"
-      "  \"iters\": %d,\n  \"ucx_tls\": \"%s\",\n"
+      "  \"iters\": %d,\n  \"ucx_tls\": \"%s\",\n  \"buffer\": \"%s\",\n"
       "  \"fetch_gbps\": %.3f,\n  \"fetch_best_gbps\": %.3f,\n"
       "  \"fetch_noverify_gbps\": %.3f,\n  \"fetch_median_ms\": %.2f,\n"
       "  \"first_layer_ms\": %.3f,\n  \"put_gbps\": %.3f,\n  \"put_cold_gbps\": %.3f,\n"
@@ -316,7 +329,7 @@ int Run(const Args& a) {
       "  \"lookup_p50_us\": %.1f,\n  \"lookup_p99_us\": %.1f,\n"
       "  \"lookup_batch1000_p50_us\": %.1f,\n  \"lookup_batch1000_p99_us\": %.1f\n}\n",
       static_cast<unsigned long long>(segment_bytes), static_cast<unsigned long long>(block_bytes),
-      layers, iters, tls.c_str(), fetch_gbps, fetch_best_gbps, fetch_nv_gbps, fetch_s * 1e3,
+      layers, iters, tls.c_str(), ucx_buffer ? "ucx" : "mmap", fetch_gbps, fetch_best_gbps, fetch_nv_gbps, fetch_s * 1e3,
       Percentile(first_layer, 0.5) * 1e3, static_cast<double>(segment_bytes) / put_s / 1e9,
       static_cast<double>(segment_bytes) / put_cold_s / 1e9, rounds,
       perf_gbps, perf_cmd.c_str(), perf_gbps > 0 ? fetch_gbps / perf_gbps : 0.0,

@@ -1,6 +1,9 @@
 #include "cache_server/client/cache_client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+
+#include <set>
 
 #include <condition_variable>
 #include <cstring>
@@ -24,6 +27,8 @@ struct CacheClient::Impl {
   std::unique_ptr<ClientTransport> transport;  // null: inline gRPC
   std::mutex transport_mu;
   std::string server_id, data_plane;
+  std::mutex buffers_mu;
+  std::set<void*> transport_buffers;
   uint64_t max_block_bytes = 0;
 
   std::unique_ptr<grpc::ClientContext> Ctx() const {
@@ -370,6 +375,32 @@ void CacheClient::UnregisterMemory(void* p) {
   if (impl_->transport == nullptr) return;
   std::lock_guard<std::mutex> lock(impl_->transport_mu);
   impl_->transport->UnregisterMemory(p);
+}
+
+uint8_t* CacheClient::AllocateBuffer(size_t n) {
+  if (impl_->transport != nullptr) {
+    std::lock_guard<std::mutex> lock(impl_->transport_mu);
+    if (void* p = impl_->transport->AllocateMemory(n)) {
+      std::lock_guard<std::mutex> l(impl_->buffers_mu);
+      impl_->transport_buffers.insert(p);
+      return static_cast<uint8_t*>(p);
+    }
+  }
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+}
+
+void CacheClient::FreeBuffer(uint8_t* p, size_t n) {
+  if (p == nullptr) return;
+  {
+    std::lock_guard<std::mutex> l(impl_->buffers_mu);
+    if (impl_->transport_buffers.erase(p) > 0) {
+      std::lock_guard<std::mutex> lock(impl_->transport_mu);
+      impl_->transport->FreeMemory(p);
+      return;
+    }
+  }
+  munmap(p, n);
 }
 
 const std::string& CacheClient::server_id() const { return impl_->server_id; }

@@ -110,6 +110,10 @@ class CacheClient {
   // Registers local memory used as a fetch destination / put source (zero-copy with RDMA).
   absl::Status RegisterMemory(void* p, size_t n);
   void UnregisterMemory(void* p);
+  // Memory allocated and registered by the data plane (fastest destination: on one host UCX
+  // places it in shared memory). Falls back to plain anonymous memory. Free with FreeBuffer.
+  uint8_t* AllocateBuffer(size_t n);
+  void FreeBuffer(uint8_t* p, size_t n);
 
   const std::string& server_id() const;
   const std::string& address() const;

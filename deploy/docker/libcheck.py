@@ -73,79 +73,85 @@ def ucx_modules():
 _owner_cache = {}
 
 
-def dpkg_owner(path):
-    """The Debian package that installed `path` (tries the /usr-merged twin too)."""
-    candidates = [path, os.path.realpath(path)]
-    for p in list(candidates):
+def _usr_twins(path):
+    out = [path, os.path.realpath(path)]
+    for p in list(out):
         if p.startswith("/usr/lib/") or p.startswith("/usr/lib64/"):
-            candidates.append(p[len("/usr"):])
+            out.append(p[len("/usr"):])
         elif p.startswith("/lib/") or p.startswith("/lib64/"):
-            candidates.append("/usr" + p)
-    for p in candidates:
-        if p in _owner_cache:
-            return _owner_cache[p]
-        out = subprocess.run(["dpkg-query", "-S", p], capture_output=True, text=True)
-        if out.returncode == 0:
-            # "libfoo1:amd64: /usr/lib/..." (diversions print extra lines; take the first owner)
-            owner = out.stdout.splitlines()[0].split(": ")[0].split(",")[0].strip()
-            owner = owner.split(":")[0]
-            _owner_cache[p] = owner
-            return owner
-    return None
+            out.append("/usr" + p)
+    return out
 
 
-def installed_fields(pkg):
-    out = subprocess.run(["dpkg-query", "-W", "-f=${Status}\t${Depends}\t${Pre-Depends}\t${Provides}",
-                          pkg], capture_output=True, text=True)
-    if out.returncode != 0 or "install ok installed" not in out.stdout:
-        return None
-    _, dep, pre, prov = (out.stdout.split("\t") + ["", "", ""])[:4]
-    return dep, pre, prov
+def dpkg_owners(paths):
+    """path -> the Debian package that installed it (or its /usr-merged twin), one dpkg call."""
+    want = {}
+    for p in paths:
+        if p not in _owner_cache:
+            for t in _usr_twins(p):
+                want.setdefault(t, p)
+    if want:
+        out = subprocess.run(["dpkg-query", "-S"] + sorted(want), capture_output=True, text=True)
+        for line in out.stdout.splitlines():
+            # "libfoo1:amd64: /usr/lib/..." ("diversion by ..." lines have no owner)
+            if ": " not in line or line.startswith("diversion"):
+                continue
+            owner, path = line.split(": ", 1)
+            owner = owner.split(",")[0].strip().split(":")[0]
+            if path in want and want[path] not in _owner_cache:
+                _owner_cache[want[path]] = owner
+    return {p: _owner_cache.get(p) for p in paths}
 
 
-def providers_index():
-    """virtual package -> installed packages that provide it."""
-    out = subprocess.run(["dpkg-query", "-W", "-f=${Package}\t${Status}\t${Provides}\n"],
-                         capture_output=True, text=True, check=True)
-    idx = {}
-    for line in out.stdout.splitlines():
-        parts = line.split("\t")
-        if len(parts) < 3 or "install ok installed" not in parts[1]:
-            continue
-        for p in parts[2].split(","):
-            p = p.strip().split(" ")[0].split(":")[0]
-            if p:
-                idx.setdefault(p, []).append(parts[0])
-    return idx
+_status = None
+
+
+def status_index():
+    """installed package -> (Depends, Pre-Depends); virtual name -> providers."""
+    global _status
+    if _status is None:
+        out = subprocess.run(["dpkg-query", "-W",
+                              "-f=${Package}\t${Status}\t${Depends}\t${Pre-Depends}\t${Provides}\n"],
+                             capture_output=True, text=True, check=True)
+        installed, provides = {}, {}
+        for line in out.stdout.splitlines():
+            parts = (line.split("\t") + [""] * 5)[:5]
+            if "install ok installed" not in parts[1]:
+                continue
+            installed[parts[0]] = (parts[2], parts[3])
+            for p in parts[4].split(","):
+                p = p.strip().split(" ")[0].split(":")[0]
+                if p:
+                    provides.setdefault(p, []).append(parts[0])
+        _status = (installed, provides)
+    return _status
 
 
 def closure(roots):
     """Packages apt installs for `roots` (Depends + Pre-Depends, recursively; for an
     alternative 'a | b' the first installed one, as apt would keep it). Returns (set, errors)."""
-    provides = providers_index()
+    installed, provides = status_index()
     seen, errors, todo = set(), [], list(roots)
     while todo:
         pkg = todo.pop()
         if pkg in seen:
             continue
-        fields = installed_fields(pkg)
-        if fields is None:
+        if pkg not in installed:
             if pkg in provides:
                 seen.add(pkg)
                 todo.extend(provides[pkg])
-                continue
-            if pkg in roots:
+            elif pkg in roots:
                 errors.append(f"package {pkg} is listed but not installed on this build machine")
             continue
         seen.add(pkg)
-        dep, pre, _ = fields
+        dep, pre = installed[pkg]
         for clause in (dep + "," + pre).split(","):
             clause = clause.strip()
             if not clause:
                 continue
             for alt in clause.split("|"):
                 name = alt.strip().split(" ")[0].split(":")[0]
-                if installed_fields(name) is not None or name in provides:
+                if name in installed or name in provides:
                     todo.append(name)
                     break
     return seen, errors
@@ -169,6 +175,7 @@ def cmd_packages(args):
     if needs_ucx_modules(files):
         files += ucx_modules()
     owners_needed = set()
+    resolved = []
     for f in files:
         for soname, path in ldd(f):
             if soname.startswith("linux-vdso"):
@@ -176,15 +183,18 @@ def cmd_packages(args):
             if path is None:
                 errors.append(f"{os.path.basename(f)}: {soname} not found")
                 continue
-            owner = dpkg_owner(path)
-            if owner is None:
-                errors.append(f"{os.path.basename(f)}: {soname} ({path}) belongs to no Debian "
-                              "package: the runtime image cannot install it")
-                continue
-            owners_needed.add(owner)
-            if owner not in pkgs:
-                errors.append(f"{os.path.basename(f)}: {soname} ({path}) comes from {owner}, which "
-                              f"{os.path.basename(args.list)} does not install: add {owner}")
+            resolved.append((f, soname, path))
+    owners = dpkg_owners(sorted({p for _, _, p in resolved}))
+    for f, soname, path in resolved:
+        owner = owners[path]
+        if owner is None:
+            errors.append(f"{os.path.basename(f)}: {soname} ({path}) belongs to no Debian "
+                          "package: the runtime image cannot install it")
+            continue
+        owners_needed.add(owner)
+        if owner not in pkgs:
+            errors.append(f"{os.path.basename(f)}: {soname} ({path}) comes from {owner}, which "
+                          f"{os.path.basename(args.list)} does not install: add {owner}")
     # A listed package nothing needs makes the image bigger; report it (not an error).
     for p in listed:
         if p not in owners_needed:

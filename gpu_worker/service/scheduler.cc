@@ -184,7 +184,9 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
   for (;;) {
     {
       std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [this] { return stop_ || !queue_.empty() || !active_.empty(); });
+      cv_.wait(l, [this] {
+        return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty();
+      });
       if (stop_) break;
     }
     Iteration();
@@ -263,9 +265,10 @@ void BatchScheduler::Iteration() {
   for (auto& a : active_) {
     if (a->state == Active::State::kDecode) decoding.push_back(a.get());
   }
+  bool prefilled = false;
   for (auto& a : active_) {
     if (a->state == Active::State::kPrefill) {
-      PrefillOne(*a);
+      prefilled = PrefillOne(*a);
       break;
     }
   }
@@ -273,6 +276,25 @@ void BatchScheduler::Iteration() {
     if (a->state == Active::State::kDecode) DecodeOne(*a);
   }
   std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
+  // 5. One deferred segment store, unless a prefill already ran (then only when many wait).
+  if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
+    StoreOne();
+  }
+}
+
+bool BatchScheduler::StoreOne() {
+  while (!pending_stores_.empty()) {
+    PendingStore p = std::move(pending_stores_.front());
+    pending_stores_.pop_front();
+    if (store_->Contains(p.fp)) continue;  // stored meanwhile (another request)
+    // A failure (e.g. no free KV blocks for the encoding pass) only loses the store.
+    if (reuse_->EnsureStored(p.tokens, &p.opts).ok() && store_->Contains(p.fp) &&
+        hooks_.on_segments_stored) {
+      hooks_.on_segments_stored({{p.fp, static_cast<int>(p.tokens.size())}});
+    }
+    return true;
+  }
+  return false;
 }
 
 bool BatchScheduler::PrefillOne(Active& a) {
@@ -290,7 +312,10 @@ bool BatchScheduler::PrefillOne(Active& a) {
         had[i] = store_->Contains(fps[i]) ? 1 : 0;
       }
     }
-    auto r = reuse_->Prefill(a.w.segments, a.w.add_bos, &a.w.reuse);
+    ReuseOptions po = a.w.reuse;
+    const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
+    if (defer) po.store_new_segments = false;
+    auto r = reuse_->Prefill(a.w.segments, a.w.add_bos, &po);
     if (!r.ok()) {
       Finish(a, "", r.status());
       return true;
@@ -307,8 +332,13 @@ bool BatchScheduler::PrefillOne(Active& a) {
     a.usage.compute_share = st.compute_share;
     std::vector<std::pair<Hash128, int>> stored;
     for (size_t i = 0; i < a.w.segments.size(); ++i) {
-      if (!had[i] && store_->Contains(fps[i])) {
+      if (had[i]) continue;
+      if (store_->Contains(fps[i])) {
         stored.emplace_back(fps[i], static_cast<int>(a.w.segments[i].tokens.size()));
+      } else if (defer) {
+        bool queued = false;
+        for (const auto& p : pending_stores_) queued = queued || p.fp == fps[i];
+        if (!queued) pending_stores_.push_back({fps[i], a.w.segments[i].tokens, o});
       }
     }
     if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
@@ -419,6 +449,7 @@ void BatchScheduler::PublishLoad() {
   load_.queue_depth = static_cast<int>(queue_.size());
   load_.running = static_cast<int>(active_.size());
   load_.running_tokens = tokens;
+  load_.pending_stores = static_cast<int>(pending_stores_.size());
   if (engine_) {
     load_.kv_blocks_total = engine_->blocks().num_blocks();
     load_.kv_blocks_free = engine_->blocks().available();

@@ -46,6 +46,12 @@ struct SchedulerOptions {
   int prefill_chunk = 256;
   // Defaults for every request's reuse; requests override fields. Default: ReuseOptions{}
   ReuseOptions reuse;
+  // Encode and store a request's missing segments after its first token instead of before it
+  // (they run as deferred engine work, one per iteration), so storing never adds to TTFT.
+  // Default: true
+  bool defer_segment_stores = true;
+  // Deferred stores waiting beyond this many run even in iterations that prefill. Default: 16
+  int max_pending_stores = 16;
 };
 
 // Per-request figures reported with the final chunk.
@@ -102,6 +108,7 @@ struct SchedulerLoad {
   int64_t running_tokens = 0;
   int kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t iterations = 0;
+  int pending_stores = 0;  // deferred segment stores not yet run
 };
 
 // Observer hooks, called on the engine thread (keep them short).
@@ -150,6 +157,8 @@ class BatchScheduler {
   void Iteration();
   bool PrefillOne(Active& a);
   bool DecodeOne(Active& a);
+  // Runs one deferred segment store; false when there was none.
+  bool StoreOne();
   // Emits a sampled token; returns false when the request finished.
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
@@ -167,6 +176,12 @@ class BatchScheduler {
   std::unique_ptr<ReuseEngine> reuse_;
   std::vector<std::unique_ptr<Active>> active_;
   int reserved_blocks_ = 0;
+  struct PendingStore {
+    Hash128 fp;
+    std::vector<int32_t> tokens;
+    ReuseOptions opts;
+  };
+  std::deque<PendingStore> pending_stores_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

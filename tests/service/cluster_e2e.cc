@@ -42,7 +42,7 @@ std::string ModelsDir() {
   return Env("SPARSEX_MODELS", SourceDir() + "/../shared/models");
 }
 
-std::pair<int, std::string> Run(const std::string& cmd, std::chrono::milliseconds timeout = 120s) {
+std::pair<int, std::string> Shell(const std::string& cmd, std::chrono::milliseconds timeout = 120s) {
   auto r = ct::RunCommand(cmd, timeout);
   if (!r.ok()) return {-1, std::string(r.status().message())};
   return *r;
@@ -72,7 +72,7 @@ class ClusterTest : public ::testing::Test {
         ModelsDir() + " " + SourceDir() +
         "/deploy/local/cluster.sh up --workers 2 --cache-servers 1 --grpc-port 0 --http-port 0"
         " --worker-args '--kv_blocks 1024 --load_report_ms 100 --etcd_ttl_s 4' 2>&1";
-    auto [rc, out] = Run(cmd, 180s);
+    auto [rc, out] = Shell(cmd, 180s);
     ASSERT_EQ(rc, 0) << "cluster.sh up failed:\n" << out;
     std::ifstream env(run_dir_ + "/cluster.env");
     std::string line;
@@ -100,7 +100,7 @@ class ClusterTest : public ::testing::Test {
   static void TearDownTestSuite() {
     stub_.reset();
     channel_.reset();
-    auto [rc, out] = Run("SPARSEX_RUN_DIR=" + run_dir_ + " " + SourceDir() +
+    auto [rc, out] = Shell("SPARSEX_RUN_DIR=" + run_dir_ + " " + SourceDir() +
                          "/deploy/local/cluster.sh down --clean 2>&1", 120s);
     EXPECT_EQ(rc, 0) << out;
     ct::RemoveTree(run_dir_);
@@ -164,7 +164,8 @@ class ClusterTest : public ::testing::Test {
   static void WaitIndexed(int n) {
     for (int i = 0; i < 100; ++i) {
       int total = 0;
-      for (const auto& w : Health().workers()) total += w.indexed_segments();
+      const v1::HealthResponse h = Health();
+      for (const auto& w : h.workers()) total += w.indexed_segments();
       if (total >= n) return;
       std::this_thread::sleep_for(20ms);
     }
@@ -198,7 +199,7 @@ class ClusterTest : public ::testing::Test {
     std::string p;
     while (ps >> p) have = have && std::filesystem::exists(dir + "/node_modules/" + p + "/package.json");
     if (have) return dir;
-    auto [rc, out] = Run("cd " + dir + " && (test -f package.json || npm init -y >/dev/null) && "
+    auto [rc, out] = Shell("cd " + dir + " && (test -f package.json || npm init -y >/dev/null) && "
                          "npm install --no-audit --no-fund --loglevel=error " + packages + " 2>&1",
                          300s);
     if (rc != 0) {
@@ -376,6 +377,14 @@ TEST_F(ClusterTest, BadInputGetsInvalidArgumentWithAMessage) {
     EXPECT_FALSE(m.empty());
   }
   {
+    // Invalid UTF-8 in a proto3 string: rejected (by the router, or by protobuf's parser).
+    v1::GenerateRequest r;
+    r.set_prompt(std::string("bad \xff\xfe bytes"));
+    auto [c, m] = code_of(r);
+    EXPECT_EQ(c, grpc::StatusCode::INVALID_ARGUMENT) << m;
+    EXPECT_FALSE(m.empty());
+  }
+  {
     v1::GenerateRequest r;
     r.add_prompt_ids(1);
     r.add_prompt_ids(999999);
@@ -539,7 +548,7 @@ TEST_F(ClusterTest, ClientDisconnectAndDeadlineFreeKvBlocks) {
 TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
   const std::string dir = run_dir_ + "/prometheus";
   std::filesystem::create_directories(dir);
-  auto [prc, port_s] = Run("python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\",0)); "
+  auto [prc, port_s] = Shell("python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\",0)); "
                            "print(s.getsockname()[1])'");
   ASSERT_EQ(prc, 0);
   const int port = std::stoi(port_s);
@@ -581,7 +590,7 @@ TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
   // promtool accepts every component's exposition.
   for (const std::string& t : {env_["ROUTER_HTTP"], env_["WORKER0_METRICS"]}) {
     std::ofstream(dir + "/page.txt") << Get(t, "/metrics");
-    auto [rc, out] = Run("promtool check metrics < " + dir + "/page.txt 2>&1");
+    auto [rc, out] = Shell("promtool check metrics < " + dir + "/page.txt 2>&1");
     EXPECT_EQ(rc, 0) << t << ": " << out;
   }
 }
@@ -594,16 +603,17 @@ const OpenAI = require('openai');
 const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey: 'unused', maxRetries: 0 });
 (async () => {
   const out = {};
-  const c = await client.completions.create({ model: 'stories260K', prompt: 'Once upon a time', max_tokens: 8, temperature: 0 });
+  const c = await client.completions.create({ model: 'stories260K', prompt: 'Once upon a time', max_tokens: 8, temperature: 0, reuse: { enable: false } });
   out.completion = c.choices[0].text; out.usage = c.usage;
+  // Reuse is switched off (SparseX extension field) so both calls are exact and comparable.
   const stream = await client.chat.completions.create({ model: 'stories260K', stream: true, max_tokens: 8, temperature: 0,
-      messages: [{ role: 'user', content: 'Lily had a red ball.' }] });
+      messages: [{ role: 'user', content: 'Lily had a red ball.' }], reuse: { enable: false } });
   out.chat = '';
   for await (const chunk of stream) out.chat += chunk.choices[0]?.delta?.content || '';
   const chat = await client.chat.completions.create({ model: 'stories260K', max_tokens: 8, temperature: 0,
-      messages: [{ role: 'user', content: 'Lily had a red ball.' }] });
+      messages: [{ role: 'user', content: 'Lily had a red ball.' }], reuse: { enable: false } });
   out.chat_full = chat.choices[0].message.content;
-  const cs = await client.completions.create({ model: 'stories260K', prompt: 'Once upon a time', max_tokens: 8, temperature: 0, stream: true });
+  const cs = await client.completions.create({ model: 'stories260K', prompt: 'Once upon a time', max_tokens: 8, temperature: 0, stream: true, reuse: { enable: false } });
   out.completion_stream = '';
   for await (const chunk of cs) out.completion_stream += chunk.choices[0]?.text || '';
   out.models = (await client.models.list()).data.map(m => m.id);
@@ -613,7 +623,7 @@ const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey
 })().catch(e => { console.error(e); process.exit(1); });
 )JS";
   std::ofstream(dir + "/openai_test.js") << js;
-  auto [rc, out] = Run("cd " + dir + " && node openai_test.js " + env_["ROUTER_HTTP"] + " 2>&1", 60s);
+  auto [rc, out] = Shell("cd " + dir + " && node openai_test.js " + env_["ROUTER_HTTP"] + " 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
   json j = json::parse(out.substr(out.find('{')), nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << out;
@@ -658,7 +668,7 @@ client.ListModels({}, (err, lm) => {
 });
 )JS";
   std::ofstream(dir + "/grpc_test.js") << js;
-  auto [rc, out] = Run("cd " + dir + " && node grpc_test.js " + env_["ROUTER_GRPC"] + " " +
+  auto [rc, out] = Shell("cd " + dir + " && node grpc_test.js " + env_["ROUTER_GRPC"] + " " +
                        SourceDir() + "/proto 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
   json j = json::parse(out.substr(out.find('{')), nullptr, false);
@@ -673,7 +683,7 @@ client.ListModels({}, (err, lm) => {
 }
 
 TEST_F(ClusterTest, RagDemoClientRuns) {
-  auto [rc, out] = Run(BinDir() + "/sparsex-rag --target " + env_["ROUTER_GRPC"] + " --docs " +
+  auto [rc, out] = Shell(BinDir() + "/sparsex-rag --target " + env_["ROUTER_GRPC"] + " --docs " +
                        ModelsDir() + "/tinystories-text/tinystories_sample.txt --requests 8 "
                        "--pool 10 --fidelity_every 2 --progress=false 2>&1", 120s);
   ASSERT_EQ(rc, 0) << out;
@@ -721,6 +731,54 @@ TEST_F(ClusterTest, WorkerKilledMidStreamThenOthersServe) {
     if (kvs.ok()) members = kvs->size();
   }
   EXPECT_EQ(members, 1u);
+}
+
+// After the previous test one worker is left: SIGTERM drains it (the running request
+// completes, the etcd key goes at once), then the cluster has no worker and says so.
+TEST_F(ClusterTest, SigtermDrainsTheLastWorker) {
+  int idx = -1;
+  for (int i = 0; i < 2; ++i) {
+    if (!WorkerMetrics(i).empty()) idx = i;
+  }
+  ASSERT_GE(idx, 0);
+  const int pid = std::stoi(env_["WORKER" + std::to_string(idx) + "_PID"]);
+  v1::GenerateRequest r = Rag({11}, "Q:", 300);
+  r.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = stub_->Generate(&ctx, r);
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  bool finished = false;
+  while (reader->Read(&m)) finished = finished || m.finished();
+  grpc::Status s = reader->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(finished);
+  EXPECT_EQ(m.usage().completion_tokens(), 300);
+  // Deregistered at once (lease revoked), and the process exits.
+  etcd::EtcdClient etcd({{env_["ETCD"]}});
+  auto kvs = etcd.RangePrefix("/sparsex/workers/");
+  ASSERT_TRUE(kvs.ok());
+  EXPECT_EQ(kvs->size(), 0u);
+  bool exited = false;
+  for (int i = 0; i < 100 && !exited; ++i) {
+    exited = ::kill(pid, 0) != 0;
+    if (!exited) std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_TRUE(exited);
+  Gen g;
+  for (int i = 0; i < 50; ++i) {
+    g = Generate(Rag({0}, "Q:", 2), 5s);
+    if (g.status.error_code() == grpc::StatusCode::UNAVAILABLE) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(g.status.error_message().find("no healthy worker"), std::string::npos)
+      << g.status.error_message();
+  auto hz = http::HttpRequest(env_["ROUTER_HTTP"], "GET", "/healthz");
+  ASSERT_TRUE(hz.ok());
+  EXPECT_EQ(hz->status, 503);
 }
 
 }  // namespace

@@ -3,8 +3,6 @@
 // segment's (wrong shape) or is corrupt is never used, and the failure is reported.
 #include "gpu_worker/service/kv_tier.h"
 
-#include <filesystem>
-
 #include "cache_server/client/cache_client.h"
 #include "cache_server/server.h"
 #include "common/kv_block.h"
@@ -59,9 +57,6 @@ TEST(KvTierCodecTest, RoundTripAndRejects) {
 class KvTierServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("sparsex-kvtier-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir_);
     cache::ServerOptions o;
     o.grpc_port = 0;
     o.metrics_port = -1;
@@ -79,9 +74,7 @@ class KvTierServerTest : public ::testing::Test {
   void TearDown() override {
     tier_.reset();
     server_.reset();
-    std::filesystem::remove_all(dir_);
   }
-  std::filesystem::path dir_;
   const Hash128 model_{11, 22};
   std::unique_ptr<cache::CacheServer> server_;
   std::unique_ptr<ClusterKvTier> tier_;
