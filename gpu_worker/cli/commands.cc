@@ -3,7 +3,11 @@
 #include <cstdio>
 #include <iostream>
 
+#include <fstream>
+#include <sstream>
+
 #include "gpu_worker/engine/engine.h"
+#include "gpu_worker/reuse/reuse_prefill.h"
 
 namespace sparsex::cli {
 namespace {
@@ -47,16 +51,53 @@ absl::Status Generate(const Args& a) {
   EngineOptions eo;
   eo.backend.kind = device;
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(*model, eo));
-  GenerateRequest req;
-  req.prompt = model->tokenizer().Encode(prompt, /*add_bos=*/true);
-  req.sampling = sp;
-  ASSIGN_OR_RETURN(GenerateResult r, engine->Generate(req, [&](const TokenEvent& e) {
+  auto print = [&](const TokenEvent& e) {
     if (!ids) {
       std::fwrite(e.text.data(), 1, e.text.size(), stdout);
       std::fflush(stdout);
     }
     return true;
-  }));
+  };
+  GenerateResult r;
+  if (a.count("segments")) {
+    // Segment reuse: paragraphs of the file (blank-line separated) are segments, the prompt
+    // text is appended as a new segment. --runs N repeats the request (reversed order on every
+    // other run) so later runs reuse the stored segments.
+    std::ifstream in(a.at("segments"));
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", a.at("segments")));
+    std::vector<PromptSegment> segs;
+    std::string line, para;
+    auto flush = [&] {
+      if (!para.empty()) segs.push_back({model->tokenizer().Encode(para, false), true});
+      para.clear();
+    };
+    while (std::getline(in, line)) {
+      if (line.empty()) flush();
+      else para += (para.empty() ? "" : "\n") + line;
+    }
+    flush();
+    int runs = 1;
+    RETURN_IF_ERROR(Opt(a, "runs", &runs));
+    SegmentStore store({});
+    ReuseEngine re(engine.get(), &store, {});
+    for (int i = 0; i < runs; ++i) {
+      std::vector<PromptSegment> req = segs;
+      if (i % 2 == 1) std::reverse(req.begin(), req.end());
+      if (!prompt.empty()) req.push_back({model->tokenizer().Encode(prompt, false), false});
+      ReuseStats st;
+      ASSIGN_OR_RETURN(r, re.Generate(req, sp, print, &st));
+      std::fprintf(stderr,
+                   "\n[run %d: %d prompt tokens: %d prefix, %d reused (%d segments), %d new, "
+                   "%d recomputed; compute share %.3f]\n",
+                   i + 1, st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.segments_hit,
+                   st.new_tokens, st.selected_tokens, st.compute_share);
+    }
+  } else {
+    GenerateRequest req;
+    req.prompt = model->tokenizer().Encode(prompt, /*add_bos=*/true);
+    req.sampling = sp;
+    ASSIGN_OR_RETURN(r, engine->Generate(req, print));
+  }
   if (ids) {
     for (size_t i = 0; i < r.tokens.size(); ++i) std::printf(i ? " %d" : "%d", r.tokens[i]);
   }

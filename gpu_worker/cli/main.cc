@@ -21,7 +21,7 @@ void Usage() {
                "usage:\n"
                "  sparsex generate --model PATH [--prompt TEXT] [--max-tokens N]\n"
                "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
-               "                   [--device cpu|cuda] [--ids]\n"
+               "                   [--device cpu|cuda] [--ids] [--segments FILE [--runs N]]\n"
                "  sparsex fidelity --model PATH --docs FILE --json OUT [--prompts N]\n"
                "                   [--seed S] [--full-layers F,...] [--encodings none,bos]\n"
                "                   [--selectors a,b] [--ratios r,...] [--sparsex-weights c,r,d]\n"

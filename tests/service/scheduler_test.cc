@@ -3,6 +3,7 @@
 // cancellation frees the KV blocks; reuse counters; validation and load shedding.
 #include "gpu_worker/service/scheduler.h"
 
+#include <mutex>
 #include <thread>
 
 #include "tests/gpu_worker/test_util.h"
@@ -110,8 +111,14 @@ TEST_F(SchedulerTest, ConcurrentPlainRequestsMatchALoneEngine) {
 }
 
 TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
+  std::mutex mu;  // the hook runs on the engine thread
   std::vector<std::pair<Hash128, int>> stored;
+  auto n_stored = [&] {
+    std::lock_guard<std::mutex> l(mu);
+    return stored.size();
+  };
   hooks_.on_segments_stored = [&](const std::vector<std::pair<Hash128, int>>& s) {
+    std::lock_guard<std::mutex> l(mu);
     stored.insert(stored.end(), s.begin(), s.end());
   };
   auto s = Start();
@@ -124,7 +131,7 @@ TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
   // Both documents are stored after the first token (deferred); the question is not cacheable.
   for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
   EXPECT_EQ(s->load().pending_stores, 0);
-  EXPECT_EQ(stored.size(), 2u);
+  EXPECT_EQ(n_stored(), 2u);
 
   auto h2 = s->Submit(Item({{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}}, 8));
   ASSERT_TRUE(h2.ok());
@@ -136,7 +143,7 @@ TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
   EXPECT_GT(c2.final.usage.recomputed_tokens, 0);
   EXPECT_LT(c2.final.usage.recomputed_tokens, docs);
   EXPECT_LT(c2.final.usage.compute_share, 0.8);
-  EXPECT_EQ(stored.size(), 2u);  // nothing new stored
+  EXPECT_EQ(n_stored(), 2u);  // nothing new stored
 }
 
 TEST_F(SchedulerTest, CancellationFreesKvBlocks) {
