@@ -134,6 +134,8 @@ std::map<std::string, Flag> Flags(ServerOptions* o, std::string* ready_file) {
                              boolean(&t.ucx_allocate_arena), true};
   f["prefault_arena"] = {"fault the arena in at startup, in the background (default true)",
                          boolean(&t.prefault_arena), true};
+  f["cuda_pin"] = {"page-lock the arena for CUDA: auto | on | off (default auto)",
+                   str(&t.cuda_pin)};
   f["ready_file"] = {"write ports as JSON here once serving", str(ready_file)};
   return f;
 }
@@ -213,7 +215,8 @@ int main(int argc, char** argv) {
   }
   std::cerr << "sparsex-cache-server: serving " << (*server)->server_id() << " grpc port "
             << (*server)->grpc_port() << " metrics port " << (*server)->metrics_port()
-            << " transport " << options.transport.kind << "\n";
+            << " transport " << options.transport.kind
+            << ((*server)->cuda_pinned() ? " arena cuda-pinned" : "") << "\n";
   if (!ready_file.empty()) {
     if (absl::Status s = WriteReadyFile(ready_file, **server); !s.ok()) {
       std::cerr << "sparsex-cache-server: " << s << "\n";

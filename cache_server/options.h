@@ -27,8 +27,8 @@ struct CacheOptions {
   EvictionPolicyKind eviction = EvictionPolicyKind::kLru;
 
   // Disk tier backend: "rocksdb", "memory" (a process-local map, for tests) or "none".
-  // Default: "rocksdb".
-  std::string disk_backend = "rocksdb";
+  // Default: "rocksdb" ("none" in a build without RocksDB).
+  std::string disk_backend = SPARSEX_WITH_ROCKSDB ? "rocksdb" : "none";
   // Directory of the RocksDB database (created if missing). Required for "rocksdb".
   // Default: "" (error).
   std::string disk_path;
@@ -63,8 +63,8 @@ struct CacheOptions {
 
 struct TransportOptions {
   // Data plane: "ucx" (RMA to/from the registered arena) or "none" (bytes only inline through
-  // gRPC: Commit.inline_data / Read). Default: "ucx".
-  std::string kind = "ucx";
+  // gRPC: Commit.inline_data / Read). Default: "ucx" ("none" in a build without UCX).
+  std::string kind = SPARSEX_WITH_UCX ? "ucx" : "none";
   // UCX transports, as UCX_TLS (e.g. "sysv,posix,cma,self" or "tcp" or "rc,cuda_copy").
   // Empty: the UCX_TLS environment variable, else UCX's own choice. Default: "".
   std::string ucx_tls;
@@ -74,6 +74,10 @@ struct TransportOptions {
   // Fault the whole arena in (MADV_POPULATE_WRITE) in the background at startup, so that the
   // first puts do not pay a page fault per 4 KiB on the server side. Default: true.
   bool prefault_arena = true;
+  // Page-lock the arena for the GPU (cudaHostRegister, loaded at runtime from libcudart, so the
+  // server does not link CUDA): "auto" when a CUDA device is visible, "on" (fail without
+  // one), "off". Default: "auto".
+  std::string cuda_pin = "auto";
 };
 
 struct ServerOptions {

@@ -100,6 +100,7 @@ std::string CacheServer::grpc_address() const {
   return absl::StrCat(s_->options.address, ":", s_->grpc_port);
 }
 const std::string& CacheServer::server_id() const { return s_->server_id; }
+bool CacheServer::cuda_pinned() const { return s_->transport && s_->transport->cuda_pinned(); }
 BlockCache* CacheServer::cache() { return s_->cache.get(); }
 metrics::Registry* CacheServer::registry() { return &s_->registry; }
 

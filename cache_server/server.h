@@ -39,6 +39,7 @@ class CacheServer {
   int metrics_port() const;  // -1 when disabled
   std::string grpc_address() const;  // "address:port"
   const std::string& server_id() const;
+  bool cuda_pinned() const;  // arena page-locked for CUDA
   BlockCache* cache();
   metrics::Registry* registry();
 

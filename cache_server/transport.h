@@ -39,6 +39,8 @@ class ServerTransport {
   virtual uint8_t* arena() const = 0;
   virtual uint64_t arena_bytes() const = 0;
   virtual EndpointInfo endpoint() const = 0;
+  // True when the arena is page-locked for CUDA (TransportOptions::cuda_pin).
+  virtual bool cuda_pinned() const { return false; }
 };
 
 // kind "ucx": UCX context + worker with a progress thread, arena registered with ucp_mem_map.
@@ -77,6 +79,12 @@ class ClientTransport {
 };
 
 namespace internal {
+// Page-locks [p, p + n) with cudaHostRegister via dlopen'ed libcudart according to `mode`
+// ("auto", "on", "off"). Returns whether it is pinned; FAILED_PRECONDITION for "on" without a
+// usable CUDA runtime/device. CudaUnpin undoes it.
+absl::StatusOr<bool> CudaPin(void* p, uint64_t n, const std::string& mode);
+void CudaUnpin(void* p);
+
 // Prefaults [p, p + n) page by page range in a detached-safe background thread; the returned
 // object joins it on destruction (before the memory goes away).
 class Prefaulter {

@@ -106,7 +106,11 @@ class UcxServerTransport final : public ServerTransport {
     if (attr.length < n) return absl::InternalError("ucx mapped a shorter arena than asked");
     t->arena_ = static_cast<uint8_t*>(attr.address);
     t->n_ = n;
-    if (o.prefault_arena) t->prefault_ = std::make_unique<Prefaulter>(t->arena_, n);
+    // Page-locking faults every page in; prefault only what is not pinned.
+    ASSIGN_OR_RETURN(t->cuda_pinned_, CudaPin(t->arena_, n, o.cuda_pin));
+    if (o.prefault_arena && !t->cuda_pinned_) {
+      t->prefault_ = std::make_unique<Prefaulter>(t->arena_, n);
+    }
 
     void* rkey = nullptr;
     size_t rkey_len = 0;
@@ -136,6 +140,7 @@ class UcxServerTransport final : public ServerTransport {
     }
     if (stop_fd_ >= 0) close(stop_fd_);
     prefault_.reset();
+    if (cuda_pinned_) CudaUnpin(arena_);
     if (memh_ != nullptr) ucp_mem_unmap(ctx_->get(), memh_);
     if (own_mapping_ != nullptr) munmap(own_mapping_, n_);
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
@@ -144,6 +149,7 @@ class UcxServerTransport final : public ServerTransport {
   std::string name() const override { return "ucx"; }
   uint8_t* arena() const override { return arena_; }
   uint64_t arena_bytes() const override { return n_; }
+  bool cuda_pinned() const override { return cuda_pinned_; }
   EndpointInfo endpoint() const override {
     EndpointInfo e;
     e.transport = "ucx";
@@ -188,6 +194,7 @@ class UcxServerTransport final : public ServerTransport {
   uint64_t n_ = 0;
   std::string rkey_, address_;
   int stop_fd_ = -1;
+  bool cuda_pinned_ = false;
   std::unique_ptr<Prefaulter> prefault_;
   std::atomic<bool> stop_{false};
   std::thread thread_;

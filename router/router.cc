@@ -122,6 +122,14 @@ struct RouterMetrics {
                        "Paged-KV usage reported by each worker.", {"worker"});
     w_segments = &r.AddGauge("sparsex_router_index_segments",
                              "Segments the cluster index holds for each worker.", {"worker"});
+    // Series exist from the start (dashboards and rate() see zeros, not gaps).
+    for (const char* api : {"grpc", "http"}) {
+      for (const char* o : {"ok", "cancelled", "invalid_argument", "resource_exhausted",
+                            "unavailable", "deadline_exceeded"}) {
+        requests->Get({api, o});
+      }
+    }
+    for (const char* c : {"unavailable", "resource_exhausted"}) retries->Get({c});
   }
   metrics::Family<metrics::Counter>*requests, *decisions, *retries;
   metrics::Histogram *ttft, *inter_token, *e2e;
@@ -606,6 +614,7 @@ struct Router::Impl {
     for (auto& c : Conns()) {
       (c->healthy && c->model_ok ? healthy : unhealthy)++;
       const std::string n = c->Name();
+      for (const char* reason : {"reuse", "load", "only"}) m->decisions->Get({n, reason});
       WorkerLoadInfo l = index.Load(c->address);
       m->w_inflight->Get({n}).Set(c->inflight.load());
       m->w_queue->Get({n}).Set(l.queue_depth);

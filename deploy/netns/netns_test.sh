@@ -77,7 +77,10 @@ FAILS=()
 FIG="$RUN/figures.jsonl"   # one {"key": value} per line, merged at the end
 : >"$FIG"
 
-log() { printf '[netns %6.1fs] %s\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN {print a - b}')" "$*" >&2; }
+# Log lines go to the stderr the script started with (fd 3), also from a trap that runs while
+# a redirected command is active.
+exec 3>&2
+log() { printf '[netns %6.1fs] %s\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN {print a - b}')" "$*" >&3; }
 fail() { log "CHECK FAILED: $*"; FAILS+=("$*"); }
 check() {  # check "description" <condition command...>
   local what=$1; shift
@@ -85,6 +88,7 @@ check() {  # check "description" <condition command...>
 }
 fig() { python3 -c 'import json,sys; print(json.dumps({sys.argv[1]: json.loads(sys.argv[2])}))' "$1" "$2" >>"$FIG"; }
 now() { date +%s.%N; }
+nap() { sleep "$1" & wait $!; }  # a sleep a signal interrupts
 since() { awk -v a="$(now)" -v b="$1" 'BEGIN {printf "%.2f\n", a - b}'; }
 gt() { awk -v a="$1" -v b="$2" 'BEGIN {exit !(a > b)}'; }  # gt A B: A > B (decimals)
 ns() { echo "$P-$1"; }
@@ -93,7 +97,8 @@ in_ns() { local h=$1; shift; ip netns exec "$(ns "$h")" "$@"; }
 # ---------------------------------------------------------------------------- teardown
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
+  trap - EXIT
+  trap '' INT TERM  # nothing interrupts the teardown
   set +e
   report || rc=1
   log "teardown"
@@ -116,9 +121,9 @@ cleanup() {
   for h in "${HOSTS[@]}" br; do ip netns del "$(ns "$h")" 2>/dev/null; done
   local left
   left=$(ip netns list | grep -c "^$P-" || true)
-  [ "$left" = 0 ] || { echo "netns_test: $left namespaces could not be removed" >&2; rc=1; }
+  [ "$left" = 0 ] || { log "$left namespaces could not be removed"; rc=1; }
   if [ -n "$KEEP" ]; then
-    mkdir -p "$KEEP" && cp -r "$RUN"/*.log "$RUN"/*.json "$KEEP"/ 2>/dev/null
+    mkdir -p "$KEEP" && cp -r "$RUN"/*.log "$RUN"/*.json "$RUN"/*.events "$KEEP"/ 2>/dev/null
     log "logs kept in $KEEP"
   fi
   rm -rf "$RUN"
@@ -140,13 +145,14 @@ EOF
   done
   if [ ${#FAILS[@]} -gt 0 ]; then
     log "FAILED checks: ${#FAILS[@]}"
-    printf '  - %s\n' "${FAILS[@]}" >&2
+    printf '  - %s\n' "${FAILS[@]}" >&3
     return 1
   fi
   return 0
 }
 trap cleanup EXIT
-trap 'log "interrupted"; exit 1' INT TERM
+on_signal() { log "interrupted"; exit 1; }
+trap on_signal INT TERM
 
 # ----------------------------------------------------------------------------- network
 log "network: 7 hosts on a bridge, $SUBNET.0/24, namespaces $P-*"
@@ -179,7 +185,7 @@ stop() {
   kill "-$sig" "$pid" 2>/dev/null || true
   for _ in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   kill -KILL "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
+  { wait "$pid"; } 2>/dev/null || true
   rm -f "$RUN/$name.pid"
 }
 # wait_until SECONDS DESCRIPTION CMD...: polls CMD every 0.2 s.
@@ -204,20 +210,58 @@ metric() {
     $1 == n || index($1, n "{") == 1 { if (f == "" || index($1, f) > 0) s += $2 }
     END { printf "%.0f\n", s }'
 }
-router_health() { http "$ROUTER_HTTP/healthz" 2>/dev/null || true; }
-healthy_workers() { router_health | python3 -c 'import json,sys
-try: print(json.load(sys.stdin).get("healthy_workers", 0))
-except Exception: print(-1)'; }
-known_workers() { router_health | python3 -c 'import json,sys
-try: print(json.load(sys.stdin).get("workers", 0))
-except Exception: print(-1)'; }
-# etcd_workers: worker keys registered in etcd (JSON gateway, range over the prefix).
-etcd_workers() {
-  in_ns client curl -fsS --max-time 2 -X POST "http://$ETCD/v3/kv/range" \
-    -d "{\"key\":\"$(printf /sparsex/workers/ | base64)\",\"range_end\":\"$(printf /sparsex/workers0 | base64)\",\"count_only\":true}" |
-    python3 -c 'import json,sys; print(json.load(sys.stdin).get("count", "0"))'
+# The watcher (client host) polls the router's /healthz and etcd's worker keys every 100 ms and
+# appends "<unix time> <healthy workers> <known workers> <worker keys in etcd>" on each change
+# (-1: no answer), so that transitions are timed precisely even on a loaded machine.
+cat >"$RUN/watch.py" <<'EOF'
+import base64, json, sys, time, urllib.request
+router, etcd, out = sys.argv[1:4]
+rng = json.dumps({"key": base64.b64encode(b"/sparsex/workers/").decode(),
+                  "range_end": base64.b64encode(b"/sparsex/workers0").decode(),
+                  "count_only": True}).encode()
+last = None
+while True:
+    try:
+        h = json.load(urllib.request.urlopen(f"http://{router}/healthz", timeout=1))
+        state = [h.get("healthy_workers", 0), h.get("workers", 0)]
+    except urllib.error.HTTPError as e:  # 503: no healthy worker, same body
+        try:
+            h = json.load(e)
+            state = [h.get("healthy_workers", 0), h.get("workers", 0)]
+        except Exception:
+            state = [-1, -1]
+    except Exception:
+        state = [-1, -1]
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(f"http://{etcd}/v3/kv/range", data=rng),
+                                   timeout=1)
+        state.append(int(json.load(r).get("count", "0")))
+    except Exception:
+        state.append(-1)
+    if state != last:
+        with open(out, "a") as f:
+            f.write(f"{time.time():.3f} {state[0]} {state[1]} {state[2]}\n")
+        last = state
+    time.sleep(0.1)
+EOF
+WATCH="$RUN/watch.events"
+: >"$WATCH"
+# state FIELD: the watcher's latest value (1 healthy, 2 known, 3 etcd keys).
+state() { tail -n 1 "$WATCH" | awk -v f="$(( $1 + 1 ))" '{print $f}'; }
+workers_are() { [ "$(state 1)" = "$1" ] && [ "$(state 2)" = "$1" ]; }
+healthy_is() { [ "$(state 1)" = "$1" ]; }
+etcd_workers_is() { [ "$(state 3)" = "$1" ]; }
+known_workers() { state 2; }
+# first_after T FIELD VALUE: seconds from T to the first change at or after T where FIELD == VALUE.
+first_after() {
+  awk -v t="$1" -v f="$(( $2 + 1 ))" -v v="$3" '$1 >= t && $f == v {printf "%.2f\n", $1 - t; found=1; exit}
+    END {if (!found) print "-1"}' "$WATCH"
 }
-
+# min_between T1 T2 FIELD: the smallest value FIELD took between T1 and T2 (the value at T1 too).
+min_between() {
+  awk -v a="$1" -v b="$2" -v f="$(( $3 + 1 ))" '$1 < a {cur=$f} $1 >= a && $1 <= b {if (min=="" || $f < min) min=$f}
+    END {if (cur != "" && (min == "" || cur < min)) min=cur; print min}' "$WATCH"
+}
 start_etcd() {
   spawn etcd etcd etcd --name sx --data-dir "$RUN/etcd-data" \
     --listen-client-urls "http://$ETCD" --advertise-client-urls "http://$ETCD" \
@@ -248,28 +292,25 @@ start_router() {
     --grpc_address "$ROUTER_GRPC" --http_address "$ROUTER_HTTP" --etcd "$ETCD" \
     --membership_poll_ms 200 --ready_file "$RUN/router.ready"
   wait_until 60 "router ready" ready router
+  spawn watch client python3 "$RUN/watch.py" "$ROUTER_HTTP" "$ETCD" "$WATCH"
 }
-workers_are() { [ "$(healthy_workers)" = "$1" ] && [ "$(known_workers)" = "$1" ]; }
-healthy_is() { [ "$(healthy_workers)" = "$1" ]; }
-etcd_workers_is() { [ "$(etcd_workers)" = "$1" ]; }
 router_requests() { metric "$ROUTER_HTTP" sparsex_router_requests_total; }
 requests_beyond() { [ "$(router_requests)" -ge $(($1 + $2)) ]; }  # requests_beyond BASE N
 etcd_healthy() { in_ns client curl -fsS --max-time 2 "http://$ETCD/health" | grep -q true; }
 healthz_ok() { http "$1/healthz" >/dev/null; }
 
-# rag NAME SEED [extra sparsex-rag flags]: runs the RAG workload from the client host.
-rag() {
+# rag_bg NAME SEED [extra sparsex-rag flags]: runs the RAG workload from the client host, in
+# the background (pid in rag-NAME.pid); rag NAME SEED ...: the same, waiting for it (a signal
+# interrupts the wait at once).
+rag_bg() {
   local name=$1 seed=$2; shift 2
   in_ns client "$BIN_DIR/sparsex-rag" --target "$ROUTER_GRPC" --docs "$DOCS" \
     --requests "$REQUESTS" --pool 16 --docs_per_request 3 --max_tokens 16 --fidelity_every 4 \
     --seed "$seed" --timeout_ms 120000 --progress=false --json "$RUN/rag-$name.json" "$@" \
-    >"$RUN/rag-$name.log" 2>&1
-}
-rag_bg() {  # rag_bg NAME SEED ...: in the background; pid in rag-NAME.pid
-  local name=$1
-  rag "$@" &
+    >"$RUN/rag-$name.log" 2>&1 &
   echo $! >"$RUN/rag-$name.pid"
 }
+rag() { rag_bg "$@"; rag_wait "$1"; }
 rag_wait() {  # rag_wait NAME: waits for a background run; its exit status
   local pid rc=0
   pid=$(cat "$RUN/rag-$1.pid")
@@ -359,28 +400,36 @@ wait_until 30 "router sees both workers" workers_are 2
 stop worker1 TERM
 wait_until 30 "router drops drained worker1" workers_are 1
 ffa=$(metric "$W0" sparsex_worker_fetch_failures_total)
+wea=$(metric "$W0" sparsex_worker_writeback_total 'result="error"')
+newa=$(metric "$W0" sparsex_worker_new_tokens_total)
 base=$(router_requests)
 rag_bg C 3
-# Take the link down once a few requests went through.
-wait_until 60 "load running" requests_beyond "$base" 3
-t=$(now)
+# Take the link down once the first requests went through, while most segments still have to
+# come from the cache servers.
+wait_until 60 "load running" requests_beyond "$base" 1
 ip -n "$(ns cache1)" link set eth0 down
+t=$(now); req_down=$(router_requests)
 log "cache1 link DOWN"
 down_s=20
-sleep $down_s
+nap $down_s
+req_up=$(router_requests)
 ip -n "$(ns cache1)" link set eth0 up
 log "cache1 link UP after ${down_s}s"
 rc=0; rag_wait C || rc=$?
-link_total_s=$(since "$t")
 ffb=$(metric "$W0" sparsex_worker_fetch_failures_total)
-fft=$(metric "$W0" sparsex_worker_fetch_failures_total 'reason="transport"')
+web=$(metric "$W0" sparsex_worker_writeback_total 'result="error"')
+newb=$(metric "$W0" sparsex_worker_new_tokens_total)
 fetched_c=$(metric "$W0" sparsex_worker_fetched_segments_total)
-wbf=$(metric "$W0" sparsex_worker_writeback_total 'result="failed"')
-check "every request completed while cache1 was unreachable" [ "$rc" = 0 ]
-check "fetches from cache1 failed and were recomputed" [ $((ffb - ffa)) -gt 0 ]
-log "worker0: fetch failures $((ffb - ffa)) (transport $fft), fetched $fetched_c; write-back failures $wbf"
+failed_c=$(rag_field C failed)
+log "worker0 during the phase: fetched $fetched_c segments, fetch failures $((ffb - ffa)), write-backs to the unreachable cache1 failed $((web - wea)), new tokens $((newb - newa)); $((req_up - req_down)) requests finished while the link was down"
+check "every request completed (failed: $failed_c)" [ "$rc" = 0 -a "$failed_c" = 0 ]
+check "requests were served while cache1 was unreachable" [ $((req_up - req_down)) -gt 0 ]
+# An unreachable member's segments count as absent (the cluster client moves on): the worker
+# recomputes them and then fails to write them back to cache1; a fetch cut mid-transfer counts
+# as a fetch failure. Either shows requests that needed cache1 and completed without it.
+check "segments owned by cache1 were recomputed during the outage" [ $((web - wea + ffb - ffa)) -gt 0 ]
 rag_fig link_C C
-fig link_counters "{\"link_down_s\": $down_s, \"fetch_failures\": $((ffb - ffa)), \"fetch_failures_transport\": $fft, \"fetched_segments\": $fetched_c, \"writeback_failed\": $wbf, \"seconds_from_link_down_to_last_request\": $link_total_s}"
+fig link_counters "{\"link_down_s\": $down_s, \"requests_during_outage\": $((req_up - req_down)), \"fetch_failures\": $((ffb - ffa)), \"writeback_errors\": $((web - wea)), \"fetched_segments\": $fetched_c, \"new_tokens\": $((newb - newa))}"
 wait_until 30 "cache1 reachable again" healthz_ok "$C1"
 
 # ---------------------------------------------------------------------------- 3: kill a worker
@@ -399,12 +448,12 @@ t=$(now)
 stop "$victim" KILL
 log "killed $victim (routing decisions in this phase so far: worker0 $d0, worker1 $d1)"
 wait_until 20 "router marks $victim unhealthy" healthy_is 1
-unhealthy_s=$(since "$t")
 dv_unhealthy=$(metric "$ROUTER_HTTP" sparsex_router_routing_decisions_total "worker=\"$victim\"")
 wait_until 40 "etcd lease of $victim expires" etcd_workers_is 1
-lease_s=$(since "$t")
 wait_until 20 "router drops $victim" workers_are 1
-dropped_s=$(since "$t")
+unhealthy_s=$(first_after "$t" 1 1)
+lease_s=$(first_after "$t" 3 1)
+dropped_s=$(first_after "$t" 2 1)
 rc=0; rag_wait D || rc=$?
 dv_after=$(metric "$ROUTER_HTTP" sparsex_router_routing_decisions_total "worker=\"$victim\"")
 retries=$(metric "$ROUTER_HTTP" sparsex_router_retries_total)
@@ -441,35 +490,39 @@ rag_fig restart_E E
 fig restart_counters "{\"disk_blocks_before\": $disk_before, \"disk_blocks_after\": $disk_after, \"restart_s\": $restart_s, \"cache0_hits_after_restart\": $hits_after, \"worker_fetched\": $fe, \"worker_fetch_failures\": $ffe}"
 
 # --------------------------------------------------------------------------- 5: etcd outage
-log "phase etcd: etcd stops for 25 s (lease TTL 10 s) while requests run"
+log "phase etcd: etcd stops for 25 s (worker lease TTL 10 s) while requests run"
 start_worker "${other#worker}"
 wait_until 30 "router sees both workers" workers_are 2
 t=$(now)
 stop etcd TERM
 log "etcd DOWN"
-min_workers=2
+req_down=$(router_requests)
 rag_bg F 5
-for _ in $(seq 25); do
-  k=$(known_workers); h=$(healthy_workers)
-  [ "$k" -lt "$min_workers" ] && min_workers=$k
-  [ "$h" -lt "$min_workers" ] && min_workers=$h
-  sleep 1
-done
+outage=25
+nap $outage
+req_up=$(router_requests)
+t_restart=$(now)
 start_etcd
+t_up=$(now)
 etcd_down_s=$(since "$t")
 log "etcd UP after ${etcd_down_s}s"
-t=$(now)
 wait_until 30 "both registrations in etcd again" etcd_workers_is 2
-reg_s=$(since "$t")
+reg_s=$(first_after "$t_restart" 3 2)
+# The first count etcd answered after the restart: 2 means the registrations survived the
+# outage (etcd restores leases with a fresh TTL), less means the workers registered again.
+first_count=$(awk -v t="$t_restart" '$1 >= t && $4 != -1 {print $4; exit}' "$WATCH")
+min_workers=$(min_between "$t" "$t_up" 2)
+min_healthy=$(min_between "$t" "$t_up" 1)
 rc=0; rag_wait F || rc=$?
 sleep 2
 final_workers=$(known_workers)
-check "requests completed while etcd was down" [ "$rc" = 0 ]
-check "router kept both workers through the outage" [ "$min_workers" = 2 ]
+check "every request completed (none failed)" [ "$rc" = 0 ]
+check "requests were served while etcd was down ($((req_up - req_down)))" [ $((req_up - req_down)) -gt 0 ]
+check "router kept both workers through the outage" [ "$min_workers" = 2 -a "$min_healthy" = 2 ]
 check "router still has both workers after etcd returned" [ "$final_workers" = 2 ]
-log "router's fewest workers during the outage: $min_workers; registrations back ${reg_s}s after etcd"
+log "router's fewest known/healthy workers during the outage: $min_workers/$min_healthy; both registrations in etcd ${reg_s}s after its restart began (first answer: $first_count keys)"
 rag_fig etcd_F F
-fig etcd_counters "{\"etcd_down_s\": $etcd_down_s, \"min_router_workers_during_outage\": $min_workers, \"registrations_back_s\": $reg_s, \"router_workers_after\": $final_workers}"
+fig etcd_counters "{\"etcd_down_s\": $etcd_down_s, \"requests_during_outage\": $((req_up - req_down)), \"min_router_workers_during_outage\": $min_workers, \"min_router_healthy_during_outage\": $min_healthy, \"registrations_back_s\": $reg_s, \"first_etcd_answer_keys\": ${first_count:-0}, \"router_workers_after\": $final_workers}"
 
 # ------------------------------------------------------------------------------------ done
 log "PASS: cross-host reuse, cache link down, worker killed, cache restarted, etcd outage"

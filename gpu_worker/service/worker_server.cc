@@ -119,6 +119,13 @@ struct WorkerMetrics {
     iterations = &r.AddGauge("sparsex_worker_iterations", "Engine iterations run.").Get();
     info = &r.AddGauge("sparsex_worker_info", "Static worker information (value 1).",
                        {"worker", "model", "device", "instance"});
+    // Series exist from the start (dashboards and rate() see zeros, not gaps).
+    for (const char* o : {"ok", "cancelled", "invalid_argument", "resource_exhausted", "unavailable"}) {
+      requests->Get({o});
+    }
+    for (const char* why : {"transport", "corrupt", "incomplete"}) fetch_failures->Get({why});
+    for (const char* res : {"ok", "error", "evicted"}) writeback->Get({res});
+    segments->Get({"hit"});
   }
   metrics::Histogram *ttft, *inter_token, *e2e, *queue, *fetch;
   metrics::Family<metrics::Counter>* requests;

@@ -63,6 +63,8 @@ std::string Get(const std::string& host_port, const std::string& path) {
   return r.ok() ? r->body : "";
 }
 
+constexpr int kWorkers = 3;  // three destructive tests at the end take one each
+
 class ClusterTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -70,7 +72,7 @@ class ClusterTest : public ::testing::Test {
     const std::string cmd =
         "SPARSEX_RUN_DIR=" + run_dir_ + " SPARSEX_BIN_DIR=" + BinDir() + " SPARSEX_MODELS=" +
         ModelsDir() + " " + SourceDir() +
-        "/deploy/local/cluster.sh up --workers 2 --cache-servers 1 --grpc-port 0 --http-port 0"
+        "/deploy/local/cluster.sh up --workers " + std::to_string(kWorkers) + " --cache-servers 1 --grpc-port 0 --http-port 0"
         " --worker-args '--kv_blocks 1024 --load_report_ms 100 --etcd_ttl_s 4' 2>&1";
     auto [rc, out] = Shell(cmd, 180s);
     ASSERT_EQ(rc, 0) << "cluster.sh up failed:\n" << out;
@@ -160,15 +162,35 @@ class ClusterTest : public ::testing::Test {
     EXPECT_TRUE(stub_->Health(&ctx, v1::HealthRequest(), &h).ok());
     return h;
   }
-  // Waits until the router's index shows at least n segments in total.
-  static void WaitIndexed(int n) {
-    for (int i = 0; i < 100; ++i) {
-      int total = 0;
-      const v1::HealthResponse h = Health();
-      for (const auto& w : h.workers()) total += w.indexed_segments();
-      if (total >= n) return;
-      std::this_thread::sleep_for(20ms);
+  static int Indexed() {
+    int total = 0;
+    const v1::HealthResponse h = Health();
+    for (const auto& w : h.workers()) total += w.indexed_segments();
+    return total;
+  }
+  static double SumWorkerMetric(const std::string& metric) {
+    double sum = 0;
+    for (int i = 0; i < kWorkers; ++i) {
+      const double v = MetricValue(WorkerMetrics(i), metric);
+      if (!std::isnan(v)) sum += v;
     }
+    return sum;
+  }
+  // Runs a request whose `n` cacheable segments are new, then waits until the router's index
+  // shows them (stored after the first token) and, with `written_back`, until the cache server
+  // holds them too.
+  static Gen GenerateAndIndex(const v1::GenerateRequest& req, int n, bool written_back = false) {
+    const int before = Indexed();
+    const double wb = SumWorkerMetric("sparsex_worker_writeback_total{result=\"ok\"}");
+    Gen g = Generate(req);
+    for (int i = 0; i < 250 && Indexed() < before + n; ++i) std::this_thread::sleep_for(20ms);
+    EXPECT_GE(Indexed(), before + n);
+    if (written_back) {
+      for (int i = 0; i < 250 && SumWorkerMetric("sparsex_worker_writeback_total{result=\"ok\"}") < wb + n; ++i) {
+        std::this_thread::sleep_for(20ms);
+      }
+    }
+    return g;
   }
   static std::string WorkerMetrics(int i) {
     return Get(env_["WORKER" + std::to_string(i) + "_METRICS"], "/metrics");
@@ -178,7 +200,7 @@ class ClusterTest : public ::testing::Test {
     const auto end = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < end) {
       bool all = true;
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kWorkers; ++i) {
         std::string page = WorkerMetrics(i);
         if (page.empty()) continue;  // killed worker
         all = all && MetricValue(page, "sparsex_worker_running") == 0 &&
@@ -230,28 +252,27 @@ TEST_F(ClusterTest, ListModelsHealthTokenize) {
   ASSERT_TRUE(stub_->ListModels(&ctx, v1::ListModelsRequest(), &lm).ok());
   ASSERT_EQ(lm.models_size(), 1);
   EXPECT_EQ(lm.models(0).id(), "stories260K");
-  EXPECT_EQ(lm.models(0).workers(), 2);
+  EXPECT_EQ(lm.models(0).workers(), kWorkers);
   EXPECT_EQ(lm.models(0).context_length(), 2048);
   v1::HealthResponse h = Health();
   EXPECT_TRUE(h.serving());
-  EXPECT_EQ(h.workers_size(), 2);
+  EXPECT_EQ(h.workers_size(), kWorkers);
   EXPECT_GT(Tokens("Once upon a time"), 2);
   // Workers registered in etcd under leases.
   etcd::EtcdClient etcd({{env_["ETCD"]}});
   auto kvs = etcd.RangePrefix("/sparsex/workers/");
   ASSERT_TRUE(kvs.ok()) << kvs.status();
-  EXPECT_EQ(kvs->size(), 2u);
+  EXPECT_EQ(kvs->size(), static_cast<size_t>(kWorkers));
   for (const auto& kv : *kvs) EXPECT_NE(kv.lease, 0) << kv.key;
 }
 
 TEST_F(ClusterTest, ReorderedDocumentsAreReusedOnTheSameWorker) {
   const std::vector<int> first = {0, 1, 2}, second = {2, 0, 1};
-  Gen a = Generate(Rag(first, "Question: who was happy?\nAnswer:"));
+  Gen a = GenerateAndIndex(Rag(first, "Question: who was happy?\nAnswer:"), 3);
   ASSERT_TRUE(a.status.ok()) << a.status.error_message();
   EXPECT_EQ(a.usage.reused_tokens(), 0);
   EXPECT_GT(a.usage.completion_tokens(), 0);
   EXPECT_FALSE(a.text.empty());
-  WaitIndexed(3);
   Gen b = Generate(Rag(second, "Question: what did they find?\nAnswer:"));
   ASSERT_TRUE(b.status.ok()) << b.status.error_message();
   int doc_tokens = 0;
@@ -263,12 +284,7 @@ TEST_F(ClusterTest, ReorderedDocumentsAreReusedOnTheSameWorker) {
   EXPECT_LT(b.usage.recomputed_tokens(), doc_tokens / 2);
   EXPECT_LT(b.usage.compute_share(), 0.8);
   // The worker's counters show it too.
-  double reused = 0;
-  for (int i = 0; i < 2; ++i) {
-    double v = MetricValue(WorkerMetrics(i), "sparsex_worker_reused_tokens_total");
-    if (!std::isnan(v)) reused += v;
-  }
-  EXPECT_GE(reused, doc_tokens);
+  EXPECT_GE(SumWorkerMetric("sparsex_worker_reused_tokens_total"), doc_tokens);
 }
 
 TEST_F(ClusterTest, ReuseOutputMatchesFullPrefillWithinFidelity) {
@@ -279,8 +295,7 @@ TEST_F(ClusterTest, ReuseOutputMatchesFullPrefillWithinFidelity) {
   double positionwise = 0;
   for (int s = 0; s < 6; ++s) {
     const std::vector<int> docs = {3 + s, 10 + s, 17 + s};
-    ASSERT_TRUE(Generate(Rag(docs, "Question: where?\nAnswer:", 1)).status.ok());
-    WaitIndexed(3);
+    ASSERT_TRUE(GenerateAndIndex(Rag(docs, "Question: where?\nAnswer:", 1), 3).status.ok());
     v1::GenerateRequest r = Rag({docs[2], docs[0], docs[1]}, "Question: what happened?\nAnswer:", 24);
     Gen reuse = Generate(r);
     ASSERT_TRUE(reuse.status.ok()) << reuse.status.error_message();
@@ -300,11 +315,10 @@ TEST_F(ClusterTest, ReuseOutputMatchesFullPrefillWithinFidelity) {
   EXPECT_GE(positionwise / samples, 0.5);
 }
 
-TEST_F(ClusterTest, SkewedLoadSpreadsOverBothWorkers) {
+TEST_F(ClusterTest, SkewedLoadSpreadsOverTheWorkers) {
   // Every request shares the same hot documents (held by one worker): with many in flight the
-  // policy must still use the other worker.
-  ASSERT_TRUE(Generate(Rag({30, 31}, "Q:", 1)).status.ok());
-  WaitIndexed(2);
+  // policy must still use the other workers.
+  ASSERT_TRUE(GenerateAndIndex(Rag({30, 31}, "Q:", 1), 2, /*written_back=*/true).status.ok());
   std::vector<std::thread> ts;
   std::mutex mu;
   std::map<std::string, int> by_worker;
@@ -324,13 +338,11 @@ TEST_F(ClusterTest, SkewedLoadSpreadsOverBothWorkers) {
   }
   for (auto& t : ts) t.join();
   EXPECT_EQ(failures.load(), 0);
-  ASSERT_EQ(by_worker.size(), 2u) << "all 12 requests went to one worker";
-  for (const auto& [w, n] : by_worker) EXPECT_GE(n, 3) << w;
+  ASSERT_GE(by_worker.size(), 2u) << "all 12 requests went to one worker";
+  for (const auto& [w, n] : by_worker) EXPECT_LE(n, 8) << w;
   // The worker that lacked the hot documents fetched them from the cache server (written back
   // by the first) instead of recomputing them.
-  double fetched = 0;
-  for (int i = 0; i < 2; ++i) fetched += MetricValue(WorkerMetrics(i), "sparsex_worker_fetched_segments_total");
-  EXPECT_GE(fetched, 2);
+  EXPECT_GE(SumWorkerMetric("sparsex_worker_fetched_segments_total"), 2);
   // The routing decisions are visible in the router's metrics.
   std::string page = Get(env_["ROUTER_HTTP"], "/metrics");
   EXPECT_NE(page.find("sparsex_router_routing_decisions_total{worker=\"worker-"), std::string::npos);
@@ -518,7 +530,7 @@ TEST_F(ClusterTest, ClientDisconnectAndDeadlineFreeKvBlocks) {
     while (got < 5 && reader->Read(&m)) ++got;
     ASSERT_EQ(got, 5);
     double running = 0;
-    for (int i = 0; i < 2; ++i) running += MetricValue(WorkerMetrics(i), "sparsex_worker_running");
+    for (int i = 0; i < kWorkers; ++i) running += MetricValue(WorkerMetrics(i), "sparsex_worker_running");
     EXPECT_EQ(running, 1);
     ctx.TryCancel();
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
@@ -546,6 +558,9 @@ TEST_F(ClusterTest, ClientDisconnectAndDeadlineFreeKvBlocks) {
 }
 
 TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
+  // Some reuse to see (documents stored by one request, reused by the next).
+  ASSERT_TRUE(GenerateAndIndex(Rag({24, 25}, "Q:", 2), 2).status.ok());
+  ASSERT_TRUE(Generate(Rag({25, 24}, "Q:", 2)).status.ok());
   const std::string dir = run_dir_ + "/prometheus";
   std::filesystem::create_directories(dir);
   auto [prc, port_s] = Shell("python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\",0)); "
@@ -556,8 +571,9 @@ TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
     std::ofstream cfg(dir + "/prometheus.yml");
     cfg << "global:\n  scrape_interval: 1s\nscrape_configs:\n"
         << "  - job_name: sparsex\n    static_configs:\n      - targets: ['"
-        << env_["ROUTER_HTTP"] << "', '" << env_["WORKER0_METRICS"] << "', '"
-        << env_["WORKER1_METRICS"] << "', '" << env_["CACHE0_METRICS"] << "']\n";
+        << env_["ROUTER_HTTP"] << "', '" << env_["CACHE0_METRICS"] << "'";
+    for (int i = 0; i < kWorkers; ++i) cfg << ", '" << env_["WORKER" + std::to_string(i) + "_METRICS"] << "'";
+    cfg << "]\n";
   }
   auto p = ct::ChildProcess::Spawn({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
                                     "--storage.tsdb.path=" + dir + "/data",
@@ -565,8 +581,9 @@ TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
                                    dir + "/prometheus.log");
   ASSERT_TRUE(p.ok()) << p.status();
   const std::string prom = "127.0.0.1:" + std::to_string(port);
+  const int targets = 2 + kWorkers;
   int up = 0;
-  for (int i = 0; i < 300 && up < 4; ++i) {
+  for (int i = 0; i < 300 && up < targets; ++i) {
     std::this_thread::sleep_for(100ms);
     json t = json::parse(Get(prom, "/api/v1/targets"), nullptr, false);
     if (t.is_discarded() || !t.contains("data")) continue;
@@ -576,7 +593,7 @@ TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
       if (a.value("health", "") == "down") ADD_FAILURE() << a.dump();
     }
   }
-  EXPECT_EQ(up, 4) << "targets not all up";
+  EXPECT_EQ(up, targets) << "targets not all up";
   json q = json::parse(Get(prom, "/api/v1/query?query=sum(sparsex_worker_reused_tokens_total)"),
                        nullptr, false);
   ASSERT_FALSE(q.is_discarded());
@@ -586,6 +603,40 @@ TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
   json h = json::parse(Get(prom, "/api/v1/query?query=sparsex_router_ttft_seconds_count"), nullptr, false);
   ASSERT_FALSE(h.is_discarded());
   EXPECT_FALSE(h["data"]["result"].empty()) << h.dump();
+  // Every query of the Grafana dashboard parses and names metrics that exist.
+  json names = json::parse(Get(prom, "/api/v1/label/__name__/values"), nullptr, false);
+  ASSERT_FALSE(names.is_discarded());
+  std::set<std::string> known;
+  for (const json& n : names["data"]) known.insert(n.get<std::string>());
+  std::ifstream dash_in(SourceDir() + "/deploy/grafana/sparsex-dashboard.json");
+  json dash = json::parse(dash_in, nullptr, false);
+  ASSERT_FALSE(dash.is_discarded()) << "dashboard JSON does not parse";
+  int queries = 0;
+  const std::regex metric_re("sparsex_[a-z0-9_]+");
+  for (const json& panel : dash["panels"]) {
+    if (!panel.contains("targets")) continue;
+    for (const json& t : panel["targets"]) {
+      std::string expr = t["expr"];
+      expr = std::regex_replace(expr, std::regex("\\$__rate_interval"), "1m");
+      for (std::sregex_iterator it(expr.begin(), expr.end(), metric_re), end; it != end; ++it) {
+        EXPECT_TRUE(known.contains(it->str())) << panel["title"] << ": unknown metric " << it->str();
+      }
+      char enc[8];
+      std::string q;
+      for (unsigned char c : expr) {
+        if (std::isalnum(c)) q += static_cast<char>(c);
+        else {
+          std::snprintf(enc, sizeof enc, "%%%02X", c);
+          q += enc;
+        }
+      }
+      json r = json::parse(Get(prom, "/api/v1/query?query=" + q), nullptr, false);
+      EXPECT_TRUE(!r.is_discarded() && r.value("status", "") == "success")
+          << panel["title"] << ": " << expr << " -> " << (r.is_discarded() ? "?" : r.dump());
+      ++queries;
+    }
+  }
+  EXPECT_GT(queries, 20);
   (*p)->Stop(5s);
   // promtool accepts every component's exposition.
   for (const std::string& t : {env_["ROUTER_HTTP"], env_["WORKER0_METRICS"]}) {
@@ -704,7 +755,7 @@ TEST_F(ClusterTest, WorkerKilledMidStreamThenOthersServe) {
   while (got < 3 && reader->Read(&m)) ++got;
   ASSERT_EQ(got, 3);
   int victim = -1;
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kWorkers; ++i) {
     if (MetricValue(WorkerMetrics(i), "sparsex_worker_running") == 1) victim = i;
   }
   ASSERT_GE(victim, 0);
@@ -715,31 +766,60 @@ TEST_F(ClusterTest, WorkerKilledMidStreamThenOthersServe) {
   grpc::Status s = reader->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   EXPECT_NE(s.error_message().find("failed after streaming"), std::string::npos) << s.error_message();
-  // New requests go to the survivor.
-  const std::string survivor = "worker-" + std::to_string(1 - victim);
+  // New requests go to the survivors.
+  const std::string dead = "worker-" + std::to_string(victim);
   for (int i = 0; i < 4; ++i) {
     Gen g = Generate(Rag({i}, "Q:", 4), 30s);
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();
-    EXPECT_EQ(g.worker, survivor);
+    EXPECT_NE(g.worker, dead);
   }
   // The dead worker's lease expires and etcd forgets it.
   etcd::EtcdClient etcd({{env_["ETCD"]}});
-  size_t members = 2;
-  for (int i = 0; i < 100 && members != 1; ++i) {
+  size_t members = kWorkers;
+  for (int i = 0; i < 100 && members != kWorkers - 1; ++i) {
     std::this_thread::sleep_for(100ms);
     auto kvs = etcd.RangePrefix("/sparsex/workers/");
     if (kvs.ok()) members = kvs->size();
   }
-  EXPECT_EQ(members, 1u);
+  EXPECT_EQ(members, static_cast<size_t>(kWorkers - 1));
 }
 
-// After the previous test one worker is left: SIGTERM drains it (the running request
+// A worker that dies before the first token: the router retries on another one and the client
+// never notices. The worker is frozen (SIGSTOP) so the router still believes it healthy and
+// routes to it by affinity, then killed while the request waits there.
+TEST_F(ClusterTest, WorkerDeadBeforeFirstTokenIsRetriedElsewhere) {
+  Gen first = Generate(Rag({14, 15}, "Q:", 2));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  const int x = std::stoi(first.worker.substr(first.worker.rfind('-') + 1));
+  const int pid = std::stoi(env_["WORKER" + std::to_string(x) + "_PID"]);
+  ASSERT_TRUE(WaitKvFree());
+  std::this_thread::sleep_for(300ms);  // the index and load reports settle
+  const double retries0 = MetricValue(Get(env_["ROUTER_HTTP"], "/metrics"),
+                                      "sparsex_router_retries_total{code=\"unavailable\"}");
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  Gen second;
+  std::thread t([&] { second = Generate(Rag({15, 14}, "Q2:", 4), 60s); });
+  std::this_thread::sleep_for(500ms);
+  ::kill(pid, SIGKILL);
+  t.join();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_NE(second.worker, first.worker);
+  const double retries1 = MetricValue(Get(env_["ROUTER_HTTP"], "/metrics"),
+                                      "sparsex_router_retries_total{code=\"unavailable\"}");
+  EXPECT_GE((std::isnan(retries1) ? 0 : retries1) - (std::isnan(retries0) ? 0 : retries0), 1);
+}
+
+// After the previous tests one worker is left: SIGTERM drains it (the running request
 // completes, the etcd key goes at once), then the cluster has no worker and says so.
 TEST_F(ClusterTest, SigtermDrainsTheLastWorker) {
-  int idx = -1;
-  for (int i = 0; i < 2; ++i) {
-    if (!WorkerMetrics(i).empty()) idx = i;
+  int idx = -1, alive = 0;
+  for (int i = 0; i < kWorkers; ++i) {
+    if (!WorkerMetrics(i).empty()) {
+      idx = i;
+      ++alive;
+    }
   }
+  ASSERT_EQ(alive, 1);
   ASSERT_GE(idx, 0);
   const int pid = std::stoi(env_["WORKER" + std::to_string(idx) + "_PID"]);
   v1::GenerateRequest r = Rag({11}, "Q:", 300);
@@ -758,7 +838,7 @@ TEST_F(ClusterTest, SigtermDrainsTheLastWorker) {
   EXPECT_EQ(m.usage().completion_tokens(), 300);
   // Deregistered at once (lease revoked), and the process exits.
   etcd::EtcdClient etcd({{env_["ETCD"]}});
-  auto kvs = etcd.RangePrefix("/sparsex/workers/");
+  auto kvs = etcd.Get("/sparsex/workers/worker-" + std::to_string(idx));
   ASSERT_TRUE(kvs.ok());
   EXPECT_EQ(kvs->size(), 0u);
   bool exited = false;
