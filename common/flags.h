@@ -131,8 +131,11 @@ class FlagSet {
   std::string Usage() const {
     std::string out = "usage: " + program_ + " [--flag=value ...]\n";
     for (const auto& [name, f] : flags_) {
-      out += "  --" + name + "  " + f.help + " (default: " + (f.def.empty() ? "\"\"" : f.def) +
-             ")\n";
+      out += "  --" + name + "  " + f.help;
+      if (f.help.find("default") == std::string::npos) {
+        out += " (default: " + (f.def.empty() ? std::string("\"\"") : f.def) + ")";
+      }
+      out += "\n";
     }
     return out;
   }

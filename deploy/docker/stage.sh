@@ -90,6 +90,11 @@ EOF
       echo "stage.sh: $root/opt/sparsex/bin/sparsex-worker --help failed" >&2
       rc=1
     fi
+  elif [ "$image" = worker-cpu ] && ldd "$BIN/sparsex-worker" | grep -q 'libcudart\.so'; then
+    # A CUDA build tree: the worker-cpu image is built with -DSPARSEX_WITH_CUDA=OFF, so its
+    # Debian package list cannot be checked against this binary (worker-cuda covers it).
+    echo "stage.sh: worker-cpu: $BIN/sparsex-worker links CUDA; skipped (the image builds without CUDA)"
+    continue
   else
     mkdir -p "$root/usr/local/bin"
     files=()

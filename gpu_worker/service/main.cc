@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
   f.Add("max_running", &o.scheduler.max_running, "sequences admitted at once");
   f.Add("max_queue", &o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED");
   f.Add("prefill_chunk", &o.scheduler.prefill_chunk, "tokens per plain prefill chunk per iteration");
+  f.Add("defer_segment_stores", &o.scheduler.defer_segment_stores,
+        "store missing segments after the first token (off the TTFT path)");
   f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");

@@ -742,6 +742,74 @@ TEST_F(ClusterTest, RagDemoClientRuns) {
   EXPECT_NE(out.find("greedy output identical"), std::string::npos) << out;
 }
 
+// A second router without etcd (static member list) that lets one request per worker in
+// flight: with every worker busy it sheds load with RESOURCE_EXHAUSTED / HTTP 429.
+TEST_F(ClusterTest, StaticMembersAndLoadShedding) {
+  const std::string ready = run_dir_ + "/router2.ready";
+  std::string members;
+  for (int i = 0; i < kWorkers; ++i) {
+    members += (i ? "," : "") + env_["WORKER" + std::to_string(i) + "_GRPC"];
+  }
+  auto p = ct::ChildProcess::Spawn(
+      {BinDir() + "/sparsex-router", "--model", ModelsDir() + "/stories260K/stories260K.gguf",
+       "--workers", members, "--grpc_address", "127.0.0.1:0", "--http_address", "127.0.0.1:0",
+       "--max_inflight_per_worker", "1", "--ready_file", ready},
+      run_dir_ + "/router2.log");
+  ASSERT_TRUE(p.ok()) << p.status();
+  json r2;
+  for (int i = 0; i < 200 && r2.is_null(); ++i) {
+    std::this_thread::sleep_for(50ms);
+    std::ifstream in(ready);
+    if (in) r2 = json::parse(in, nullptr, false);
+    if (r2.is_discarded()) r2 = nullptr;
+  }
+  ASSERT_FALSE(r2.is_null()) << "second router did not start";
+  const std::string grpc_addr = "127.0.0.1:" + std::to_string(r2["grpc_port"].get<int>());
+  const std::string http_addr = "127.0.0.1:" + std::to_string(r2["http_port"].get<int>());
+  auto stub = v1::SparseX::NewStub(grpc::CreateChannel(grpc_addr, grpc::InsecureChannelCredentials()));
+  int healthy = 0;
+  for (int i = 0; i < 200 && healthy < kWorkers; ++i) {
+    grpc::ClientContext ctx;
+    v1::HealthResponse h;
+    if (stub->Health(&ctx, v1::HealthRequest(), &h).ok()) {
+      healthy = 0;
+      for (const auto& w : h.workers()) healthy += w.healthy();
+    }
+    if (healthy < kWorkers) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_EQ(healthy, kWorkers) << "static members not all healthy";
+  // Occupy every worker with one long request each (started one after the other).
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>>> readers;
+  for (int i = 0; i < kWorkers; ++i) {
+    v1::GenerateRequest r = Rag({i + 20}, "Q:", 1500);
+    r.mutable_sampling()->set_ignore_eos(true);
+    ctxs.push_back(std::make_unique<grpc::ClientContext>());
+    readers.push_back(stub->Generate(ctxs.back().get(), r));
+    v1::GenerateResponse m;
+    ASSERT_TRUE(readers.back()->Read(&m)) << "long request " << i;
+  }
+  {
+    grpc::ClientContext ctx;
+    auto rd = stub->Generate(&ctx, Rag({0}, "Q:", 2));
+    v1::GenerateResponse m;
+    while (rd->Read(&m)) {
+    }
+    grpc::Status s = rd->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("saturated"), std::string::npos) << s.error_message();
+  }
+  auto h = http::HttpRequest(http_addr, "POST", "/v1/completions", R"({"prompt":"Once","max_tokens":2})");
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->status, 429) << h->body;
+  for (size_t i = 0; i < ctxs.size(); ++i) {
+    ctxs[i]->TryCancel();
+    readers[i]->Finish();
+  }
+  (*p)->Stop(10s);
+  EXPECT_TRUE(WaitKvFree());
+}
+
 // Last: kills a worker.
 TEST_F(ClusterTest, WorkerKilledMidStreamThenOthersServe) {
   ASSERT_TRUE(WaitKvFree());
