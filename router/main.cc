@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "common/flags.h"
+#include "common/signals.h"
 #include "router/frontends.h"
 #include "router/router.h"
 
@@ -50,12 +51,7 @@ int main(int argc, char** argv) {
     std::cout << f.Usage();
     return 0;
   }
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  sparsex::InstallTerminationHandler();
 
   auto router = Router::Create(o);
   if (!router.ok()) {
@@ -92,8 +88,7 @@ int main(int argc, char** argv) {
     }
     std::filesystem::rename(tmp, o.ready_file);
   }
-  int sig = 0;
-  sigwait(&set, &sig);
+  sparsex::WaitForTermination();
   std::cerr << "[router] stopping" << std::endl;
   if (grpc) grpc->Shutdown();
   if (http) http->Shutdown();

@@ -35,5 +35,7 @@ curl -sS "http://$ROUTER_HTTP/v1/completions" \
   -d '{"model":"stories260K","prompt":"Once upon a time","max_tokens":24,"temperature":0}'
 echo
 echo "== router metrics (excerpt)"
-curl -sS "http://$ROUTER_HTTP/metrics" | grep -E '^sparsex_router_(requests_total|reused_tokens_total|new_tokens_total|recomputed_tokens_total|routing_decisions_total)' || true
+curl -sS "http://$ROUTER_HTTP/metrics" |
+  grep -E '^sparsex_router_(requests_total|reused_tokens_total|new_tokens_total|recomputed_tokens_total|routing_decisions_total)' |
+  grep -v ' 0$' || true
 echo "== stopping the cluster"

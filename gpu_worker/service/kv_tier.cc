@@ -124,6 +124,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     for (size_t i = 0; i < present.size(); ++i) fail("transport");
     return out;
   }
+  std::vector<cache::BlockKey> bad;  // blocks that are not what their key says
   for (size_t s = 0; s < present.size(); ++s) {
     SegmentKv kv;
     kv.n_tokens = present[s].num_tokens;
@@ -145,6 +146,9 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     }
     if (!reason.empty()) {
       fail(reason);
+      if (reason == "corrupt") {
+        for (int l = 0; l < n_layers_; ++l) bad.push_back(keys[s * n_layers_ + l]);
+      }
       continue;
     }
     if (store->Put(present[s].fp, std::move(kv)).ok()) {
@@ -152,6 +156,8 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
       out.stored.push_back(present[s]);
     }
   }
+  // Drop what did not verify, so this worker's write-back (or another's) replaces it.
+  if (!bad.empty()) (void)client_->Evict(bad);
   return out;
 }
 

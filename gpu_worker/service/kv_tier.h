@@ -67,7 +67,9 @@ class ClusterKvTier {
                                                                 int n_layers, int kv_dim);
   ~ClusterKvTier();
 
-  // Fetches the segments the local store lacks and puts them there. Thread-safe.
+  // Fetches the segments the local store lacks and puts them there. Blocks that do not verify
+  // (checksum, model, segment, layer, shape) are not used and are evicted from the cache
+  // servers, so a later write-back replaces them. Thread-safe.
   FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store);
   // Writes a segment's KV to its owners (ALREADY_EXISTS counts as success). Thread-safe.
   absl::Status Put(const Hash128& fp, const SegmentKv& kv);

@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "common/flags.h"
+#include "common/signals.h"
 #include "gpu_worker/service/worker_server.h"
 
 int main(int argc, char** argv) {
@@ -20,6 +21,7 @@ int main(int argc, char** argv) {
   int block_size = o.scheduler.engine.kv.block_size;
   bool prefix_caching = o.scheduler.engine.kv.enable_prefix_caching;
   int64_t host_store_mb = static_cast<int64_t>(o.host_store_bytes >> 20);
+  int64_t device_tier_mb = -1;
   int replication = static_cast<int>(o.cluster.replication);
   int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
   float recompute_ratio = o.scheduler.reuse.budget.ratio;
@@ -46,6 +48,8 @@ int main(int argc, char** argv) {
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
   f.Add("host_store_mb", &host_store_mb, "host segment store capacity in MiB");
+  f.Add("device_tier_mb", &device_tier_mb,
+        "segment KV kept in device memory, MiB (default -1: 1024 with --device cuda, else 0)");
   f.Add("cache_servers", &o.cluster.servers, "cache server gRPC addresses (comma-separated)");
   f.Add("cache_replication", &replication, "copies of each segment in the cache cluster");
   f.Add("cache_transport", &o.cluster.transport, "cache data plane: ucx | grpc");
@@ -71,24 +75,19 @@ int main(int argc, char** argv) {
   o.scheduler.engine.kv.enable_prefix_caching = prefix_caching;
   o.scheduler.reuse.budget.ratio = recompute_ratio;
   o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;
+  if (device_tier_mb < 0) device_tier_mb = o.device == "cuda" ? 1024 : 0;
+  o.scheduler.device_tier_bytes = static_cast<size_t>(device_tier_mb) << 20;
   o.cluster.replication = static_cast<uint32_t>(replication);
   o.cluster.rpc_timeout_ms = static_cast<uint32_t>(cache_rpc_timeout_ms);
 
-  // Signals are taken synchronously by this thread; every other thread has them blocked.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  sparsex::InstallTerminationHandler();
 
   auto w = sparsex::service::WorkerServer::Start(o);
   if (!w.ok()) {
     std::cerr << "sparsex-worker: " << w.status() << "\n";
     return 1;
   }
-  int sig = 0;
-  sigwait(&set, &sig);
+  sparsex::WaitForTermination();
   (*w)->Drain();
   return 0;
 }

@@ -176,7 +176,8 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
       return;
     }
     engine_ = std::move(*e);
-    reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_, opts_.reuse);
+    reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_, opts_.reuse,
+                                           opts_.device_tier_bytes);
     block_size_ = engine_->blocks().block_size();
     PublishLoad();
     ready->set_value(absl::OkStatus());  // `ready` dies with Start's frame: not used again

@@ -52,6 +52,9 @@ struct SchedulerOptions {
   bool defer_segment_stores = true;
   // Deferred stores waiting beyond this many run even in iterations that prefill. Default: 16
   int max_pending_stores = 16;
+  // Backend memory kept for segment KV across requests (ReuseEngine's device tier: assembly
+  // without a host round trip on a GPU); 0 copies from the host store per request. Default: 0
+  size_t device_tier_bytes = 0;
 };
 
 // Per-request figures reported with the final chunk.

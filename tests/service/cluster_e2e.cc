@@ -21,6 +21,10 @@
 #include "cache_server/testing/server_process.h"
 #include "common/etcd/etcd_client.h"
 #include "common/etcd/http_client.h"
+#include "common/fingerprint.h"
+#include "common/kv_block.h"
+#include "cache_server/client/cache_client.h"
+#include "gpu_worker/service/kv_tier.h"
 #include "gtest/gtest.h"
 #include "proto/sparsex.grpc.pb.h"
 
@@ -222,7 +226,8 @@ class ClusterTest : public ::testing::Test {
     while (ps >> p) have = have && std::filesystem::exists(dir + "/node_modules/" + p + "/package.json");
     if (have) return dir;
     auto [rc, out] = Shell("cd " + dir + " && (test -f package.json || npm init -y >/dev/null) && "
-                         "npm install --no-audit --no-fund --loglevel=error " + packages + " 2>&1",
+                         "npm install --no-audit --no-fund --loglevel=error --fetch-timeout=30000 "
+                         "--fetch-retries=1 " + packages + " 2>&1",
                          300s);
     if (rc != 0) {
       last_npm_error_ = out;
@@ -740,6 +745,67 @@ TEST_F(ClusterTest, RagDemoClientRuns) {
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("reused tokens"), std::string::npos) << out;
   EXPECT_NE(out.find("greedy output identical"), std::string::npos) << out;
+}
+
+// A block in the cache cluster that is not what its key says (well-formed, right checksum,
+// wrong shape: a buggy or older writer) is never used: the worker recomputes the segment, the
+// request succeeds, the failure is counted, and the bad block is evicted and replaced.
+TEST_F(ClusterTest, BadClusterBlockIsRecomputedAndReplaced) {
+  const std::string doc = docs_[33] + "\n";
+  grpc::ClientContext tctx;
+  v1::TokenizeRequest treq;
+  treq.set_text(doc);
+  v1::TokenizeResponse tok;
+  ASSERT_TRUE(stub_->Tokenize(&tctx, treq, &tok).ok());
+  std::vector<int32_t> ids(tok.ids().begin(), tok.ids().end());
+  grpc::ClientContext mctx;
+  v1::ListModelsResponse lm;
+  ASSERT_TRUE(stub_->ListModels(&mctx, v1::ListModelsRequest(), &lm).ok());
+  const std::string hex = lm.models(0).fingerprint();
+  Hash128 model_fp{std::stoull(hex.substr(0, 16), nullptr, 16), std::stoull(hex.substr(16), nullptr, 16)};
+  ASSERT_EQ(model_fp.Hex(), hex);
+  const Hash128 seg = SegmentFingerprint(model_fp, ids, "none");
+  cache::CacheClientOptions co;
+  co.address = env_["CACHE0_GRPC"];
+  co.model_fp = model_fp;
+  auto client = cache::CacheClient::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const int layers = 5, kv_dim = 32;  // stories260K: 5 layers, 4 KV heads x 8
+  SegmentKv wrong;
+  wrong.n_tokens = static_cast<int>(ids.size()) + 3;
+  wrong.n_layers = layers;
+  wrong.kv_dim = kv_dim;
+  for (int l = 0; l < layers; ++l) {
+    wrong.k.emplace_back(static_cast<size_t>(wrong.n_tokens) * kv_dim, 0.5f);
+    wrong.v.emplace_back(static_cast<size_t>(wrong.n_tokens) * kv_dim, -0.5f);
+  }
+  for (int l = layers - 1; l >= 0; --l) {
+    auto blk = service::EncodeSegmentLayer(model_fp, seg, wrong, l);
+    ASSERT_TRUE(blk.ok());
+    ASSERT_TRUE((*client)->Put({seg, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)},
+                               KvBlockBytes(*blk)).ok());
+  }
+  const double failures0 = SumWorkerMetric("sparsex_worker_fetch_failures_total{reason=\"corrupt\"}");
+  v1::GenerateRequest r;
+  r.add_segments()->set_text(doc);
+  v1::Segment* q = r.add_segments();
+  q->set_text("Question: what happened?\nAnswer:");
+  q->set_cacheable(false);
+  r.mutable_sampling()->set_max_tokens(8);
+  Gen g = GenerateAndIndex(r, 1, /*written_back=*/true);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.usage.fetch_failures(), 1);
+  EXPECT_EQ(g.usage.segments_fetched(), 0);
+  EXPECT_EQ(g.usage.reused_tokens(), 0);
+  EXPECT_EQ(g.usage.completion_tokens(), 8);
+  EXPECT_EQ(SumWorkerMetric("sparsex_worker_fetch_failures_total{reason=\"corrupt\"}"), failures0 + 1);
+  // The worker's write-back replaced the bad blocks: the cluster now holds the right shape.
+  auto fetched = (*client)->Fetch(std::vector<cache::BlockKey>{{seg, 0, 1}});
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  ASSERT_TRUE((*fetched)[0].ok()) << (*fetched)[0].status();
+  auto hdr = DecodeKvBlockHeader(KvBlockBytes(*(*fetched)[0]));
+  ASSERT_TRUE(hdr.ok());
+  EXPECT_EQ(hdr->num_tokens, ids.size());
 }
 
 // A second router without etcd (static member list) that lets one request per worker in

@@ -130,6 +130,11 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   ASSERT_EQ(f.failure_reasons.size(), 1u);
   EXPECT_EQ(f.failure_reasons[0], "corrupt");
   EXPECT_FALSE(store.Contains(seg));
+  // The bad blocks were evicted: the right KV can be written back and fetched.
+  ASSERT_TRUE(tier_->Put(seg, MakeKv(12, 6.0f)).ok());
+  FetchOutcome g = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(g.fetched, 1);
+  EXPECT_EQ(g.failures, 0);
 }
 
 TEST_F(KvTierServerTest, UnreachableClusterMeansRecompute) {
