@@ -447,6 +447,8 @@ def check_rbac(objs):
         for s in rb.get("subjects", []):
             if s["kind"] == "ServiceAccount" and s["name"] not in sas:
                 err(f"{oid(rb)}: subject {s['name']} is not a ServiceAccount here")
+            if s["kind"] == "ServiceAccount" and s.get("namespace") != NAMESPACE:
+                err(f"{oid(rb)}: ServiceAccount subject {s['name']} needs namespace {NAMESPACE}")
 
 
 def check_wiring(objs):
