@@ -75,9 +75,19 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
                               nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof callbacks);
-  mg_context* ctx = mg_start(&callbacks, nullptr, mg_options);
+  char error[256] = "";
+  mg_init_data init;
+  std::memset(&init, 0, sizeof init);
+  init.callbacks = &callbacks;
+  init.configuration_options = mg_options;
+  mg_error_data err;
+  std::memset(&err, 0, sizeof err);
+  err.text = error;
+  err.text_buffer_size = sizeof error;
+  mg_context* ctx = mg_start2(&init, &err);
   if (ctx == nullptr) {
-    return absl::UnavailableError(absl::StrCat("http server: cannot listen on ", ports));
+    return absl::UnavailableError(
+        absl::StrCat("http server: cannot listen on ", ports, ": ", error));
   }
   server->impl_->ctx = ctx;
   mg_set_request_handler(ctx, "/metrics$", &Impl::HandleMetrics, server->impl_.get());

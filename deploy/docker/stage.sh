@@ -90,10 +90,13 @@ EOF
       echo "stage.sh: $root/opt/sparsex/bin/sparsex-worker --help failed" >&2
       rc=1
     fi
-  elif [ "$image" = worker-cpu ] && ldd "$BIN/sparsex-worker" | grep -q 'libcudart\.so'; then
-    # A CUDA build tree: the worker-cpu image is built with -DSPARSEX_WITH_CUDA=OFF, so its
-    # Debian package list cannot be checked against this binary (worker-cuda covers it).
-    echo "stage.sh: worker-cpu: $BIN/sparsex-worker links CUDA; skipped (the image builds without CUDA)"
+  elif cuda_bins=$(for b in $(binaries "$image"); do
+                     ldd "$BIN/$b" | grep -q 'libcudart\.so' && echo "$b"; done; true) &&
+       [ -n "$cuda_bins" ]; then
+    # A CUDA build tree: the Debian images (cache-server, router, worker-cpu) are built with
+    # -DSPARSEX_WITH_CUDA=OFF, so their package lists cannot be checked against binaries that
+    # link CUDA here (worker-cuda covers the CUDA libraries).
+    echo "stage.sh: $image: $(echo $cuda_bins) link CUDA in this build tree; skipped (the image builds without CUDA)"
     continue
   else
     mkdir -p "$root/usr/local/bin"
