@@ -56,11 +56,13 @@ void ClusterIndex::ApplySnapshot(const std::string& worker, const std::string& i
   w.instance = instance;
   w.seq = seq;
   w.segments.clear();
-  for (const IndexEntry& e : entries) w.segments[e.fp] = e.num_tokens;
+  w.blocks.clear();
+  for (const IndexEntry& e : entries) (e.block ? w.blocks : w.segments)[e.fp] = e.num_tokens;
 }
 
 bool ClusterIndex::ApplyEvent(const std::string& worker, const std::string& instance,
-                              uint64_t seq, EventKind kind, const Hash128& fp, int num_tokens) {
+                              uint64_t seq, EventKind kind, const Hash128& fp, int num_tokens,
+                              bool block) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = workers_.find(worker);
   if (it == workers_.end() || it->second.instance != instance) return false;
@@ -68,10 +70,14 @@ bool ClusterIndex::ApplyEvent(const std::string& worker, const std::string& inst
   if (seq <= w.seq) return true;  // already applied (duplicate delivery)
   if (seq != w.seq + 1) return false;
   w.seq = seq;
+  auto& map = block ? w.blocks : w.segments;
   switch (kind) {
-    case EventKind::kStored: w.segments[fp] = num_tokens; break;
-    case EventKind::kRemoved: w.segments.erase(fp); break;
-    case EventKind::kCleared: w.segments.clear(); break;
+    case EventKind::kStored: map[fp] = num_tokens; break;
+    case EventKind::kRemoved: map.erase(fp); break;
+    case EventKind::kCleared:
+      w.segments.clear();
+      w.blocks.clear();
+      break;
   }
   return true;
 }
@@ -93,7 +99,7 @@ int ClusterIndex::ReusableTokens(const std::string& worker,
   if (it == workers_.end()) return 0;
   int n = 0;
   for (const IndexEntry& s : segments) {
-    if (it->second.segments.contains(s.fp)) n += s.num_tokens;
+    if ((s.block ? it->second.blocks : it->second.segments).contains(s.fp)) n += s.num_tokens;
   }
   return n;
 }

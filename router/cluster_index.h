@@ -73,6 +73,7 @@ RouteDecision ChooseWorker(std::span<const RouteCandidate> candidates, int promp
 struct IndexEntry {
   Hash128 fp;
   int num_tokens = 0;
+  bool block = false;  // an exact-prefix KV block (BLOCK_* events), not a segment
 };
 
 class ClusterIndex {
@@ -84,13 +85,13 @@ class ClusterIndex {
   // Applies one event. false (nothing applied) when the instance differs or seq is not the next
   // one: the caller resubscribes and gets a snapshot.
   bool ApplyEvent(const std::string& worker, const std::string& instance, uint64_t seq,
-                  EventKind kind, const Hash128& fp, int num_tokens);
+                  EventKind kind, const Hash128& fp, int num_tokens, bool block = false);
   void UpdateLoad(const std::string& worker, const WorkerLoadInfo& load);
   void RemoveWorker(const std::string& worker);
 
-  // Tokens of `segments` (fingerprint, length) the worker holds.
+  // Tokens of `segments` (segment fingerprints and prefix-block hashes) the worker holds.
   int ReusableTokens(const std::string& worker, std::span<const IndexEntry> segments) const;
-  size_t Segments(const std::string& worker) const;
+  size_t Segments(const std::string& worker) const;  // segments only, not prefix blocks
   uint64_t LastSeq(const std::string& worker) const;
   std::string Instance(const std::string& worker) const;
   WorkerLoadInfo Load(const std::string& worker) const;
@@ -100,6 +101,7 @@ class ClusterIndex {
     std::string instance;
     uint64_t seq = 0;
     absl::flat_hash_map<Hash128, int> segments;
+    absl::flat_hash_map<Hash128, int> blocks;  // exact-prefix KV blocks
     WorkerLoadInfo load;
   };
   mutable std::mutex mu_;

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   f.Add("etcd_prefix", &o.etcd_prefix, "etcd key prefix (workers under <prefix>/workers/)");
   f.Add("membership_poll_ms", &o.membership_poll_ms, "etcd membership poll period");
   f.Add("segment_encoding", &o.segment_encoding, "segment encoding context (must match the workers)");
+  f.Add("kv_block_size", &o.kv_block_size, "workers' KV block size, for exact-prefix block hashes");
   f.Add("chunk_min_tokens", &o.chunking.min_tokens, "plain-prompt chunking: minimum chunk");
   f.Add("chunk_avg_tokens", &o.chunking.avg_tokens, "plain-prompt chunking: average chunk");
   f.Add("chunk_max_tokens", &o.chunking.max_tokens, "plain-prompt chunking: maximum chunk");

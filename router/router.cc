@@ -309,13 +309,14 @@ struct Router::Impl {
           std::vector<IndexEntry> entries;
           for (const auto& e : ev.snapshot().entries()) {
             auto fp = service::DecodeFingerprintBytes(e.fingerprint());
-            if (fp.ok()) entries.push_back({*fp, e.num_tokens()});
+            if (fp.ok()) entries.push_back({*fp, e.num_tokens(), e.tier() == wpb::TIER_GPU});
           }
           index.ApplySnapshot(c.address, ev.instance_id(), ev.snapshot().seq(), entries);
           c.healthy = true;
         } else if (ev.has_cache()) {
           const wpb::CacheEvent& ce = ev.cache();
-          ClusterIndex::EventKind k = ce.kind() == wpb::CacheEvent::SEGMENT_REMOVED
+          ClusterIndex::EventKind k = ce.kind() == wpb::CacheEvent::SEGMENT_REMOVED ||
+                                              ce.kind() == wpb::CacheEvent::BLOCK_REMOVED
                                           ? ClusterIndex::EventKind::kRemoved
                                       : ce.kind() == wpb::CacheEvent::ALL_CLEARED
                                           ? ClusterIndex::EventKind::kCleared
@@ -326,7 +327,10 @@ struct Router::Impl {
             if (!d.ok()) continue;
             fp = *d;
           }
-          if (!index.ApplyEvent(c.address, ev.instance_id(), ce.seq(), k, fp, ce.num_tokens())) {
+          const bool block = ce.kind() == wpb::CacheEvent::BLOCK_STORED ||
+                             ce.kind() == wpb::CacheEvent::BLOCK_REMOVED;
+          if (!index.ApplyEvent(c.address, ev.instance_id(), ce.seq(), k, fp, ce.num_tokens(),
+                                block)) {
             force_snapshot = true;  // gap or restart: start over from a snapshot
             ctx.TryCancel();
             break;
@@ -434,6 +438,21 @@ struct Router::Impl {
     *p.wreq.mutable_reuse() = req.reuse();
     p.wreq.set_return_token_ids(req.return_token_ids());
     const bool reuse_on = !req.reuse().has_enable() || req.reuse().enable();
+    {
+      // Exact-prefix blocks as the worker's block manager hashes them (chained, salted with the
+      // model fingerprint). Their tokens add to a worker's score on top of any segment hit
+      // covering them: an exact hit needs no recompute at all.
+      std::vector<int32_t> all;
+      if (add_bos && tok.bos_id() >= 0) all.push_back(tok.bos_id());
+      for (const auto& s : segs) all.insert(all.end(), s.tokens.begin(), s.tokens.end());
+      const size_t bs = static_cast<size_t>(std::max(1, opts.kv_block_size));
+      Hash128 parent;
+      for (size_t i = 0; i + bs < all.size(); i += bs) {  // never the block of the last token
+        parent = PrefixBlockHash(model->fingerprint(), parent,
+                                 std::span<const int32_t>(all.data() + i, bs));
+        p.fps.push_back({parent, static_cast<int>(bs), /*block=*/true});
+      }
+    }
     for (const auto& s : segs) {
       wpb::TokenSegment* ts = p.wreq.add_segments();
       ts->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());

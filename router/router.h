@@ -53,6 +53,7 @@ struct RouterOptions {
   RoutingWeights weights;        // Default: see RoutingWeights
   ChunkingOptions chunking;      // plain prompts. Default: ChunkingOptions{}
   std::string segment_encoding = "none";  // must match the workers'. Default: none
+  int kv_block_size = 16;  // workers' KV block size, for exact-prefix block hashes. Default: 16
   int max_attempts = 3;          // workers tried before the first token. Default: 3
   int request_timeout_ms = 0;    // deadline when the client sets none; 0 = none. Default: 0
   std::string ready_file;        // JSON with the ports, written once serving. Default: none

@@ -49,6 +49,7 @@ absl::StatusOr<int32_t> BlockManager::Allocate() {
     by_hash_.erase(blk.hash);
     blk.registered = false;
     ++stats_.evictions;
+    if (hook_) hook_(blk.hash, false);
   } else {
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache pool exhausted: all ", opts_.num_blocks, " blocks of ", opts_.block_size,
@@ -108,6 +109,7 @@ void BlockManager::Register(int32_t b, const Hash128& hash) {
   if (!inserted) return;
   blk.registered = true;
   blk.hash = hash;
+  if (hook_) hook_(hash, true);
 }
 
 void BlockManager::ClearCached() {
@@ -117,6 +119,7 @@ void BlockManager::ClearCached() {
     blk.registered = false;
     blk.in_lru = false;
     free_.push_back(b);
+    if (hook_) hook_(blk.hash, false);
   }
   lru_.clear();
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <span>
 #include <vector>
@@ -64,6 +65,11 @@ class BlockManager {
   void Register(int32_t block, const Hash128& hash);
   // Drops every cached-but-unreferenced block (e.g. on model reload).
   void ClearCached();
+  // Called with (hash, true) when a block becomes findable by its prefix hash and (hash, false)
+  // when it stops being findable (evicted or cleared): the worker publishes these as cache
+  // events so the router's index follows the exact-prefix cache too. Default: none
+  using EventHook = std::function<void(const Hash128& hash, bool stored)>;
+  void SetEventHook(EventHook hook) { hook_ = std::move(hook); }
 
  private:
   struct Block {
@@ -80,6 +86,7 @@ class BlockManager {
   std::list<int32_t> lru_;  // front = least recently used
   absl::flat_hash_map<Hash128, int32_t> by_hash_;
   BlockStats stats_;
+  EventHook hook_;
 };
 
 }  // namespace sparsex

@@ -47,14 +47,17 @@ void CacheEventLog::Reconcile(const SegmentStore& store) {
   std::vector<Hash128> gone;
   {
     std::lock_guard<std::mutex> l(mu_);
+    // Exact-prefix blocks (tier GPU) are reported by the block manager itself, not the store.
+    int64_t host_entries = 0;
+    for (const auto& [fp, e] : entries_) host_entries += e.tier != EventTier::kGpu;
     if (st.evictions == seen_evictions_ && st.corrupt == seen_corrupt_ &&
-        static_cast<int64_t>(entries_.size()) <= st.entries) {
+        host_entries <= st.entries) {
       return;
     }
     seen_evictions_ = st.evictions;
     seen_corrupt_ = st.corrupt;
     for (const auto& [fp, e] : entries_) {
-      if (!store.Contains(fp)) gone.push_back(fp);
+      if (e.tier != EventTier::kGpu && !store.Contains(fp)) gone.push_back(fp);
     }
   }
   for (const Hash128& fp : gone) Removed(fp);

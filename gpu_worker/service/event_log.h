@@ -3,6 +3,9 @@
 // recent events for subscribers that resume, and a snapshot (Replay) for those that cannot.
 // The router's cluster index follows these events, so it never guesses.
 //
+// Exact-prefix KV blocks of the paged cache are entries of tier GPU (published as BLOCK_STORED /
+// BLOCK_REMOVED), reported by the engine's block manager as they are registered and evicted.
+//
 // Evictions inside the SegmentStore (LRU, corrupt entries dropped on read) are not reported by
 // the store itself: Reconcile() notices them from the store's counters and checks the entries
 // it knows about, emitting SEGMENT_REMOVED for each one that is gone.

@@ -179,6 +179,12 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
     reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_, opts_.reuse,
                                            opts_.device_tier_bytes);
     block_size_ = engine_->blocks().block_size();
+    if (hooks_.on_block_event) {
+      auto hook = hooks_.on_block_event;
+      const int bs = block_size_;
+      engine_->blocks().SetEventHook(
+          [hook, bs](const Hash128& h, bool stored) { hook(h, bs, stored); });
+    }
     PublishLoad();
     ready->set_value(absl::OkStatus());  // `ready` dies with Start's frame: not used again
   }

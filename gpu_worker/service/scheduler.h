@@ -121,6 +121,9 @@ struct SchedulerHooks {
   // The first token of a request (ttft), every later token (gap since the previous one).
   std::function<void(double ttft_s)> on_first_token;
   std::function<void(double gap_s)> on_token;
+  // An exact-prefix KV block became findable (stored) or stopped being findable (evicted),
+  // with the tokens it holds; called on the engine thread.
+  std::function<void(const Hash128& hash, int num_tokens, bool stored)> on_block_event;
   // A request finished (any reason, also failures).
   std::function<void(const RequestUsage&, const std::string& finish_reason,
                      const absl::Status& status)>

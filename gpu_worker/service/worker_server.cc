@@ -355,9 +355,12 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         e.set_instance_id(s_->instance_id);
         wpb::CacheEvent* c = e.mutable_cache();
         c->set_seq(r.seq);
-        c->set_kind(r.kind == EventKind::kStored    ? wpb::CacheEvent::SEGMENT_STORED
-                    : r.kind == EventKind::kRemoved ? wpb::CacheEvent::SEGMENT_REMOVED
-                                                    : wpb::CacheEvent::ALL_CLEARED);
+        const bool block = r.tier == EventTier::kGpu;  // exact-prefix block of the paged KV
+        c->set_kind(r.kind == EventKind::kStored
+                        ? (block ? wpb::CacheEvent::BLOCK_STORED : wpb::CacheEvent::SEGMENT_STORED)
+                    : r.kind == EventKind::kRemoved
+                        ? (block ? wpb::CacheEvent::BLOCK_REMOVED : wpb::CacheEvent::SEGMENT_REMOVED)
+                        : wpb::CacheEvent::ALL_CLEARED);
         if (r.kind != EventKind::kCleared) c->set_fingerprint(EncodeFingerprintBytes(r.fp));
         c->set_num_tokens(r.num_tokens);
         c->set_tier(ToProtoTier(r.tier));
@@ -451,6 +454,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
         for (const auto& [fp, n] : stored) sp->wb_queue.push_back(fp);
       }
       sp->wb_cv.notify_all();
+    }
+  };
+  hooks.on_block_event = [sp](const Hash128& h, int n, bool stored) {
+    if (stored) {
+      sp->events->Stored(h, n, EventTier::kGpu);
+    } else {
+      sp->events->Removed(h);
     }
   };
   hooks.on_first_token = [sp](double s) { sp->m->ttft->Observe(s); };

@@ -71,6 +71,29 @@ TEST(BlockManager, LruEvictionOfUnreferencedCachedBlocks) {
   bm.Release(*nb);
 }
 
+TEST(BlockManager, EventHookFollowsRegistrationAndEviction) {
+  BlockManager bm({.block_size = 2, .num_blocks = 2}, Fp());
+  std::vector<std::pair<Hash128, bool>> ev;
+  bm.SetEventHook([&](const Hash128& h, bool stored) { ev.emplace_back(h, stored); });
+  auto t = Tokens(4);
+  auto hashes = bm.BlockHashes(t);
+  auto blocks = *bm.AllocateN(2);
+  bm.Register(blocks[0], hashes[0]);
+  bm.Register(blocks[1], hashes[1]);
+  bm.Register(blocks[1], hashes[1]);  // idempotent: no second event
+  ASSERT_EQ(ev.size(), 2u);
+  EXPECT_EQ(ev[0], std::make_pair(hashes[0], true));
+  bm.ReleaseAll(blocks);
+  auto b = bm.Allocate();  // evicts the tail block (LRU)
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(ev.size(), 3u);
+  EXPECT_EQ(ev[2], std::make_pair(hashes[1], false));
+  bm.Release(*b);
+  bm.ClearCached();
+  ASSERT_EQ(ev.size(), 4u);
+  EXPECT_EQ(ev[3], std::make_pair(hashes[0], false));
+}
+
 TEST(BlockManager, ExhaustionIsAClearError) {
   BlockManager bm({.block_size = 16, .num_blocks = 2}, Fp());
   auto a = bm.AllocateN(2);

@@ -37,6 +37,18 @@ TEST(ClusterIndexTest, EventsInOrderGapsAndSnapshots) {
   EXPECT_EQ(idx.ReusableTokens("w", q), 0);
 }
 
+TEST(ClusterIndexTest, PrefixBlocksAreIndexedApartFromSegments) {
+  ClusterIndex idx;
+  const Hash128 seg = HashBytes128("seg", 3), blk = HashBytes128("blk", 3);
+  idx.ApplySnapshot("w", "i", 0, std::vector<IndexEntry>{{seg, 40, false}});
+  ASSERT_TRUE(idx.ApplyEvent("w", "i", 1, ClusterIndex::EventKind::kStored, blk, 16, true));
+  EXPECT_EQ(idx.Segments("w"), 1u);  // blocks are not segments
+  std::vector<IndexEntry> want = {{seg, 40, false}, {blk, 16, true}, {blk, 16, false}};
+  EXPECT_EQ(idx.ReusableTokens("w", want), 56);  // the same hash as a segment is not held
+  ASSERT_TRUE(idx.ApplyEvent("w", "i", 2, ClusterIndex::EventKind::kRemoved, blk, 16, true));
+  EXPECT_EQ(idx.ReusableTokens("w", want), 40);
+}
+
 TEST(RoutingTest, PrefersTheWorkerHoldingTheSegmentsAtEqualLoad) {
   std::vector<RouteCandidate> c(3);
   c[0].id = "a";
