@@ -186,44 +186,48 @@ absl::StatusOr<GenerateResult> Engine::Generate(const GenerateRequest& req,
   GenerateResult res;
   res.prompt_tokens = static_cast<int>(req.prompt.size());
   res.cached_tokens = seq.cached_prefix;
+  absl::Status st = Decode(seq, Prefill(seq), req.sampling, cb, t0, &res);
+  if (st.ok()) RegisterPrefix(seq);
+  Release(seq);
+  RETURN_IF_ERROR(st);
+  return res;
+}
+
+absl::Status Engine::Decode(Sequence& seq, absl::StatusOr<std::vector<float>> logits,
+                            const SamplingParams& sampling, const TokenCallback& cb,
+                            std::chrono::steady_clock::time_point t0, GenerateResult* res) {
   const Tokenizer& tok = model_->tokenizer();
-  std::vector<int32_t> stops = req.sampling.stop_ids;
-  if (!req.sampling.ignore_eos) {
+  std::vector<int32_t> stops = sampling.stop_ids;
+  if (!sampling.ignore_eos) {
     for (int32_t s : tok.StopIds()) stops.push_back(s);
     // A generated BOS starts a new document (llama2.c stops there too).
     if (tok.bos_id() >= 0) stops.push_back(tok.bos_id());
   }
-  Sampler sampler(req.sampling);
+  Sampler sampler(sampling);
   StreamDecoder dec(tok);
-  absl::StatusOr<std::vector<float>> logits = Prefill(seq);
-  res.finish_reason = "length";
-  while (logits.ok() && static_cast<int>(res.tokens.size()) < req.sampling.max_tokens) {
+  res->finish_reason = "length";
+  while (logits.ok() && static_cast<int>(res->tokens.size()) < sampling.max_tokens) {
     const int32_t next = sampler.Sample(*logits);
-    if (res.tokens.empty()) res.ttft_ms = MsSince(t0);
+    if (res->tokens.empty()) res->ttft_ms = MsSince(t0);
     if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
-      res.finish_reason = "stop";
+      res->finish_reason = "stop";
       break;
     }
-    res.tokens.push_back(next);
+    res->tokens.push_back(next);
     TokenEvent ev{next, dec.Push(next)};
-    res.text += ev.text;
+    res->text += ev.text;
     if (cb && !cb(ev)) {
-      res.finish_reason = "cancelled";
+      res->finish_reason = "cancelled";
       break;
     }
-    if (static_cast<int>(res.tokens.size()) == req.sampling.max_tokens) break;
+    if (static_cast<int>(res->tokens.size()) == sampling.max_tokens) break;
     if (static_cast<int>(seq.tokens.size()) >= model_->config().max_seq_len) break;
     logits = Step(seq, next);
   }
-  absl::Status st = logits.status();
-  if (st.ok()) {
-    res.text += dec.Flush();
-    RegisterPrefix(seq);
-  }
-  Release(seq);
-  RETURN_IF_ERROR(st);
-  res.total_ms = MsSince(t0);
-  return res;
+  RETURN_IF_ERROR(logits.status());
+  res->text += dec.Flush();
+  res->total_ms = MsSince(t0);
+  return absl::OkStatus();
 }
 
 }  // namespace sparsex

@@ -8,6 +8,7 @@
 //   }));
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -83,6 +84,12 @@ class Engine {
   // at or before `exact_upto` tokens (default: all computed tokens) are registered.
   void RegisterPrefix(const Sequence& seq, int exact_upto = -1);
   void Release(Sequence& seq);
+  // Samples from `logits` (the prefill's), streams tokens through cb and steps the sequence
+  // until a stop token, max_tokens, the context length or cancellation; fills res (tokens, text,
+  // finish_reason, ttft_ms and total_ms measured from t0). Does not release the sequence.
+  absl::Status Decode(Sequence& seq, absl::StatusOr<std::vector<float>> logits,
+                      const SamplingParams& sampling, const TokenCallback& cb,
+                      std::chrono::steady_clock::time_point t0, GenerateResult* res);
   std::vector<int32_t> CtxSlots(const Sequence& seq, int len) const;
 
  private:

@@ -398,50 +398,13 @@ absl::StatusOr<GenerateResult> ReuseEngine::Generate(const std::vector<PromptSeg
   const auto t0 = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(ReusePrefillResult pr, Prefill(segments));
   if (stats != nullptr) *stats = pr.stats;
-  Sequence& seq = pr.seq;
   GenerateResult res;
   res.prompt_tokens = pr.stats.prompt_tokens;
   res.cached_tokens = pr.stats.prefix_tokens + pr.stats.reused_tokens;
-  const Tokenizer& tok = engine_->model().tokenizer();
-  std::vector<int32_t> stops = sampling.stop_ids;
-  if (!sampling.ignore_eos) {
-    for (int32_t s : tok.StopIds()) stops.push_back(s);
-    if (tok.bos_id() >= 0) stops.push_back(tok.bos_id());
-  }
-  Sampler sampler(sampling);
-  StreamDecoder dec(tok);
-  absl::StatusOr<std::vector<float>> logits = std::move(pr.logits);
-  res.finish_reason = "length";
-  const int max_len = engine_->model().config().max_seq_len;
-  while (logits.ok() && static_cast<int>(res.tokens.size()) < sampling.max_tokens) {
-    const int32_t next = sampler.Sample(*logits);
-    if (res.tokens.empty()) {
-      res.ttft_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    }
-    if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
-      res.finish_reason = "stop";
-      break;
-    }
-    res.tokens.push_back(next);
-    TokenEvent ev{next, dec.Push(next)};
-    res.text += ev.text;
-    if (cb && !cb(ev)) {
-      res.finish_reason = "cancelled";
-      break;
-    }
-    if (static_cast<int>(res.tokens.size()) == sampling.max_tokens ||
-        static_cast<int>(seq.tokens.size()) >= max_len) {
-      break;
-    }
-    logits = engine_->Step(seq, next);
-  }
-  absl::Status s = logits.status();
-  if (s.ok()) res.text += dec.Flush();
-  engine_->Release(seq);
-  RETURN_IF_ERROR(s);
-  res.total_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // Prefill already registered the exact blocks for prefix reuse.
+  absl::Status st = engine_->Decode(pr.seq, std::move(pr.logits), sampling, cb, t0, &res);
+  engine_->Release(pr.seq);
+  RETURN_IF_ERROR(st);
   return res;
 }
 
