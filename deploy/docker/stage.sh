@@ -91,9 +91,10 @@ EOF
       rc=1
     fi
   elif cuda_bins=$(for b in $(binaries "$image"); do
-                     ldd "$BIN/$b" | grep -q 'libcudart\.so' && echo "$b"; done; true) &&
+                     ldd "$BIN/$b" | grep 'libcudart\.so' >/dev/null && echo "$b"; done; true) &&
        [ -n "$cuda_bins" ]; then
-    # A CUDA build tree: the Debian images (cache-server, router, worker-cpu) are built with
+    # (grep reads all of ldd's output: with pipefail, grep -q's early exit would fail ldd with
+    # SIGPIPE at random.) A CUDA build tree: the Debian images (cache-server, router, worker-cpu) are built with
     # -DSPARSEX_WITH_CUDA=OFF, so their package lists cannot be checked against binaries that
     # link CUDA here (worker-cuda covers the CUDA libraries).
     echo "stage.sh: $image: $(echo $cuda_bins) link CUDA in this build tree; skipped (the image builds without CUDA)"
