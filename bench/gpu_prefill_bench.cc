@@ -45,28 +45,6 @@ struct Options {
   std::string out = "gpu_prefill_raw.json";
 };
 
-ModelConfig Llama3_8B() {
-  ModelConfig c;
-  c.architecture = "llama";
-  c.n_layers = 32;
-  c.dim = 4096;
-  c.ffn_dim = 14336;
-  c.n_heads = 32;
-  c.n_kv_heads = 8;
-  c.head_dim = 128;
-  c.vocab_size = 128256;
-  c.max_seq_len = 131072;
-  c.rms_eps = 1e-5f;
-  c.rope_theta = 500000.0f;
-  c.rope_layout = RopeLayout::kHalves;
-  c.rope_scaling.type = RopeScaling::Type::kLlama3;
-  c.rope_scaling.factor = 8.0f;
-  c.rope_scaling.low_freq_factor = 1.0f;
-  c.rope_scaling.high_freq_factor = 4.0f;
-  c.rope_scaling.original_max_position = 8192;
-  return c;
-}
-
 double Median(std::vector<double> v) {
   if (v.empty()) return NAN;
   std::sort(v.begin(), v.end());
@@ -163,7 +141,8 @@ int Main(const Options& o) {
   cudaStream_t stream = CudaBackendStream(*be);
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  ModelConfig cfg = Llama3_8B();
+  // The same shapes as `--model synthetic:llama3-8b` everywhere else.
+  ModelConfig cfg = Unwrap(MakeSyntheticModel("llama3-8b"), "synthetic model")->config();
   if (o.layers > 0) cfg.n_layers = o.layers;
   const int bs = 16;
   int max_len = o.decode_ctx + o.decode_steps + 1;

@@ -22,6 +22,49 @@ absl::Status Backend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b,
   return absl::OkStatus();
 }
 
+absl::Status ValidateSlots(const KvPool& pool, std::span<const int32_t> slots) {
+  const int64_t cap = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
+  for (int32_t s : slots) {
+    if (s < 0 || s >= cap) {
+      return absl::OutOfRangeError(absl::StrCat("KV slot ", s, " outside pool of ", cap));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const AttentionArgs& a,
+                               const Tensor& out) {
+  const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
+  const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
+  if (static_cast<int64_t>(a.q_pos.size()) != n) {
+    return absl::InvalidArgumentError("Attention: one position per query row required");
+  }
+  if (out.rows != n || out.cols != static_cast<int64_t>(H) * hd) {
+    return absl::InvalidArgumentError(absl::StrCat("Attention out: expected [", n, ", ",
+                                                   static_cast<int64_t>(H) * hd, "], got [",
+                                                   out.rows, ", ", out.cols, "]"));
+  }
+  if (KV <= 0 || H <= 0 || hd <= 0 || H % KV != 0 || KV * hd != pool.kv_dim ||
+      static_cast<int64_t>(H) * hd > q.cols) {
+    return absl::InvalidArgumentError("Attention: inconsistent head counts");
+  }
+  for (int32_t p : a.q_pos) {
+    if (p < 0 || p >= ctx) {
+      return absl::OutOfRangeError(absl::StrCat("query position ", p, " outside context of ",
+                                                ctx));
+    }
+  }
+  RETURN_IF_ERROR(ValidateSlots(pool, a.ctx_slots));
+  if (a.out_cross != nullptr && (a.key_group.size() != static_cast<size_t>(ctx) ||
+                                 a.q_group.size() != static_cast<size_t>(n))) {
+    return absl::InvalidArgumentError("Attention: cross statistic needs key_group and q_group");
+  }
+  if (a.out_recv != nullptr && a.recv_weight.size() != static_cast<size_t>(n)) {
+    return absl::InvalidArgumentError("Attention: recv statistic needs recv_weight per row");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opts) {
   if (opts.kind == "cpu") return CreateCpuBackend();
   if (opts.kind == "cuda") {

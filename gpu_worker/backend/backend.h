@@ -144,6 +144,13 @@ class Backend {
                                 int64_t n) = 0;
 };
 
+// What every backend requires of its inputs, checked in one place: slots inside the pool; for
+// attention also the shapes, head counts, each query position inside the context and the
+// statistics arrays sized to match.
+absl::Status ValidateSlots(const KvPool& pool, std::span<const int32_t> slots);
+absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const AttentionArgs& a,
+                               const Tensor& out);
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opts);
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend();
 // Defined only when SPARSEX_WITH_CUDA; CreateBackend reports Unavailable otherwise.

@@ -272,20 +272,10 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status CheckSlots(const KvPool& pool, std::span<const int32_t> slots) {
-    const int64_t cap = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
-    for (int32_t s : slots) {
-      if (s < 0 || s >= cap) {
-        return absl::OutOfRangeError(absl::StrCat("KV slot ", s, " outside pool of ", cap));
-      }
-    }
-    return absl::OkStatus();
-  }
-
   absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
                        const Tensor& v_src, int64_t v_col,
                        std::span<const int32_t> slots) override {
-    RETURN_IF_ERROR(CheckSlots(pool, slots));
+    RETURN_IF_ERROR(ValidateSlots(pool, slots));
     const int64_t d = pool.kv_dim;
     for (size_t i = 0; i < slots.size(); ++i) {
       std::memcpy(F(pool.k[layer]) + slots[i] * d, F(k_src) + i * k_src.cols + k_col, d * 4);
@@ -296,7 +286,7 @@ class CpuBackend final : public Backend {
 
   absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
                       std::span<float> k_host, std::span<float> v_host) override {
-    RETURN_IF_ERROR(CheckSlots(pool, slots));
+    RETURN_IF_ERROR(ValidateSlots(pool, slots));
     const int64_t d = pool.kv_dim;
     for (size_t i = 0; i < slots.size(); ++i) {
       std::memcpy(k_host.data() + i * d, F(pool.k[layer]) + slots[i] * d, d * 4);
@@ -309,29 +299,9 @@ class CpuBackend final : public Backend {
                          const AttentionArgs& a, Tensor& out) override {
     const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
     const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
-    if (static_cast<int64_t>(a.q_pos.size()) != n) {
-      return absl::InvalidArgumentError("Attention: one position per query row required");
-    }
-    RETURN_IF_ERROR(CheckShape(out, n, static_cast<int64_t>(H) * hd, "Attention out"));
-    if (KV <= 0 || H % KV != 0 || KV * hd != pool.kv_dim) {
-      return absl::InvalidArgumentError("Attention: inconsistent head counts");
-    }
-    for (int32_t p : a.q_pos) {
-      if (p < 0 || p >= ctx) {
-        return absl::OutOfRangeError(absl::StrCat("query position ", p, " outside context of ",
-                                                  ctx));
-      }
-    }
-    RETURN_IF_ERROR(CheckSlots(pool, a.ctx_slots));
+    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out));
     const bool want_cross = a.out_cross != nullptr;
     const bool want_recv = a.out_recv != nullptr;
-    if (want_cross && (a.key_group.size() != static_cast<size_t>(ctx) ||
-                       a.q_group.size() != static_cast<size_t>(n))) {
-      return absl::InvalidArgumentError("Attention: cross statistic needs key_group and q_group");
-    }
-    if (want_recv && a.recv_weight.size() != static_cast<size_t>(n)) {
-      return absl::InvalidArgumentError("Attention: recv statistic needs recv_weight per row");
-    }
     const float scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));
     const float* K = F(pool.k[layer]);
     const float* V = F(pool.v[layer]);

@@ -459,15 +459,6 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status CheckSlots(const KvPool& pool, std::span<const int32_t> slots) {
-    const int64_t cap = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
-    for (int32_t s : slots) {
-      if (s < 0 || s >= cap) {
-        return absl::OutOfRangeError(absl::StrCat("KV slot ", s, " outside pool of ", cap));
-      }
-    }
-    return absl::OkStatus();
-  }
   absl::Status CheckLayer(const KvPool& pool, int layer) {
     if (layer < 0 || layer >= pool.num_layers || layer >= static_cast<int>(pool.k.size())) {
       return absl::OutOfRangeError(absl::StrCat("KV layer ", layer, " outside pool of ",
@@ -490,7 +481,7 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CheckLayer(pool, layer));
     RETURN_IF_ERROR(CheckBf16(k_src, "WriteKv k"));
     RETURN_IF_ERROR(CheckBf16(v_src, "WriteKv v"));
-    RETURN_IF_ERROR(CheckSlots(pool, slots));
+    RETURN_IF_ERROR(ValidateSlots(pool, slots));
     const int64_t n = static_cast<int64_t>(slots.size());
     if (k_src.rows < n || v_src.rows < n || k_col < 0 || v_col < 0 ||
         k_col + pool.kv_dim > k_src.cols || v_col + pool.kv_dim > v_src.cols) {
@@ -508,7 +499,7 @@ class CudaBackend final : public Backend {
   absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
                       std::span<float> k_host, std::span<float> v_host) override {
     RETURN_IF_ERROR(CheckLayer(pool, layer));
-    RETURN_IF_ERROR(CheckSlots(pool, slots));
+    RETURN_IF_ERROR(ValidateSlots(pool, slots));
     const int64_t n = static_cast<int64_t>(slots.size()), d = pool.kv_dim;
     if (k_host.size() != static_cast<size_t>(n * d) || v_host.size() != static_cast<size_t>(n * d)) {
       return absl::InvalidArgumentError("ReadKv: host buffers must hold slots * kv_dim floats");
@@ -543,34 +534,13 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CheckBf16(out, "Attention out"));
     const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
     const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
-    if (static_cast<int64_t>(a.q_pos.size()) != n) {
-      return absl::InvalidArgumentError("Attention: one position per query row required");
-    }
-    RETURN_IF_ERROR(CheckShape(out, n, static_cast<int64_t>(H) * hd, "Attention out"));
-    if (KV <= 0 || H <= 0 || hd <= 0 || H % KV != 0 || KV * hd != pool.kv_dim ||
-        static_cast<int64_t>(H) * hd > q.cols) {
-      return absl::InvalidArgumentError("Attention: inconsistent head counts");
-    }
+    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out));
     if (!kernels::PagedAttentionSupported(hd, H, KV)) {
       return absl::UnimplementedError(absl::StrCat("Attention: unsupported head_dim ", hd,
                                                    " with ", H, "/", KV, " heads"));
     }
-    for (int32_t p : a.q_pos) {
-      if (p < 0 || p >= ctx) {
-        return absl::OutOfRangeError(absl::StrCat("query position ", p, " outside context of ",
-                                                  ctx));
-      }
-    }
-    RETURN_IF_ERROR(CheckSlots(pool, a.ctx_slots));
     const bool want_cross = a.out_cross != nullptr;
     const bool want_recv = a.out_recv != nullptr;
-    if (want_cross && (a.key_group.size() != static_cast<size_t>(ctx) ||
-                       a.q_group.size() != static_cast<size_t>(n))) {
-      return absl::InvalidArgumentError("Attention: cross statistic needs key_group and q_group");
-    }
-    if (want_recv && a.recv_weight.size() != static_cast<size_t>(n)) {
-      return absl::InvalidArgumentError("Attention: recv statistic needs recv_weight per row");
-    }
     if (n == 0) return absl::OkStatus();
     const bool stats = want_cross || want_recv;
 
