@@ -22,6 +22,45 @@ absl::Status Backend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b,
   return absl::OkStatus();
 }
 
+void Backend::FreeWeights(BackendWeights& w) {
+  Free(w.tok_embeddings);
+  Free(w.final_norm);
+  Free(w.output);
+  for (BackendLayer& l : w.layers) {
+    for (Tensor* t : {&l.attn_norm, &l.wqkv, &l.wo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) {
+      Free(*t);
+    }
+  }
+  w.layers.clear();
+}
+
+absl::StatusOr<BackendWeights> MakeWeights(Backend& be, const ModelConfig& c,
+                                           const MatrixMaker& matrix, const NormMaker& norm) {
+  BackendWeights out;
+  auto make = [&]() -> absl::Status {
+    const int64_t hd = c.head_dim;
+    ASSIGN_OR_RETURN(out.tok_embeddings, matrix(c.vocab_size, c.dim));
+    ASSIGN_OR_RETURN(out.final_norm, norm(c.dim));
+    ASSIGN_OR_RETURN(out.output, matrix(c.vocab_size, c.dim));
+    for (int l = 0; l < c.n_layers; ++l) {
+      BackendLayer& bl = out.layers.emplace_back();
+      ASSIGN_OR_RETURN(bl.attn_norm, norm(c.dim));
+      ASSIGN_OR_RETURN(bl.wqkv, matrix((c.n_heads + 2 * c.n_kv_heads) * hd, c.dim));
+      ASSIGN_OR_RETURN(bl.wo, matrix(c.dim, c.n_heads * hd));
+      ASSIGN_OR_RETURN(bl.ffn_norm, norm(c.dim));
+      ASSIGN_OR_RETURN(bl.w_gate_up, matrix(2 * c.ffn_dim, c.dim));
+      ASSIGN_OR_RETURN(bl.w_down, matrix(c.dim, c.ffn_dim));
+    }
+    return absl::OkStatus();
+  };
+  absl::Status s = make();
+  if (!s.ok()) {
+    be.FreeWeights(out);
+    return s;
+  }
+  return out;
+}
+
 absl::Status ValidateSlots(const KvPool& pool, std::span<const int32_t> slots) {
   const int64_t cap = static_cast<int64_t>(pool.num_blocks) * pool.block_size;
   for (int32_t s : slots) {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -98,7 +99,8 @@ class Backend {
   // e.g. Llama-3-8B shapes on a GPU without a 16 GB host copy). Values ~ U(-a, a) with
   // a = 1/sqrt(in_features); norms are 1. Deterministic for a seed on a given backend.
   virtual absl::StatusOr<BackendWeights> RandomWeights(const ModelConfig& cfg, uint64_t seed) = 0;
-  virtual void FreeWeights(BackendWeights& w) = 0;
+  // Default: Free of every tensor.
+  virtual void FreeWeights(BackendWeights& w);
   virtual absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,
                                              int kv_dim) = 0;
   virtual void FreeKvPool(KvPool& pool) = 0;
@@ -143,6 +145,14 @@ class Backend {
   virtual absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
                                 int64_t n) = 0;
 };
+
+// Weights of cfg's shapes, in the order tok_embeddings, final_norm, output, then per layer
+// attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down, each made by `matrix` (rows, cols) or `norm`
+// (n); on an error everything made so far is freed. Backends build RandomWeights on it.
+using MatrixMaker = std::function<absl::StatusOr<Tensor>(int64_t rows, int64_t cols)>;
+using NormMaker = std::function<absl::StatusOr<Tensor>(int64_t n)>;
+absl::StatusOr<BackendWeights> MakeWeights(Backend& be, const ModelConfig& cfg,
+                                           const MatrixMaker& matrix, const NormMaker& norm);
 
 // What every backend requires of its inputs, checked in one place: slots inside the pool; for
 // attention also the shapes, head counts, each query position inside the context and the

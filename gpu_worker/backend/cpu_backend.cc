@@ -127,34 +127,7 @@ class CpuBackend final : public Backend {
       std::fill(F(t), F(t) + n, 1.0f);
       return t;
     };
-    BackendWeights out;
-    const int64_t hd = c.head_dim;
-    ASSIGN_OR_RETURN(out.tok_embeddings, rand(c.vocab_size, c.dim));
-    ASSIGN_OR_RETURN(out.final_norm, ones(c.dim));
-    ASSIGN_OR_RETURN(out.output, rand(c.vocab_size, c.dim));
-    for (int l = 0; l < c.n_layers; ++l) {
-      BackendLayer bl;
-      ASSIGN_OR_RETURN(bl.attn_norm, ones(c.dim));
-      ASSIGN_OR_RETURN(bl.wqkv, rand((c.n_heads + 2 * c.n_kv_heads) * hd, c.dim));
-      ASSIGN_OR_RETURN(bl.wo, rand(c.dim, c.n_heads * hd));
-      ASSIGN_OR_RETURN(bl.ffn_norm, ones(c.dim));
-      ASSIGN_OR_RETURN(bl.w_gate_up, rand(2 * c.ffn_dim, c.dim));
-      ASSIGN_OR_RETURN(bl.w_down, rand(c.dim, c.ffn_dim));
-      out.layers.push_back(bl);
-    }
-    return out;
-  }
-
-  void FreeWeights(BackendWeights& w) override {
-    Free(w.tok_embeddings);
-    Free(w.final_norm);
-    Free(w.output);
-    for (BackendLayer& l : w.layers) {
-      for (Tensor* t : {&l.attn_norm, &l.wqkv, &l.wo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) {
-        Free(*t);
-      }
-    }
-    w.layers.clear();
+    return MakeWeights(*this, c, rand, ones);
   }
 
   absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,

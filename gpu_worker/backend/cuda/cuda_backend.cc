@@ -271,7 +271,6 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<BackendWeights> RandomWeights(const ModelConfig& c, uint64_t seed) override {
-    BackendWeights out;
     uint64_t counter = 0;
     auto rand = [&](int64_t rows, int64_t cols) -> absl::StatusOr<Tensor> {
       ASSIGN_OR_RETURN(Tensor t, Alloc(rows, cols));
@@ -285,43 +284,17 @@ class CudaBackend final : public Backend {
       CUDA_RETURN(kernels::Fill(B(t), n, 1.0f, stream_), "RandomWeights fill");
       return t;
     };
-    auto make = [&]() -> absl::Status {
-      const int64_t hd = c.head_dim;
-      ASSIGN_OR_RETURN(out.tok_embeddings, rand(c.vocab_size, c.dim));
-      ASSIGN_OR_RETURN(out.final_norm, ones(c.dim));
-      ASSIGN_OR_RETURN(out.output, rand(c.vocab_size, c.dim));
-      for (int l = 0; l < c.n_layers; ++l) {
-        out.layers.push_back(BackendLayer{});
-        BackendLayer& bl = out.layers.back();
-        ASSIGN_OR_RETURN(bl.attn_norm, ones(c.dim));
-        ASSIGN_OR_RETURN(bl.wqkv, rand((c.n_heads + 2 * c.n_kv_heads) * hd, c.dim));
-        ASSIGN_OR_RETURN(bl.wo, rand(c.dim, c.n_heads * hd));
-        ASSIGN_OR_RETURN(bl.ffn_norm, ones(c.dim));
-        ASSIGN_OR_RETURN(bl.w_gate_up, rand(2 * c.ffn_dim, c.dim));
-        ASSIGN_OR_RETURN(bl.w_down, rand(c.dim, c.ffn_dim));
-      }
-      CUDA_RETURN(cudaStreamSynchronize(stream_), "RandomWeights sync");
-      return absl::OkStatus();
-    };
-    absl::Status s = make();
-    if (!s.ok()) {
+    ASSIGN_OR_RETURN(BackendWeights out, MakeWeights(*this, c, rand, ones));
+    if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
       FreeWeights(out);
-      return s;
+      return CudaError(e, "RandomWeights sync");
     }
     return out;
   }
 
   void FreeWeights(BackendWeights& w) override {
-    Free(w.tok_embeddings);
-    Free(w.final_norm);
-    Free(w.output);
-    for (BackendLayer& l : w.layers) {
-      for (Tensor* t : {&l.attn_norm, &l.wqkv, &l.wo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) {
-        Free(*t);
-      }
-    }
-    w.layers.clear();
-    cudaStreamSynchronize(stream_);
+    Backend::FreeWeights(w);
+    cudaStreamSynchronize(stream_);  // frees are stream-ordered
   }
 
   absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,
