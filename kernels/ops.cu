@@ -207,7 +207,33 @@ __global__ void ScatterKernel(const bf16* src, int64_t src_stride, const int32_t
   }
 }
 
+// One warp per row; lanes stride over the columns, then a shuffle reduction.
+__global__ void RowSqDistKernel(const bf16* a, int64_t as, const bf16* b, int64_t bs,
+                                int64_t rows, int64_t cols, float* out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; r < rows; r += warps) {
+    const bf16* pa = a + r * as;
+    const bf16* pb = b + r * bs;
+    float acc = 0.0f;
+    for (int64_t j = lane; j < cols; j += 32) {
+      const float d = __bfloat162float(pa[j]) - __bfloat162float(pb[j]);
+      acc += d * d;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) out[r] = acc;
+  }
+}
+
 }  // namespace
+
+cudaError_t RowSqDist(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride,
+                      int64_t rows, int64_t cols, float* out, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  RowSqDistKernel<<<GridFor(rows * 32), kThreads, 0, stream>>>(a, a_stride, b, b_stride, rows,
+                                                               cols, out);
+  return cudaGetLastError();
+}
 
 cudaError_t F32ToBf16(const float* src, bf16* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;

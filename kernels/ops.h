@@ -59,4 +59,9 @@ cudaError_t ScatterRows(const bf16* src, int64_t src_stride, const int32_t* idx,
                         int64_t dst_stride, int64_t dst_rows, int64_t n, int64_t cols,
                         cudaStream_t stream);
 
+// out[r] = sum_j (a[r, j] - b[r, j])^2 for j < cols, in fp32 (the selector's KV deviation:
+// only one float per row leaves the device).   a, b: [rows, cols] with their row strides.
+cudaError_t RowSqDist(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride,
+                      int64_t rows, int64_t cols, float* out, cudaStream_t stream);
+
 }  // namespace sparsex::kernels

@@ -22,6 +22,45 @@ absl::Status Backend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b,
   return absl::OkStatus();
 }
 
+absl::Status Backend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) {
+  ASSIGN_OR_RETURN(Tensor tmp, Alloc(out.rows, out.cols));
+  absl::Status s = MatMul(x, w, tmp);
+  if (s.ok()) s = Add(out, tmp);
+  Free(tmp);
+  return s;
+}
+
+absl::Status Backend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
+                                 int64_t row0, std::span<const int32_t> pos,
+                                 std::span<const int32_t> slots, const RopeParams& rope) {
+  const int64_t n = static_cast<int64_t>(pos.size());
+  if (static_cast<int64_t>(slots.size()) != n) {
+    return absl::InvalidArgumentError("AssembleKv: one slot per position required");
+  }
+  if (n == 0) return absl::OkStatus();
+  if (rope.head_dim <= 0 || pool.kv_dim % rope.head_dim != 0) {
+    return absl::InvalidArgumentError("AssembleKv: kv_dim is not a multiple of head_dim");
+  }
+  ASSIGN_OR_RETURN(Tensor k, Alloc(n, pool.kv_dim));
+  absl::StatusOr<Tensor> vt = Alloc(n, pool.kv_dim);
+  absl::Status s = vt.status();
+  if (s.ok()) s = CopyRows(k_pre, row0, k, 0, n);
+  if (s.ok()) s = CopyRows(v, row0, *vt, 0, n);
+  if (s.ok()) s = Rope(k, 0, pool.kv_dim / rope.head_dim, pos, rope);
+  if (s.ok()) s = WriteKv(pool, layer, k, 0, *vt, 0, slots);
+  Free(k);
+  if (vt.ok()) Free(*vt);
+  return s;
+}
+
+absl::StatusOr<int64_t> Backend::Prefetch(const Tensor& src, Tensor& dst) {
+  if (src.rows != dst.rows || src.cols != dst.cols) {
+    return absl::InvalidArgumentError("Prefetch: shapes differ");
+  }
+  RETURN_IF_ERROR(CopyRows(src, 0, dst, 0, src.rows));
+  return 0;
+}
+
 void Backend::FreeWeights(BackendWeights& w) {
   Free(w.tok_embeddings);
   Free(w.final_norm);

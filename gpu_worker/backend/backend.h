@@ -29,9 +29,18 @@ struct Tensor {
   void* data = nullptr;  // backend memory (host for CPU, device for CUDA)
   DType dtype = DType::kF32;
   int64_t rows = 0, cols = 0;
+  bool host = false;  // parked in (pinned) host memory by AllocHost; see there
   size_t bytes() const { return static_cast<size_t>(rows * cols) * DTypeSize(dtype); }
   bool empty() const { return rows == 0 || cols == 0; }
 };
+
+// Rows [r0, r0 + n) of t, aliasing its memory (not to be freed).
+inline Tensor RowView(const Tensor& t, int64_t r0, int64_t n) {
+  Tensor v = t;
+  v.data = static_cast<char*>(t.data) + static_cast<size_t>(r0 * t.cols) * DTypeSize(t.dtype);
+  v.rows = n;
+  return v;
+}
 
 // The model's weights resident in backend memory.
 struct BackendLayer {
@@ -101,6 +110,19 @@ class Backend {
   virtual absl::StatusOr<BackendWeights> RandomWeights(const ModelConfig& cfg, uint64_t seed) = 0;
   // Default: Free of every tensor.
   virtual void FreeWeights(BackendWeights& w);
+  // Memory for data parked off the device (the pinned host tier of segment KV). On CUDA: pinned
+  // host memory in the compute dtype (Tensor::host set) that Upload, CopyRows and Prefetch
+  // accept; other operations take device tensors only. Default: Alloc (the CPU's memory is the
+  // host's).
+  virtual absl::StatusOr<Tensor> AllocHost(int64_t rows, int64_t cols) { return Alloc(rows, cols); }
+  // Copies all of src into dst (same shape) off the compute stream, so the copy overlaps the
+  // work enqueued after it; returns a ticket. Operations enqueued after Await(ticket) see the
+  // copied data; dst must not be freed before Await. Default: CopyRows now, ticket 0.
+  virtual absl::StatusOr<int64_t> Prefetch(const Tensor& src, Tensor& dst);
+  virtual absl::Status Await(int64_t ticket) {
+    (void)ticket;
+    return absl::OkStatus();
+  }
   virtual absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,
                                              int kv_dim) = 0;
   virtual void FreeKvPool(KvPool& pool) = 0;
@@ -114,6 +136,9 @@ class Backend {
   virtual absl::Status RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) = 0;
   // out = x @ w^T   (x [n, k], w [m, k], out [n, m])
   virtual absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) = 0;
+  // out += x @ w^T: the residual add folded into the projection (one pass over out instead of
+  // a separate Add). Default: MatMul into a temporary, then Add.
+  virtual absl::Status MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out);
   // a += b
   virtual absl::Status Add(Tensor& a, const Tensor& b) = 0;
   // out[:, j] = silu(x[:, j]) * x[:, j + half]   (x [n, 2*half], out [n, half])
@@ -125,6 +150,12 @@ class Backend {
   virtual absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
                                const Tensor& v_src, int64_t v_col,
                                std::span<const int32_t> slots) = 0;
+  // KV assembly of a reused segment: rows [row0, row0 + pos.size()) of k_pre (K before RoPE)
+  // rotated to positions pos and written with the same rows of v to the pool at slots.
+  // Default: CopyRows, Rope, WriteKv through temporaries (backends fuse it into one pass).
+  virtual absl::Status AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
+                                  int64_t row0, std::span<const int32_t> pos,
+                                  std::span<const int32_t> slots, const RopeParams& rope);
   // Reads K and V rows at slots into host fp32 ([slots.size(), kv_dim] each).
   virtual absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
                               std::span<float> k_host, std::span<float> v_host) = 0;

@@ -182,6 +182,13 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) override {
+    return Gemm(x, w, out, false);
+  }
+  // Same sums as MatMul followed by Add, so results are bit-identical either way.
+  absl::Status MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) override {
+    return Gemm(x, w, out, true);
+  }
+  absl::Status Gemm(const Tensor& x, const Tensor& w, Tensor& out, bool accumulate) {
     if (x.cols != w.cols) {
       return absl::InvalidArgumentError(absl::StrCat("MatMul: inner dims ", x.cols, " vs ",
                                                      w.cols));
@@ -193,7 +200,10 @@ class CpuBackend final : public Backend {
     ParallelFor(m, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
         const float* wr = F(w) + j * k;
-        for (int64_t i = 0; i < n; ++i) F(out)[i * m + j] = Dot(F(x) + i * k, wr, k);
+        for (int64_t i = 0; i < n; ++i) {
+          const float d = Dot(F(x) + i * k, wr, k);
+          F(out)[i * m + j] = accumulate ? F(out)[i * m + j] + d : d;
+        }
       }
     }, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, n * k / 64)));
     return absl::OkStatus();

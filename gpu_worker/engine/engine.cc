@@ -163,6 +163,55 @@ absl::StatusOr<std::vector<float>> Engine::Step(Sequence& seq, int32_t token) {
   return Prefill(seq);
 }
 
+absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
+    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+  const int64_t B = static_cast<int64_t>(seqs.size());
+  if (static_cast<int64_t>(tokens.size()) != B) {
+    return absl::InvalidArgumentError("StepBatch: one token per sequence required");
+  }
+  if (B == 0) return std::vector<std::vector<float>>{};
+  const int max_len = model_->config().max_seq_len;
+  const int bs = blocks_->block_size();
+  for (Sequence* s : seqs) {
+    if (static_cast<int>(s->tokens.size()) >= max_len) {
+      return absl::OutOfRangeError("context length reached");
+    }
+    if (s->computed != static_cast<int>(s->tokens.size())) {
+      return absl::FailedPreconditionError("StepBatch: a sequence is not fully computed");
+    }
+  }
+  // Capacity first: a failure leaves every sequence as it was (blocks taken stay with their
+  // sequence and are released with it).
+  for (Sequence* s : seqs) RETURN_IF_ERROR(EnsureCapacity(*s, static_cast<int>(s->tokens.size()) + 1));
+  std::vector<int32_t> pos(B), slots(B);
+  std::vector<std::vector<int32_t>> ctx(B);
+  std::vector<RowGroup> groups(B);
+  for (int64_t i = 0; i < B; ++i) {
+    const int p = static_cast<int>(seqs[i]->tokens.size());
+    pos[i] = p;
+    slots[i] = seqs[i]->Slot(p, bs);
+    ctx[i] = CtxSlots(*seqs[i], p + 1);
+    groups[i] = {i, i + 1, ctx[i]};
+  }
+  ASSIGN_OR_RETURN(Tensor x, runner_->Embed(tokens));
+  LayerRows rows{pos, slots, {}, groups};
+  absl::Status st;
+  for (int l = 0; l < model_->config().n_layers && st.ok(); ++l) st = runner_->Layer(l, x, rows);
+  std::vector<int32_t> all(B);
+  for (int64_t i = 0; i < B; ++i) all[i] = static_cast<int32_t>(i);
+  absl::StatusOr<std::vector<float>> lg = st.ok() ? runner_->Logits(x, all) : st;
+  runner_->backend().Free(x);
+  RETURN_IF_ERROR(lg.status());
+  const int64_t V = model_->config().vocab_size;
+  std::vector<std::vector<float>> out(B);
+  for (int64_t i = 0; i < B; ++i) {
+    out[i].assign(lg->begin() + i * V, lg->begin() + (i + 1) * V);
+    seqs[i]->tokens.push_back(tokens[i]);
+    seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
+  }
+  return out;
+}
+
 void Engine::RegisterPrefix(const Sequence& seq, int exact_upto) {
   const int bs = blocks_->block_size();
   const int upto = exact_upto < 0 ? seq.computed : std::min(exact_upto, seq.computed);

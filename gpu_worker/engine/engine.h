@@ -80,6 +80,11 @@ class Engine {
   absl::StatusOr<std::vector<float>> Prefill(Sequence& seq);
   // Appends a token and runs it; returns its logits.
   absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
+  // One decode step for several sequences in one forward pass (every matmul shared, attention
+  // per sequence): appends tokens[i] to *seqs[i], each of which must be fully computed, and
+  // returns each one's logits. On an error no sequence is changed.
+  absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
+                                                            std::span<const int32_t> tokens);
   // Registers the sequence's full, computed blocks for exact-prefix reuse; only blocks that end
   // at or before `exact_upto` tokens (default: all computed tokens) are registered.
   void RegisterPrefix(const Sequence& seq, int exact_upto = -1);

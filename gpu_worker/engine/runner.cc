@@ -129,7 +129,24 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   args.q_pos = rows.pos;
   args.ctx_slots = rows.ctx_slots;
   ASSIGN_OR_RETURN(Tensor* att, s.Get(n, static_cast<int64_t>(H) * hd));
-  RETURN_IF_ERROR(be_->Attention(*qkv, pool_, l, args, *att));
+  if (rows.groups.empty()) {
+    RETURN_IF_ERROR(be_->Attention(*qkv, pool_, l, args, *att));
+  } else {
+    if (stats != nullptr) {
+      return absl::InvalidArgumentError("Layer: no selection statistics for batched rows");
+    }
+    for (const RowGroup& g : rows.groups) {
+      if (g.row_begin < 0 || g.row_end > n || g.row_begin > g.row_end) {
+        return absl::InvalidArgumentError("Layer: row group outside the rows");
+      }
+      const int64_t gn = g.row_end - g.row_begin;
+      if (gn == 0) continue;
+      Tensor qv = RowView(*qkv, g.row_begin, gn), ov = RowView(*att, g.row_begin, gn);
+      args.q_pos = rows.pos.subspan(g.row_begin, gn);
+      args.ctx_slots = g.ctx_slots;
+      RETURN_IF_ERROR(be_->Attention(qv, pool_, l, args, ov));
+    }
+  }
   if (comm_ != nullptr && stats != nullptr) {
     const float inv = 1.0f / static_cast<float>(comm_->size());
     for (auto [local, out] : {std::pair{&cross_local, stats->out_cross},
@@ -139,17 +156,25 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       for (size_t i = 0; i < local->size(); ++i) out[i] += (*local)[i] * inv;
     }
   }
-  ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
-  RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
-  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
-  RETURN_IF_ERROR(be_->Add(x, *o));
+  // Without tensor parallelism the residual adds ride in the projections' epilogues; with it
+  // the partial sums must be all-reduced before they are added.
+  Tensor* o = nullptr;
+  if (comm_ != nullptr) {
+    ASSIGN_OR_RETURN(o, s.Get(n, cfg_.dim));
+    RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
+    RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
+    RETURN_IF_ERROR(be_->Add(x, *o));
+  } else {
+    RETURN_IF_ERROR(be_->MatMulAdd(*att, w.wo, x));
+  }
   RETURN_IF_ERROR(be_->RmsNorm(x, w.ffn_norm, cfg_.rms_eps, *h));
   ASSIGN_OR_RETURN(Tensor* gu, s.Get(n, 2 * static_cast<int64_t>(cfg_.ffn_dim)));
   RETURN_IF_ERROR(be_->MatMul(*h, w.w_gate_up, *gu));
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
   RETURN_IF_ERROR(be_->SwiGLU(*gu, *act));
+  if (comm_ == nullptr) return be_->MatMulAdd(*act, w.w_down, x);
   RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
-  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
+  RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
   return be_->Add(x, *o);
 }
 
@@ -171,18 +196,7 @@ absl::StatusOr<Tensor> ModelRunner::ProjectQkv(int l, const Tensor& x) {
 absl::Status ModelRunner::AssembleKvFrom(int layer, const Tensor& k_pre, const Tensor& v,
                                          int64_t row0, std::span<const int32_t> pos,
                                          std::span<const int32_t> slots) {
-  const int64_t n = static_cast<int64_t>(pos.size());
-  if (n == 0) return absl::OkStatus();
-  if (static_cast<int64_t>(slots.size()) != n) {
-    return absl::InvalidArgumentError("AssembleKvFrom: one slot per position required");
-  }
-  Scratch s(be_);
-  ASSIGN_OR_RETURN(Tensor* k, s.Get(n, kv_dim()));
-  ASSIGN_OR_RETURN(Tensor* vt, s.Get(n, kv_dim()));
-  RETURN_IF_ERROR(be_->CopyRows(k_pre, row0, *k, 0, n));
-  RETURN_IF_ERROR(be_->CopyRows(v, row0, *vt, 0, n));
-  RETURN_IF_ERROR(be_->Rope(*k, 0, cfg_.n_kv_heads, pos, rope_));
-  return be_->WriteKv(pool_, layer, *k, 0, *vt, 0, slots);
+  return be_->AssembleKv(pool_, layer, k_pre, v, row0, pos, slots, rope_);
 }
 
 absl::StatusOr<std::vector<float>> ModelRunner::Logits(const Tensor& x,

@@ -18,11 +18,20 @@
 
 namespace sparsex {
 
-// The rows one Layer call processes (all of one sequence).
+// Rows [row_begin, row_end) of a batched Layer call belong to one sequence whose positions
+// 0..ctx_len-1 live at ctx_slots.
+struct RowGroup {
+  int64_t row_begin = 0, row_end = 0;
+  std::span<const int32_t> ctx_slots;
+};
+
+// The rows one Layer call processes: all of one sequence, or (groups non-empty) rows of several
+// sequences, e.g. one decode row per running sequence, sharing every matmul.
 struct LayerRows {
   std::span<const int32_t> pos;        // [rows] absolute position of each row
   std::span<const int32_t> slots;      // [rows] KV slot each row's K/V is written to
   std::span<const int32_t> ctx_slots;  // [ctx_len] slot of every position of the sequence
+  std::span<const RowGroup> groups;    // several sequences (ctx_slots unused); no statistics
 };
 
 // Host copies of pre-RoPE K and V of the processed rows, per layer (segment storage).

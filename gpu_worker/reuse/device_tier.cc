@@ -20,10 +20,13 @@ absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
     delete s;
   });
   seg->n_tokens = kv.n_tokens;
+  auto alloc = [&](int64_t rows, int64_t cols) {
+    return host_ ? be->AllocHost(rows, cols) : be->Alloc(rows, cols);
+  };
   for (int l = 0; l < kv.n_layers; ++l) {
-    ASSIGN_OR_RETURN(Tensor k, be->Alloc(kv.n_tokens, kv.kv_dim));
+    ASSIGN_OR_RETURN(Tensor k, alloc(kv.n_tokens, kv.kv_dim));
     seg->k.push_back(k);
-    ASSIGN_OR_RETURN(Tensor v, be->Alloc(kv.n_tokens, kv.kv_dim));
+    ASSIGN_OR_RETURN(Tensor v, alloc(kv.n_tokens, kv.kv_dim));
     seg->v.push_back(v);
     RETURN_IF_ERROR(be->Upload(kv.k[l], seg->k.back()));
     RETURN_IF_ERROR(be->Upload(kv.v[l], seg->v.back()));

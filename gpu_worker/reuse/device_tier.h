@@ -1,6 +1,8 @@
 // The device tier of the segment store: segment KV resident in backend memory (bf16 on a GPU),
 // pre-RoPE K and V per layer, so assembling a reused segment is a device copy plus RoPE instead
-// of a host transfer. Capacity-bounded LRU; entries in use by a running request stay alive
+// of a host transfer. With host_memory the same tier lives in the backend's pinned host memory
+// (Backend::AllocHost): larger and cheaper, copied to the device per request with
+// Backend::Prefetch so the copy overlaps compute. Capacity-bounded LRU; entries in use by a running request stay alive
 // (shared ownership) even if evicted meanwhile. Not thread-safe: owned by the engine thread.
 #pragma once
 
@@ -23,12 +25,15 @@ struct DeviceSegment {
 class DeviceSegmentTier {
  public:
   // capacity 0 keeps nothing across requests (every Get misses; Upload still works).
-  DeviceSegmentTier(Backend* be, size_t capacity_bytes) : be_(be), capacity_(capacity_bytes) {}
+  DeviceSegmentTier(Backend* be, size_t capacity_bytes, bool host_memory = false)
+      : be_(be), capacity_(capacity_bytes), host_(host_memory) {}
   std::shared_ptr<const DeviceSegment> Get(const Hash128& fp);
   // Copies a host segment into backend memory, caching it when capacity allows.
   absl::StatusOr<std::shared_ptr<const DeviceSegment>> Upload(const Hash128& fp,
                                                               const SegmentKv& kv);
   size_t bytes() const { return bytes_; }
+  size_t capacity() const { return capacity_; }
+  bool host_memory() const { return host_; }
   int64_t hits() const { return hits_; }
 
  private:
@@ -38,6 +43,7 @@ class DeviceSegmentTier {
   };
   Backend* be_;
   size_t capacity_;
+  bool host_;
   size_t bytes_ = 0;
   int64_t hits_ = 0;
   absl::flat_hash_map<Hash128, Entry> map_;

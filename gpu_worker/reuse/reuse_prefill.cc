@@ -146,6 +146,17 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     group.insert(group.end(), segs[s].tokens.size(), static_cast<int32_t>(s));
   }
   const int N = static_cast<int>(tokens.size());
+  // Phase times (ReuseOptions::profile): wait for the device, charge the time since the last mark.
+  Backend& be = engine_->runner().backend();
+  auto mark = std::chrono::steady_clock::now();
+  auto phase = [&](double* ms) -> absl::Status {
+    if (!o.profile) return absl::OkStatus();
+    RETURN_IF_ERROR(be.Synchronize());
+    const auto now = std::chrono::steady_clock::now();
+    *ms += std::chrono::duration<double, std::milli>(now - mark).count();
+    mark = now;
+    return absl::OkStatus();
+  };
   ASSIGN_OR_RETURN(Sequence seq, engine_->Admit(tokens));
   ReusePrefillResult res;
   ReuseStats& st = res.stats;
@@ -166,6 +177,7 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   // Segments found in the device tier, else in the host store (checksums verified on Get; a
   // corrupt one is a miss) and then copied into backend memory.
   std::vector<std::shared_ptr<const DeviceSegment>> found(segs.size());
+  std::vector<char> from_host(segs.size(), 0);  // found in the pinned host tier
   std::vector<char> reused(N, 0);
   const int kd = engine_->runner().kv_dim();
   if (o.enable_reuse) {
@@ -177,10 +189,15 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       found[s] = tier_.Get(fp);
       if (found[s]) {
         ++st.segments_device_hit;
+      } else if ((found[s] = host_tier_.Get(fp))) {
+        ++st.segments_host_hit;
+        from_host[s] = 1;
       } else {
         auto kv = store_->Get(fp);
         if (kv && kv->n_tokens == n && kv->n_layers == L && kv->kv_dim == kd) {
-          ASSIGN_OR_RETURN(found[s], tier_.Upload(fp, *kv));
+          const bool to_host = tier_.capacity() == 0 && host_tier_.capacity() > 0;
+          ASSIGN_OR_RETURN(found[s], (to_host ? host_tier_ : tier_).Upload(fp, *kv));
+          from_host[s] = to_host;
         }
       }
       if (found[s]) {
@@ -195,23 +212,57 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   reused[N - 1] = 0;  // the last token is always computed: its logits are the answer
   const int n_rows = N - P;
 
-  // ---- assemble reused KV at the new positions (layers the full pass will not overwrite) ----
+  // ---- where each reused segment's rows go (assembled layer by layer before the sparse
+  // layers: the full layers [0, F) recompute every row and never read them) ----
   const int F = o.enable_reuse ? o.full_layers : L;
   ModelRunner& r = engine_->runner();
   const int bs = engine_->blocks().block_size();
+  struct Placement {
+    std::vector<int32_t> pos, slots;
+    int64_t row0 = 0;  // first reused row of the segment (reused rows are contiguous)
+  };
+  std::vector<Placement> place(segs.size());
   for (size_t s = 0; s < segs.size(); ++s) {
     if (!found[s]) continue;
     const int b = std::max(P, seg_start[s]);
     const int e = seg_start[s] + static_cast<int>(segs[s].tokens.size());
-    std::vector<int32_t> pos, slots;
     for (int p = b; p < e; ++p) {
       if (!reused[p]) continue;
-      pos.push_back(p);
-      slots.push_back(seq.Slot(p, bs));
+      place[s].pos.push_back(p);
+      place[s].slots.push_back(seq.Slot(p, bs));
     }
-    const int off = b - seg_start[s];  // reused rows of a segment are contiguous
-    for (int l = F; l < L; ++l) {
-      RETURN_IF_ERROR(r.AssembleKvFrom(l, found[s]->k[l], found[s]->v[l], off, pos, slots));
+    place[s].row0 = b - seg_start[s];
+  }
+  // Host-tier segments: every sparse layer's K/V copied to the device on the backend's copy
+  // stream, enqueued now so the copies run beside the full layers; awaited layer by layer.
+  struct Staged {
+    Tensor k, v;
+    int64_t tk = 0, tv = 0;
+  };
+  std::vector<std::vector<Staged>> staged(segs.size());  // [segment][layer - F]
+  struct StagedGuard {
+    Backend* be;
+    std::vector<std::vector<Staged>>* st;
+    ~StagedGuard() {
+      for (auto& layers : *st) {
+        for (Staged& x : layers) {
+          // A copy may still be writing: order the frees after it.
+          (void)be->Await(x.tk);
+          (void)be->Await(x.tv);
+          be->Free(x.k);
+          be->Free(x.v);
+        }
+      }
+    }
+  } staged_guard{&be, &staged};
+  for (int l = F; l < L; ++l) {
+    for (size_t s = 0; s < segs.size(); ++s) {
+      if (!from_host[s] || place[s].pos.empty()) continue;
+      Staged& x = staged[s].emplace_back();
+      ASSIGN_OR_RETURN(x.k, be.Alloc(found[s]->k[l].rows, kd));
+      ASSIGN_OR_RETURN(x.v, be.Alloc(found[s]->v[l].rows, kd));
+      ASSIGN_OR_RETURN(x.tk, be.Prefetch(found[s]->k[l], x.k));
+      ASSIGN_OR_RETURN(x.tv, be.Prefetch(found[s]->v[l], x.v));
     }
   }
   for (int p = P; p < N; ++p) (reused[p] ? st.reused_tokens : st.new_tokens)++;
@@ -226,6 +277,7 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     qgroup[i] = group[P + i];
     recv_w[i] = reused[P + i] ? 0.0f : 1.0f;
   }
+  RETURN_IF_ERROR(phase(&st.lookup_ms));
   ASSIGN_OR_RETURN(Tensor x0, r.Embed(std::span<const int32_t>(tokens.data() + P, n_rows)));
   TensorGuard xg{&r.backend(), x0};
   const bool want_attn = selector->needs_attention_stats() && st.reused_tokens > 0;
@@ -245,6 +297,7 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     RETURN_IF_ERROR(r.Layer(l, xg.t, rows, measure ? &stats : nullptr));
   }
   st.computed_token_layers = static_cast<int64_t>(F) * n_rows;
+  RETURN_IF_ERROR(phase(&st.full_ms));
 
   // ---- switch: rank the reused tokens ----
   std::vector<int32_t> reused_rows;  // row index (position - P) of every reused token
@@ -265,7 +318,6 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     if (selector->needs_kv_deviation()) {
       // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V),
       // on the backend: only one float per reused row comes back.
-      Backend& be = r.backend();
       const int64_t nr = static_cast<int64_t>(reused_rows.size());
       const int64_t qd = static_cast<int64_t>(r.config().n_heads) * r.config().head_dim;
       ASSIGN_OR_RETURN(Tensor qkv_all, r.ProjectQkv(F, xg.t));
@@ -303,6 +355,7 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     const int first_keep = static_cast<int>(ApplyBudget(score, o.budget).size());
     ranked.resize(first_keep);
   }
+  RETURN_IF_ERROR(phase(&st.select_ms));
 
   // ---- sparse layers [F, L): selected reused rows + every new row + the last row ----
   auto rows_for_layer = [&](int l) {
@@ -351,14 +404,32 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       pos[i] = P + cur[i];
       slots[i] = ctx[P + cur[i]];
     }
+    // The reused KV of this layer goes in first; the rows recomputed below overwrite theirs.
+    for (size_t s = 0; s < segs.size(); ++s) {
+      const Placement& pl = place[s];
+      if (pl.pos.empty()) continue;
+      if (from_host[s]) {
+        Staged& x = staged[s][l - F];
+        RETURN_IF_ERROR(be.Await(x.tk));
+        RETURN_IF_ERROR(be.Await(x.tv));
+        RETURN_IF_ERROR(r.AssembleKvFrom(l, x.k, x.v, pl.row0, pl.pos, pl.slots));
+        be.Free(x.k);  // stream-ordered: after the assembly that reads it
+        be.Free(x.v);
+      } else {
+        RETURN_IF_ERROR(r.AssembleKvFrom(l, found[s]->k[l], found[s]->v[l], pl.row0, pl.pos,
+                                         pl.slots));
+      }
+    }
     LayerRows rows{pos, slots, ctx};
     RETURN_IF_ERROR(r.Layer(l, *xs, rows));
     st.computed_token_layers += static_cast<int64_t>(cur.size());
   }
+  RETURN_IF_ERROR(phase(&st.sparse_ms));
   if (F >= L) st.selected_tokens = st.reused_tokens;
   // The last row is always present and last in position order.
   const int32_t last = static_cast<int32_t>(cur.size()) - 1;
   ASSIGN_OR_RETURN(res.logits, r.Logits(*xs, std::span<const int32_t>(&last, 1)));
+  RETURN_IF_ERROR(phase(&st.logits_ms));
   seq.computed = N;
   st.compute_share = n_rows > 0 ? static_cast<double>(st.computed_token_layers) /
                                       (static_cast<double>(L) * n_rows)

@@ -50,6 +50,9 @@ struct ReuseOptions {
   bool register_prefix = true;
   bool register_approximate_prefix = false;
   uint64_t seed = 0;                 // random selector seed. Default: 0
+  // Wait for the device at phase boundaries and report each phase's time in ReuseStats
+  // (benchmarks; costs a few synchronisations). Default: false
+  bool profile = false;
 };
 
 absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers);
@@ -68,8 +71,12 @@ struct ReuseStats {
   int exact_tokens = 0;     // leading tokens whose KV equals full prefill's
   int segments_hit = 0, segments_missed = 0, segments_corrupt = 0;
   int segments_device_hit = 0;  // served from the device tier
+  int segments_host_hit = 0;    // served from the pinned host tier (copied beside compute)
   int64_t computed_token_layers = 0;
   double compute_share = 1.0;  // computed token-layers / (L x non-prefix tokens)
+  // Phase times with ReuseOptions::profile (ms): lookup and staging, full layers, selection
+  // (scores, KV deviation, ranking), sparse layers with their KV assembly, logits.
+  double lookup_ms = 0, full_ms = 0, select_ms = 0, sparse_ms = 0, logits_ms = 0;
 };
 
 struct ReusePrefillResult {
@@ -81,14 +88,19 @@ struct ReusePrefillResult {
 class ReuseEngine {
  public:
   // device_tier_bytes: backend memory kept for segment KV across requests (the GPU tier).
-  // Default: 0 (segments are copied from the host store for each request).
+  // host_tier_bytes: pinned host memory kept for segment KV in the compute dtype (bf16 on a
+  // GPU); such segments are copied to the device layer by layer beside the full layers'
+  // compute. Segments found only in the store go to the device tier when it has capacity, else
+  // to the host tier. Defaults: 0 and 0 (copied from the host store for each request).
   ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts,
-              size_t device_tier_bytes = 0)
+              size_t device_tier_bytes = 0, size_t host_tier_bytes = 0)
       : engine_(engine),
         store_(store),
         opts_(std::move(opts)),
-        tier_(&engine->runner().backend(), device_tier_bytes) {}
+        tier_(&engine->runner().backend(), device_tier_bytes),
+        host_tier_(&engine->runner().backend(), host_tier_bytes, /*host_memory=*/true) {}
   DeviceSegmentTier& device_tier() { return tier_; }
+  DeviceSegmentTier& host_tier() { return host_tier_; }
   const ReuseOptions& options() const { return opts_; }
   Engine& engine() { return *engine_; }
 
@@ -111,7 +123,7 @@ class ReuseEngine {
   Engine* engine_;
   SegmentStore* store_;
   ReuseOptions opts_;
-  DeviceSegmentTier tier_;
+  DeviceSegmentTier tier_, host_tier_;
 };
 
 // Splits a plain prompt into segments by content-defined chunking.

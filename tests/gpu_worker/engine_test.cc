@@ -191,5 +191,53 @@ TEST(Engine, SeededSamplingIsReproducibleAndCancellable) {
   EXPECT_EQ((*engine)->blocks().available(), (*engine)->blocks().num_blocks());
 }
 
+TEST(Engine, BatchedDecodeStepEqualsSteppingEachSequence) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  EngineOptions eo;
+  eo.kv.enable_prefix_caching = false;
+  auto engine = Engine::Create(*model, eo);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day",
+                         "The sun was hot and the birds sang in the tall green trees. Lily"};
+  std::vector<Sequence> a, b;
+  std::vector<int32_t> tok;
+  for (const char* t : texts) {
+    for (auto* v : {&a, &b}) {
+      auto s = e.Admit(model->tokenizer().Encode(t, true));
+      ASSERT_TRUE(s.ok());
+      auto lg = e.Prefill(*s);
+      ASSERT_TRUE(lg.ok());
+      if (v == &a) tok.push_back(Argmax(*lg));
+      v->push_back(std::move(*s));
+    }
+  }
+  for (int step = 0; step < 20; ++step) {
+    std::vector<Sequence*> ptrs = {&a[0], &a[1], &a[2]};
+    auto batched = e.StepBatch(ptrs, tok);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    for (int i = 0; i < 3; ++i) {
+      auto one = e.Step(b[i], tok[i]);
+      ASSERT_TRUE(one.ok());
+      float d = 0;
+      for (size_t j = 0; j < one->size(); ++j) d = std::max(d, std::abs((*one)[j] - (*batched)[i][j]));
+      EXPECT_LT(d, 1e-4) << "sequence " << i << " step " << step;
+      tok[i] = Argmax((*batched)[i]);
+    }
+  }
+  // Not fully computed, or a token count that does not match: clear errors, nothing changed.
+  const size_t len = a[0].tokens.size();
+  a[0].tokens.push_back(5);
+  std::vector<Sequence*> one = {&a[0]};
+  std::vector<int32_t> t1 = {7};
+  EXPECT_EQ(e.StepBatch(one, t1).status().code(), absl::StatusCode::kFailedPrecondition);
+  a[0].tokens.pop_back();
+  EXPECT_EQ(e.StepBatch(one, tok).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a[0].tokens.size(), len);
+  for (auto* v : {&a, &b})
+    for (Sequence& s : *v) e.Release(s);
+}
+
 }  // namespace
 }  // namespace sparsex

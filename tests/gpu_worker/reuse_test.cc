@@ -239,6 +239,28 @@ TEST_F(ReuseTest, DeviceTierServesRepeatsWithIdenticalResults) {
   EXPECT_EQ(tiny.device_tier().bytes(), 0u);
 }
 
+TEST_F(ReuseTest, HostTierServesRepeatsWithIdenticalResults) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  ReuseOptions o;
+  o.profile = true;
+  ReuseEngine host(engine_.get(), store_.get(), o, 0, size_t{64} << 20);
+  auto a = host.Prefill(segs);
+  ASSERT_TRUE(a.ok()) << a.status();
+  engine_->Release(a->seq);
+  EXPECT_EQ(a->stats.segments_host_hit, 0);
+  EXPECT_GT(host.host_tier().bytes(), 0u);
+  std::swap(segs[0], segs[1]);
+  auto b = host.Prefill(segs);
+  ASSERT_TRUE(b.ok());
+  engine_->Release(b->seq);
+  EXPECT_EQ(b->stats.segments_host_hit, 2);
+  EXPECT_EQ(b->stats.segments_device_hit, 0);
+  EXPECT_LT(MaxDiff(Run(segs, ReuseOptions{}).logits, b->logits), 1e-6);
+  // The profile covers the phases of the pass.
+  EXPECT_GT(b->stats.full_ms + b->stats.sparse_ms, 0.0);
+}
+
 TEST_F(ReuseTest, CorruptStoredSegmentIsAMissAndRecomputed) {
   std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB);
   ASSERT_TRUE(reuse_->EnsureStored(a).ok());

@@ -213,6 +213,99 @@ TEST_F(BackendConsistency, GatherScatterCopyRows) {
   Free(dst);
 }
 
+TEST_F(BackendConsistency, MatMulAddFoldsTheResidual) {
+  for (int n : {1, 5, 67}) {  // the small-n kernel and cuBLASLt both take beta = 1
+    Pair x = MakeRand(n, 512);
+    Pair w = MakeRand(384, 512, 0.05f);
+    Pair out = MakeRand(n, 384);
+    ASSERT_TRUE(cpu_->MatMulAdd(x.c, w.c, out.c).ok());
+    absl::Status st = gpu_->MatMulAdd(x.g, w.g, out.g);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_LT(Compare(out), kTol) << "n " << n;
+    Free(x);
+    Free(w);
+    Free(out);
+  }
+}
+
+TEST_F(BackendConsistency, RowSqDistOnTheDevice) {
+  const int n = 300;
+  Pair a = MakeRand(n, 3 * 128);
+  Pair b = MakeRand(n, 128);
+  std::vector<float> dc(n, 1.0f), dg(n, 1.0f);  // accumulates into what is there
+  ASSERT_TRUE(cpu_->RowSqDist(a.c, 128, b.c, 0, 128, dc).ok());
+  ASSERT_TRUE(gpu_->RowSqDist(a.g, 128, b.g, 0, 128, dg).ok());
+  EXPECT_LT(RelErr(dg, dc), 1e-5);
+  EXPECT_FALSE(gpu_->RowSqDist(a.g, 300, b.g, 0, 128, dg).ok());
+  Free(a);
+  Free(b);
+}
+
+TEST_F(BackendConsistency, FusedKvAssemblyFromDeviceAndPinnedHost) {
+  const int hd = 128, kvh = 2, kv_dim = hd * kvh, blocks = 8, bs = 16, n = 50, row0 = 7;
+  RopeParams rope;
+  rope.head_dim = hd;
+  rope.theta = 500000.0f;
+  rope.layout = RopeLayout::kHalves;
+  auto pc = cpu_->AllocKvPool(1, blocks, bs, kv_dim);
+  auto pg = gpu_->AllocKvPool(1, blocks, bs, kv_dim);
+  ASSERT_TRUE(pc.ok() && pg.ok());
+  std::vector<float> hk = Rand((n + row0) * kv_dim), hv = Rand((n + row0) * kv_dim);
+  Pair k = Make(n + row0, kv_dim, hk), v = Make(n + row0, kv_dim, hv);
+  std::vector<int32_t> pos(n), slots(n), all(blocks * bs);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng_);
+  for (int i = 0; i < n; ++i) {
+    pos[i] = 3000 + 2 * i;
+    slots[i] = all[i];
+  }
+  ASSERT_TRUE(cpu_->AssembleKv(*pc, 0, k.c, v.c, row0, pos, slots, rope).ok());
+  absl::Status st = gpu_->AssembleKv(*pg, 0, k.g, v.g, row0, pos, slots, rope);
+  ASSERT_TRUE(st.ok()) << st;
+  std::vector<float> kc(n * kv_dim), vc(n * kv_dim), kg(n * kv_dim), vg(n * kv_dim);
+  ASSERT_TRUE(cpu_->ReadKv(*pc, 0, slots, kc, vc).ok());
+  ASSERT_TRUE(gpu_->ReadKv(*pg, 0, slots, kg, vg).ok());
+  EXPECT_LT(RelErr(kg, kc), kTol);
+  EXPECT_EQ(RelErr(vg, vc), 0.0);
+
+  // The same from pinned host memory through Prefetch / Await.
+  auto hk_t = gpu_->AllocHost(n + row0, kv_dim);
+  auto hv_t = gpu_->AllocHost(n + row0, kv_dim);
+  ASSERT_TRUE(hk_t.ok() && hv_t.ok());
+  EXPECT_TRUE(hk_t->host);
+  ASSERT_TRUE(gpu_->Upload(hk, *hk_t).ok());
+  ASSERT_TRUE(gpu_->Upload(hv, *hv_t).ok());
+  auto dk = gpu_->Alloc(n + row0, kv_dim);
+  auto dv = gpu_->Alloc(n + row0, kv_dim);
+  ASSERT_TRUE(dk.ok() && dv.ok());
+  auto tk = gpu_->Prefetch(*hk_t, *dk);
+  auto tv = gpu_->Prefetch(*hv_t, *dv);
+  ASSERT_TRUE(tk.ok() && tv.ok());
+  ASSERT_TRUE(gpu_->Await(*tk).ok());
+  ASSERT_TRUE(gpu_->Await(*tv).ok());
+  auto pg2 = gpu_->AllocKvPool(1, blocks, bs, kv_dim);
+  ASSERT_TRUE(pg2.ok());
+  ASSERT_TRUE(gpu_->AssembleKv(*pg2, 0, *dk, *dv, row0, pos, slots, rope).ok());
+  std::vector<float> kg2(n * kv_dim), vg2(n * kv_dim);
+  ASSERT_TRUE(gpu_->ReadKv(*pg2, 0, slots, kg2, vg2).ok());
+  EXPECT_EQ(RelErr(kg2, kg), 0.0);
+  EXPECT_EQ(RelErr(vg2, vg), 0.0);
+  // Host tensors round-trip through Download, and CopyRows reads them too.
+  std::vector<float> back((n + row0) * kv_dim);
+  ASSERT_TRUE(gpu_->Download(*hk_t, back).ok());
+  EXPECT_EQ(RelErr(back, hk), 0.0);
+  EXPECT_FALSE(gpu_->AssembleKv(*pg, 0, k.g, v.g, row0 + 1, pos, slots, rope).ok());
+  gpu_->Free(*hk_t);
+  gpu_->Free(*hv_t);
+  gpu_->Free(*dk);
+  gpu_->Free(*dv);
+  cpu_->FreeKvPool(*pc);
+  gpu_->FreeKvPool(*pg);
+  gpu_->FreeKvPool(*pg2);
+  Free(k);
+  Free(v);
+}
+
 TEST_F(BackendConsistency, WriteKvReadKv) {
   const int kv_dim = 64, blocks = 8, bs = 16;
   auto pc = cpu_->AllocKvPool(2, blocks, bs, kv_dim);

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "gpu_worker/engine/engine.h"
+#include "gpu_worker/reuse/reuse_prefill.h"
 #include "gtest/gtest.h"
 
 namespace sparsex {
@@ -75,6 +76,76 @@ TEST(CudaEngine, Stories260KPrefillLogitsClose) {
   }
   EXPECT_LT(std::sqrt(num / den), 3e-2);
   EXPECT_EQ(Argmax(*lg), Argmax(*lc));
+}
+
+TEST(CudaEngine, BatchedDecodeMatchesOneSequenceAtATime) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
+  auto model = LoadStories();
+  ASSERT_NE(model, nullptr);
+  EngineOptions go;
+  go.backend.kind = "cuda";
+  go.kv.enable_prefix_caching = false;
+  auto gpu = Engine::Create(*model, go);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day",
+                         "The sun was hot and the birds sang in the tall green trees. Lily"};
+  std::vector<Sequence> seqs;
+  std::vector<int32_t> next;
+  for (const char* t : texts) {
+    auto s = (*gpu)->Admit(model->tokenizer().Encode(t, true));
+    ASSERT_TRUE(s.ok());
+    auto lg = (*gpu)->Prefill(*s);
+    ASSERT_TRUE(lg.ok());
+    next.push_back(Argmax(*lg));
+    seqs.push_back(std::move(*s));
+  }
+  std::vector<std::vector<int32_t>> batched(3);
+  for (int step = 0; step < 24; ++step) {
+    std::vector<Sequence*> ptrs = {&seqs[0], &seqs[1], &seqs[2]};
+    auto lg = (*gpu)->StepBatch(ptrs, next);
+    ASSERT_TRUE(lg.ok()) << lg.status();
+    for (int i = 0; i < 3; ++i) {
+      batched[i].push_back(next[i]);
+      next[i] = Argmax((*lg)[i]);
+    }
+  }
+  for (int i = 0; i < 3; ++i) {
+    (*gpu)->Release(seqs[i]);
+    GenerateResult one = Greedy(**gpu, model->tokenizer().Encode(texts[i], true), 24);
+    EXPECT_EQ(one.tokens, batched[i]) << texts[i];
+  }
+}
+
+TEST(CudaEngine, ReuseFromPinnedHostTierEqualsDeviceTier) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
+  auto model = LoadStories();
+  ASSERT_NE(model, nullptr);
+  EngineOptions go;
+  go.backend.kind = "cuda";
+  go.kv.enable_prefix_caching = false;
+  auto gpu = Engine::Create(*model, go);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  SegmentStore store({});
+  auto enc = [&](const char* t) { return model->tokenizer().Encode(t, false); };
+  std::vector<PromptSegment> segs = {
+      {enc("Lily went to the park with her mom. They saw a big red ball.")},
+      {enc("Tom had a little dog named Max. Max liked to run and jump.")},
+      {enc(" What did they do next? They"), false}};
+  ReuseEngine dev(gpu->get(), &store, {}, size_t{64} << 20, 0);
+  ReuseEngine host(gpu->get(), &store, {}, 0, size_t{64} << 20);
+  for (auto& s : segs) ASSERT_TRUE(dev.EnsureStored(s.tokens).ok());
+  std::vector<float> ref;
+  for (int round = 0; round < 2; ++round) {
+    auto a = dev.Prefill(segs);
+    auto b = host.Prefill(segs);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    (*gpu)->Release(a->seq);
+    (*gpu)->Release(b->seq);
+    EXPECT_EQ(b->stats.segments_host_hit, round == 0 ? 0 : 2);
+    EXPECT_EQ(a->logits, b->logits) << "round " << round;
+  }
+  EXPECT_GT(host.host_tier().bytes(), 0u);
 }
 
 }  // namespace

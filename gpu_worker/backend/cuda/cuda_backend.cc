@@ -93,12 +93,16 @@ class CudaBackend final : public Backend {
     if (stream_) cudaStreamSynchronize(stream_);
     for (auto& [k, p] : rope_tables_) cudaFree(p);
     if (pinned_) cudaFreeHost(pinned_);
+    for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
   absl::Status Init() {
     CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
     CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
+    CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking),
+                "copy stream create");
     // Keep freed pool memory cached: temporaries are allocated and freed every forward pass.
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, device_) == cudaSuccess) {
@@ -139,8 +143,62 @@ class CudaBackend final : public Backend {
     return t;
   }
   void Free(Tensor& t) override {
-    if (t.data) cudaFreeAsync(t.data, stream_);
+    if (t.data && t.host) {
+      // Queued copies may still read it: cudaFreeHost would not wait for this stream.
+      cudaStreamSynchronize(copy_stream_);
+      cudaStreamSynchronize(stream_);
+      cudaFreeHost(t.data);
+    } else if (t.data) {
+      cudaFreeAsync(t.data, stream_);
+    }
     t = Tensor{};
+  }
+
+  absl::StatusOr<Tensor> AllocHost(int64_t rows, int64_t cols) override {
+    if (rows < 0 || cols < 0) return absl::InvalidArgumentError("negative tensor shape");
+    Tensor t{nullptr, DType::kBF16, rows, cols};
+    t.host = true;
+    const size_t bytes = std::max<size_t>(t.bytes(), 16);
+    cudaError_t e = cudaHostAlloc(&t.data, bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes,
+                                                       " bytes of pinned host memory: ",
+                                                       cudaGetErrorString(e)));
+    }
+    return t;
+  }
+
+  absl::StatusOr<int64_t> Prefetch(const Tensor& src, Tensor& dst) override {
+    RETURN_IF_ERROR(CheckBf16(src, "Prefetch src"));
+    RETURN_IF_ERROR(CheckBf16(dst, "Prefetch dst"));
+    RETURN_IF_ERROR(CheckShape(dst, src.rows, src.cols, "Prefetch"));
+    // The copy starts after what the compute stream has queued so far (dst's stream-ordered
+    // allocation included) and runs beside what is queued later.
+    cudaEvent_t ready = nullptr, done = nullptr;
+    CUDA_RETURN(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "Prefetch event");
+    CUDA_RETURN(cudaEventRecord(ready, stream_), "Prefetch record");
+    CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, ready, 0), "Prefetch wait");
+    cudaEventDestroy(ready);
+    if (!src.empty()) {
+      CUDA_RETURN(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDefault,
+                                  copy_stream_),
+                  "Prefetch copy");
+    }
+    CUDA_RETURN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "Prefetch event");
+    CUDA_RETURN(cudaEventRecord(done, copy_stream_), "Prefetch record");
+    tickets_.emplace(++last_ticket_, done);
+    return last_ticket_;
+  }
+
+  absl::Status Await(int64_t ticket) override {
+    auto it = tickets_.find(ticket);
+    if (it == tickets_.end()) return absl::OkStatus();  // already awaited
+    cudaError_t e = cudaStreamWaitEvent(stream_, it->second, 0);
+    cudaEventDestroy(it->second);  // released once the wait is satisfied
+    tickets_.erase(it);
+    CUDA_RETURN(e, "Await");
+    return absl::OkStatus();
   }
 
   absl::Status Upload(std::span<const float> host, Tensor& dst) override {
@@ -149,6 +207,11 @@ class CudaBackend final : public Backend {
       return absl::InvalidArgumentError("Upload: size mismatch");
     }
     if (host.empty()) return absl::OkStatus();
+    if (dst.host) {
+      bf16* d = B(dst);
+      for (size_t i = 0; i < host.size(); ++i) d[i] = __float2bfloat16_rn(host[i]);
+      return absl::OkStatus();
+    }
     ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
     CUDA_RETURN(cudaMemcpyAsync(tmp, host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
                                 stream_),
@@ -165,6 +228,12 @@ class CudaBackend final : public Backend {
       return absl::InvalidArgumentError("Download: size mismatch");
     }
     if (host.empty()) return absl::OkStatus();
+    if (src.host) {
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "Download sync");
+      const bf16* d = B(src);
+      for (size_t i = 0; i < host.size(); ++i) host[i] = __bfloat162float(d[i]);
+      return absl::OkStatus();
+    }
     ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
     CUDA_RETURN(kernels::Bf16ToF32(B(src), static_cast<float*>(tmp),
                                    static_cast<int64_t>(host.size()), stream_),
@@ -369,6 +438,13 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) override {
+    return Gemm(x, w, out, 0.0f);
+  }
+  absl::Status MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) override {
+    return Gemm(x, w, out, 1.0f);
+  }
+  // out = x @ w^T + beta * out (beta = 1: the residual add in the GEMM epilogue).
+  absl::Status Gemm(const Tensor& x, const Tensor& w, Tensor& out, float beta) {
     RETURN_IF_ERROR(CheckBf16(x, "MatMul x"));
     RETURN_IF_ERROR(CheckBf16(w, "MatMul w"));
     RETURN_IF_ERROR(CheckBf16(out, "MatMul out"));
@@ -381,12 +457,12 @@ class CudaBackend final : public Backend {
     if (use_small_n_gemm_ &&
         kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
       CUDA_RETURN(kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
-                                      w.rows, x.cols, 0.0f, stream_),
+                                      w.rows, x.cols, beta, stream_),
                   "MatMul (small n)");
       return absl::OkStatus();
     }
     cublasStatus_t st = gemm_.Run(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
-                                  x.cols, 0.0f, stream_);
+                                  x.cols, beta, stream_);
     if (st != CUBLAS_STATUS_SUCCESS) {
       return absl::InternalError(absl::StrCat("MatMul [", x.rows, "x", x.cols, "] @ [", w.rows,
                                               "x", w.cols, "]^T: ",
@@ -466,6 +542,61 @@ class CudaBackend final : public Backend {
                                  B(v_src) + v_col, v_src.cols,
                                  static_cast<const int32_t*>(d[0]), n, stream_),
                 "WriteKv");
+    return absl::OkStatus();
+  }
+
+  absl::Status AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
+                          int64_t row0, std::span<const int32_t> pos,
+                          std::span<const int32_t> slots, const RopeParams& rope) override {
+    RETURN_IF_ERROR(CheckLayer(pool, layer));
+    RETURN_IF_ERROR(CheckBf16(k_pre, "AssembleKv k"));
+    RETURN_IF_ERROR(CheckBf16(v, "AssembleKv v"));
+    RETURN_IF_ERROR(ValidateSlots(pool, slots));
+    const int64_t n = static_cast<int64_t>(pos.size());
+    if (static_cast<int64_t>(slots.size()) != n) {
+      return absl::InvalidArgumentError("AssembleKv: one slot per position required");
+    }
+    if (k_pre.cols != pool.kv_dim || v.cols != pool.kv_dim || row0 < 0 ||
+        row0 + n > k_pre.rows || row0 + n > v.rows) {
+      return absl::OutOfRangeError("AssembleKv: source rows/columns out of range");
+    }
+    if (rope.head_dim <= 0 || rope.head_dim % 2 || pool.kv_dim % rope.head_dim) {
+      return absl::InvalidArgumentError("AssembleKv: kv_dim is not a multiple of head_dim");
+    }
+    if (n == 0) return absl::OkStatus();
+    ASSIGN_OR_RETURN(const float* inv, RopeTable(rope));
+    ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
+                                    {slots.data(), slots.size_bytes()}}));
+    kernels::RopeArgs r{inv, rope.head_dim, rope.layout == RopeLayout::kHalves};
+    CUDA_RETURN(kernels::AssembleKv(View(pool, layer), B(k_pre) + row0 * k_pre.cols, k_pre.cols,
+                                    B(v) + row0 * v.cols, v.cols,
+                                    static_cast<const int32_t*>(d[0]),
+                                    static_cast<const int32_t*>(d[1]), n,
+                                    pool.kv_dim / rope.head_dim, r, stream_),
+                "AssembleKv");
+    return absl::OkStatus();
+  }
+
+  absl::Status RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
+                         int64_t n_cols, std::span<float> out) override {
+    RETURN_IF_ERROR(CheckBf16(a, "RowSqDist a"));
+    RETURN_IF_ERROR(CheckBf16(b, "RowSqDist b"));
+    if (a.rows != b.rows || static_cast<int64_t>(out.size()) != a.rows || a_col < 0 ||
+        b_col < 0 || n_cols < 0 || a_col + n_cols > a.cols || b_col + n_cols > b.cols) {
+      return absl::InvalidArgumentError("RowSqDist: shapes do not match");
+    }
+    if (a.rows == 0) return absl::OkStatus();
+    ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(out.size_bytes(), stream_));
+    float* dev = static_cast<float*>(tmp);
+    CUDA_RETURN(kernels::RowSqDist(B(a) + a_col, a.cols, B(b) + b_col, b.cols, a.rows, n_cols,
+                                   dev, stream_),
+                "RowSqDist");
+    std::vector<float> host(out.size());
+    CUDA_RETURN(cudaMemcpyAsync(host.data(), dev, out.size_bytes(), cudaMemcpyDeviceToHost,
+                                stream_),
+                "RowSqDist copy");
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "RowSqDist sync");
+    for (size_t i = 0; i < out.size(); ++i) out[i] += host[i];
     return absl::OkStatus();
   }
 
@@ -636,7 +767,7 @@ class CudaBackend final : public Backend {
     }
     if (n == 0 || src.cols == 0) return absl::OkStatus();
     CUDA_RETURN(cudaMemcpyAsync(B(dst) + dst_row * dst.cols, B(src) + src_row * src.cols,
-                                static_cast<size_t>(n * src.cols) * 2, cudaMemcpyDeviceToDevice,
+                                static_cast<size_t>(n * src.cols) * 2, cudaMemcpyDefault,
                                 stream_),
                 "CopyRows");
     return absl::OkStatus();
@@ -694,6 +825,9 @@ class CudaBackend final : public Backend {
 
   int device_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;  // Prefetch copies, beside the compute stream
+  std::map<int64_t, cudaEvent_t> tickets_;
+  int64_t last_ticket_ = 0;
   kernels::LtGemm gemm_;
   DeviceScratch idx_scratch_, f32_scratch_, attn_scratch_;
   bool use_small_n_gemm_ = true;
