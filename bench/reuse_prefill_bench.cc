@@ -3,9 +3,12 @@
 // through the engine's own ReuseEngine on any backend. Cases:
 //   full         plain prefill of all tokens (one chunk)
 //   reuse_device segments already in the device tier (GPU memory on CUDA)
-//   reuse_host   segments copied from the host store for every request (tier disabled)
+//   reuse_pinned segments in the pinned host tier (bf16), copied to the device layer by layer
+//                on a second stream while the full layers compute
+//   reuse_host   segments copied from the fp32 host store for every request (tiers disabled)
 // Wall-clock time of the Prefill call, which ends by downloading the logits (synchronous);
-// median of --reps runs after --warmup runs.
+// median of --reps runs after --warmup runs. One more run per case with ReuseOptions::profile
+// reports where the time goes (lookup/staging, full layers, selection, sparse layers, logits).
 //
 //   reuse_prefill_bench --model synthetic:llama3-8b --device cuda --segments 8 \
 //       --segment-tokens 4096 --new-tokens 256 --full-layers 2 --ratio 0.15 --out reuse.json
@@ -92,6 +95,8 @@ int Main(int argc, char** argv) {
 
   auto time_case = [&](ReuseEngine& re, const ReuseOptions& o, ReuseStats* stats) {
     std::vector<double> ms;
+    ReuseOptions prof = o;
+    prof.profile = true;
     for (int i = 0; i < warmup + reps; ++i) {
       auto s = std::chrono::steady_clock::now();
       auto r = Check(re.Prefill(segs, true, &o), "prefill");
@@ -101,28 +106,42 @@ int Main(int argc, char** argv) {
       *stats = r.stats;
       if (i >= warmup) ms.push_back(t);
     }
+    if (o.enable_reuse) {  // the phases, from one more (synchronising) run
+      auto r = Check(re.Prefill(segs, true, &prof), "prefill (profile)");
+      engine->Release(r.seq);
+      *stats = r.stats;
+    }
     return Median(ms);
   };
   ReuseOptions full = ro;
   full.enable_reuse = false;
-  ReuseStats st_full, st_dev, st_host;
+  ReuseStats st_full, st_dev, st_pin, st_host;
   const double full_ms = time_case(host_only, full, &st_full);
-  ReuseEngine tiered(engine.get(), &store, ro, size_t{48} << 30);
-  const double dev_ms = time_case(tiered, ro, &st_dev);
+  double dev_ms = 0, pin_ms = 0;
+  {
+    ReuseEngine tiered(engine.get(), &store, ro, size_t{48} << 30);
+    dev_ms = time_case(tiered, ro, &st_dev);
+  }
+  {
+    ReuseEngine pinned(engine.get(), &store, ro, 0, size_t{48} << 30);
+    pin_ms = time_case(pinned, ro, &st_pin);
+  }
   const double host_ms = time_case(host_only, ro, &st_host);
 
   std::printf("model %s on %s: %d tokens (%d segments x %d + %d new), F=%d r=%.2f; segments "
               "encoded and stored in %.1f s\n",
               a["model"].c_str(), a["device"].c_str(), total, nseg, seg_len, n_new,
               ro.full_layers, ro.budget.ratio, store_s);
-  std::printf("%-14s %10s %8s %8s %8s %8s\n", "case", "ttft_ms", "speedup", "reused", "select",
-              "share");
+  std::printf("%-14s %10s %8s %8s %8s %8s | profiled run (ms): %s\n", "case", "ttft_ms",
+              "speedup", "reused", "select", "share", "lookup full select sparse logits");
   auto row = [&](const char* name, double ms, const ReuseStats& s) {
-    std::printf("%-14s %10.1f %8.2f %8d %8d %8.3f\n", name, ms, full_ms / ms, s.reused_tokens,
-                s.selected_tokens, s.compute_share);
+    std::printf("%-14s %10.1f %8.2f %8d %8d %8.3f | %.1f %.1f %.1f %.1f %.1f\n", name, ms,
+                full_ms / ms, s.reused_tokens, s.selected_tokens, s.compute_share, s.lookup_ms,
+                s.full_ms, s.select_ms, s.sparse_ms, s.logits_ms);
   };
   row("full", full_ms, st_full);
   row("reuse_device", dev_ms, st_dev);
+  row("reuse_pinned", pin_ms, st_pin);
   row("reuse_host", host_ms, st_host);
   std::ofstream f(a["out"]);
   f << "[\n";
@@ -131,11 +150,14 @@ int Main(int argc, char** argv) {
       << a["device"] << "\", \"tokens\": " << total << ", \"ms\": " << ms
       << ", \"full_ms\": " << full_ms << ", \"speedup_vs_full\": " << full_ms / ms
       << ", \"reused_tokens\": " << s.reused_tokens << ", \"selected_tokens\": "
-      << s.selected_tokens << ", \"compute_share\": " << s.compute_share << "}"
-      << (last ? "\n" : ",\n");
+      << s.selected_tokens << ", \"compute_share\": " << s.compute_share
+      << ", \"profile_ms\": {\"lookup\": " << s.lookup_ms << ", \"full_layers\": " << s.full_ms
+      << ", \"select\": " << s.select_ms << ", \"sparse_layers\": " << s.sparse_ms
+      << ", \"logits\": " << s.logits_ms << "}}" << (last ? "\n" : ",\n");
   };
   rec("full", full_ms, st_full, false);
   rec("reuse_device", dev_ms, st_dev, false);
+  rec("reuse_pinned", pin_ms, st_pin, false);
   rec("reuse_host", host_ms, st_host, true);
   f << "]\n";
   return 0;
