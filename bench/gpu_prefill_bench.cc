@@ -28,6 +28,7 @@
 
 #include "gpu_worker/backend/cuda/cuda_backend.h"
 #include "kernels/attention.h"
+#include "kernels/attention_sm90.h"
 #include "kernels/gemm.h"
 #endif
 
@@ -285,31 +286,46 @@ int Main(const Options& o) {
       cudaMemcpy(d_sel, sel.data(), sel.size() * 4, cudaMemcpyHostToDevice);
       double sflops = 0;
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
-      for (int warps : {4, 8}) {
+      // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) wgmma, plain and pipelined. SPX_MICRO_IMPLS=mma limits the list to mma.sync.
+      struct Impl {
+        int impl, warps;
+        const char* name;
+      };
+      std::vector<Impl> impls = {{1, 4, "mma.sync 4 warps"}, {1, 8, "mma.sync 8 warps"}};
+      const char* only = std::getenv("SPX_MICRO_IMPLS");
+      if (kernels::Sm90AttentionAvailable() && !(only && std::string(only) == "mma")) {
+        impls.push_back({2, 8, "wgmma"});
+        impls.push_back({3, 8, "wgmma pipelined"});
+      }
+      for (const Impl& im : impls) {
+        const int warps = im.warps;
         p.warps = warps;
+        p.impl = im.impl;
         p.q_pos = d_pos;
         p.num_q = n;
         p.lse = nullptr;
         auto [ms, mn] = time_op([&] {
           attention(p);
         });
-        char extra[128];
-        std::snprintf(extra, sizeof extra, ", \"warps\": %d, \"tflops\": %.1f", warps,
+        char extra[160];
+        std::snprintf(extra, sizeof extra, ", \"kernel\": \"%s\", \"tflops\": %.1f", im.name,
                       flops / ms * 1e-9);
         records.push_back({"attention_layer_causal", n, ms, mn, 5, extra});
-        std::printf("attention (1 layer, causal, %d warps) %6d: %8.3f ms  %6.1f TFLOP/s\n",
-                    warps, n, ms, flops / ms * 1e-9);
+        std::printf("attention (1 layer, causal, %s) %6d: %8.3f ms  %6.1f TFLOP/s\n", im.name,
+                    n, ms, flops / ms * 1e-9);
         p.q_pos = d_sel;
         p.num_q = static_cast<int>(sel.size());
         auto [ms2, mn2] = time_op([&] {
           attention(p);
         });
-        std::snprintf(extra, sizeof extra, ", \"warps\": %d, \"rows\": %zu, \"tflops\": %.1f",
-                      warps, sel.size(), sflops / ms2 * 1e-9);
+        std::snprintf(extra, sizeof extra,
+                      ", \"kernel\": \"%s\", \"rows\": %zu, \"tflops\": %.1f", im.name,
+                      sel.size(), sflops / ms2 * 1e-9);
         records.push_back({"attention_layer_sparse15", n, ms2, mn2, 5, extra});
-        std::printf("attention (1 layer, %zu sparse rows, %d warps) %6d: %8.3f ms  %6.1f "
-                    "TFLOP/s\n", sel.size(), warps, n, ms2, sflops / ms2 * 1e-9);
+        std::printf("attention (1 layer, %zu sparse rows, %s) %6d: %8.3f ms  %6.1f "
+                    "TFLOP/s\n", sel.size(), im.name, n, ms2, sflops / ms2 * 1e-9);
       }
+      p.impl = 0;
       // Selection statistics (second pass) over the dense causal layer, default block size.
       p.warps = 0;
       p.q_pos = d_pos;

@@ -1,5 +1,7 @@
 #include "kernels/attention.h"
 
+#include "kernels/attention_sm90.h"
+
 #include <cmath>
 
 #include "kernels/common.cuh"
@@ -26,6 +28,10 @@ constexpr float kNegInf = -INFINITY;
 // with cp.async; shared tiles are XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)) so ldmatrix
 // reads are bank-conflict free.
 // ---------------------------------------------------------------------------------------------
+// Auto choice (impl 0) on sm_90a: whether to use the wgmma kernel, and which variant
+// (docs/perf-notes.md has the measurements behind it).
+constexpr bool kDefaultSm90 = true;
+constexpr bool kDefaultPipelined = false;
 constexpr int kBN = 64;       // keys per step
 constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
 
@@ -70,10 +76,21 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = ex.group, QT = ex.qt;
-  const int qtile = gridDim.x - 1 - blockIdx.x;  // heavy (late) tiles first
   const int kvh = blockIdx.y;
   const int split = blockIdx.z;
-  const int q0 = qtile * QT;
+  // Rows [q0, q_end) of this block and their keys: one query tile of the sequence, or (batched
+  // sequences) block x is sequence x with its own context.
+  int q0, q_end = p.num_q, ctx_len = p.ctx_len;
+  const int32_t* ctx_slots = p.ctx_slots;
+  if (p.num_seqs > 0) {
+    const int sq = blockIdx.x;
+    q0 = p.seq_rows[sq];
+    q_end = min(p.seq_rows[sq + 1], q0 + QT);
+    ctx_len = p.seq_ctx_len[sq];
+    ctx_slots = p.ctx_slots + p.seq_ctx_start[sq];
+  } else {
+    q0 = (gridDim.x - 1 - blockIdx.x) * QT;  // heavy (late) tiles first
+  }
   const int H = p.n_heads;
 
   if (tid == 0) {
@@ -85,8 +102,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   for (int m = tid; m < kBM; m += kThreads) {
     const int qrow = q0 + m % QT;
     int lim = -1;
-    if (qrow < p.num_q) {
-      lim = min(p.q_pos[qrow], p.ctx_len - 1);
+    if (qrow < q_end) {
+      lim = min(p.q_pos[qrow], ctx_len - 1);
       if (lim < 0) lim = -1;
       if constexpr (STATS) {
         if (st.recv_weight && st.out_recv && st.recv_weight[qrow] > 0.0f) has_weight = true;
@@ -99,6 +116,9 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   }
   if constexpr (STATS) {
     has_weight = __syncthreads_or(has_weight);
+    // Only received attention asked for (the cross mass was fused into the attention pass):
+    // blocks without weighted rows have nothing to add.
+    if (!has_weight && !(st.out_cross && st.key_group && st.q_group)) return;
   } else {
     __syncthreads();
   }
@@ -130,7 +150,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
       const int r = idx / CH, c = idx % CH;
       const int j = tile * kBN + r;
       const bool valid = j < kv_end;
-      const int64_t slot = valid ? p.ctx_slots[j] : 0;
+      const int64_t slot = valid ? ctx_slots[j] : 0;
       const int64_t off = slot * p.kv_stride + kvh * HD + c * 8;
       CpAsync16(dk + Swz<HD>(r, c), p.k_pool + (valid ? off : 0), valid);
       if constexpr (!STATS) CpAsync16(dv + Swz<HD>(r, c), p.v_pool + (valid ? off : 0), valid);
@@ -142,7 +162,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
     const int m = idx / CH, c = idx % CH;
     const int qr = q0 + m % QT;
     const int hh = kvh * G + m / QT;
-    const bool valid = qr < p.num_q;
+    const bool valid = qr < q_end;
     const int64_t off = valid ? (int64_t)qr * p.q_stride + hh * HD + c * 8 : 0;
     CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
   }
@@ -155,9 +175,15 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
 #pragma unroll
     for (int nd = 0; nd < HD / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
   }
-  // STATS state.
+  // STATS state; cross[] and qg[] also serve the fused cross mass (p.out_cross).
   float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
   int qg[2] = {0, 0};
+  const bool fused_cross = !STATS && p.out_cross != nullptr;
+  if (fused_cross) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (lim[i] >= 0) qg[i] = p.q_group[qrow[i]];
+  }
   if constexpr (STATS) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -223,7 +249,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = key0 + nb * 8 + e;
-          const int kg = (key < p.ctx_len && st.key_group) ? st.key_group[key] : -1;
+          const int kg = (key < ctx_len && st.key_group) ? st.key_group[key] : -1;
           const float p0 = Ex2(s[nb][e] - lse_row[0]);
           const float p1 = Ex2(s[nb][2 + e] - lse_row[1]);
           if (kg >= 0) {
@@ -243,7 +269,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
             v += __shfl_xor_sync(0xffffffffu, v, 8);
             v += __shfl_xor_sync(0xffffffffu, v, 16);
             const int key = key0 + nb * 8 + e;
-            if (g == 0 && v != 0.0f && key < p.ctx_len)
+            if (g == 0 && v != 0.0f && key < ctx_len)
               atomicAdd(st.out_recv + key, v / static_cast<float>(H));
           }
         }
@@ -266,6 +292,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
         corr[i] = Ex2(row_m[i] - ref[i]);
         row_m[i] = m_new;
         row_l[i] *= corr[i];
+        cross[i] *= corr[i];
       }
 #pragma unroll
       for (int nb = 0; nb < kBN / 8; ++nb) {
@@ -276,6 +303,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
         row_l[0] += s[nb][0] + s[nb][1];
         row_l[1] += s[nb][2] + s[nb][3];
       }
+      if (fused_cross) detail::AccumulateCross(s, key0, p.key_group, ctx_len, qg, cross);
 #pragma unroll
       for (int nd = 0; nd < HD / 8; ++nd) {
         o[nd][0] *= corr[0];
@@ -323,9 +351,15 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
       row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 1);
       row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 2);
     }
+    if (fused_cross) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        detail::FlushCross(cross[i], row_l[i], tq == 0 && lim[i] >= 0,
+                           p.out_cross + (lim[i] >= 0 ? qrow[i] : 0), H);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (qrow[i] >= p.num_q) continue;
+      if (qrow[i] >= q_end) continue;
       const float inv = row_l[i] > 0.0f ? 1.0f / row_l[i] : 0.0f;
       const float lse = row_l[i] > 0.0f ? row_m[i] + log2f(row_l[i]) : kNegInf;
       const int64_t rh = (int64_t)qrow[i] * H + head[i];
@@ -395,7 +429,8 @@ __global__ void GenericAttentionKernel(const PagedAttentionParams p) {
     q[d] = d < hd ? __bfloat162float(qp[d]) * scale_log2 : 0.0f;
     o[d] = 0.0f;
   }
-  float m = kNegInf, l = 0.0f;
+  float m = kNegInf, l = 0.0f, x = 0.0f;  // x: fused cross mass (p.out_cross)
+  const int qg = p.out_cross ? p.q_group[qrow] : 0;
   for (int j = lane; j <= lim; j += 32) {
     const int64_t off = (int64_t)p.ctx_slots[j] * p.kv_stride + kvh * hd;
     const bf16* kp = p.k_pool + off;
@@ -408,6 +443,10 @@ __global__ void GenericAttentionKernel(const PagedAttentionParams p) {
     const float corr = exp2f(m - m_new);
     const float pr = exp2f(sc - m_new);
     l = l * corr + pr;
+    if (p.out_cross) {
+      const int kg = p.key_group[j];
+      x = x * corr + (kg >= 0 && kg != qg ? pr : 0.0f);
+    }
 #pragma unroll
     for (int d = 0; d < MAXD; ++d)
       if (d < hd) o[d] = o[d] * corr + pr * __bfloat162float(vp[d]);
@@ -417,6 +456,10 @@ __global__ void GenericAttentionKernel(const PagedAttentionParams p) {
   const float f = (m == kNegInf) ? 0.0f : exp2f(m - M);
   l = detail::WarpSum(l * f);
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  if (p.out_cross) {
+    x = detail::WarpSum(x * f);
+    if (lane == 0 && x != 0.0f) atomicAdd(p.out_cross + qrow, x * inv / p.n_heads);
+  }
   bf16* op = p.out + (int64_t)qrow * p.out_stride + head * hd;
 #pragma unroll
   for (int d = 0; d < MAXD; ++d) {
@@ -496,10 +539,11 @@ struct SplitPlan {
 
 SplitPlan PlanSplits(const PagedAttentionParams& p) {
   SplitPlan plan;
-  if (!TensorCorePath(p)) return plan;
+  if (!TensorCorePath(p) || p.out_cross != nullptr) return plan;
   const int G = p.n_heads / p.n_kv_heads;
-  const int64_t blocks = CeilDiv(p.num_q, 16 * Warps(p) / G) * p.n_kv_heads;
-  const int tiles = static_cast<int>(CeilDiv(p.ctx_len, kBN));
+  const int64_t blocks =
+      (p.num_seqs > 0 ? p.num_seqs : CeilDiv(p.num_q, 16 * Warps(p) / G)) * p.n_kv_heads;
+  const int tiles = static_cast<int>(CeilDiv(p.num_seqs > 0 ? p.max_seq_ctx : p.ctx_len, kBN));
   const int sms = NumSms();
   if (blocks >= sms || tiles < 4) return plan;
   int want = static_cast<int>(CeilDiv(2 * sms, blocks));
@@ -525,7 +569,9 @@ cudaError_t LaunchFlashNW(const PagedAttentionParams& p, const AttentionStatsPar
   const int G = p.n_heads / p.n_kv_heads;
   ex.group = G;
   ex.qt = 16 * NW / G;
-  const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, ex.qt)), p.n_kv_heads, splits);
+  const unsigned tiles_x = static_cast<unsigned>(p.num_seqs > 0 ? p.num_seqs
+                                                                : CeilDiv(p.num_q, ex.qt));
+  const dim3 grid(tiles_x, p.n_kv_heads, splits);
   FlashKernel<HD, STATS, NW><<<grid, 32 * NW, smem, stream>>>(p, st, ex);
   return cudaGetLastError();
 }
@@ -543,10 +589,19 @@ bool ValidCommon(const PagedAttentionParams& p) {
   if (p.n_heads % p.n_kv_heads != 0) return false;
   if (p.num_q > 0 && (!p.q || !p.q_pos || !p.out)) return false;
   if (p.ctx_len > 0 && (!p.k_pool || !p.v_pool || !p.ctx_slots)) return false;
+  if (p.out_cross && (!p.q_group || (p.ctx_len > 0 && !p.key_group))) return false;
+  if (p.num_seqs > 0 && (!p.seq_rows || !p.seq_ctx_start || !p.seq_ctx_len || p.out_cross ||
+                         p.max_seq_ctx < 0 || !p.ctx_slots))
+    return false;
   return true;
 }
 
 }  // namespace
+
+int PagedAttentionMaxRowsPerSeq(const PagedAttentionParams& p) {
+  if (!TensorCorePath(p)) return 0;
+  return 16 * Warps(p) / (p.n_heads / p.n_kv_heads);
+}
 
 bool PagedAttentionSupported(int head_dim, int n_heads, int n_kv_heads) {
   if (head_dim <= 0 || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads) return false;
@@ -570,6 +625,10 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
     const SplitPlan plan = PlanSplits(p);
     FlashExtra ex;
     AttentionStatsParams none;
+    if (plan.splits <= 1 && p.head_dim == 128 && p.impl != 1 && p.num_seqs == 0 &&
+        (p.impl != 0 || kDefaultSm90) && Sm90AttentionAvailable() && Sm90AttentionSupports(p)) {
+      return Sm90PagedAttention(p, p.impl == 3 || (p.impl == 0 && kDefaultPipelined), stream);
+    }
     if (plan.splits > 1) {
       if (workspace_bytes < PagedAttentionWorkspaceBytes(p) || workspace == nullptr)
         return cudaErrorInvalidValue;
@@ -585,7 +644,7 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
         p, ex.ws_o, ex.ws_lse, plan.splits);
     return cudaGetLastError();
   }
-  if (p.head_dim > 64) return cudaErrorInvalidValue;
+  if (p.head_dim > 64 || p.num_seqs > 0) return cudaErrorInvalidValue;
   const int64_t warps = (int64_t)p.num_q * p.n_heads;
   const unsigned blocks = static_cast<unsigned>(CeilDiv(warps * 32, 128));
   if (p.head_dim <= 16) {
@@ -598,9 +657,14 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
 
 cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                            cudaStream_t stream) {
-  if (!ValidCommon(p) || p.lse == nullptr) return cudaErrorInvalidValue;
+  if (!ValidCommon(p) || p.lse == nullptr || p.num_seqs > 0) return cudaErrorInvalidValue;
   if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
   if (!s.out_cross && !s.out_recv) return cudaSuccess;
+  // The wgmma statistics pass measured slower than mma.sync (36.4 vs 27.5 ms at 32K,
+  // docs/perf-notes.md): only taken when a wgmma kernel is asked for explicitly.
+  if (p.head_dim == 128 && (p.impl == 2 || p.impl == 3) && Sm90AttentionAvailable() &&
+      Sm90AttentionSupports(p))
+    return Sm90AttentionStats(p, s, stream);
   if (TensorCorePath(p)) {
     FlashExtra ex;
     return p.head_dim == 128 ? LaunchFlash<128, true>(p, s, ex, 1, stream)

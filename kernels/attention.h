@@ -12,6 +12,8 @@
 //     exponentials on ex2.approx); when there
 //     are too few query tiles to fill the GPU (decode, short chunks) the key axis is split over
 //     blocks and a combine kernel merges the partial results (split-K / flash-decoding).
+//   head_dim 128 on Hopper (sm_90a build, unsplit): the same algorithm on warpgroup MMA
+//     (wgmma), kernels/attention_sm90.cu.
 //   head_dim <= 64 (any): one warp per (query row, head), fp32 throughout.
 //
 //   kernels::PagedAttentionParams p;  // fill every field
@@ -50,6 +52,27 @@ struct PagedAttentionParams {
   // Tensor-core path block size: 4 warps (64 query-head rows, 2 blocks per SM) or 8 warps
   // (128 rows, 1 block per SM, half the K/V traffic per FLOP). 0: the default (8).
   int warps = 0;
+  // Kernel choice for unsplit head_dim-128 attention: 0 auto (the wgmma kernel of
+  // attention_sm90.cu when this build and the device are sm_90a, else mma.sync), 1 mma.sync,
+  // 2 wgmma, 3 wgmma with the next tile's Q K^T overlapping this tile's softmax. Split-K
+  // (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3. Default: 0
+  int impl = 0;
+  // Optional fused selection statistic (the cross mass of AttentionStatsParams computed in the
+  // online softmax, no second pass): out_cross[i] += (1/n_heads) sum_h of the probability row i
+  // puts on keys whose key_group is >= 0 and differs from q_group[i]. Device arrays; the launch
+  // is not split over the key axis when set.
+  const int32_t* key_group = nullptr;  // [ctx_len]
+  const int32_t* q_group = nullptr;    // [num_q]
+  float* out_cross = nullptr;          // [num_q]
+  // Optional batch of sequences (batched decode), tensor-core path only: rows
+  // [seq_rows[s], seq_rows[s + 1]) belong to sequence s, whose key positions 0..seq_ctx_len[s]-1
+  // live at ctx_slots[seq_ctx_start[s] + j] (ctx_len unused). Each sequence may hold at most
+  // PagedAttentionMaxRowsPerSeq(p) rows; no statistics, no fused cross mass.
+  int num_seqs = 0;
+  const int32_t* seq_rows = nullptr;       // [num_seqs + 1] device
+  const int32_t* seq_ctx_start = nullptr;  // [num_seqs] device
+  const int32_t* seq_ctx_len = nullptr;    // [num_seqs] device
+  int max_seq_ctx = 0;                     // the largest seq_ctx_len (plans the key split)
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a
@@ -77,6 +100,10 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
 // Second pass computing the statistics of s from p (p.lse must hold PagedAttention's output).
 cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                            cudaStream_t stream);
+
+// Rows one sequence of a batched call (num_seqs > 0) may hold; 0 when p's shapes have no
+// batched path (head_dim other than 64/128, misaligned rows).
+int PagedAttentionMaxRowsPerSeq(const PagedAttentionParams& p);
 
 // Whether PagedAttention supports these sizes (used by adapters to report a clear error).
 bool PagedAttentionSupported(int head_dim, int n_heads, int n_kv_heads);

@@ -111,4 +111,34 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- fused cross-segment mass (selection statistic) for the flash kernels ----
+// A thread holds probabilities (unnormalised, after the online-softmax exponent) of two rows
+// (g, g + 8) for NB groups of 8 keys in the mma/wgmma accumulator layout: element [nb][c] is
+// key key0 + 8 nb + (c & 1) of row c >> 1. Adds those on keys of another segment (key_group
+// >= 0 and != the row's segment) to xacc, which the caller rescales like the row sum.
+template <int NB>
+__device__ __forceinline__ void AccumulateCross(const float (&pr)[NB][4], int key0,
+                                                const int32_t* key_group, int ctx_len,
+                                                const int (&qg)[2], float (&xacc)[2]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = key0 + nb * 8 + e;
+      const int kg = key < ctx_len ? key_group[key] : -1;
+      if (kg >= 0) {
+        if (kg != qg[0]) xacc[0] += pr[nb][e];
+        if (kg != qg[1]) xacc[1] += pr[nb][2 + e];
+      }
+    }
+  }
+}
+// Adds a row's cross mass (its quad's partial sums over its normaliser) / n_heads to out[qrow].
+__device__ __forceinline__ void FlushCross(float xacc, float row_l, bool write, float* out,
+                                           int n_heads) {
+  xacc += __shfl_xor_sync(0xffffffffu, xacc, 1);
+  xacc += __shfl_xor_sync(0xffffffffu, xacc, 2);
+  if (write && row_l > 0.0f && xacc != 0.0f) atomicAdd(out, xacc / row_l / n_heads);
+}
+
 }  // namespace sparsex::kernels::detail

@@ -2,8 +2,9 @@
 # Builds SparseX on the H200 machine (Ubuntu 24.04, gcc 13, CMake 4, nvcc 13; no abseil, xxhash,
 # nlohmann-json or pcre2 headers there), runs the GPU tests, the GPU benchmark and the
 # Hugging Face transformers baseline, and writes everything to $OUT:
-#   build.log, tests.log, bench.log, gpu_prefill_raw.json (ours), hf_baseline.json,
-#   gpu_prefill.json (records: case, tokens, ms, baseline_ms, ratio).
+#   build.log, tests.log, bench.log (machine, benchmarks, baseline output), gpu_prefill_raw.json
+#   (ours), reuse_prefill_raw.json, hf_baseline.json, gpu_prefill.json (records: case, tokens,
+#   ms, baseline_ms, ratio); at most 8 files come back from the device machine.
 # The missing libraries travel as Debian 12 packages in .deps/debs (fetched on a Debian machine
 # with `apt-get download libabsl-dev libabsl20220623 libxxhash-dev nlohmann-json3-dev
 # libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 pkgconf pkgconf-bin
@@ -24,7 +25,7 @@ stamp() { echo "[run.sh +$(( $(date +%s) - T0 ))s] $*"; }
 
 stamp "machine"
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv;
-  nvcc --version | tail -2; gcc --version | head -1; cmake --version | head -1; } 2>&1 | tee "$OUT/machine.txt"
+  nvcc --version | tail -2; gcc --version | head -1; cmake --version | head -1; } 2>&1 | tee "$OUT/bench.log"
 
 # ---- dependencies ----
 for f in "$ROOT"/.deps/debs/*.deb; do dpkg -x "$f" "$DEPS"; done
@@ -40,7 +41,7 @@ stamp "configure + build (jobs $JOBS)"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPARSEX_WITH_SERVICES=OFF -DSPARSEX_WITH_ROCKSDB=OFF -DSPARSEX_WITH_UCX=OFF \
   -DSPARSEX_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
-  -DCMAKE_CUDA_ARCHITECTURES=${SPX_CUDA_ARCH:-90} \
+  -DCMAKE_CUDA_ARCHITECTURES=${SPX_CUDA_ARCH:-90a} \
   -DCMAKE_PREFIX_PATH="$DEPS/usr" -DCMAKE_INCLUDE_PATH="$DEPS/usr/include" \
   -DCMAKE_CXX_FLAGS="-include cstdint" >"$OUT/build.log" 2>&1
 cmake_rc=$?
@@ -60,17 +61,35 @@ tests_rc=0
 for t in backend_consistency_test cuda_engine_test; do
   "$BUILD/bin/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 || tests_rc=1
 done
-# The other attention block size (4 warps) through the same checks.
-SPX_ATTN_WARPS=4 "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
+# Every attention kernel through the same checks: mma.sync with 4 warps, and on sm_90a both
+# wgmma variants. The benchmarks use the default (auto) kernel unless a wgmma variant fails
+# here, in which case they fall back to one that passed.
+SPX_ATTN_WARPS=4 SPX_ATTN_IMPL=mma "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1 || tests_rc=1
-grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|Expected|Which is|actual|rel" "$OUT/tests.log" | head -40
+impl_ok=""
+for im in wgmma wgmma-pipe; do
+  echo "== SPX_ATTN_IMPL=$im" >>"$OUT/tests.log"
+  if SPX_ATTN_IMPL=$im timeout 120 "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
+      --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1; then
+    impl_ok="$impl_ok $im"
+  else
+    tests_rc=1
+  fi
+done
+stamp "attention kernels passing: mma${impl_ok}"
+case " $impl_ok " in
+  *" wgmma-pipe "*) ;;  # the default
+  *" wgmma "*) export SPX_ATTN_IMPL=wgmma ;;
+  *) export SPX_ATTN_IMPL=mma SPX_MICRO_IMPLS=mma ;;
+esac
+grep -E "^==|^\[  (PASSED|FAILED|SKIPPED) |Failure|error|Expected|Which is|actual|rel" "$OUT/tests.log" | head -80
 stamp "tests rc $tests_rc"
 
 # ---- benchmark ----
 stamp "benchmark"
 # shellcheck disable=SC2086
 "$BUILD/bin/gpu_prefill_bench" ${SPX_BENCH_ARGS:-} --out "$OUT/gpu_prefill_raw.json" \
-  2>&1 | tee "$OUT/bench.log"
+  2>&1 | tee -a "$OUT/bench.log"
 stamp "bench done"
 
 # ---- reuse prefill: 8 stored segments (shuffled) + 256 new tokens, F=2, r=0.15 ----
@@ -78,7 +97,7 @@ stamp "reuse prefill benchmark"
 # shellcheck disable=SC2086
 "$BUILD/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda --segments 8 \
   --segment-tokens 4064 --new-tokens 256 --full-layers 2 --ratio 0.15 ${SPX_REUSE_ARGS:-} \
-  --out "$OUT/reuse_prefill_raw.json" 2>&1 | tee "$OUT/reuse.log"
+  --out "$OUT/reuse_prefill_raw.json" 2>&1 | tee -a "$OUT/bench.log"
 stamp "reuse done"
 
 # ---- transformers baseline ----
@@ -86,7 +105,7 @@ if [ -z "${SPX_SKIP_HF:-}" ]; then
   stamp "transformers baseline"
   timeout ${SPX_HF_TIMEOUT:-240} python3 "$ROOT/bench/gpu/hf_baseline.py" \
     --lengths ${SPX_HF_LENGTHS:-2048,8192,16384,32768} --out "$OUT/hf_baseline.json" \
-    2>&1 | grep -v Warning | tail -20 | tee "$OUT/hf.log"
+    2>&1 | grep -v Warning | tail -20 | tee -a "$OUT/bench.log"
 fi
 
 # ---- memory checker over the GPU tests (optional) ----
@@ -95,9 +114,10 @@ if [ -n "${SPX_SANITIZE:-}" ]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   timeout ${SPX_SANITIZE_TIMEOUT:-120} "$CS" --tool memcheck --error-exitcode 9 \
     "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
-    --gtest_filter="${SPX_SANITIZE_FILTER:-*}" >"$OUT/sanitizer.log" 2>&1
+    --gtest_filter="${SPX_SANITIZE_FILTER:-*}" >"$OUT/../sanitizer.log" 2>&1
   stamp "memcheck rc $?"
-  grep -E "ERROR SUMMARY|Invalid|out of bounds|PASSED|FAILED" "$OUT/sanitizer.log" | head -20
+  grep -E "ERROR SUMMARY|Invalid|out of bounds|PASSED|FAILED" "$OUT/../sanitizer.log" | head -20 \
+    | tee -a "$OUT/tests.log"
 fi
 
 # ---- merged records ----

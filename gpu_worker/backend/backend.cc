@@ -126,6 +126,29 @@ absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const Attent
       static_cast<int64_t>(H) * hd > q.cols) {
     return absl::InvalidArgumentError("Attention: inconsistent head counts");
   }
+  if (!a.seqs.empty()) {
+    if (a.out_cross != nullptr || a.out_recv != nullptr) {
+      return absl::InvalidArgumentError("Attention: no statistics for batched sequences");
+    }
+    int64_t next = 0;
+    for (const SeqRows& s : a.seqs) {
+      if (s.row_begin != next || s.row_end < s.row_begin || s.row_end > n) {
+        return absl::InvalidArgumentError("Attention: sequence row ranges must cover the rows "
+                                          "in order");
+      }
+      next = s.row_end;
+      const int64_t sctx = static_cast<int64_t>(s.ctx_slots.size());
+      for (int64_t i = s.row_begin; i < s.row_end; ++i) {
+        if (a.q_pos[i] < 0 || a.q_pos[i] >= sctx) {
+          return absl::OutOfRangeError(absl::StrCat("query position ", a.q_pos[i],
+                                                    " outside its sequence's context of ", sctx));
+        }
+      }
+      RETURN_IF_ERROR(ValidateSlots(pool, s.ctx_slots));
+    }
+    if (next != n) return absl::InvalidArgumentError("Attention: rows outside every sequence");
+    return absl::OkStatus();
+  }
   for (int32_t p : a.q_pos) {
     if (p < 0 || p >= ctx) {
       return absl::OutOfRangeError(absl::StrCat("query position ", p, " outside context of ",
@@ -139,6 +162,21 @@ absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const Attent
   }
   if (a.out_recv != nullptr && a.recv_weight.size() != static_cast<size_t>(n)) {
     return absl::InvalidArgumentError("Attention: recv statistic needs recv_weight per row");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionBySequence(Backend& be, const Tensor& q, const KvPool& pool, int layer,
+                                 const AttentionArgs& a, Tensor& out) {
+  for (const SeqRows& s : a.seqs) {
+    const int64_t n = s.row_end - s.row_begin;
+    if (n == 0) continue;
+    AttentionArgs one = a;
+    one.seqs = {};
+    one.q_pos = a.q_pos.subspan(s.row_begin, n);
+    one.ctx_slots = s.ctx_slots;
+    Tensor qv = RowView(q, s.row_begin, n), ov = RowView(out, s.row_begin, n);
+    RETURN_IF_ERROR(be.Attention(qv, pool, layer, one, ov));
   }
   return absl::OkStatus();
 }

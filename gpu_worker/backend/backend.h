@@ -65,6 +65,13 @@ struct RopeParams {
   RopeScaling scaling;
 };
 
+// Rows [row_begin, row_end) of a batched attention call belong to one sequence whose positions
+// 0..ctx_slots.size()-1 live at those slots.
+struct SeqRows {
+  int64_t row_begin = 0, row_end = 0;
+  std::span<const int32_t> ctx_slots;
+};
+
 // One attention call: rows of q (each with its own absolute position) of one sequence attend
 // over that sequence's keys at positions [0, q_pos[i]] (causal limit of the row's own position),
 // read through the slot table. Serves dense prefill, chunked prefill, decode and sparse recompute.
@@ -85,6 +92,9 @@ struct AttentionArgs {
   // out_recv[j] += sum_i recv_weight[i] * mean over heads of p(i -> j).
   std::span<const float> recv_weight;
   float* out_recv = nullptr;  // host [ctx_len]
+  // Several sequences in one call (batched decode): consecutive row ranges covering all rows,
+  // each with its own context; ctx_slots is then unused and no statistics may be asked for.
+  std::span<const SeqRows> seqs;
 };
 
 struct BackendOptions {
@@ -191,6 +201,11 @@ absl::StatusOr<BackendWeights> MakeWeights(Backend& be, const ModelConfig& cfg,
 absl::Status ValidateSlots(const KvPool& pool, std::span<const int32_t> slots);
 absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const AttentionArgs& a,
                                const Tensor& out);
+
+// A batched attention call (a.seqs) as one call per sequence on row views: the CPU backend's
+// way, and the CUDA backend's where its batched kernel does not apply.
+absl::Status AttentionBySequence(Backend& be, const Tensor& q, const KvPool& pool, int layer,
+                                 const AttentionArgs& a, Tensor& out);
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opts);
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend();

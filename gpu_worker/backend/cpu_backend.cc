@@ -283,6 +283,7 @@ class CpuBackend final : public Backend {
     const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
     const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
     RETURN_IF_ERROR(ValidateAttention(q, pool, a, out));
+    if (!a.seqs.empty()) return AttentionBySequence(*this, q, pool, layer, a, out);
     const bool want_cross = a.out_cross != nullptr;
     const bool want_recv = a.out_recv != nullptr;
     const float scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));

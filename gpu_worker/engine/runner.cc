@@ -129,24 +129,13 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   args.q_pos = rows.pos;
   args.ctx_slots = rows.ctx_slots;
   ASSIGN_OR_RETURN(Tensor* att, s.Get(n, static_cast<int64_t>(H) * hd));
-  if (rows.groups.empty()) {
-    RETURN_IF_ERROR(be_->Attention(*qkv, pool_, l, args, *att));
-  } else {
+  if (!rows.groups.empty()) {
     if (stats != nullptr) {
       return absl::InvalidArgumentError("Layer: no selection statistics for batched rows");
     }
-    for (const RowGroup& g : rows.groups) {
-      if (g.row_begin < 0 || g.row_end > n || g.row_begin > g.row_end) {
-        return absl::InvalidArgumentError("Layer: row group outside the rows");
-      }
-      const int64_t gn = g.row_end - g.row_begin;
-      if (gn == 0) continue;
-      Tensor qv = RowView(*qkv, g.row_begin, gn), ov = RowView(*att, g.row_begin, gn);
-      args.q_pos = rows.pos.subspan(g.row_begin, gn);
-      args.ctx_slots = g.ctx_slots;
-      RETURN_IF_ERROR(be_->Attention(qv, pool_, l, args, ov));
-    }
+    args.seqs = rows.groups;
   }
+  RETURN_IF_ERROR(be_->Attention(*qkv, pool_, l, args, *att));
   if (comm_ != nullptr && stats != nullptr) {
     const float inv = 1.0f / static_cast<float>(comm_->size());
     for (auto [local, out] : {std::pair{&cross_local, stats->out_cross},

@@ -20,10 +20,7 @@ namespace sparsex {
 
 // Rows [row_begin, row_end) of a batched Layer call belong to one sequence whose positions
 // 0..ctx_len-1 live at ctx_slots.
-struct RowGroup {
-  int64_t row_begin = 0, row_end = 0;
-  std::span<const int32_t> ctx_slots;
-};
+using RowGroup = SeqRows;
 
 // The rows one Layer call processes: all of one sequence, or (groups non-empty) rows of several
 // sequences, e.g. one decode row per running sequence, sharing every matmul.

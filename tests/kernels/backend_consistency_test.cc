@@ -3,6 +3,7 @@
 // ||cuda - cpu|| / ||cpu|| below 1e-2. Skips when no CUDA device is usable.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -214,6 +215,11 @@ TEST_F(BackendConsistency, GatherScatterCopyRows) {
 }
 
 TEST_F(BackendConsistency, MatMulAddFoldsTheResidual) {
+  setenv("SPX_FUSED_RESIDUAL", "1", 1);  // read when the backend is created
+  auto fused = CreateBackend({.kind = "cuda"});
+  ASSERT_TRUE(fused.ok());
+  gpu_ = std::move(*fused);
+  unsetenv("SPX_FUSED_RESIDUAL");
   for (int n : {1, 5, 67}) {  // the small-n kernel and cuBLASLt both take beta = 1
     Pair x = MakeRand(n, 512);
     Pair w = MakeRand(384, 512, 0.05f);
@@ -443,11 +449,79 @@ TEST_F(AttentionConsistency, ChunkedAndSparseRows) {
   Run({"unsorted rows", 32, 8, 128, 901, unsorted});
 }
 
+// Enough query tiles to fill the GPU without splitting the key axis: on Hopper these take the
+// wgmma kernel (SPX_ATTN_IMPL picks which), elsewhere mma.sync.
+TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
+  Run({"dense 2048 gqa4", 32, 8, 128, 2048, Dense(0, 2048)});
+  Run({"chunk 1100 after 1000", 32, 8, 128, 2100, Dense(1000, 2100)});
+  Run({"sparse 30% of 4000", 32, 8, 128, 4000, Sparse(4000, 0.3)});
+  Run({"gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
+  Run({"mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
+  Run({"stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});
+}
+
 TEST_F(AttentionConsistency, DecodeSplitK) {
   Run({"decode 8k", 32, 8, 128, 8192, {8191}});
   Run({"decode 3 rows", 32, 8, 128, 5000, {4997, 4998, 4999}});
   Run({"decode mid-context", 32, 8, 128, 4096, {1234}});
   Run({"decode tiny", 8, 4, 8, 400, {399}});
+}
+
+// Several sequences in one call (batched decode): each row attends only over its own
+// sequence's blocks. One row per sequence takes the batched kernel; a sequence with more rows
+// than one query tile holds goes through one call per sequence.
+TEST_F(AttentionConsistency, BatchedSequences) {
+  const int H = 32, KV = 8, hd = 128, bs = 16, kv_dim = KV * hd;
+  for (std::vector<int> rows_per : {std::vector<int>{1, 1, 1, 1, 1}, {1, 3, 2, 1, 1},
+                                    {1, 40, 1, 1, 1}}) {
+    const std::vector<int> ctx = {300, 8192, 1, 4096, 777};
+    int total_blocks = 0;
+    for (int c : ctx) total_blocks += (c + bs - 1) / bs;
+    auto pc = cpu_->AllocKvPool(1, total_blocks + 2, bs, kv_dim);
+    auto pg = gpu_->AllocKvPool(1, total_blocks + 2, bs, kv_dim);
+    ASSERT_TRUE(pc.ok() && pg.ok());
+    std::vector<int32_t> table(total_blocks + 2);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng_);
+    std::vector<std::vector<int32_t>> slots(ctx.size());
+    std::vector<SeqRows> seqs;
+    std::vector<int32_t> q_pos;
+    int next_block = 0;
+    for (size_t s = 0; s < ctx.size(); ++s) {
+      for (int j = 0; j < ctx[s]; ++j) slots[s].push_back(table[next_block + j / bs] * bs + j % bs);
+      next_block += (ctx[s] + bs - 1) / bs;
+      Pair kv = Make(ctx[s], 2 * kv_dim, Rand(static_cast<size_t>(ctx[s]) * 2 * kv_dim, 2.0f));
+      ASSERT_TRUE(cpu_->WriteKv(*pc, 0, kv.c, 0, kv.c, kv_dim, slots[s]).ok());
+      ASSERT_TRUE(gpu_->WriteKv(*pg, 0, kv.g, 0, kv.g, kv_dim, slots[s]).ok());
+      Free(kv);
+      const int r = std::min(rows_per[s], ctx[s]);
+      seqs.push_back({static_cast<int64_t>(q_pos.size()), static_cast<int64_t>(q_pos.size()) + r,
+                      slots[s]});
+      for (int i = 0; i < r; ++i) q_pos.push_back(ctx[s] - r + i);
+    }
+    const int n = static_cast<int>(q_pos.size());
+    Pair q = MakeRand(n, static_cast<int64_t>(H + 2 * KV) * hd, 2.0f);
+    Pair out = MakeOut(n, static_cast<int64_t>(H) * hd);
+    AttentionArgs a;
+    a.n_heads = H;
+    a.n_kv_heads = KV;
+    a.head_dim = hd;
+    a.q_pos = q_pos;
+    a.seqs = seqs;
+    ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
+    absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_LT(Compare(out), kTol) << "rows per sequence " << rows_per[1];
+    // A row outside its own sequence's context is refused.
+    std::vector<int32_t> bad = q_pos;
+    bad[0] = ctx[0];
+    a.q_pos = bad;
+    EXPECT_FALSE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
+    cpu_->FreeKvPool(*pc);
+    gpu_->FreeKvPool(*pg);
+    Free(q);
+    Free(out);
+  }
 }
 
 TEST_F(AttentionConsistency, SelectionStatistics) {

@@ -118,6 +118,12 @@ class CudaBackend final : public Backend {
     use_small_n_gemm_ = env == nullptr || std::string(env) != "0";
     // SPX_ATTN_WARPS=4|8 picks the attention block size (default: the kernel's).
     if (const char* w = std::getenv("SPX_ATTN_WARPS")) attn_warps_ = std::atoi(w);
+    if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) fused_residual_ = std::string(f) == "1";
+    // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe forces an attention kernel (default: auto).
+    if (const char* im = std::getenv("SPX_ATTN_IMPL")) {
+      const std::string v = im;
+      attn_impl_ = v == "mma" ? 1 : v == "wgmma" ? 2 : v == "wgmma-pipe" ? 3 : 0;
+    }
     pinned_size_ = 16u << 20;
     CUDA_RETURN(cudaMallocHost(&pinned_, pinned_size_), "pinned staging alloc");
     return absl::OkStatus();
@@ -440,7 +446,11 @@ class CudaBackend final : public Backend {
   absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) override {
     return Gemm(x, w, out, 0.0f);
   }
+  // The residual add in the GEMM epilogue (beta = 1) rounds once where MatMul + Add rounds
+  // twice; on stories260K that flipped a near-tie of the GPU-vs-CPU greedy check at token 45
+  // and saved only ~1% at 32K (docs/perf-notes.md), so it is opt-in: SPX_FUSED_RESIDUAL=1.
   absl::Status MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) override {
+    if (!fused_residual_) return Backend::MatMulAdd(x, w, out);
     return Gemm(x, w, out, 1.0f);
   }
   // out = x @ w^T + beta * out (beta = 1: the residual add in the GEMM epilogue).
@@ -646,6 +656,7 @@ class CudaBackend final : public Backend {
     const bool want_cross = a.out_cross != nullptr;
     const bool want_recv = a.out_recv != nullptr;
     if (n == 0) return absl::OkStatus();
+    if (!a.seqs.empty()) return AttentionBatched(q, pool, layer, a, out);
     const bool stats = want_cross || want_recv;
 
     std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
@@ -674,6 +685,7 @@ class CudaBackend final : public Backend {
     p.head_dim = hd;
     p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));
     p.warps = attn_warps_;
+    p.impl = attn_impl_;
 
     // Workspace: [split-K partials | lse (n*H) | cross (n) | recv (ctx)], 256-byte aligned parts.
     auto align = [](size_t b) { return (b + 255) / 256 * 256; };
@@ -689,23 +701,25 @@ class CudaBackend final : public Backend {
     float* recv =
         want_recv ? reinterpret_cast<float*>(wp + split_bytes + lse_bytes + cross_bytes) : nullptr;
     p.lse = lse;
+    // The cross mass rides in the attention pass (online softmax); only the received attention
+    // needs the second pass, and only over the rows that carry a weight.
+    if (want_cross) {
+      p.key_group = static_cast<const int32_t*>(d[2]);
+      p.q_group = static_cast<const int32_t*>(d[3]);
+      p.out_cross = cross;
+      CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");
+    }
     CUDA_RETURN(kernels::PagedAttention(p, split_bytes ? ws : nullptr, split_bytes, stream_),
                 "Attention");
     if (!stats) return absl::OkStatus();
 
-    kernels::AttentionStatsParams s;
-    if (want_cross) {
-      s.key_group = static_cast<const int32_t*>(d[2]);
-      s.q_group = static_cast<const int32_t*>(d[3]);
-      s.out_cross = cross;
-      CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");
-    }
     if (want_recv) {
+      kernels::AttentionStatsParams s;
       s.recv_weight = static_cast<const float*>(d[want_cross ? 4 : 2]);
       s.out_recv = recv;
       CUDA_RETURN(cudaMemsetAsync(recv, 0, ctx * 4, stream_), "Attention stats clear");
+      CUDA_RETURN(kernels::AttentionStats(p, s, stream_), "Attention stats");
     }
-    CUDA_RETURN(kernels::AttentionStats(p, s, stream_), "Attention stats");
     std::vector<float> host_cross(want_cross ? n : 0), host_recv(want_recv ? ctx : 0);
     if (want_cross) {
       CUDA_RETURN(cudaMemcpyAsync(host_cross.data(), cross, n * 4, cudaMemcpyDeviceToHost,
@@ -722,6 +736,69 @@ class CudaBackend final : public Backend {
       a.out_cross[i] += host_cross[i];
     for (int64_t j = 0; j < static_cast<int64_t>(host_recv.size()); ++j)
       a.out_recv[j] += host_recv[j];
+    return absl::OkStatus();
+  }
+
+  // Several sequences in one launch (batched decode): every sequence's slot table, positions
+  // and row ranges staged in one copy; one attention kernel (split over keys) and one combine.
+  // Falls back to one call per sequence where the batched kernel does not apply.
+  absl::Status AttentionBatched(const Tensor& q, const KvPool& pool, int layer,
+                                const AttentionArgs& a, Tensor& out) {
+    const int64_t n = q.rows;
+    const int S = static_cast<int>(a.seqs.size());
+    kernels::PagedAttentionParams p;
+    p.q = B(q);
+    p.q_stride = q.cols;
+    p.out = B(out);
+    p.out_stride = out.cols;
+    p.num_q = static_cast<int>(n);
+    p.k_pool = B(pool.k[layer]);
+    p.v_pool = B(pool.v[layer]);
+    p.kv_stride = pool.kv_dim;
+    p.n_heads = a.n_heads;
+    p.n_kv_heads = a.n_kv_heads;
+    p.head_dim = a.head_dim;
+    p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
+    p.warps = attn_warps_;
+    p.impl = attn_impl_;
+    int64_t max_rows = 0;
+    for (const SeqRows& sq : a.seqs) max_rows = std::max(max_rows, sq.row_end - sq.row_begin);
+    if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
+      return AttentionBySequence(*this, q, pool, layer, a, out);
+    }
+    // Staging order: the slot tables, then positions, row starts, table offsets, lengths; each
+    // span lands 16-byte aligned, so table s starts at the running aligned offset.
+    std::vector<int32_t> rows(S + 1), start(S), len(S);
+    std::vector<HostSpan> spans;
+    int64_t off = 0;
+    int max_ctx = 0;
+    for (int i = 0; i < S; ++i) {
+      const SeqRows& sq = a.seqs[i];
+      spans.push_back({sq.ctx_slots.data(), sq.ctx_slots.size_bytes()});
+      rows[i] = static_cast<int32_t>(sq.row_begin);
+      start[i] = static_cast<int32_t>(off / 4);
+      len[i] = static_cast<int32_t>(sq.ctx_slots.size());
+      max_ctx = std::max(max_ctx, len[i]);
+      off += static_cast<int64_t>((sq.ctx_slots.size_bytes() + 15) / 16 * 16);
+    }
+    rows[S] = static_cast<int32_t>(n);
+    spans.push_back({a.q_pos.data(), a.q_pos.size_bytes()});
+    spans.push_back({rows.data(), rows.size() * 4});
+    spans.push_back({start.data(), start.size() * 4});
+    spans.push_back({len.data(), len.size() * 4});
+    ASSIGN_OR_RETURN(auto d, Stage(spans));
+    p.ctx_slots = static_cast<const int32_t*>(d[0]);
+    p.ctx_len = static_cast<int>(off / 4);
+    p.q_pos = static_cast<const int32_t*>(d[S]);
+    p.num_seqs = S;
+    p.seq_rows = static_cast<const int32_t*>(d[S + 1]);
+    p.seq_ctx_start = static_cast<const int32_t*>(d[S + 2]);
+    p.seq_ctx_len = static_cast<const int32_t*>(d[S + 3]);
+    p.max_seq_ctx = max_ctx;
+    const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
+    ASSIGN_OR_RETURN(void* ws, attn_scratch_.Get(ws_bytes + 256, stream_));
+    CUDA_RETURN(kernels::PagedAttention(p, ws_bytes ? ws : nullptr, ws_bytes, stream_),
+                "Attention (batched)");
     return absl::OkStatus();
   }
 
@@ -831,6 +908,8 @@ class CudaBackend final : public Backend {
   kernels::LtGemm gemm_;
   DeviceScratch idx_scratch_, f32_scratch_, attn_scratch_;
   bool use_small_n_gemm_ = true;
+  bool fused_residual_ = false;
+  int attn_impl_ = 0;
   int attn_warps_ = 0;
   void* pinned_ = nullptr;
   size_t pinned_size_ = 0, pinned_off_ = 0;

@@ -1,0 +1,492 @@
+// Hopper (sm_90a) paged attention: the FlashAttention-2 algorithm of attention.cu on warpgroup
+// MMA (wgmma) instead of mma.sync. Same contract (PagedAttentionParams: per-row positions,
+// K/V gathered through the slot table, GQA heads of one KV head in one block); used for head_dim
+// 128 when the key axis is not split (prefill, sparse recompute), see PagedAttention.
+//
+// Block: 2 warpgroups (8 warps), 128 "M rows" (query row x head-in-group), 64 keys per step,
+// 3-stage cp.async pipeline for the K/V tiles. Shared tiles use the 128-byte swizzle of the
+// wgmma descriptors: a row of 64 bf16 (128 B) per swizzle row, 16-byte chunk c of row r at
+// chunk c ^ (r & 7), a 128-wide head split into two 64-column blocks. S = Q K^T reads Q and K
+// from shared memory (K-major); O += P V takes P from registers (the S accumulator layout is the
+// A-fragment layout) and V as stored (MN-major, transposed by the instruction). The pipelined
+// variant issues S of the next tile before the softmax of this one, so the tensor cores work
+// while the ALUs do the softmax. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
+// Sm90AttentionAvailable() is false.
+#include "kernels/attention_sm90.h"
+
+#include <cmath>
+
+#include "kernels/common.cuh"
+
+namespace sparsex::kernels {
+namespace {
+
+using detail::CeilDiv;
+using detail::CpAsync16;
+using detail::PackBf16x2;
+
+constexpr int kHd = 128, kBn = 64, kBm = 128, kThreads = 256, kStages = 3;
+// Shared layout (bytes from the 1024-aligned base): Q, then per stage K and V, then Vt.
+constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
+constexpr int kTileBytes = kBn * kHd * 2;      // 16 KiB
+constexpr int kStageBytes = 2 * kTileBytes;    // K + V
+constexpr int SmemBytes() { return 1024 + kQBytes + kStages * kStageBytes; }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -INFINITY;
+
+// Byte offset of 16-byte chunk `chunk` (0..15 over a 128-wide row) of row `row` in a tile of
+// `rows` rows stored as two 64-column blocks with the 128-byte swizzle.
+__device__ __forceinline__ uint32_t SwOff(int row, int chunk, int rows) {
+  return (chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t Desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void WgFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgWait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// D[64x64] (+)= A[64x16] * B[16x64], A and B in shared memory (K-major descriptors);
+// accumulate = 0 overwrites D.
+__device__ __forceinline__ void WgmmaQK(float* d, uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D[64x128] += A[64x16] (registers: P) * B[16x128] in shared memory, B MN-major (the V tile as stored, hd contiguous; transposed by the instruction).
+__device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+enum Mode { kPlain = 0, kPipelined = 1, kStats = 2 };
+
+// MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
+// log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
+template <int MODE>
+__global__ void __launch_bounds__(kThreads, 1)
+    WgmmaFlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
+                     int qt) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kStatsMode = MODE == kStats;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int s_lim[kBm];
+  __shared__ int s_max_lim, s_min_lim;
+  // Swizzle atoms must start on 1024-byte boundaries of the shared window.
+  const uint32_t raw = detail::SmemAddr(smem_raw);
+  const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+  unsigned char* base = smem_raw + pad;
+  const uint32_t sbase = raw + pad;
+  unsigned char* sQ = base;
+  unsigned char* sKV = base + kQBytes;  // [stage][K | V]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int G = group, QT = qt;
+  const int qtile = gridDim.x - 1 - blockIdx.x;  // heavy (late) tiles first
+  const int kvh = blockIdx.y;
+  const int q0 = qtile * QT;
+
+  if (tid == 0) {
+    s_max_lim = -1;
+    s_min_lim = 0x7fffffff;
+  }
+  __syncthreads();
+  bool has_weight = false;  // some row of the block adds to out_recv (statistics)
+  for (int m = tid; m < kBm; m += kThreads) {
+    const int qrow = q0 + m % QT;
+    int lim = -1;
+    if (qrow < p.num_q) {
+      lim = min(p.q_pos[qrow], p.ctx_len - 1);
+      if (lim < 0) lim = -1;
+      if (kStatsMode && st.recv_weight && st.out_recv && st.recv_weight[qrow] > 0.0f)
+        has_weight = true;
+    }
+    s_lim[m] = lim;
+    atomicMin(&s_min_lim, lim);
+    if (lim >= 0) atomicMax(&s_max_lim, lim);
+  }
+  has_weight = __syncthreads_or(has_weight);
+  const int kv_end = s_max_lim + 1;
+  const int min_lim = s_min_lim;
+  const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBn));
+
+  const int g = lane >> 2, tq = lane & 3;
+  const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
+  int qrow[2], head[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    qrow[i] = q0 + mr[i] % QT;
+    head[i] = kvh * G + mr[i] / QT;
+  }
+  const float scale_log2 = p.scale * kLog2e;
+
+  auto load_kv = [&](int stage, int tile) {
+    unsigned char* dk = sKV + stage * kStageBytes;
+    unsigned char* dv = dk + kTileBytes;
+    for (int idx = tid; idx < kBn * 16; idx += kThreads) {
+      const int r = idx >> 4, c = idx & 15;
+      const int j = tile * kBn + r;
+      const bool valid = j < kv_end;
+      const int64_t slot = valid ? p.ctx_slots[j] : 0;
+      const int64_t off = slot * p.kv_stride + kvh * kHd + c * 8;
+      const uint32_t o = SwOff(r, c, kBn);
+      CpAsync16(dk + o, p.k_pool + (valid ? off : 0), valid);
+      if constexpr (!kStatsMode) CpAsync16(dv + o, p.v_pool + (valid ? off : 0), valid);
+    }
+  };
+
+  // Q tile with the first K/V tile, the second K/V tile in its own group.
+  for (int idx = tid; idx < kBm * 16; idx += kThreads) {
+    const int m = idx >> 4, c = idx & 15;
+    const int qr = q0 + m % QT;
+    const int hh = kvh * G + m / QT;
+    const bool valid = qr < p.num_q;
+    const int64_t off = valid ? (int64_t)qr * p.q_stride + hh * kHd + c * 8 : 0;
+    CpAsync16(sQ + SwOff(m, c, kBm), p.q + off, valid);
+  }
+  if (n_tiles > 0) load_kv(0, 0);
+  detail::CpAsyncCommit();
+  if (n_tiles > 1) load_kv(1, 1);
+  detail::CpAsyncCommit();
+
+  float o[16][4];
+#pragma unroll
+  for (int nd = 0; nd < 16; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+  float row_m[2] = {kNegInf, kNegInf}, row_l[2] = {0.0f, 0.0f};
+  // Fused cross-segment mass (p.out_cross), rescaled with the row sums.
+  const bool fused_cross = !kStatsMode && p.out_cross != nullptr;
+  float xacc[2] = {0.0f, 0.0f};
+  int xqg[2] = {0, 0};
+  if (fused_cross) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (lim[i] >= 0) xqg[i] = p.q_group[qrow[i]];
+  }
+  const uint32_t q_desc_base = sbase + wg * 64 * 128;  // this warpgroup's 64 rows
+
+  // S = Q K^T of the tile in `stage` into acc (8 k-steps over the head dimension).
+  auto issue_s = [&](int stage, float (&acc)[8][4]) {
+    const uint32_t k_s = sbase + kQBytes + stage * kStageBytes;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const uint32_t koff = (ks & 3) * 32;
+      const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
+      const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024);
+      WgmmaQK(&acc[0][0], da, db, ks > 0);
+    }
+  };
+  // Scale, causal mask, online softmax of tile t in acc; P into pa, O rescaled.
+  uint32_t pa[4][4];  // P as the A fragments of the 4 k-steps (16 keys each)
+  auto softmax = [&](float (&acc)[8][4], int t) {
+    const int key0 = t * kBn + 2 * tq;
+    const bool need_mask = (t * kBn + kBn - 1) > min_lim;
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int key = key0 + nb * 8 + (c & 1);
+        float v = acc[nb][c] * scale_log2;
+        if (need_mask && key > lim[c >> 1]) v = kNegInf;
+        acc[nb][c] = v;
+      }
+    }
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      mx[0] = fmaxf(mx[0], fmaxf(acc[nb][0], acc[nb][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(acc[nb][2], acc[nb][3]));
+    }
+    float ref[2], corr[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(row_m[i], mx[i]);
+      ref[i] = m_new == kNegInf ? 0.0f : m_new;
+      corr[i] = Ex2(row_m[i] - ref[i]);
+      row_m[i] = m_new;
+      row_l[i] *= corr[i];
+      xacc[i] *= corr[i];
+    }
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      acc[nb][0] = Ex2(acc[nb][0] - ref[0]);
+      acc[nb][1] = Ex2(acc[nb][1] - ref[0]);
+      acc[nb][2] = Ex2(acc[nb][2] - ref[1]);
+      acc[nb][3] = Ex2(acc[nb][3] - ref[1]);
+      row_l[0] += acc[nb][0] + acc[nb][1];
+      row_l[1] += acc[nb][2] + acc[nb][3];
+    }
+    if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = PackBf16x2(acc[2 * kk][0], acc[2 * kk][1]);
+      pa[kk][1] = PackBf16x2(acc[2 * kk][2], acc[2 * kk][3]);
+      pa[kk][2] = PackBf16x2(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+      pa[kk][3] = PackBf16x2(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int nd = 0; nd < 16; ++nd) {
+      o[nd][0] *= corr[0];
+      o[nd][1] *= corr[0];
+      o[nd][2] *= corr[1];
+      o[nd][3] *= corr[1];
+    }
+  };
+  // O += P V of the tile in `stage`: V as stored (16 key rows per k-step, the 128 head columns
+  // in two 64-column blocks 8 KiB apart), transposed by the instruction.
+  auto issue_pv = [&](int stage) {
+    const uint32_t v_s = sbase + kQBytes + stage * kStageBytes + kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) WgmmaPVMn(&o[0][0], pa[kk], Desc(v_s + kk * 2048, kBn * 128, 1024));
+  };
+
+  float s_cur[8][4];
+  if constexpr (kStatsMode) {
+    float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
+    int qg[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (lim[i] >= 0) {
+        lse_row[i] = p.lse[(int64_t)qrow[i] * p.n_heads + head[i]];
+        if (st.q_group) qg[i] = st.q_group[qrow[i]];
+        if (st.recv_weight) w_row[i] = fmaxf(st.recv_weight[qrow[i]], 0.0f);
+      }
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+      detail::CpAsyncWait<1>();
+      FenceProxyAsync();
+      __syncthreads();
+      if (t + 2 < n_tiles) load_kv((t + 2) % kStages, t + 2);
+      detail::CpAsyncCommit();
+      WgFence();
+      issue_s(t % kStages, s_cur);
+      WgCommit();
+      WgWait0();
+      const int key0 = t * kBn + 2 * tq;
+      const bool need_mask = (t * kBn + kBn - 1) > min_lim;
+      float colsum[8][2];
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + nb * 8 + e;
+          const int kg = (key < p.ctx_len && st.key_group) ? st.key_group[key] : -1;
+          float s0 = s_cur[nb][e] * scale_log2, s1 = s_cur[nb][2 + e] * scale_log2;
+          if (need_mask && key > lim[0]) s0 = kNegInf;
+          if (need_mask && key > lim[1]) s1 = kNegInf;
+          const float p0 = Ex2(s0 - lse_row[0]), p1 = Ex2(s1 - lse_row[1]);
+          if (kg >= 0) {
+            if (kg != qg[0]) cross[0] += p0;
+            if (kg != qg[1]) cross[1] += p1;
+          }
+          colsum[nb][e] = w_row[0] * p0 + w_row[1] * p1;
+        }
+      }
+      if (has_weight) {
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = colsum[nb][e];
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            v += __shfl_xor_sync(0xffffffffu, v, 16);
+            const int key = key0 + nb * 8 + e;
+            if (g == 0 && v != 0.0f && key < p.ctx_len)
+              atomicAdd(st.out_recv + key, v / static_cast<float>(p.n_heads));
+          }
+        }
+      }
+    }
+    detail::CpAsyncWait<0>();
+    if (st.out_cross && st.key_group && st.q_group) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float v = cross[i];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (tq == 0 && lim[i] >= 0 && v != 0.0f)
+          atomicAdd(st.out_cross + qrow[i], v / static_cast<float>(p.n_heads));
+      }
+    }
+    return;
+  } else if constexpr (MODE == kPipelined) {
+    // S of tile t + 1 runs on the tensor cores while tile t's softmax runs on the ALUs.
+    float s_nxt[8][4];
+    if (n_tiles > 0) {
+      detail::CpAsyncWait<1>();
+      FenceProxyAsync();
+      __syncthreads();
+      WgFence();
+      issue_s(0, s_cur);
+      WgCommit();
+      WgWait0();
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+      detail::CpAsyncWait<0>();  // tile t + 1 has landed
+      FenceProxyAsync();
+      __syncthreads();  // ... for every thread; stage (t + 2) % 3 is free
+      if (t + 2 < n_tiles) load_kv((t + 2) % kStages, t + 2);
+      detail::CpAsyncCommit();
+      const bool next = t + 1 < n_tiles;
+      if (next) {
+        WgFence();
+        issue_s((t + 1) % kStages, s_nxt);
+        WgCommit();
+      }
+      softmax(s_cur, t);
+      WgFence();
+      issue_pv(t % kStages);
+      WgCommit();
+      WgWait0();
+      if (next) {
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s_cur[nb][c] = s_nxt[nb][c];
+      }
+    }
+  } else {
+    for (int t = 0; t < n_tiles; ++t) {
+      detail::CpAsyncWait<1>();  // tile t has landed
+      FenceProxyAsync();
+      __syncthreads();
+      if (t + 2 < n_tiles) load_kv((t + 2) % kStages, t + 2);
+      detail::CpAsyncCommit();
+      WgFence();
+      issue_s(t % kStages, s_cur);
+      WgCommit();
+      WgWait0();
+      softmax(s_cur, t);
+      WgFence();
+      issue_pv(t % kStages);
+      WgCommit();
+      WgWait0();
+    }
+  }
+  detail::CpAsyncWait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 1);
+    row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 2);
+  }
+  if (fused_cross) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      detail::FlushCross(xacc[i], row_l[i], tq == 0 && lim[i] >= 0,
+                         p.out_cross + (lim[i] >= 0 ? qrow[i] : 0), p.n_heads);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (qrow[i] >= p.num_q) continue;
+    const float inv = row_l[i] > 0.0f ? 1.0f / row_l[i] : 0.0f;
+    const float lse = row_l[i] > 0.0f ? row_m[i] + log2f(row_l[i]) : kNegInf;
+    bf16* orow = p.out + (int64_t)qrow[i] * p.out_stride + head[i] * kHd;
+#pragma unroll
+    for (int nd = 0; nd < 16; ++nd) {
+      *reinterpret_cast<uint32_t*>(orow + nd * 8 + 2 * tq) =
+          PackBf16x2(o[nd][2 * i] * inv, o[nd][2 * i + 1] * inv);
+    }
+    if (tq == 0 && p.lse) p.lse[(int64_t)qrow[i] * p.n_heads + head[i]] = lse;
+  }
+#else
+  (void)p;
+  (void)st;
+  (void)group;
+  (void)qt;
+  __trap();  // never launched: Sm90AttentionAvailable() is false without sm_90a code
+#endif
+}
+
+template <int MODE>
+cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st,
+                   cudaStream_t stream) {
+  constexpr int smem = SmemBytes();
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  const int G = p.n_heads / p.n_kv_heads;
+  const int qt = kBm / G;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
+  WgmmaFlashKernel<MODE><<<grid, kThreads, smem, stream>>>(p, st, G, qt);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool Sm90AttentionAvailable() {
+#if defined(SPX_HAVE_SM90A)
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return major == 9 && minor == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool Sm90AttentionSupports(const PagedAttentionParams& p) {
+  if (p.head_dim != kHd || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads) return false;
+  const int G = p.n_heads / p.n_kv_heads;
+  if (kBm % G != 0) return false;
+  return p.q_stride % 8 == 0 && p.kv_stride % 8 == 0 && p.out_stride % 2 == 0 &&
+         detail::Aligned16(p.q) && detail::Aligned16(p.k_pool) && detail::Aligned16(p.v_pool);
+}
+
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
+                               cudaStream_t stream) {
+  if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p)) return cudaErrorInvalidValue;
+  if (p.num_q == 0) return cudaSuccess;
+  const AttentionStatsParams none;
+  return pipelined ? Launch<kPipelined>(p, none, stream) : Launch<kPlain>(p, none, stream);
+}
+
+cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
+                               cudaStream_t stream) {
+  if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p) || p.lse == nullptr)
+    return cudaErrorInvalidValue;
+  if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
+  return Launch<kStats>(p, s, stream);
+}
+
+}  // namespace sparsex::kernels

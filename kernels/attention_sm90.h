@@ -1,0 +1,22 @@
+// Hopper wgmma path of PagedAttention (kernels/attention_sm90.cu); PagedAttention dispatches to
+// it, callers normally do not use it directly.
+#pragma once
+
+#include "kernels/attention.h"
+
+namespace sparsex::kernels {
+
+// True when this build carries sm_90a code and the current device is compute capability 9.0.
+bool Sm90AttentionAvailable();
+// Whether the shapes and alignment of p suit the wgmma kernel (head_dim 128, 128 % G == 0,
+// 16-byte aligned rows).
+bool Sm90AttentionSupports(const PagedAttentionParams& p);
+// Unsplit attention for p (out and, when set, lse). pipelined: the next tile's Q K^T overlaps
+// this tile's softmax (else one step after the other).
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
+                               cudaStream_t stream);
+// The statistics pass of AttentionStats on wgmma (p.lse from the attention pass).
+cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
+                               cudaStream_t stream);
+
+}  // namespace sparsex::kernels
