@@ -296,6 +296,7 @@ int Main(const Options& o) {
       if (kernels::Sm90AttentionAvailable() && !(only && std::string(only) == "mma")) {
         impls.push_back({2, 8, "wgmma"});
         impls.push_back({3, 8, "wgmma pipelined"});
+        impls.push_back({4, 8, "wgmma 128 keys"});
       }
       for (const Impl& im : impls) {
         const int warps = im.warps;

@@ -25,12 +25,17 @@ using detail::CeilDiv;
 using detail::CpAsync16;
 using detail::PackBf16x2;
 
-constexpr int kHd = 128, kBn = 64, kBm = 128, kThreads = 256, kStages = 3;
+constexpr int kHd = 128, kBm = 128, kThreads = 256;
 // Shared layout (bytes from the 1024-aligned base): Q, then per stage K and V, then Vt.
 constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
-constexpr int kTileBytes = kBn * kHd * 2;      // 16 KiB
-constexpr int kStageBytes = 2 * kTileBytes;    // K + V
-constexpr int SmemBytes() { return 1024 + kQBytes + kStages * kStageBytes; }
+// Keys per step BN: 64 (3 stages) or 128 (2 stages: 161 KiB of the 227).
+template <int BN>
+struct Tiles {
+  static constexpr int kStages = BN == 64 ? 3 : 2;
+  static constexpr int kTileBytes = BN * kHd * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K + V
+  static constexpr int kSmem = 1024 + kQBytes + kStages * kStageBytes;
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -76,6 +81,16 @@ __device__ __forceinline__ void WgmmaQK(float* d, uint64_t da, uint64_t db, int 
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// The same with 128 keys: D[64x128] (+)= A[64x16] * B[16x128].
+__device__ __forceinline__ void WgmmaQK128(float* d, uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // D[64x128] += A[64x16] (registers: P) * B[16x128] in shared memory, B MN-major (the V tile as stored, hd contiguous; transposed by the instruction).
 __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t db) {
   asm volatile(
@@ -92,12 +107,15 @@ enum Mode { kPlain = 0, kPipelined = 1, kStats = 2 };
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
-template <int MODE>
+template <int MODE, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaFlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
                      int qt) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kStatsMode = MODE == kStats;
+  constexpr int kBn = BN, kStages = Tiles<BN>::kStages;
+  constexpr int kTileBytes = Tiles<BN>::kTileBytes, kStageBytes = Tiles<BN>::kStageBytes;
+  static_assert(MODE != kPipelined || BN == 64, "the pipelined variant keeps two S tiles");
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_lim[kBm];
   __shared__ int s_max_lim, s_min_lim;
@@ -176,8 +194,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (n_tiles > 0) load_kv(0, 0);
   detail::CpAsyncCommit();
-  if (n_tiles > 1) load_kv(1, 1);
-  detail::CpAsyncCommit();
+  if constexpr (kStages == 3) {
+    if (n_tiles > 1) load_kv(1, 1);
+    detail::CpAsyncCommit();
+  }
 
   float o[16][4];
 #pragma unroll
@@ -195,23 +215,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_desc_base = sbase + wg * 64 * 128;  // this warpgroup's 64 rows
 
   // S = Q K^T of the tile in `stage` into acc (8 k-steps over the head dimension).
-  auto issue_s = [&](int stage, float (&acc)[8][4]) {
+  auto issue_s = [&](int stage, float (&acc)[kBn / 8][4]) {
     const uint32_t k_s = sbase + kQBytes + stage * kStageBytes;
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const uint32_t koff = (ks & 3) * 32;
       const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
       const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024);
-      WgmmaQK(&acc[0][0], da, db, ks > 0);
+      if constexpr (kBn == 64) {
+        WgmmaQK(&acc[0][0], da, db, ks > 0);
+      } else {
+        WgmmaQK128(&acc[0][0], da, db, ks > 0);
+      }
     }
   };
   // Scale, causal mask, online softmax of tile t in acc; P into pa, O rescaled.
-  uint32_t pa[4][4];  // P as the A fragments of the 4 k-steps (16 keys each)
-  auto softmax = [&](float (&acc)[8][4], int t) {
+  uint32_t pa[kBn / 16][4];  // P as the A fragments of the k-steps (16 keys each)
+  auto softmax = [&](float (&acc)[kBn / 8][4], int t) {
     const int key0 = t * kBn + 2 * tq;
     const bool need_mask = (t * kBn + kBn - 1) > min_lim;
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {
+    for (int nb = 0; nb < kBn / 8; ++nb) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int key = key0 + nb * 8 + (c & 1);
@@ -222,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     float mx[2] = {kNegInf, kNegInf};
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {
+    for (int nb = 0; nb < kBn / 8; ++nb) {
       mx[0] = fmaxf(mx[0], fmaxf(acc[nb][0], acc[nb][1]));
       mx[1] = fmaxf(mx[1], fmaxf(acc[nb][2], acc[nb][3]));
     }
@@ -239,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       xacc[i] *= corr[i];
     }
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {
+    for (int nb = 0; nb < kBn / 8; ++nb) {
       acc[nb][0] = Ex2(acc[nb][0] - ref[0]);
       acc[nb][1] = Ex2(acc[nb][1] - ref[0]);
       acc[nb][2] = Ex2(acc[nb][2] - ref[1]);
@@ -249,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < kBn / 16; ++kk) {
       pa[kk][0] = PackBf16x2(acc[2 * kk][0], acc[2 * kk][1]);
       pa[kk][1] = PackBf16x2(acc[2 * kk][2], acc[2 * kk][3]);
       pa[kk][2] = PackBf16x2(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
@@ -268,10 +292,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue_pv = [&](int stage) {
     const uint32_t v_s = sbase + kQBytes + stage * kStageBytes + kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) WgmmaPVMn(&o[0][0], pa[kk], Desc(v_s + kk * 2048, kBn * 128, 1024));
+    for (int kk = 0; kk < kBn / 16; ++kk) WgmmaPVMn(&o[0][0], pa[kk], Desc(v_s + kk * 2048, kBn * 128, 1024));
   };
 
-  float s_cur[8][4];
+  float s_cur[kBn / 8][4];
   if constexpr (kStatsMode) {
     float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
     int qg[2] = {0, 0};
@@ -284,10 +308,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     for (int t = 0; t < n_tiles; ++t) {
-      detail::CpAsyncWait<1>();
+      detail::CpAsyncWait<kStages - 2>();  // tile t has landed
       FenceProxyAsync();
-      __syncthreads();
-      if (t + 2 < n_tiles) load_kv((t + 2) % kStages, t + 2);
+      __syncthreads();  // ... for every thread; the stage of tile t - 1 is free
+      if (t + kStages - 1 < n_tiles) load_kv((t + kStages - 1) % kStages, t + kStages - 1);
       detail::CpAsyncCommit();
       WgFence();
       issue_s(t % kStages, s_cur);
@@ -295,9 +319,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       WgWait0();
       const int key0 = t * kBn + 2 * tq;
       const bool need_mask = (t * kBn + kBn - 1) > min_lim;
-      float colsum[8][2];
+      float colsum[kBn / 8][2];
 #pragma unroll
-      for (int nb = 0; nb < 8; ++nb) {
+      for (int nb = 0; nb < kBn / 8; ++nb) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = key0 + nb * 8 + e;
@@ -315,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (has_weight) {
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {
+        for (int nb = 0; nb < kBn / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float v = colsum[nb][e];
@@ -343,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   } else if constexpr (MODE == kPipelined) {
     // S of tile t + 1 runs on the tensor cores while tile t's softmax runs on the ALUs.
-    float s_nxt[8][4];
+    float s_nxt[kBn / 8][4];
     if (n_tiles > 0) {
       detail::CpAsyncWait<1>();
       FenceProxyAsync();
@@ -372,17 +396,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       WgWait0();
       if (next) {
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb)
+        for (int nb = 0; nb < kBn / 8; ++nb)
 #pragma unroll
           for (int c = 0; c < 4; ++c) s_cur[nb][c] = s_nxt[nb][c];
       }
     }
   } else {
     for (int t = 0; t < n_tiles; ++t) {
-      detail::CpAsyncWait<1>();  // tile t has landed
+      detail::CpAsyncWait<kStages - 2>();  // tile t has landed
       FenceProxyAsync();
-      __syncthreads();
-      if (t + 2 < n_tiles) load_kv((t + 2) % kStages, t + 2);
+      __syncthreads();  // ... for every thread; the stage of tile t - 1 is free
+      if (t + kStages - 1 < n_tiles) load_kv((t + kStages - 1) % kStages, t + kStages - 1);
       detail::CpAsyncCommit();
       WgFence();
       issue_s(t % kStages, s_cur);
@@ -430,13 +454,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <int MODE>
+template <int MODE, int BN>
 cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st,
                    cudaStream_t stream) {
-  constexpr int smem = SmemBytes();
+  constexpr int smem = Tiles<BN>::kSmem;
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE>,
+    cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE, BN>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured = true;
@@ -444,7 +468,7 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
-  WgmmaFlashKernel<MODE><<<grid, kThreads, smem, stream>>>(p, st, G, qt);
+  WgmmaFlashKernel<MODE, BN><<<grid, kThreads, smem, stream>>>(p, st, G, qt);
   return cudaGetLastError();
 }
 
@@ -473,12 +497,16 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p) {
          detail::Aligned16(p.q) && detail::Aligned16(p.k_pool) && detail::Aligned16(p.v_pool);
 }
 
-cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, int variant,
                                cudaStream_t stream) {
   if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p)) return cudaErrorInvalidValue;
   if (p.num_q == 0) return cudaSuccess;
   const AttentionStatsParams none;
-  return pipelined ? Launch<kPipelined>(p, none, stream) : Launch<kPlain>(p, none, stream);
+  switch (variant) {
+    case 1: return Launch<kPipelined, 64>(p, none, stream);
+    case 2: return Launch<kPlain, 128>(p, none, stream);
+    default: return Launch<kPlain, 64>(p, none, stream);
+  }
 }
 
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
@@ -486,7 +514,7 @@ cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionSta
   if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p) || p.lse == nullptr)
     return cudaErrorInvalidValue;
   if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
-  return Launch<kStats>(p, s, stream);
+  return Launch<kStats, 64>(p, s, stream);
 }
 
 }  // namespace sparsex::kernels

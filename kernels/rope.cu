@@ -43,6 +43,24 @@ __global__ void RopeKernel(const bf16* src, int64_t src_stride, bf16* dst, int64
   }
 }
 
+// K and V rows to their pool slots in one launch, 16 bytes per thread step.
+__global__ void WriteKvKernel(bf16* pk, bf16* pv, int64_t num_slots, int kv_dim, const bf16* ks,
+                              int64_t k_stride, const bf16* vs, int64_t v_stride,
+                              const int32_t* slots, int64_t n) {
+  const int64_t per_row = kv_dim / 8, half = n * per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < 2 * half;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const bool is_v = i >= half;
+    const int64_t j = is_v ? i - half : i;
+    const int64_t r = j / per_row, c = (j % per_row) * 8;
+    const int64_t d = slots[r];
+    if (d < 0 || d >= num_slots) continue;
+    const bf16* src = is_v ? vs + r * v_stride : ks + r * k_stride;
+    bf16* dst = (is_v ? pv : pk) + d * kv_dim;
+    *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+  }
+}
+
 }  // namespace
 
 cudaError_t Rope(bf16* x, int64_t x_stride, int64_t rows, int n_heads, const int32_t* pos,
@@ -61,6 +79,13 @@ cudaError_t WriteKv(const KvPoolView& pool, const bf16* k_src, int64_t k_stride,
                     const bf16* v_src, int64_t v_stride, const int32_t* slots, int64_t n,
                     cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
+  if (pool.kv_dim % 8 == 0 && k_stride % 8 == 0 && v_stride % 8 == 0 &&
+      detail::Aligned16(k_src) && detail::Aligned16(v_src) && detail::Aligned16(pool.k) &&
+      detail::Aligned16(pool.v)) {
+    WriteKvKernel<<<GridFor(2 * n * (pool.kv_dim / 8)), kThreads, 0, stream>>>(
+        pool.k, pool.v, pool.num_slots, pool.kv_dim, k_src, k_stride, v_src, v_stride, slots, n);
+    return cudaGetLastError();
+  }
   cudaError_t e = ScatterRows(k_src, k_stride, slots, pool.k, pool.kv_dim, pool.num_slots, n,
                               pool.kv_dim, stream);
   if (e != cudaSuccess) return e;

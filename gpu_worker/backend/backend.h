@@ -151,6 +151,13 @@ class Backend {
   virtual absl::Status MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out);
   // a += b
   virtual absl::Status Add(Tensor& a, const Tensor& b) = 0;
+  // x += b; out = x / rms(x) * w (the residual add and the next norm in one pass; the sum is
+  // rounded as Add would). Default: Add, then RmsNorm.
+  virtual absl::Status AddRmsNorm(Tensor& x, const Tensor& b, const Tensor& w, float eps,
+                                  Tensor& out) {
+    RETURN_IF_ERROR(Add(x, b));
+    return RmsNorm(x, w, eps, out);
+  }
   // out[:, j] = silu(x[:, j]) * x[:, j + half]   (x [n, 2*half], out [n, half])
   virtual absl::Status SwiGLU(const Tensor& x, Tensor& out) = 0;
   // Rotates columns [col_offset, col_offset + n_heads*head_dim) of x in place, row i at pos[i].

@@ -102,8 +102,8 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v.begin() + i * kd);
     }
   }
-  RETURN_IF_ERROR(be_->Rope(*qkv, 0, H, rows.pos, rope_));
-  RETURN_IF_ERROR(be_->Rope(*qkv, static_cast<int64_t>(H) * hd, KV, rows.pos, rope_));
+  // Q and K heads are adjacent columns: one rotation pass over both.
+  RETURN_IF_ERROR(be_->Rope(*qkv, 0, H + KV, rows.pos, rope_));
   RETURN_IF_ERROR(be_->WriteKv(pool_, l, *qkv, static_cast<int64_t>(H) * hd, *qkv,
                                static_cast<int64_t>(H + KV) * hd, rows.slots));
   AttentionArgs args;
@@ -145,18 +145,12 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       for (size_t i = 0; i < local->size(); ++i) out[i] += (*local)[i] * inv;
     }
   }
-  // Without tensor parallelism the residual adds ride in the projections' epilogues; with it
-  // the partial sums must be all-reduced before they are added.
-  Tensor* o = nullptr;
-  if (comm_ != nullptr) {
-    ASSIGN_OR_RETURN(o, s.Get(n, cfg_.dim));
-    RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
-    RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
-    RETURN_IF_ERROR(be_->Add(x, *o));
-  } else {
-    RETURN_IF_ERROR(be_->MatMulAdd(*att, w.wo, x));
-  }
-  RETURN_IF_ERROR(be_->RmsNorm(x, w.ffn_norm, cfg_.rms_eps, *h));
+  // The attention output joins the residual stream in the same pass as the MLP's norm; under
+  // tensor parallelism the partial projections are all-reduced first.
+  ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
+  RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
+  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
+  RETURN_IF_ERROR(be_->AddRmsNorm(x, *o, w.ffn_norm, cfg_.rms_eps, *h));
   ASSIGN_OR_RETURN(Tensor* gu, s.Get(n, 2 * static_cast<int64_t>(cfg_.ffn_dim)));
   RETURN_IF_ERROR(be_->MatMul(*h, w.w_gate_up, *gu));
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));

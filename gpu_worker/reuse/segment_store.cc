@@ -86,6 +86,16 @@ std::shared_ptr<const SegmentKv> SegmentStore::Get(const Hash128& fp) {
   return it->second.kv;
 }
 
+bool SegmentStore::Verify(const Hash128& fp) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = map_.find(fp);
+  if (it == map_.end()) return false;
+  if (VerifySegmentKv(*it->second.kv)) return true;
+  ++stats_.corrupt;
+  EraseLocked(fp);
+  return false;
+}
+
 bool SegmentStore::Contains(const Hash128& fp) const {
   std::lock_guard<std::mutex> l(mu_);
   return map_.contains(fp);

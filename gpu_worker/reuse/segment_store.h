@@ -49,6 +49,9 @@ class SegmentStore {
   absl::Status Put(const Hash128& fp, SegmentKv kv);
   std::shared_ptr<const SegmentKv> Get(const Hash128& fp);
   bool Contains(const Hash128& fp) const;
+  // Contains, with the checksums checked (a corrupt entry is dropped and counted) and without
+  // counting a hit or touching the LRU order: lets tensor-parallel ranks agree on a hit first.
+  bool Verify(const Hash128& fp);
   void Erase(const Hash128& fp);
   SegmentStoreStats stats() const;
   // Test hook for fault injection: flips one byte of a stored block.

@@ -29,7 +29,12 @@ int main(int argc, char** argv) {
   f.Add("model", &o.model_path, "GGUF file or HF model directory (required)");
   f.Add("model_name", &o.model_name, "model name in the API (default: file name stem)");
   f.Add("device", &o.device, "cpu | cuda");
-  f.Add("cuda_device", &o.cuda_device, "CUDA device ordinal");
+  f.Add("cuda_device", &o.cuda_device,
+        "CUDA device ordinal (with --tp N: rank r runs on cuda_device + r)");
+  f.Add("tp", &o.scheduler.engine.tp.size,
+        "tensor-parallel degree: ranks the model's heads and FFN are split over (cpu: threads "
+        "of this process; cuda: one GPU each, over NCCL); must divide the heads, KV heads and "
+        "FFN width");
   f.Add("address", &o.address, "bind address for gRPC and metrics");
   f.Add("port", &o.port, "gRPC port, 0 = any free");
   f.Add("metrics_port", &o.metrics_port, "metrics port, 0 = any free, -1 = off");
@@ -47,10 +52,13 @@ int main(int argc, char** argv) {
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
-  f.Add("host_store_mb", &host_store_mb, "host segment store capacity in MiB");
+  f.Add("host_store_mb", &host_store_mb,
+        "host segment store capacity in MiB (with --tp N: split evenly over the ranks)");
   f.Add("device_tier_mb", &device_tier_mb,
-        "segment KV kept in device memory, MiB (default -1: 1024 with --device cuda, else 0)");
-  f.Add("cache_servers", &o.cluster.servers, "cache server gRPC addresses (comma-separated)");
+        "segment KV kept in device memory, MiB per GPU (default -1: 1024 with --device cuda, "
+        "else 0)");
+  f.Add("cache_servers", &o.cluster.servers,
+        "cache server gRPC addresses (comma-separated); ignored with --tp > 1");
   f.Add("cache_replication", &replication, "copies of each segment in the cache cluster");
   f.Add("cache_transport", &o.cluster.transport, "cache data plane: ucx | grpc");
   f.Add("ucx_tls", &o.cluster.ucx_tls, "UCX transports (as UCX_TLS)");

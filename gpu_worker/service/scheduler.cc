@@ -56,9 +56,10 @@ struct BatchScheduler::Active {
   bool first_done = false;
 };
 
-BatchScheduler::BatchScheduler(const Model& model, SegmentStore* store, const SchedulerOptions& o,
-                               SchedulerHooks hooks)
-    : model_(model), store_(store), opts_(o), hooks_(std::move(hooks)) {
+BatchScheduler::BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
+                               const SchedulerOptions& o, SchedulerHooks hooks)
+    : model_(model), stores_(std::move(stores)), opts_(o), hooks_(std::move(hooks)) {
+  store_ = stores_[0];
   block_size_ = o.engine.kv.block_size;
   max_len_ = model.config().max_seq_len;
 }
@@ -66,12 +67,28 @@ BatchScheduler::BatchScheduler(const Model& model, SegmentStore* store, const Sc
 absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
     const Model& model, SegmentStore* store, const SchedulerOptions& options,
     SchedulerHooks hooks) {
+  return Start(model, std::vector<SegmentStore*>{store}, options, std::move(hooks));
+}
+
+absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
+    const Model& model, std::vector<SegmentStore*> stores, const SchedulerOptions& options,
+    SchedulerHooks hooks) {
+  RETURN_IF_ERROR(ValidateTensorParallel(model.config(), options.engine.tp.size));
+  if (static_cast<int>(stores.size()) != options.engine.tp.size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scheduler: ", stores.size(), " segment stores for --tp ",
+                     options.engine.tp.size, " (one per tensor-parallel rank)"));
+  }
+  for (SegmentStore* st : stores) {
+    if (st == nullptr) return absl::InvalidArgumentError("scheduler: null segment store");
+  }
   if (options.max_running < 1 || options.max_queue < 0 || options.prefill_chunk < 1) {
     return absl::InvalidArgumentError(
         "scheduler: max_running and prefill_chunk must be >= 1, max_queue >= 0");
   }
   RETURN_IF_ERROR(ValidateReuseOptions(options.reuse, model.config().n_layers));
-  std::unique_ptr<BatchScheduler> s(new BatchScheduler(model, store, options, std::move(hooks)));
+  std::unique_ptr<BatchScheduler> s(
+      new BatchScheduler(model, std::move(stores), options, std::move(hooks)));
   std::promise<absl::Status> ready;
   std::future<absl::Status> f = ready.get_future();
   BatchScheduler* self = s.get();
@@ -170,19 +187,21 @@ SchedulerLoad BatchScheduler::load() const {
 
 void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
   {
-    auto e = Engine::Create(model_, opts_.engine);
-    if (!e.ok()) {
-      ready->set_value(e.status());
+    // tp = 1: one engine on this thread, as before; tp > 1: rank 0 here, the others on the
+    // group's threads, all in lockstep.
+    auto g = EngineGroup::Create(model_, opts_.engine, stores_, opts_.reuse,
+                                 opts_.device_tier_bytes);
+    if (!g.ok()) {
+      ready->set_value(g.status());
       return;
     }
-    engine_ = std::move(*e);
-    reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_, opts_.reuse,
-                                           opts_.device_tier_bytes);
-    block_size_ = engine_->blocks().block_size();
+    group_ = std::move(*g);
+    block_size_ = group_->engine().blocks().block_size();
     if (hooks_.on_block_event) {
+      // Rank 0's block manager speaks for the group: every rank caches the same blocks.
       auto hook = hooks_.on_block_event;
       const int bs = block_size_;
-      engine_->blocks().SetEventHook(
+      group_->engine().blocks().SetEventHook(
           [hook, bs](const Hash128& h, bool stored) { hook(h, bs, stored); });
     }
     PublishLoad();
@@ -209,8 +228,7 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
   for (auto& a : rest) Finish(*a, "", absl::UnavailableError("worker stopped"));
   active_.clear();
   PublishLoad();
-  reuse_.reset();
-  engine_.reset();
+  group_.reset();
 }
 
 void BatchScheduler::Iteration() {
@@ -221,7 +239,7 @@ void BatchScheduler::Iteration() {
   std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
 
   // 2. Admission: FIFO, bounded by max_running and the KV reservation.
-  const int total_blocks = engine_->blocks().num_blocks();
+  const int total_blocks = group_->engine().blocks().num_blocks();
   std::vector<std::unique_ptr<Active>> admitted, dropped;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -279,9 +297,8 @@ void BatchScheduler::Iteration() {
       break;
     }
   }
-  for (Active* a : decoding) {
-    if (a->state == Active::State::kDecode) DecodeOne(*a);
-  }
+  std::erase_if(decoding, [](Active* a) { return a->state != Active::State::kDecode; });
+  DecodeAll(decoding);
   std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
   // 5. One deferred segment store, unless a prefill already ran (then only when many wait).
   if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
@@ -295,7 +312,7 @@ bool BatchScheduler::StoreOne() {
     pending_stores_.pop_front();
     if (store_->Contains(p.fp)) continue;  // stored meanwhile (another request)
     // A failure (e.g. no free KV blocks for the encoding pass) only loses the store.
-    if (reuse_->EnsureStored(p.tokens, &p.opts).ok() && store_->Contains(p.fp) &&
+    if (group_->EnsureStored(p.tokens, &p.opts).ok() && store_->Contains(p.fp) &&
         hooks_.on_segments_stored) {
       hooks_.on_segments_stored({{p.fp, static_cast<int>(p.tokens.size())}});
     }
@@ -315,14 +332,14 @@ bool BatchScheduler::PrefillOne(Active& a) {
       for (size_t i = 0; i < a.w.segments.size(); ++i) {
         const auto& s = a.w.segments[i];
         if (!s.cacheable || s.tokens.empty()) continue;
-        fps[i] = reuse_->Fingerprint(s.tokens, o.encoding);
+        fps[i] = group_->reuse().Fingerprint(s.tokens, o.encoding);
         had[i] = store_->Contains(fps[i]) ? 1 : 0;
       }
     }
     ReuseOptions po = a.w.reuse;
     const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
     if (defer) po.store_new_segments = false;
-    auto r = reuse_->Prefill(a.w.segments, a.w.add_bos, &po);
+    auto r = group_->ReusePrefill(a.w.segments, a.w.add_bos, &po);
     if (!r.ok()) {
       Finish(a, "", r.status());
       return true;
@@ -352,7 +369,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     logits = std::move(r->logits);
   } else {
     if (!a.has_seq) {
-      auto s = engine_->Admit(a.prompt);
+      auto s = group_->Admit(a.prompt);
       if (!s.ok()) {
         Finish(a, "", s.status());
         return true;
@@ -366,7 +383,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     // One chunk: the engine prefills [computed, size), so show it the prompt up to `end`.
     std::vector<int32_t> full = std::move(a.seq.tokens);
     a.seq.tokens.assign(full.begin(), full.begin() + end);
-    auto lg = engine_->Prefill(a.seq);
+    auto lg = group_->Prefill(a.seq);
     a.seq.tokens = std::move(full);
     if (!lg.ok()) {
       Finish(a, "", lg.status());
@@ -383,8 +400,31 @@ bool BatchScheduler::PrefillOne(Active& a) {
   return true;
 }
 
+void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
+  if (step.size() == 1) {
+    DecodeOne(*step[0]);
+    return;
+  }
+  if (step.empty()) return;
+  // One forward pass for every decoding sequence: the weights are read once per step instead
+  // of once per sequence.
+  std::vector<Sequence*> seqs;
+  std::vector<int32_t> toks;
+  for (Active* a : step) {
+    seqs.push_back(&a->seq);
+    toks.push_back(a->last);
+  }
+  auto lg = group_->StepBatch(seqs, toks);
+  if (!lg.ok()) {
+    // e.g. no KV block left for one of them: one at a time, so only that request fails.
+    for (Active* a : step) DecodeOne(*a);
+    return;
+  }
+  for (size_t i = 0; i < step.size(); ++i) Emit(*step[i], step[i]->sampler->Sample((*lg)[i]));
+}
+
 bool BatchScheduler::DecodeOne(Active& a) {
-  auto lg = engine_->Step(a.seq, a.last);
+  auto lg = group_->Step(a.seq, a.last);
   if (!lg.ok()) {
     Finish(a, "", lg.status());
     return false;
@@ -425,9 +465,9 @@ void BatchScheduler::Finish(Active& a, const std::string& reason, absl::Status s
   if (a.has_seq) {
     // A plain prefill is exact: its blocks (generated ones too) serve later exact prefixes.
     if (a.plain && status.ok() && a.state == Active::State::kDecode && a.w.reuse.register_prefix) {
-      engine_->RegisterPrefix(a.seq);
+      group_->RegisterPrefix(a.seq);
     }
-    engine_->Release(a.seq);
+    group_->Release(a.seq);
     a.has_seq = false;
   }
   if (a.state != Active::State::kQueued) reserved_blocks_ -= a.reserve;
@@ -457,9 +497,9 @@ void BatchScheduler::PublishLoad() {
   load_.running = static_cast<int>(active_.size());
   load_.running_tokens = tokens;
   load_.pending_stores = static_cast<int>(pending_stores_.size());
-  if (engine_) {
-    load_.kv_blocks_total = engine_->blocks().num_blocks();
-    load_.kv_blocks_free = engine_->blocks().available();
+  if (group_) {
+    load_.kv_blocks_total = group_->engine().blocks().num_blocks();
+    load_.kv_blocks_free = group_->engine().blocks().available();
   }
   ++load_.iterations;
 }

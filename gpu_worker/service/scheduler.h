@@ -1,10 +1,12 @@
-// The worker's engine loop: one thread owns the Engine (and its ReuseEngine) and runs
-// iteration-level continuous batching. Each iteration
+// The worker's engine loop: one thread owns the engines (an EngineGroup: one Engine and
+// ReuseEngine, or one per tensor-parallel rank driven in lockstep) and runs iteration-level
+// continuous batching. Each iteration
 //   1. drops cancelled requests (their KV blocks go back to the pool at once),
 //   2. admits waiting requests while the KV reservation and max_running allow,
 //   3. runs one prefill unit: a whole reuse prefill (one sparse-recompute pass), or one chunk
 //      of a plain prefill (prefill_chunk tokens),
-//   4. runs one decode step for every sequence past its prefill,
+//   4. runs one decode step for every sequence past its prefill, all in one batched forward
+//      pass (matmuls shared, attention per sequence),
 // and streams each new token to the request's RequestHandle, which the RPC thread drains.
 // No gRPC here: the service (worker_server.cc) adapts handles onto server streams.
 //
@@ -30,13 +32,16 @@
 #include "common/hash.h"
 #include "common/status.h"
 #include "gpu_worker/engine/engine.h"
+#include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 #include "gpu_worker/reuse/segment_store.h"
 
 namespace sparsex::service {
 
 struct SchedulerOptions {
-  EngineOptions engine;  // backend and KV pool. Default: cpu, 16-token blocks, 4096 blocks
+  // Backend and KV pool (per rank), and the tensor-parallel degree engine.tp.size (rank and
+  // comm are set by EngineGroup). Default: cpu, 16-token blocks, 4096 blocks, tp 1
+  EngineOptions engine;
   // Sequences admitted at once (prefilling or decoding). Default: 32
   int max_running = 32;
   // Requests waiting for admission before Submit answers RESOURCE_EXHAUSTED. Default: 256
@@ -132,9 +137,18 @@ struct SchedulerHooks {
 
 class BatchScheduler {
  public:
-  // Creates the Engine on the engine thread; returns once it is ready (or failed).
+  // Creates the engines on the engine thread; returns once they are ready (or failed).
+  // INVALID_ARGUMENT for bad options, including an engine.tp.size that is < 1 or does not
+  // divide the model's heads, KV heads and FFN width.
   static absl::StatusOr<std::unique_ptr<BatchScheduler>> Start(const Model& model,
                                                                SegmentStore* store,
+                                                               const SchedulerOptions& options,
+                                                               SchedulerHooks hooks = {});
+  // Tensor parallelism: one segment store per rank (rank r's KV-head share of every segment;
+  // equal capacities). stores[0] is the one whose contents the scheduler reports (events,
+  // on_segments_stored); the ranks keep theirs in step.
+  static absl::StatusOr<std::unique_ptr<BatchScheduler>> Start(const Model& model,
+                                                               std::vector<SegmentStore*> stores,
                                                                const SchedulerOptions& options,
                                                                SchedulerHooks hooks = {});
   ~BatchScheduler();  // Stop()
@@ -157,12 +171,15 @@ class BatchScheduler {
   struct Active;
 
  private:
-  BatchScheduler(const Model& model, SegmentStore* store, const SchedulerOptions& o,
-                 SchedulerHooks hooks);
+  BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
+                 const SchedulerOptions& o, SchedulerHooks hooks);
   void Loop(std::promise<absl::Status>* ready);
   void Iteration();
   bool PrefillOne(Active& a);
   bool DecodeOne(Active& a);
+  // One decode step for all of them in one batched forward pass (StepBatch); on an error, one
+  // at a time so that only the failing request fails.
+  void DecodeAll(const std::vector<Active*>& step);
   // Runs one deferred segment store; false when there was none.
   bool StoreOne();
   // Emits a sampled token; returns false when the request finished.
@@ -171,15 +188,15 @@ class BatchScheduler {
   void PublishLoad();
 
   const Model& model_;
-  SegmentStore* store_;
+  std::vector<SegmentStore*> stores_;  // one per tensor-parallel rank
+  SegmentStore* store_;                // rank 0's
   SchedulerOptions opts_;
   SchedulerHooks hooks_;
   int block_size_ = 16;
   int max_len_ = 0;
 
   // Engine state: touched by the engine thread only.
-  std::unique_ptr<Engine> engine_;
-  std::unique_ptr<ReuseEngine> reuse_;
+  std::unique_ptr<EngineGroup> group_;
   std::vector<std::unique_ptr<Active>> active_;
   int reserved_blocks_ = 0;
   struct PendingStore {

@@ -140,7 +140,8 @@ struct WorkerServer::State {
   WorkerOptions opts;
   std::string worker_id, instance_id, model_name;
   std::unique_ptr<Model> model;
-  std::unique_ptr<SegmentStore> store;
+  std::unique_ptr<SegmentStore> store;  // rank 0's share (all of it without TP)
+  std::vector<std::unique_ptr<SegmentStore>> rank_stores;  // ranks 1..tp-1
   std::unique_ptr<CacheEventLog> events;
   std::unique_ptr<ClusterKvTier> tier;
   std::unique_ptr<BatchScheduler> scheduler;
@@ -425,15 +426,38 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   }
   s.opts.scheduler.engine.backend.kind = options.device;
   s.opts.scheduler.engine.backend.device = options.cuda_device;
+  const int tp = options.scheduler.engine.tp.size;
+  if (tp < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("worker: --tp must be >= 1, got ", tp));
+  }
   ASSIGN_OR_RETURN(s.model, LoadModel(options.model_path));
+  if (absl::Status v = ValidateTensorParallel(s.model->config(), tp); !v.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("worker: ", v.message()));
+  }
   s.model_name = options.model_name;
   if (s.model_name.empty()) s.model_name = std::filesystem::path(options.model_path).stem().string();
   s.instance_id = RandomHex(16);
   s.m = std::make_unique<WorkerMetrics>(s.registry);
-  s.store = std::make_unique<SegmentStore>(SegmentStoreOptions{options.host_store_bytes});
+  // Each tensor-parallel rank keeps its KV heads' share of every segment in its own store; the
+  // host budget is split evenly, so the stores (same shapes, same capacity) evict alike.
+  const SegmentStoreOptions store_opts{options.host_store_bytes / static_cast<size_t>(tp)};
+  s.store = std::make_unique<SegmentStore>(store_opts);
+  std::vector<SegmentStore*> stores{s.store.get()};
+  for (int r = 1; r < tp; ++r) {
+    s.rank_stores.push_back(std::make_unique<SegmentStore>(store_opts));
+    stores.push_back(s.rank_stores.back().get());
+  }
   s.events = std::make_unique<CacheEventLog>(s.instance_id, options.event_buffer);
   const ModelConfig& mc = s.model->config();
-  if (!options.cluster.servers.empty()) {
+  // The cluster tier moves whole-model segment KV (all KV heads, one block per layer); the
+  // ranks of a tensor-parallel worker hold only shares, so the tier is off for tp > 1.
+  const bool tier_off_for_tp = tp > 1 && !options.cluster.servers.empty();
+  if (tier_off_for_tp) {
+    LogLine(options.worker_id.empty() ? "worker" : options.worker_id,
+            absl::StrCat("cache cluster tier disabled: --tp ", tp,
+                         " (per-rank KV shares are not stored in the cache cluster yet); "
+                         "segments are reused from this worker's own stores only"));
+  } else if (!options.cluster.servers.empty()) {
     auto tier = ClusterKvTier::Connect(options.cluster, s.model->fingerprint(), mc.n_layers,
                                        mc.n_kv_heads * mc.head_dim);
     if (!tier.ok()) {
@@ -482,7 +506,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->segments->Get({"hit"}).Inc(u.segments_hit);
   };
   ASSIGN_OR_RETURN(s.scheduler,
-                   BatchScheduler::Start(*s.model, s.store.get(), s.opts.scheduler, hooks));
+                   BatchScheduler::Start(*s.model, stores, s.opts.scheduler, hooks));
   if (s.tier && options.write_back) s.wb_thread = std::thread([sp] { sp->WriteBackLoop(); });
 
   // gRPC.
@@ -513,9 +537,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
                             : 0.0;
     sp->m->kv_usage->Get({"gpu"}).Set(used);
     SegmentStoreStats st = sp->store->stats();
-    sp->m->kv_usage->Get({"host"}).Set(static_cast<double>(st.bytes) /
+    size_t host_bytes = st.bytes;  // summed over the tensor-parallel ranks' shares
+    for (const auto& rs : sp->rank_stores) host_bytes += rs->stats().bytes;
+    sp->m->kv_usage->Get({"host"}).Set(static_cast<double>(host_bytes) /
                                        static_cast<double>(sp->opts.host_store_bytes));
-    sp->m->kv_bytes->Get({"host"}).Set(static_cast<double>(st.bytes));
+    sp->m->kv_bytes->Get({"host"}).Set(static_cast<double>(host_bytes));
     sp->m->host_entries->Set(static_cast<double>(st.entries));
     sp->m->draining->Set(sp->draining ? 1 : 0);
     sp->m->iterations->Set(static_cast<double>(l.iterations));
@@ -560,9 +586,12 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     }
     std::filesystem::rename(tmp, options.ready_file);
   }
-  LogLine(s.worker_id, absl::StrCat("serving ", s.model_name, " (", options.device, ") on ",
-                                    advertise, ", metrics port ", s.http ? s.http->port() : -1,
-                                    s.tier ? ", cache cluster on" : ", no cache cluster"));
+  LogLine(s.worker_id, absl::StrCat("serving ", s.model_name, " (", options.device,
+                                    tp > 1 ? absl::StrCat(", tp ", tp) : "", ") on ", advertise,
+                                    ", metrics port ", s.http ? s.http->port() : -1,
+                                    s.tier            ? ", cache cluster on"
+                                    : tier_off_for_tp ? ", cache cluster off (tp > 1)"
+                                                      : ", no cache cluster"));
   return w;
 }
 
@@ -585,7 +614,7 @@ void WorkerServer::Shutdown() {
   State& s = *s_;
   if (s.stopping.exchange(true)) return;
   if (s.registration) s.registration->Stop();
-  s.events->NotifyAll();
+  if (s.events) s.events->NotifyAll();  // null when Start failed early
   if (s.scheduler) s.scheduler->Stop();  // fails what is left: handlers return at once
   if (s.server) s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   {
@@ -600,7 +629,7 @@ void WorkerServer::Shutdown() {
     s.done = true;
   }
   s.done_cv.notify_all();
-  LogLine(s.worker_id, "stopped");
+  if (s.server) LogLine(s.worker_id, "stopped");
 }
 
 void WorkerServer::Wait() {

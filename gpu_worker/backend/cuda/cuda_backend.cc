@@ -119,10 +119,14 @@ class CudaBackend final : public Backend {
     // SPX_ATTN_WARPS=4|8 picks the attention block size (default: the kernel's).
     if (const char* w = std::getenv("SPX_ATTN_WARPS")) attn_warps_ = std::atoi(w);
     if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) fused_residual_ = std::string(f) == "1";
-    // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe forces an attention kernel (default: auto).
+    // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-128 forces an attention kernel (default: auto).
     if (const char* im = std::getenv("SPX_ATTN_IMPL")) {
       const std::string v = im;
-      attn_impl_ = v == "mma" ? 1 : v == "wgmma" ? 2 : v == "wgmma-pipe" ? 3 : 0;
+      attn_impl_ = v == "mma"          ? 1
+                   : v == "wgmma"      ? 2
+                   : v == "wgmma-pipe" ? 3
+                   : v == "wgmma-128"  ? 4
+                                       : 0;
     }
     pinned_size_ = 16u << 20;
     CUDA_RETURN(cudaMallocHost(&pinned_, pinned_size_), "pinned staging alloc");
@@ -486,6 +490,21 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CheckBf16(b, "Add b"));
     RETURN_IF_ERROR(CheckShape(b, a.rows, a.cols, "Add"));
     CUDA_RETURN(kernels::Add(B(a), a.cols, B(b), b.cols, a.rows, a.cols, stream_), "Add");
+    return absl::OkStatus();
+  }
+
+  absl::Status AddRmsNorm(Tensor& x, const Tensor& b, const Tensor& w, float eps,
+                          Tensor& out) override {
+    RETURN_IF_ERROR(CheckBf16(x, "AddRmsNorm x"));
+    RETURN_IF_ERROR(CheckBf16(b, "AddRmsNorm b"));
+    RETURN_IF_ERROR(CheckBf16(w, "AddRmsNorm w"));
+    RETURN_IF_ERROR(CheckBf16(out, "AddRmsNorm out"));
+    RETURN_IF_ERROR(CheckShape(b, x.rows, x.cols, "AddRmsNorm"));
+    RETURN_IF_ERROR(CheckShape(out, x.rows, x.cols, "AddRmsNorm"));
+    if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("AddRmsNorm: weight size");
+    CUDA_RETURN(kernels::AddRmsNorm(B(x), x.cols, B(b), b.cols, B(w), B(out), out.cols, x.rows,
+                                    static_cast<int>(x.cols), eps, stream_),
+                "AddRmsNorm");
     return absl::OkStatus();
   }
 

@@ -1,0 +1,165 @@
+// EngineGroup: N CPU ranks driven in lockstep from one thread give the unsharded engine's greedy
+// tokens through the group's building blocks; size 1 is the plain engine on the caller's thread.
+#include "gpu_worker/engine/engine_group.h"
+
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "tests/gpu_worker/test_util.h"
+
+namespace sparsex {
+namespace {
+
+// Greedy decoding through the group's Admit / Prefill / Step / RegisterPrefix / Release.
+std::vector<int32_t> Greedy(EngineGroup& g, const std::vector<int32_t>& prompt, int n) {
+  auto seq = g.Admit(prompt);
+  EXPECT_TRUE(seq.ok()) << seq.status();
+  if (!seq.ok()) return {};
+  auto lg = g.Prefill(*seq);
+  std::vector<int32_t> out;
+  while (lg.ok() && static_cast<int>(out.size()) < n) {
+    const int32_t t = static_cast<int32_t>(std::max_element(lg->begin(), lg->end()) - lg->begin());
+    out.push_back(t);
+    lg = g.Step(*seq, t);
+  }
+  EXPECT_TRUE(lg.ok()) << lg.status();
+  g.RegisterPrefix(*seq);
+  g.Release(*seq);
+  return out;
+}
+
+TEST(EngineGroup, RanksInLockstepMatchTheUnshardedEngine) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  const std::vector<int32_t> prompt = model->tokenizer().Encode("Once upon a time, Lily", true);
+  EngineOptions o;
+  o.kv.num_blocks = 256;
+  auto ref = Engine::Create(*model, o);
+  ASSERT_TRUE(ref.ok());
+  GenerateRequest req;
+  req.prompt = prompt;
+  req.sampling.max_tokens = 48;
+  req.sampling.ignore_eos = true;
+  auto want = (*ref)->Generate(req, nullptr);
+  ASSERT_TRUE(want.ok());
+  for (int tp : {1, 2, 4}) {
+    o.tp.size = tp;
+    auto g = EngineGroup::Create(*model, o);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_EQ((*g)->size(), tp);
+    EXPECT_EQ(Greedy(**g, prompt, 48), want->tokens) << "tp " << tp;
+    // Again: the prompt's blocks are now an exact cached prefix on every rank.
+    EXPECT_EQ(Greedy(**g, prompt, 48), want->tokens) << "tp " << tp << " (prefix hit)";
+    EXPECT_EQ((*g)->engine().blocks().available(), (*g)->engine().blocks().num_blocks());
+    EXPECT_EQ((*g)->divergences(), 0);
+    // Each rank on its own thread, rank 0 on the caller's.
+    std::mutex mu;
+    std::set<std::thread::id> ids;
+    std::thread::id rank0;
+    (*g)->RunOnAll([&](int r) {
+      std::lock_guard<std::mutex> l(mu);
+      ids.insert(std::this_thread::get_id());
+      if (r == 0) rank0 = std::this_thread::get_id();
+    });
+    EXPECT_EQ(static_cast<int>(ids.size()), tp);
+    EXPECT_EQ(rank0, std::this_thread::get_id());
+  }
+}
+
+TEST(EngineGroup, ReusePrefillKeepsRankStoresInStep) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  const Tokenizer& tok = model->tokenizer();
+  const std::vector<PromptSegment> segs = {
+      {tok.Encode("Lily went to the park with her mom. They saw a big red ball.", false)},
+      {tok.Encode("Tom had a little dog named Max. Max liked to run and jump.", false)},
+      {tok.Encode(" What did they do next?", false), false}};
+  const std::vector<PromptSegment> swapped = {segs[1], segs[0], segs[2]};
+  auto run = [&](int tp, std::vector<std::unique_ptr<SegmentStore>>* stores) {
+    std::vector<SegmentStore*> ptrs;
+    for (int r = 0; r < tp; ++r) {
+      stores->push_back(std::make_unique<SegmentStore>(SegmentStoreOptions{}));
+      ptrs.push_back(stores->back().get());
+    }
+    EngineOptions o;
+    o.kv.num_blocks = 256;
+    o.tp.size = tp;
+    auto g = EngineGroup::Create(*model, o, ptrs);
+    EXPECT_TRUE(g.ok()) << g.status();
+    std::vector<ReusePrefillResult> out;
+    for (const auto* p : {&segs, &swapped}) {
+      auto r = (*g)->ReusePrefill(*p);
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) break;
+      (*g)->Release(r->seq);
+      out.push_back(std::move(*r));
+    }
+    return out;
+  };
+  std::vector<std::unique_ptr<SegmentStore>> s1, s2;
+  auto ref = run(1, &s1);
+  auto got = run(2, &s2);
+  ASSERT_EQ(ref.size(), 2u);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[1].stats.segments_hit, 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(got[i].stats.selected_tokens, ref[i].stats.selected_tokens);
+    float diff = 0;
+    for (size_t j = 0; j < ref[i].logits.size(); ++j) {
+      diff = std::max(diff, std::abs(ref[i].logits[j] - got[i].logits[j]));
+    }
+    EXPECT_LT(diff, 1e-4) << "request " << i;
+  }
+  EXPECT_EQ(s2[0]->stats().entries, s1[0]->stats().entries);
+  EXPECT_EQ(s2[1]->stats().entries, s1[0]->stats().entries);
+
+  // A segment that only one rank still holds is dropped on every rank before the prefill (a
+  // hit on one rank and a recompute on the other would run different collectives).
+  std::vector<SegmentStore*> ptrs = {s2[0].get(), s2[1].get()};
+  EngineOptions o;
+  o.kv.num_blocks = 256;
+  o.tp.size = 2;
+  auto g = EngineGroup::Create(*model, o, ptrs);
+  ASSERT_TRUE(g.ok());
+  const Hash128 fp = (*g)->reuse().Fingerprint(segs[0].tokens, "none");
+  ASSERT_TRUE(s2[1]->Contains(fp));
+  s2[1]->Erase(fp);
+  auto r = (*g)->ReusePrefill(swapped);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stats.segments_hit, 1);
+  (*g)->Release(r->seq);
+
+  // A segment corrupted on one rank only: found corrupt before the prefill, dropped everywhere,
+  // recomputed by every rank alike (no divergence, no hang).
+  const Hash128 fp1 = (*g)->reuse().Fingerprint(segs[1].tokens, "none");
+  ASSERT_TRUE(s2[0]->Contains(fp1) && s2[1]->Contains(fp1));
+  ASSERT_TRUE(s2[1]->CorruptForTest(fp1));
+  auto c = (*g)->ReusePrefill(swapped);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(s2[1]->stats().corrupt, 1);
+  (*g)->Release(c->seq);
+}
+
+TEST(EngineGroup, RefusesBadDegreesAndStoreCounts) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  EngineOptions o;
+  o.kv.num_blocks = 64;
+  for (int tp : {0, 3, 8}) {
+    o.tp.size = tp;
+    auto g = EngineGroup::Create(*model, o);
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << tp;
+  }
+  SegmentStore a({});
+  o.tp.size = 2;
+  EXPECT_EQ(EngineGroup::Create(*model, o, {&a}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+#if !SPARSEX_WITH_NCCL
+  o.backend.kind = "cuda";
+  EXPECT_EQ(EngineGroup::Create(*model, o).status().code(), absl::StatusCode::kUnimplemented);
+#endif
+}
+
+}  // namespace
+}  // namespace sparsex

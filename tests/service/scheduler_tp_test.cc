@@ -1,0 +1,200 @@
+// Tensor parallelism in the worker without GPUs: a BatchScheduler whose engine group runs N
+// CPU-backend ranks in lockstep (in-process all-reduce) streams the same greedy tokens and
+// reports the same reuse figures as the single-engine scheduler, for plain prompts and for
+// segment-reuse requests; bad --tp values are refused with a clear INVALID_ARGUMENT.
+#include <mutex>
+#include <thread>
+
+#include "common/fingerprint.h"
+#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/service/worker_server.h"
+#include "tests/gpu_worker/test_util.h"
+
+namespace sparsex::service {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Collected {
+  std::vector<int32_t> ids;
+  StreamChunk final;
+};
+
+Collected Drain(RequestHandle& h) {
+  Collected c;
+  const auto deadline = std::chrono::steady_clock::now() + 120s;
+  std::vector<StreamChunk> got;
+  while (std::chrono::steady_clock::now() < deadline) {
+    got.clear();
+    h.Wait(&got, 50ms);
+    for (auto& ch : got) {
+      c.ids.insert(c.ids.end(), ch.ids.begin(), ch.ids.end());
+      if (ch.final) {
+        c.final = ch;
+        return c;
+      }
+    }
+  }
+  ADD_FAILURE() << "request did not finish in time";
+  return c;
+}
+
+class SchedulerTpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::LoadStories260K();
+    ASSERT_NE(model_, nullptr);
+  }
+  std::vector<int32_t> Enc(const std::string& s) { return model_->tokenizer().Encode(s, false); }
+  WorkItem Item(std::vector<PromptSegment> segs, int max_tokens, bool reuse) {
+    WorkItem w;
+    w.segments = std::move(segs);
+    w.sampling.max_tokens = max_tokens;
+    w.sampling.ignore_eos = true;  // long, comparable streams
+    w.reuse.enable_reuse = reuse;
+    return w;
+  }
+
+  // Everything one scheduler of degree tp streams for the workload below.
+  struct Run {
+    std::vector<Collected> plain, reuse;
+    std::vector<SegmentStoreStats> stores;
+    int kv_dim_rank1 = 0;
+  };
+  Run RunWorkload(int tp) {
+    Run out;
+    std::vector<std::unique_ptr<SegmentStore>> owned;
+    std::vector<SegmentStore*> stores;
+    for (int r = 0; r < tp; ++r) {
+      owned.push_back(std::make_unique<SegmentStore>(SegmentStoreOptions{}));
+      stores.push_back(owned.back().get());
+    }
+    SchedulerOptions o;
+    o.engine.kv.num_blocks = 512;
+    o.engine.tp.size = tp;
+    o.prefill_chunk = 7;  // plain prefills in many chunks, interleaved with decode steps
+    auto s = BatchScheduler::Start(*model_, stores, o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return out;
+    // Plain prompts, concurrent (chunked prefill + batched decode iterations).
+    const std::vector<std::string> prompts = {"Once upon a time", kDocA, kDocB + kQ};
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (const auto& p : prompts) {
+      auto h = (*s)->Submit(Item({{Enc(p)}}, 64, /*reuse=*/false));
+      EXPECT_TRUE(h.ok()) << h.status();
+      if (h.ok()) hs.push_back(*h);
+    }
+    for (auto& h : hs) out.plain.push_back(Drain(*h));
+    // Segment reuse: the first request stores both documents (deferred stores), the second
+    // sends them in the other order and reuses them with sparse recompute.
+    auto h1 = (*s)->Submit(Item({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}}, 32, true));
+    EXPECT_TRUE(h1.ok());
+    if (h1.ok()) out.reuse.push_back(Drain(**h1));
+    for (int i = 0; i < 400 && (*s)->load().pending_stores > 0; ++i) {
+      std::this_thread::sleep_for(5ms);
+    }
+    auto h2 = (*s)->Submit(Item({{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}}, 32, true));
+    EXPECT_TRUE(h2.ok());
+    if (h2.ok()) out.reuse.push_back(Drain(**h2));
+    (*s)->Stop();
+    for (SegmentStore* st : stores) out.stores.push_back(st->stats());
+    if (tp > 1) {
+      auto fp = SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none");
+      auto kv = stores[1]->Get(fp);
+      EXPECT_NE(kv, nullptr) << "rank 1 keeps its share of every stored segment";
+      if (kv) out.kv_dim_rank1 = kv->kv_dim;
+    }
+    return out;
+  }
+
+  std::unique_ptr<Model> model_;
+  const std::string kDocA = "Lily went to the park with her mom. They saw a big red ball and played "
+                            "with it all day long until the sun went down.";
+  const std::string kDocB = "Tom had a little dog named Max. Max liked to run and jump in the "
+                            "garden, and he barked at the birds in the tall tree.";
+  const std::string kQ = " What did they do next? They";
+};
+
+TEST_F(SchedulerTpTest, Tp2And4StreamTheSameTokensAsTp1) {
+  const Run ref = RunWorkload(1);
+  ASSERT_EQ(ref.plain.size(), 3u);
+  ASSERT_EQ(ref.reuse.size(), 2u);
+  for (const Collected& c : ref.plain) {
+    ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+    EXPECT_EQ(c.ids.size(), 64u);
+  }
+  ASSERT_EQ(ref.reuse[1].final.usage.segments_hit, 2);  // the reuse path really ran
+  ASSERT_GT(ref.reuse[1].final.usage.recomputed_tokens, 0);
+  const ModelConfig& c = model_->config();
+  for (int tp : {2, 4}) {
+    const Run got = RunWorkload(tp);
+    ASSERT_EQ(got.plain.size(), ref.plain.size()) << "tp " << tp;
+    ASSERT_EQ(got.reuse.size(), ref.reuse.size()) << "tp " << tp;
+    for (size_t i = 0; i < ref.plain.size(); ++i) {
+      EXPECT_TRUE(got.plain[i].final.status.ok()) << got.plain[i].final.status;
+      EXPECT_EQ(got.plain[i].ids, ref.plain[i].ids) << "tp " << tp << " plain prompt " << i;
+    }
+    for (size_t i = 0; i < ref.reuse.size(); ++i) {
+      const RequestUsage &a = ref.reuse[i].final.usage, &b = got.reuse[i].final.usage;
+      EXPECT_TRUE(got.reuse[i].final.status.ok()) << got.reuse[i].final.status;
+      EXPECT_EQ(got.reuse[i].ids, ref.reuse[i].ids) << "tp " << tp << " reuse request " << i;
+      EXPECT_EQ(b.reused_tokens, a.reused_tokens);
+      EXPECT_EQ(b.recomputed_tokens, a.recomputed_tokens) << "selection is rank-identical";
+      EXPECT_EQ(b.segments_hit, a.segments_hit);
+    }
+    // Every rank stored the same segments, each with its KV heads only.
+    ASSERT_EQ(static_cast<int>(got.stores.size()), tp);
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_EQ(got.stores[r].entries, ref.stores[0].entries) << "rank " << r;
+      EXPECT_EQ(got.stores[r].bytes, got.stores[0].bytes) << "rank " << r;
+    }
+    EXPECT_EQ(got.kv_dim_rank1, c.n_kv_heads / tp * c.head_dim);
+  }
+}
+
+TEST_F(SchedulerTpTest, BadTensorParallelDegreesAreRefused) {
+  SegmentStore a({}), b({}), c({});
+  auto start = [&](int tp, std::vector<SegmentStore*> stores) {
+    SchedulerOptions o;
+    o.engine.kv.num_blocks = 64;
+    o.engine.tp.size = tp;
+    return BatchScheduler::Start(*model_, std::move(stores), o).status();
+  };
+  // stories260K: 8 heads, 4 KV heads, FFN 172 (tp 3 and 8 do not divide them).
+  for (int tp : {0, -1, 3, 8}) {
+    std::vector<SegmentStore*> stores;
+    for (int r = 0; r < std::max(tp, 1); ++r) stores.push_back(&a);
+    absl::Status st = start(tp, stores);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << tp;
+    EXPECT_NE(st.message().find("--tp"), std::string::npos) << st;
+  }
+  // One store per rank.
+  EXPECT_EQ(start(2, {&a}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(start(2, {&a, &b, &c}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(start(2, {&a, &b}).ok());
+}
+
+TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2WithoutTheClusterTier) {
+  WorkerOptions o;
+  o.model_path = testing::Stories260KPath();
+  o.metrics_port = -1;
+  o.scheduler.engine.kv.num_blocks = 64;
+  for (int tp : {0, 3}) {
+    o.scheduler.engine.tp.size = tp;
+    auto w = WorkerServer::Start(o);
+    ASSERT_FALSE(w.ok()) << tp;
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(w.status().message().find("--tp"), std::string::npos) << w.status();
+  }
+  // tp 2 with cache servers configured: the cluster tier is switched off (logged), the worker
+  // serves. Nothing listens on port 1: connecting would fail if the tier were on.
+  o.scheduler.engine.tp.size = 2;
+  o.cluster.servers = {"127.0.0.1:1"};
+  auto w = WorkerServer::Start(o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_GT((*w)->port(), 0);
+  (*w)->Shutdown();
+}
+
+}  // namespace
+}  // namespace sparsex::service
