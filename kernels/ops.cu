@@ -225,7 +225,22 @@ __global__ void RowSqDistKernel(const bf16* a, int64_t as, const bf16* b, int64_
   }
 }
 
+__global__ void CopyPinnedKernel(const uint4* src, uint4* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
 }  // namespace
+
+cudaError_t CopyFromPinned(const void* src, void* dst, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  if (bytes % 16 || !detail::Aligned16(src) || !detail::Aligned16(dst)) return cudaErrorInvalidValue;
+  const int64_t n = static_cast<int64_t>(bytes / 16);
+  CopyPinnedKernel<<<GridFor(n), kThreads, 0, stream>>>(static_cast<const uint4*>(src),
+                                                        static_cast<uint4*>(dst), n);
+  return cudaGetLastError();
+}
 
 cudaError_t RowSqDist(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride,
                       int64_t rows, int64_t cols, float* out, cudaStream_t stream) {

@@ -59,6 +59,11 @@ cudaError_t ScatterRows(const bf16* src, int64_t src_stride, const int32_t* idx,
                         int64_t dst_stride, int64_t dst_rows, int64_t n, int64_t cols,
                         cudaStream_t stream);
 
+// dst[0, bytes) = src[0, bytes) where src is pinned host memory the device can read (UVA) and
+// both are 16-byte aligned, bytes a multiple of 16: small host-to-device transfers done by SMs
+// rather than a copy engine, so they never queue behind bulk copies on another stream.
+cudaError_t CopyFromPinned(const void* src, void* dst, size_t bytes, cudaStream_t stream);
+
 // out[r] = sum_j (a[r, j] - b[r, j])^2 for j < cols, in fp32 (the selector's KV deviation:
 // only one float per row leaves the device).   a, b: [rows, cols] with their row strides.
 cudaError_t RowSqDist(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride,

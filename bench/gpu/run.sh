@@ -13,6 +13,7 @@
 #
 #   OUT=/tmp/out bench/gpu/run.sh            # everything
 #   SPX_SKIP_HF=1 SPX_BENCH_ARGS="--lengths 2048 --reps 1" bench/gpu/run.sh
+#   SPX_SKIP_BENCH=1 bench/gpu/run.sh        # build and GPU tests only
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-$ROOT/build-gpu-out}
@@ -38,7 +39,14 @@ export SPARSEX_MODELS=${SPARSEX_MODELS:-$ROOT/.deps/models}
 
 # ---- build ----
 stamp "configure + build (jobs $JOBS)"
-cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+# NCCL (tensor parallelism) where its header is installed: nccl_test then runs a one-GPU group
+# (and TP=2 when the machine has two GPUs).
+NCCL=OFF
+NCCL_TARGET=""
+for h in /usr/include/nccl.h /usr/local/cuda/include/nccl.h; do
+  if [ -f "$h" ]; then NCCL=ON; NCCL_TARGET=nccl_test; fi
+done
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSEX_WITH_NCCL=$NCCL \
   -DSPARSEX_WITH_SERVICES=OFF -DSPARSEX_WITH_ROCKSDB=OFF -DSPARSEX_WITH_UCX=OFF \
   -DSPARSEX_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
   -DCMAKE_CUDA_ARCHITECTURES=${SPX_CUDA_ARCH:-90a} \
@@ -46,7 +54,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS="-include cstdint" >"$OUT/build.log" 2>&1
 cmake_rc=$?
 ninja -C "$BUILD" -j"$JOBS" backend_consistency_test cuda_engine_test gpu_prefill_bench \
-  reuse_prefill_bench \
+  reuse_prefill_bench $NCCL_TARGET \
   >>"$OUT/build.log" 2>&1
 build_rc=$?
 stamp "build rc: cmake $cmake_rc ninja $build_rc"
@@ -58,7 +66,7 @@ fi
 # ---- tests ----
 stamp "GPU tests"
 tests_rc=0
-for t in backend_consistency_test cuda_engine_test; do
+for t in backend_consistency_test cuda_engine_test $NCCL_TARGET; do
   "$BUILD/bin/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 || tests_rc=1
 done
 # Every attention kernel through the same checks: mma.sync with 4 warps, and on sm_90a both
@@ -84,6 +92,8 @@ case " $impl_ok " in
 esac
 grep -E "^==|^\[  (PASSED|FAILED|SKIPPED) |Failure|error|Expected|Which is|actual|rel" "$OUT/tests.log" | head -80
 stamp "tests rc $tests_rc"
+
+if [ -n "${SPX_SKIP_BENCH:-}" ]; then stamp "benchmarks skipped (SPX_SKIP_BENCH)"; exit $tests_rc; fi
 
 # ---- benchmark ----
 stamp "benchmark"

@@ -898,8 +898,9 @@ class CudaBackend final : public Backend {
       out.push_back(static_cast<char*>(dev) + off);
       off += (s.bytes + 15) / 16 * 16;
     }
-    CUDA_RETURN(cudaMemcpyAsync(dev, host, off ? off : 16, cudaMemcpyHostToDevice, stream_),
-                "stage: copy");
+    // Copied by a kernel reading the pinned ring, not by a copy engine: Prefetch's bulk copies
+    // on the other stream would otherwise hold these small ones (and the layer) behind them.
+    CUDA_RETURN(kernels::CopyFromPinned(host, dev, off ? off : 16, stream_), "stage: copy");
     pinned_off_ += total;
     return out;
   }
