@@ -43,7 +43,8 @@ absl::StatusOr<std::unique_ptr<EngineGroup>> EngineGroup::Create(const Model& mo
                                                                   const EngineOptions& opts,
                                                                   std::vector<SegmentStore*> stores,
                                                                   const ReuseOptions& reuse,
-                                                                  size_t device_tier_bytes) {
+                                                                  size_t device_tier_bytes,
+                                                                  size_t host_tier_bytes) {
   const int n = opts.tp.size;
   RETURN_IF_ERROR(ValidateTensorParallel(model.config(), n));
   if (!stores.empty() && static_cast<int>(stores.size()) != n) {
@@ -94,7 +95,8 @@ absl::StatusOr<std::unique_ptr<EngineGroup>> EngineGroup::Create(const Model& mo
     Rank& k = *g->ranks_[r];
     k.engine = std::move(*e);
     if (k.store != nullptr) {
-      k.reuse = std::make_unique<ReuseEngine>(k.engine.get(), k.store, reuse, device_tier_bytes);
+      k.reuse = std::make_unique<ReuseEngine>(k.engine.get(), k.store, reuse, device_tier_bytes,
+                                              host_tier_bytes);
     }
   });
   for (int r = 0; r < n; ++r) {

@@ -42,7 +42,7 @@ class EngineGroup {
   // Stores of a group should have equal capacities so they evict alike.
   static absl::StatusOr<std::unique_ptr<EngineGroup>> Create(
       const Model& model, const EngineOptions& opts, std::vector<SegmentStore*> stores = {},
-      const ReuseOptions& reuse = {}, size_t device_tier_bytes = 0);
+      const ReuseOptions& reuse = {}, size_t device_tier_bytes = 0, size_t host_tier_bytes = 0);
   ~EngineGroup();  // destroys each rank's engine on its thread, joins the threads
 
   int size() const { return static_cast<int>(ranks_.size()); }

@@ -6,6 +6,7 @@
 //
 // SIGTERM / SIGINT drain: deregister from etcd, refuse new requests, finish the running ones
 // (up to --drain_timeout_ms), exit 0.
+#include <algorithm>
 #include <signal.h>
 
 #include <iostream>
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   bool prefix_caching = o.scheduler.engine.kv.enable_prefix_caching;
   int64_t host_store_mb = static_cast<int64_t>(o.host_store_bytes >> 20);
   int64_t device_tier_mb = -1;
+  int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
   int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
   float recompute_ratio = o.scheduler.reuse.budget.ratio;
@@ -57,6 +59,9 @@ int main(int argc, char** argv) {
   f.Add("device_tier_mb", &device_tier_mb,
         "segment KV kept in device memory, MiB per GPU (default -1: 1024 with --device cuda, "
         "else 0)");
+  f.Add("host_tier_mb", &host_tier_mb,
+        "segment KV kept in pinned host memory (bf16 on a GPU), MiB per rank; used when "
+        "--device_tier_mb is 0 (default 0)");
   f.Add("cache_servers", &o.cluster.servers,
         "cache server gRPC addresses (comma-separated); ignored with --tp > 1");
   f.Add("cache_replication", &replication, "copies of each segment in the cache cluster");
@@ -85,6 +90,7 @@ int main(int argc, char** argv) {
   o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;
   if (device_tier_mb < 0) device_tier_mb = o.device == "cuda" ? 1024 : 0;
   o.scheduler.device_tier_bytes = static_cast<size_t>(device_tier_mb) << 20;
+  o.scheduler.host_tier_bytes = static_cast<size_t>(std::max<int64_t>(host_tier_mb, 0)) << 20;
   o.cluster.replication = static_cast<uint32_t>(replication);
   o.cluster.rpc_timeout_ms = static_cast<uint32_t>(cache_rpc_timeout_ms);
 

@@ -190,7 +190,7 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
     // tp = 1: one engine on this thread, as before; tp > 1: rank 0 here, the others on the
     // group's threads, all in lockstep.
     auto g = EngineGroup::Create(model_, opts_.engine, stores_, opts_.reuse,
-                                 opts_.device_tier_bytes);
+                                 opts_.device_tier_bytes, opts_.host_tier_bytes);
     if (!g.ok()) {
       ready->set_value(g.status());
       return;

@@ -60,6 +60,10 @@ struct SchedulerOptions {
   // Backend memory kept for segment KV across requests (ReuseEngine's device tier: assembly
   // without a host round trip on a GPU); 0 copies from the host store per request. Default: 0
   size_t device_tier_bytes = 0;
+  // Pinned host memory kept for segment KV in the compute dtype (bf16 on a GPU), per rank;
+  // used when the device tier has no capacity, copied to the GPU layer by layer beside the
+  // full layers' compute (ReuseEngine). Default: 0
+  size_t host_tier_bytes = 0;
 };
 
 // Per-request figures reported with the final chunk.

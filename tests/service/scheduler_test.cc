@@ -146,6 +146,37 @@ TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
   EXPECT_EQ(n_stored(), 2u);  // nothing new stored
 }
 
+// The pinned host tier (CPU: plain host memory) in front of the store: the second request is
+// served from it, with the same tokens as a scheduler without tiers.
+TEST_F(SchedulerTest, HostTierServesRepeatedSegmentsAlike) {
+  auto run = [&](size_t host_tier) {
+    store_ = std::make_unique<SegmentStore>(SegmentStoreOptions{});
+    SchedulerOptions o;
+    o.host_tier_bytes = host_tier;
+    o.defer_segment_stores = false;
+    auto s = Start(o);
+    std::vector<Collected> out;
+    if (s == nullptr) return out;
+    for (auto segs : {std::vector<PromptSegment>{{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}},
+                      std::vector<PromptSegment>{{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}}}) {
+      auto h = s->Submit(Item(segs, 12));
+      EXPECT_TRUE(h.ok());
+      if (!h.ok()) break;
+      out.push_back(Drain(**h));
+    }
+    return out;
+  };
+  auto plain = run(0);
+  auto tiered = run(size_t{16} << 20);
+  ASSERT_EQ(plain.size(), 2u);
+  ASSERT_EQ(tiered.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(tiered[i].final.status.ok()) << tiered[i].final.status;
+    EXPECT_EQ(tiered[i].ids, plain[i].ids) << "request " << i;
+  }
+  EXPECT_EQ(tiered[1].final.usage.segments_hit, 2);
+}
+
 TEST_F(SchedulerTest, CancellationFreesKvBlocks) {
   SchedulerOptions o;
   o.engine.kv.enable_prefix_caching = false;
