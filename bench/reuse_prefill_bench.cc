@@ -12,6 +12,8 @@
 //
 //   reuse_prefill_bench --model synthetic:llama3-8b --device cuda --segments 8 \
 //       --segment-tokens 4096 --new-tokens 256 --full-layers 2 --ratio 0.15 --out reuse.json
+// --tp N runs every case on N tensor-parallel ranks (EngineGroup: CPU ranks in one process, or
+// one GPU per rank over NCCL); the segment stores hold each rank's KV-head share.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 
 namespace sparsex {
@@ -52,11 +55,11 @@ int Main(int argc, char** argv) {
       {"model", "synthetic:tiny"}, {"device", "cpu"},      {"segments", "8"},
       {"segment-tokens", "256"},   {"new-tokens", "32"},   {"full-layers", "2"},
       {"ratio", "0.15"},           {"reps", "3"},          {"warmup", "1"},
-      {"out", "reuse_prefill.json"}, {"seed", "7"}};
+      {"out", "reuse_prefill.json"}, {"seed", "7"},          {"tp", "1"}};
   for (int i = 1; i + 1 < argc; i += 2) a[std::string(argv[i]).substr(2)] = argv[i + 1];
   const int nseg = std::stoi(a["segments"]), seg_len = std::stoi(a["segment-tokens"]),
             n_new = std::stoi(a["new-tokens"]), reps = std::stoi(a["reps"]),
-            warmup = std::stoi(a["warmup"]);
+            warmup = std::stoi(a["warmup"]), tp = std::stoi(a["tp"]);
   auto model = Check(LoadModel(a["model"]), "load model");
   const ModelConfig& c = model->config();
   const int total = 1 + nseg * seg_len + n_new;
@@ -65,8 +68,14 @@ int Main(int argc, char** argv) {
   eo.kv.enable_prefix_caching = false;  // every run is a cold prefill of the same prompt
   eo.kv.num_blocks = (total + 2 * seg_len) / eo.kv.block_size + 16;
   eo.prefill_chunk = total;
-  auto engine = Check(Engine::Create(*model, eo), "engine");
-  SegmentStore store({.capacity_bytes = size_t{64} << 30});
+  eo.tp.size = tp;
+  std::vector<std::unique_ptr<SegmentStore>> stores;
+  std::vector<SegmentStore*> store_ptrs;
+  for (int r = 0; r < tp; ++r) {
+    stores.push_back(std::make_unique<SegmentStore>(
+        SegmentStoreOptions{.capacity_bytes = (size_t{64} << 30) / static_cast<size_t>(tp)}));
+    store_ptrs.push_back(stores.back().get());
+  }
   ReuseOptions ro;
   ro.full_layers = std::stoi(a["full-layers"]);
   ro.budget.ratio = std::stof(a["ratio"]);
@@ -85,30 +94,35 @@ int Main(int argc, char** argv) {
   for (int i = 0; i < n_new; ++i) question.tokens.push_back(tok(rng));
   question.cacheable = false;
 
+  // One engine group per case (tiers differ); the stores persist across them.
+  auto group = [&](size_t device_tier, size_t host_tier) {
+    return Check(EngineGroup::Create(*model, eo, store_ptrs, ro, device_tier, host_tier),
+                 "engine group");
+  };
   auto t0 = std::chrono::steady_clock::now();
-  ReuseEngine host_only(engine.get(), &store, ro, 0);
-  for (const auto& s : segs) Check(host_only.EnsureStored(s.tokens), "store segment");
+  auto host_only = group(0, 0);
+  for (const auto& s : segs) Check(host_only->EnsureStored(s.tokens), "store segment");
   const double store_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::shuffle(segs.begin(), segs.end(), rng);  // reused in another order than stored
   segs.push_back(question);
 
-  auto time_case = [&](ReuseEngine& re, const ReuseOptions& o, ReuseStats* stats) {
+  auto time_case = [&](EngineGroup& re, const ReuseOptions& o, ReuseStats* stats) {
     std::vector<double> ms;
     ReuseOptions prof = o;
     prof.profile = true;
     for (int i = 0; i < warmup + reps; ++i) {
       auto s = std::chrono::steady_clock::now();
-      auto r = Check(re.Prefill(segs, true, &o), "prefill");
+      auto r = Check(re.ReusePrefill(segs, true, &o), "prefill");
       const double t =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count();
-      engine->Release(r.seq);
+      re.Release(r.seq);
       *stats = r.stats;
       if (i >= warmup) ms.push_back(t);
     }
     if (o.enable_reuse) {  // the phases, from one more (synchronising) run
-      auto r = Check(re.Prefill(segs, true, &prof), "prefill (profile)");
-      engine->Release(r.seq);
+      auto r = Check(re.ReusePrefill(segs, true, &prof), "prefill (profile)");
+      re.Release(r.seq);
       *stats = r.stats;
     }
     return Median(ms);
@@ -116,21 +130,23 @@ int Main(int argc, char** argv) {
   ReuseOptions full = ro;
   full.enable_reuse = false;
   ReuseStats st_full, st_dev, st_pin, st_host;
-  const double full_ms = time_case(host_only, full, &st_full);
+  const double full_ms = time_case(*host_only, full, &st_full);
+  const double host_ms = time_case(*host_only, ro, &st_host);
+  host_only.reset();
+  const size_t tier = (size_t{48} << 30) / static_cast<size_t>(tp);
   double dev_ms = 0, pin_ms = 0;
   {
-    ReuseEngine tiered(engine.get(), &store, ro, size_t{48} << 30);
-    dev_ms = time_case(tiered, ro, &st_dev);
+    auto tiered = group(tier, 0);
+    dev_ms = time_case(*tiered, ro, &st_dev);
   }
   {
-    ReuseEngine pinned(engine.get(), &store, ro, 0, size_t{48} << 30);
-    pin_ms = time_case(pinned, ro, &st_pin);
+    auto pinned = group(0, tier);
+    pin_ms = time_case(*pinned, ro, &st_pin);
   }
-  const double host_ms = time_case(host_only, ro, &st_host);
 
-  std::printf("model %s on %s: %d tokens (%d segments x %d + %d new), F=%d r=%.2f; segments "
-              "encoded and stored in %.1f s\n",
-              a["model"].c_str(), a["device"].c_str(), total, nseg, seg_len, n_new,
+  std::printf("model %s on %s, tp %d: %d tokens (%d segments x %d + %d new), F=%d r=%.2f; "
+              "segments encoded and stored in %.1f s\n",
+              a["model"].c_str(), a["device"].c_str(), tp, total, nseg, seg_len, n_new,
               ro.full_layers, ro.budget.ratio, store_s);
   std::printf("%-14s %10s %8s %8s %8s %8s | profiled run (ms): %s\n", "case", "ttft_ms",
               "speedup", "reused", "select", "share", "lookup full select sparse logits");
@@ -147,7 +163,7 @@ int Main(int argc, char** argv) {
   f << "[\n";
   auto rec = [&](const char* name, double ms, const ReuseStats& s, bool last) {
     f << "  {\"case\": \"" << name << "\", \"model\": \"" << a["model"] << "\", \"device\": \""
-      << a["device"] << "\", \"tokens\": " << total << ", \"ms\": " << ms
+      << a["device"] << "\", \"tp\": " << tp << ", \"tokens\": " << total << ", \"ms\": " << ms
       << ", \"full_ms\": " << full_ms << ", \"speedup_vs_full\": " << full_ms / ms
       << ", \"reused_tokens\": " << s.reused_tokens << ", \"selected_tokens\": "
       << s.selected_tokens << ", \"compute_share\": " << s.compute_share

@@ -110,6 +110,17 @@ stamp "reuse prefill benchmark"
   --out "$OUT/reuse_prefill_raw.json" 2>&1 | tee -a "$OUT/bench.log"
 stamp "reuse done"
 
+# ---- tensor parallelism (issue 7): the same reuse benchmark on 2 GPUs over NCCL ----
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$NCCL" = ON ] && [ "$NGPU" -ge 2 ]; then
+  stamp "reuse prefill benchmark, tp 2 ($NGPU GPUs)"
+  # shellcheck disable=SC2086
+  NCCL_NVLS_ENABLE=0 "$BUILD/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda \
+    --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 --ratio 0.15 --tp 2 \
+    ${SPX_REUSE_ARGS:-} --out "$OUT/reuse_prefill_tp2.json" 2>&1 | tee -a "$OUT/bench.log"
+  stamp "tp 2 done"
+fi
+
 # ---- transformers baseline ----
 if [ -z "${SPX_SKIP_HF:-}" ]; then
   stamp "transformers baseline"
@@ -150,6 +161,14 @@ if os.path.exists(p):
                                 "selected_tokens": r["selected_tokens"],
                                 "compute_share": r["compute_share"]})
         base[("prefill_" + r["case"], r["tokens"])] = base.get(("full_prefill", 32768))
+p = os.path.join(out, "reuse_prefill_tp2.json")
+if os.path.exists(p):
+    for r in json.load(open(p)):
+        ours["records"].append({"case": "tp2_prefill_" + r["case"], "tokens": r["tokens"],
+                                "ms": r["ms"], "speedup_vs_our_full": r["speedup_vs_full"],
+                                "selected_tokens": r["selected_tokens"],
+                                "compute_share": r["compute_share"], "tp": 2})
+        base[("tp2_prefill_" + r["case"], r["tokens"])] = base.get(("full_prefill", 32768))
 for r in ours["records"]:
     b = base.get((r["case"], r["tokens"]))
     r = dict(r, baseline_ms=b, ratio=(round(r["ms"] / b, 3) if b else None))

@@ -60,13 +60,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model& model,
         opts.tp.comm->rank() != opts.tp.rank) {
       return absl::InvalidArgumentError("tensor parallelism needs a communicator of its size");
     }
-    ASSIGN_OR_RETURN(e->shard_, ShardModel(model, opts.tp.rank, opts.tp.size));
-    weights = e->shard_.get();
+    if (!model.synthetic_) {
+      ASSIGN_OR_RETURN(e->shard_, ShardModel(model, opts.tp.rank, opts.tp.size));
+      weights = e->shard_.get();
+    }
   }
   if (model.synthetic_) {
-    if (opts.tp.size > 1) return absl::UnimplementedError("synthetic models run without TP");
-    ASSIGN_OR_RETURN(e->runner_, ModelRunner::CreateRandom(model.config(), model.synthetic_seed_,
-                                                           e->backend_.get(), opts.kv));
+    // Speed work: each rank generates its shard's shapes directly (values are random anyway).
+    ModelConfig cfg = model.config();
+    const int n = opts.tp.size > 1 ? opts.tp.size : 1;
+    if (cfg.n_heads % n || cfg.n_kv_heads % n || cfg.ffn_dim % n) {
+      return absl::InvalidArgumentError("tensor-parallel degree must divide heads and ffn_dim");
+    }
+    cfg.n_heads /= n;
+    cfg.n_kv_heads /= n;
+    cfg.ffn_dim /= n;
+    ASSIGN_OR_RETURN(e->runner_,
+                     ModelRunner::CreateRandom(cfg, model.synthetic_seed_ + opts.tp.rank,
+                                               e->backend_.get(), opts.kv,
+                                               n > 1 ? opts.tp.comm : nullptr));
   } else {
     ASSIGN_OR_RETURN(e->runner_,
                      ModelRunner::Create(*weights, e->backend_.get(), opts.kv, opts.tp.comm));

@@ -41,10 +41,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Model& mo
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::CreateRandom(const ModelConfig& cfg,
                                                                        uint64_t seed,
                                                                        Backend* backend,
-                                                                       const KvCacheOptions& kv) {
+                                                                       const KvCacheOptions& kv,
+                                                                       Communicator* comm) {
   std::unique_ptr<ModelRunner> r(new ModelRunner());
   r->cfg_ = cfg;
   r->be_ = backend;
+  r->comm_ = comm != nullptr && comm->size() > 1 ? comm : nullptr;
   ASSIGN_OR_RETURN(r->w_, backend->RandomWeights(cfg, seed));
   RETURN_IF_ERROR(r->Init(kv));
   return r;

@@ -47,7 +47,8 @@ class ModelRunner {
   static absl::StatusOr<std::unique_ptr<ModelRunner>> CreateRandom(const ModelConfig& cfg,
                                                                    uint64_t seed,
                                                                    Backend* backend,
-                                                                   const KvCacheOptions& kv);
+                                                                   const KvCacheOptions& kv,
+                                                                   Communicator* comm = nullptr);
   ~ModelRunner();
 
   const ModelConfig& config() const { return cfg_; }
