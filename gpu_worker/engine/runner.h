@@ -28,7 +28,7 @@ struct LayerRows {
   std::span<const int32_t> pos;        // [rows] absolute position of each row
   std::span<const int32_t> slots;      // [rows] KV slot each row's K/V is written to
   std::span<const int32_t> ctx_slots;  // [ctx_len] slot of every position of the sequence
-  std::span<const RowGroup> groups;    // several sequences (ctx_slots unused); no statistics
+  std::span<const RowGroup> groups = {};  // several sequences (ctx_slots unused); no statistics
 };
 
 // Host copies of pre-RoPE K and V of the processed rows, per layer (segment storage).
