@@ -75,9 +75,24 @@ absl::StatusOr<std::unique_ptr<ClusterKvTier>> ClusterKvTier::Connect(
 
 ClusterKvTier::~ClusterKvTier() = default;
 
+Hash128 ShareKey(const Hash128& fp, int rank, int size) {
+  if (size <= 1) return fp;
+  Hasher h;
+  h.Str("sparsex.tp-share").Bytes(&fp, sizeof fp).U64(static_cast<uint64_t>(rank)).U64(
+      static_cast<uint64_t>(size));
+  return h.Finish();
+}
+
 FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
-                                         SegmentStore* store) {
+                                         SegmentStore* store, int tp_rank, int tp_size) {
   FetchOutcome out;
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || kv_dim_ % tp_size != 0) {
+    out.failures = static_cast<int>(segments.size());
+    out.failure_reasons.assign(segments.size(), "incomplete");
+    return out;
+  }
+  const int kv_dim = kv_dim_ / tp_size;
+  auto key = [&](const Hash128& fp) { return ShareKey(fp, tp_rank, tp_size); };
   std::vector<SegmentRef> want;
   for (const SegmentRef& s : segments) {
     if (s.num_tokens <= 0 || store->Contains(s.fp)) continue;
@@ -93,7 +108,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
   std::lock_guard<std::mutex> l(mu_);
   // Which segments the cluster has (layer 0 stands for the segment).
   std::vector<cache::BlockKey> probe;
-  for (const SegmentRef& s : want) probe.push_back({s.fp, 0, 1});
+  for (const SegmentRef& s : want) probe.push_back({key(s.fp), 0, 1});
   auto look = client_->Lookup(probe);
   if (!look.ok()) {
     // The cluster cannot tell: nothing is known to be there; count one transport failure.
@@ -109,7 +124,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
   std::vector<cache::BlockKey> keys;
   for (const SegmentRef& s : present) {
     for (int l = 0; l < n_layers_; ++l) {
-      keys.push_back({s.fp, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)});
+      keys.push_back({key(s.fp), static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)});
     }
   }
   std::vector<std::string> bufs(keys.size());
@@ -129,7 +144,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     SegmentKv kv;
     kv.n_tokens = present[s].num_tokens;
     kv.n_layers = n_layers_;
-    kv.kv_dim = kv_dim_;
+    kv.kv_dim = kv_dim;
     kv.k.resize(n_layers_);
     kv.v.resize(n_layers_);
     std::string reason;
@@ -141,7 +156,8 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
         reason = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
         continue;
       }
-      absl::Status ds = DecodeSegmentLayer(KvBlockBytes(bufs[i]), model_fp_, present[s].fp, l, &kv);
+      absl::Status ds =
+          DecodeSegmentLayer(KvBlockBytes(bufs[i]), model_fp_, key(present[s].fp), l, &kv);
       if (!ds.ok()) reason = "corrupt";
     }
     if (!reason.empty()) {
@@ -161,7 +177,12 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
   return out;
 }
 
-absl::Status ClusterKvTier::Put(const Hash128& fp, const SegmentKv& kv) {
+absl::Status ClusterKvTier::Put(const Hash128& base_fp, const SegmentKv& kv, int tp_rank,
+                                int tp_size) {
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || kv.kv_dim * tp_size != kv_dim_) {
+    return absl::InvalidArgumentError("cache cluster: segment share does not match the model");
+  }
+  const Hash128 fp = ShareKey(base_fp, tp_rank, tp_size);
   std::vector<std::string> blocks;
   for (int l = 0; l < kv.n_layers; ++l) {
     ASSIGN_OR_RETURN(std::string b, EncodeSegmentLayer(model_fp_, fp, kv, l));

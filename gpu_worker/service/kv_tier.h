@@ -4,7 +4,10 @@
 // corrupt fetch is never used: the segment is recomputed and the failure counted.
 //
 // A segment's KV travels as one KV block per layer (common/kv_block.h, fp32, K before RoPE
-// then V, [n_tokens][kv_dim] each), keyed by the segment fingerprint and the layer.
+// then V, [n_tokens][kv_dim] each), keyed by the segment fingerprint and the layer. Under tensor
+// parallelism each rank moves only its KV heads' share, stored in the cluster under the share's
+// own key (ShareKey: the fingerprint mixed with rank and degree); the local store keeps the
+// plain fingerprint.
 //
 //   ASSIGN_OR_RETURN(auto tier, ClusterKvTier::Connect(opts, model_fp, n_layers, kv_dim));
 //   FetchOutcome f = tier->FetchMissing(segments, &store);   // before prefill
@@ -51,6 +54,10 @@ struct FetchOutcome {
   std::vector<SegmentRef> stored;
 };
 
+// The cluster key of rank `rank`'s share of segment fp under `size`-way tensor parallelism;
+// size 1: fp itself.
+Hash128 ShareKey(const Hash128& fp, int rank, int size);
+
 // Encodes layer `layer` of a segment as one KV block (fp32).
 absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Hash128& fp,
                                                const SegmentKv& kv, int layer);
@@ -69,10 +76,13 @@ class ClusterKvTier {
 
   // Fetches the segments the local store lacks and puts them there. Blocks that do not verify
   // (checksum, model, segment, layer, shape) are not used and are evicted from the cache
-  // servers, so a later write-back replaces them. Thread-safe.
-  FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store);
-  // Writes a segment's KV to its owners (ALREADY_EXISTS counts as success). Thread-safe.
-  absl::Status Put(const Hash128& fp, const SegmentKv& kv);
+  // servers, so a later write-back replaces them. With tp_size > 1, fetches rank tp_rank's
+  // share (kv_dim / tp_size columns) into that rank's store. Thread-safe.
+  FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store,
+                            int tp_rank = 0, int tp_size = 1);
+  // Writes a segment's KV (or a rank's share of it) to its owners (ALREADY_EXISTS counts as
+  // success). Thread-safe.
+  absl::Status Put(const Hash128& fp, const SegmentKv& kv, int tp_rank = 0, int tp_size = 1);
   const std::vector<std::string>& servers() const { return opts_.servers; }
 
  private:

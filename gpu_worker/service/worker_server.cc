@@ -205,13 +205,18 @@ struct WorkerServer::State {
       Hash128 fp = wb_queue.front();
       wb_queue.pop_front();
       l.unlock();
-      std::shared_ptr<const SegmentKv> kv = store->Get(fp);
-      if (kv) {
-        absl::Status s = tier->Put(fp, *kv);
-        m->writeback->Get({s.ok() ? "ok" : "error"}).Inc();
-        if (!s.ok()) LogLine(worker_id, absl::StrCat("write-back failed: ", s.ToString()));
-      } else {
-        m->writeback->Get({"evicted"}).Inc();
+      // Every tensor-parallel rank writes its own share (one share without TP).
+      const int tp = static_cast<int>(rank_stores.size()) + 1;
+      for (int r = 0; r < tp; ++r) {
+        SegmentStore* st = r == 0 ? store.get() : rank_stores[r - 1].get();
+        std::shared_ptr<const SegmentKv> kv = st->Get(fp);
+        if (kv) {
+          absl::Status s = tier->Put(fp, *kv, r, tp);
+          m->writeback->Get({s.ok() ? "ok" : "error"}).Inc();
+          if (!s.ok()) LogLine(worker_id, absl::StrCat("write-back failed: ", s.ToString()));
+        } else {
+          m->writeback->Get({"evicted"}).Inc();
+        }
       }
       l.lock();
     }
@@ -261,6 +266,20 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
       }
       const Clock::time_point t0 = Clock::now();
       FetchOutcome f = s_->tier->FetchMissing(refs, s_->store.get());
+      // Tensor parallelism: every other rank fetches its own share; a segment counts as fetched
+      // only when every rank has it (a partial one is dropped before the prefill).
+      for (size_t r = 0; r < s_->rank_stores.size(); ++r) {
+        const int tp = static_cast<int>(s_->rank_stores.size()) + 1;
+        FetchOutcome fr = s_->tier->FetchMissing(refs, s_->rank_stores[r].get(),
+                                                 static_cast<int>(r) + 1, tp);
+        f.failures += fr.failures;
+        f.failure_reasons.insert(f.failure_reasons.end(), fr.failure_reasons.begin(),
+                                 fr.failure_reasons.end());
+        std::erase_if(f.stored, [&](const SegmentRef& sr) {
+          return !s_->rank_stores[r]->Contains(sr.fp);
+        });
+      }
+      if (!s_->rank_stores.empty()) f.fetched = static_cast<int>(f.stored.size());
       if (f.fetched + f.failures > 0) {
         s_->m->fetch->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
       }
@@ -449,15 +468,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   }
   s.events = std::make_unique<CacheEventLog>(s.instance_id, options.event_buffer);
   const ModelConfig& mc = s.model->config();
-  // The cluster tier moves whole-model segment KV (all KV heads, one block per layer); the
-  // ranks of a tensor-parallel worker hold only shares, so the tier is off for tp > 1.
-  const bool tier_off_for_tp = tp > 1 && !options.cluster.servers.empty();
-  if (tier_off_for_tp) {
-    LogLine(options.worker_id.empty() ? "worker" : options.worker_id,
-            absl::StrCat("cache cluster tier disabled: --tp ", tp,
-                         " (per-rank KV shares are not stored in the cache cluster yet); "
-                         "segments are reused from this worker's own stores only"));
-  } else if (!options.cluster.servers.empty()) {
+  // With tensor parallelism each rank fetches and writes back its own KV-head share (kv_tier.h).
+  if (!options.cluster.servers.empty()) {
     auto tier = ClusterKvTier::Connect(options.cluster, s.model->fingerprint(), mc.n_layers,
                                        mc.n_kv_heads * mc.head_dim);
     if (!tier.ok()) {
@@ -589,9 +601,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   LogLine(s.worker_id, absl::StrCat("serving ", s.model_name, " (", options.device,
                                     tp > 1 ? absl::StrCat(", tp ", tp) : "", ") on ", advertise,
                                     ", metrics port ", s.http ? s.http->port() : -1,
-                                    s.tier            ? ", cache cluster on"
-                                    : tier_off_for_tp ? ", cache cluster off (tp > 1)"
-                                                      : ", no cache cluster"));
+                                    s.tier ? ", cache cluster on" : ", no cache cluster"));
   return w;
 }
 

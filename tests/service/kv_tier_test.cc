@@ -137,6 +137,40 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   EXPECT_EQ(g.failures, 0);
 }
 
+// Tensor parallelism: each rank writes and fetches only its KV-head share, under its own key;
+// the local stores keep the segment's own fingerprint.
+TEST_F(KvTierServerTest, TensorParallelRanksMoveTheirOwnShares) {
+  const Hash128 seg{300, 1};
+  auto share = [](float base) {
+    SegmentKv kv = MakeKv(10, base);
+    kv.kv_dim = kDim / 2;  // 2-way TP: half the KV columns per rank
+    for (int l = 0; l < kLayers; ++l) {
+      kv.k[l].resize(10 * kDim / 2);
+      kv.v[l].resize(10 * kDim / 2);
+    }
+    return kv;
+  };
+  ASSERT_TRUE(tier_->Put(seg, share(1.0f), 0, 2).ok());
+  ASSERT_TRUE(tier_->Put(seg, share(7.0f), 1, 2).ok());
+  EXPECT_FALSE(tier_->Put(seg, MakeKv(10, 1.0f), 1, 2).ok());  // a whole segment is no share
+  EXPECT_NE(ShareKey(seg, 0, 2), ShareKey(seg, 1, 2));
+  EXPECT_EQ(ShareKey(seg, 0, 1), seg);
+
+  std::vector<SegmentRef> refs = {{seg, 10}};
+  SegmentStore whole(SegmentStoreOptions{});  // a TP=1 worker does not see the shares
+  EXPECT_EQ(tier_->FetchMissing(refs, &whole).absent, 1);
+  for (int r = 0; r < 2; ++r) {
+    SegmentStore store(SegmentStoreOptions{});
+    FetchOutcome f = tier_->FetchMissing(refs, &store, r, 2);
+    EXPECT_EQ(f.fetched, 1) << "rank " << r;
+    auto got = store.Get(seg);
+    ASSERT_NE(got, nullptr);
+    EXPECT_EQ(got->kv_dim, kDim / 2);
+    SegmentKv want = share(r == 0 ? 1.0f : 7.0f);
+    for (int l = 0; l < kLayers; ++l) EXPECT_EQ(got->k[l], want.k[l]) << "rank " << r;
+  }
+}
+
 TEST_F(KvTierServerTest, UnreachableClusterMeansRecompute) {
   // The cluster client skips members that do not answer: their segments count as absent, the
   // request recomputes them, nothing blocks or crashes.

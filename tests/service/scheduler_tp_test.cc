@@ -174,7 +174,7 @@ TEST_F(SchedulerTpTest, BadTensorParallelDegreesAreRefused) {
   EXPECT_TRUE(start(2, {&a, &b}).ok());
 }
 
-TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2WithoutTheClusterTier) {
+TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2) {
   WorkerOptions o;
   o.model_path = testing::Stories260KPath();
   o.metrics_port = -1;
@@ -186,10 +186,7 @@ TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2WithoutTheClusterTier) {
     EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(w.status().message().find("--tp"), std::string::npos) << w.status();
   }
-  // tp 2 with cache servers configured: the cluster tier is switched off (logged), the worker
-  // serves. Nothing listens on port 1: connecting would fail if the tier were on.
   o.scheduler.engine.tp.size = 2;
-  o.cluster.servers = {"127.0.0.1:1"};
   auto w = WorkerServer::Start(o);
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_GT((*w)->port(), 0);
