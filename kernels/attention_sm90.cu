@@ -8,10 +8,11 @@
 // wgmma descriptors: a row of 64 bf16 (128 B) per swizzle row, 16-byte chunk c of row r at
 // chunk c ^ (r & 7), a 128-wide head split into two 64-column blocks. S = Q K^T reads Q and K
 // from shared memory (K-major); O += P V takes P from registers (the S accumulator layout is the
-// A-fragment layout) and V as stored (MN-major, transposed by the instruction). The pipelined
-// variant issues S of the next tile before the softmax of this one, so the tensor cores work
-// while the ALUs do the softmax. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
-// Sm90AttentionAvailable() is false.
+// A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
+// (docs/perf-notes.md has their timings; the plain one is the default): S of the next tile
+// issued before this tile's softmax ("pipelined"), 128 keys per step in two stages, and the
+// statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
+// elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
 #include <cmath>
@@ -26,7 +27,7 @@ using detail::CpAsync16;
 using detail::PackBf16x2;
 
 constexpr int kHd = 128, kBm = 128, kThreads = 256;
-// Shared layout (bytes from the 1024-aligned base): Q, then per stage K and V, then Vt.
+// Shared layout (bytes from the 1024-aligned base): Q, then K and V of each stage.
 constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
 // Keys per step BN: 64 (3 stages) or 128 (2 stages: 161 KiB of the 227).
 template <int BN>
