@@ -286,7 +286,8 @@ int Main(const Options& o) {
       cudaMemcpy(d_sel, sel.data(), sel.size() * 4, cudaMemcpyHostToDevice);
       double sflops = 0;
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
-      // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) wgmma, plain and pipelined. SPX_MICRO_IMPLS=mma limits the list to mma.sync.
+      // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
+      // pipelined, 128 keys). SPX_MICRO_IMPLS=mma limits the list to mma.sync.
       struct Impl {
         int impl, warps;
         const char* name;

@@ -69,9 +69,9 @@ tests_rc=0
 for t in backend_consistency_test cuda_engine_test $NCCL_TARGET; do
   "$BUILD/bin/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 || tests_rc=1
 done
-# Every attention kernel through the same checks: mma.sync with 4 warps, and on sm_90a both
-# wgmma variants. The benchmarks use the default (auto) kernel unless a wgmma variant fails
-# here, in which case they fall back to one that passed.
+# Every attention kernel through the same checks: mma.sync with 4 warps, and on sm_90a each
+# wgmma variant. The benchmarks use the default (auto: plain wgmma) unless it fails here, in
+# which case they fall back to one that passed.
 SPX_ATTN_WARPS=4 SPX_ATTN_IMPL=mma "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1 || tests_rc=1
 impl_ok=""
