@@ -265,11 +265,11 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
                         static_cast<int>(seg.tokens.size())});
       }
       const Clock::time_point t0 = Clock::now();
-      FetchOutcome f = s_->tier->FetchMissing(refs, s_->store.get());
-      // Tensor parallelism: every other rank fetches its own share; a segment counts as fetched
-      // only when every rank has it (a partial one is dropped before the prefill).
+      // Tensor parallelism: every rank fetches its own share; a segment counts as fetched only
+      // when every rank has it (a partial one is dropped before the prefill).
+      const int tp = static_cast<int>(s_->rank_stores.size()) + 1;
+      FetchOutcome f = s_->tier->FetchMissing(refs, s_->store.get(), 0, tp);
       for (size_t r = 0; r < s_->rank_stores.size(); ++r) {
-        const int tp = static_cast<int>(s_->rank_stores.size()) + 1;
         FetchOutcome fr = s_->tier->FetchMissing(refs, s_->rank_stores[r].get(),
                                                  static_cast<int>(r) + 1, tp);
         f.failures += fr.failures;

@@ -5,9 +5,14 @@
 #include <mutex>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
+
+#include "cache_server/server.h"
 #include "common/fingerprint.h"
+#include "gpu_worker/service/kv_tier.h"
 #include "gpu_worker/service/scheduler.h"
 #include "gpu_worker/service/worker_server.h"
+#include "proto/worker.grpc.pb.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex::service {
@@ -191,6 +196,103 @@ TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2) {
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_GT((*w)->port(), 0);
   (*w)->Shutdown();
+}
+
+// Two tensor-parallel workers share segments through a real cache server: the first computes
+// the documents and writes back each rank's share; the second fetches both ranks' shares,
+// reuses them, and answers with the same tokens as the first.
+TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
+  cache::ServerOptions so;
+  so.grpc_port = 0;
+  so.metrics_port = -1;
+  so.cache.memory_capacity_bytes = 64 << 20;
+  so.cache.disk_backend = "memory";
+  auto server = cache::CacheServer::Start(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  WorkerOptions o;
+  o.model_path = testing::Stories260KPath();
+  o.metrics_port = -1;
+  o.scheduler.engine.kv.num_blocks = 256;
+  o.scheduler.engine.tp.size = 2;
+  o.cluster.servers = {(*server)->grpc_address()};
+  auto a = WorkerServer::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  const Tokenizer& tok = model->tokenizer();
+  const std::vector<int32_t> d1 = tok.Encode("Lily went to the park with her mom.", false);
+  const std::vector<int32_t> d2 = tok.Encode("Tom had a little dog named Max.", false);
+  const std::vector<int32_t> q = tok.Encode(" What did they do next?", false);
+
+  struct Reply {
+    std::vector<int32_t> ids;
+    v1::Usage usage;
+  };
+  auto generate = [&](int port, const std::vector<std::vector<int32_t>>& docs) {
+    auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                  grpc::InsecureChannelCredentials());
+    auto stub = worker::v1::Worker::NewStub(ch);
+    worker::v1::WorkerGenerateRequest req;
+    req.set_request_id("tp-cluster");
+    req.set_add_bos(true);
+    req.set_return_token_ids(true);
+    for (size_t i = 0; i < docs.size(); ++i) {
+      auto* seg = req.add_segments();
+      seg->mutable_tokens()->Add(docs[i].begin(), docs[i].end());
+      seg->set_cacheable(i + 1 < docs.size());  // the question is not cached
+    }
+    req.mutable_sampling()->set_max_tokens(12);
+    req.mutable_sampling()->set_temperature(0.0f);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+    auto reader = stub->Generate(&ctx, req);
+    Reply r;
+    v1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+      r.ids.insert(r.ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+      if (msg.has_usage()) r.usage = msg.usage();
+    }
+    grpc::Status st = reader->Finish();
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return r;
+  };
+  Reply first = generate((*a)->port(), {d1, d2, q});
+  ASSERT_FALSE(first.ids.empty());
+  // Both ranks' shares of both documents reach the cache server (background write-back).
+  ClusterTierOptions t;
+  t.servers = o.cluster.servers;
+  const ModelConfig& c = model->config();
+  auto probe = ClusterKvTier::Connect(t, model->fingerprint(), c.n_layers,
+                                      c.n_kv_heads * c.head_dim);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  std::vector<SegmentRef> refs;
+  for (const auto* d : {&d1, &d2}) {
+    refs.push_back({SegmentFingerprint(model->fingerprint(), *d, "none"),
+                    static_cast<int>(d->size())});
+  }
+  bool shares = false;
+  for (int i = 0; i < 200 && !shares; ++i) {
+    shares = true;
+    for (int r = 0; r < 2; ++r) {
+      SegmentStore probe_store(SegmentStoreOptions{});
+      shares = shares && (*probe)->FetchMissing(refs, &probe_store, r, 2).fetched == 2;
+    }
+    if (!shares) std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(shares) << "the worker did not write both ranks' shares back";
+
+  auto b = WorkerServer::Start(o);
+  ASSERT_TRUE(b.ok()) << b.status();
+  Reply from_a = generate((*a)->port(), {d2, d1, q});  // reordered: local hits on A
+  Reply from_b = generate((*b)->port(), {d2, d1, q});  // fetched from the cluster on B
+  EXPECT_EQ(from_b.usage.segments_fetched(), 2);
+  EXPECT_EQ(from_b.usage.fetch_failures(), 0);
+  EXPECT_EQ(from_b.usage.segments_hit(), 2);
+  EXPECT_EQ(from_a.usage.segments_hit(), 2);
+  EXPECT_EQ(from_b.ids, from_a.ids) << "A: " << from_a.usage.ShortDebugString()
+                                    << "\nB: " << from_b.usage.ShortDebugString();
+  (*b)->Shutdown();
+  (*a)->Shutdown();
 }
 
 }  // namespace
