@@ -111,7 +111,7 @@ absl::Status ValidateSlots(const KvPool& pool, std::span<const int32_t> slots) {
 }
 
 absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const AttentionArgs& a,
-                               const Tensor& out) {
+                               const Tensor& out, bool check_slots) {
   const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
   const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
   if (static_cast<int64_t>(a.q_pos.size()) != n) {
@@ -144,7 +144,7 @@ absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const Attent
                                                     " outside its sequence's context of ", sctx));
         }
       }
-      RETURN_IF_ERROR(ValidateSlots(pool, s.ctx_slots));
+      if (check_slots) RETURN_IF_ERROR(ValidateSlots(pool, s.ctx_slots));
     }
     if (next != n) return absl::InvalidArgumentError("Attention: rows outside every sequence");
     return absl::OkStatus();

@@ -204,10 +204,11 @@ absl::StatusOr<BackendWeights> MakeWeights(Backend& be, const ModelConfig& cfg,
 
 // What every backend requires of its inputs, checked in one place: slots inside the pool; for
 // attention also the shapes, head counts, each query position inside the context and the
-// statistics arrays sized to match.
+// statistics arrays sized to match. check_slots = false skips the slot-table range checks (a
+// backend that has checked these very tables before, e.g. the same batch at the next layer).
 absl::Status ValidateSlots(const KvPool& pool, std::span<const int32_t> slots);
 absl::Status ValidateAttention(const Tensor& q, const KvPool& pool, const AttentionArgs& a,
-                               const Tensor& out);
+                               const Tensor& out, bool check_slots = true);
 
 // A batched attention call (a.seqs) as one call per sequence on row views: the CPU backend's
 // way, and the CUDA backend's where its batched kernel does not apply.

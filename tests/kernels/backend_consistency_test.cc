@@ -512,6 +512,19 @@ TEST_F(AttentionConsistency, BatchedSequences) {
     absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
     ASSERT_TRUE(st.ok()) << st;
     EXPECT_LT(Compare(out), kTol) << "rows per sequence " << rows_per[1];
+    // The same tables again (the next layer: the backend reuses its device copy), then tables
+    // that changed in one slot (it must not).
+    ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
+    EXPECT_LT(Compare(out), kTol) << "repeated tables";
+    std::vector<int32_t> changed = slots[3];
+    changed[700] = changed[5];  // position 700 now reads position 5's key and value
+    std::vector<SeqRows> seqs2 = seqs;
+    seqs2[3].ctx_slots = changed;
+    a.seqs = seqs2;
+    ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
+    ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
+    EXPECT_LT(Compare(out), kTol) << "changed tables";
+    a.seqs = seqs;
     // A row outside its own sequence's context is refused.
     std::vector<int32_t> bad = q_pos;
     bad[0] = ctx[0];

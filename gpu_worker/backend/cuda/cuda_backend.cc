@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/hash.h"
 #include "gpu_worker/backend/rope.h"
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
@@ -94,6 +95,7 @@ class CudaBackend final : public Backend {
     for (auto& [k, p] : rope_tables_) cudaFree(p);
     if (pinned_) cudaFreeHost(pinned_);
     for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
+    if (tables_) cudaFree(tables_);
     if (copy_stream_) cudaStreamDestroy(copy_stream_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -667,6 +669,7 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CheckBf16(out, "Attention out"));
     const int H = a.n_heads, KV = a.n_kv_heads, hd = a.head_dim;
     const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
+    if (!a.seqs.empty() && n > 0) return AttentionBatched(q, pool, layer, a, out);
     RETURN_IF_ERROR(ValidateAttention(q, pool, a, out));
     if (!kernels::PagedAttentionSupported(hd, H, KV)) {
       return absl::UnimplementedError(absl::StrCat("Attention: unsupported head_dim ", hd,
@@ -675,7 +678,6 @@ class CudaBackend final : public Backend {
     const bool want_cross = a.out_cross != nullptr;
     const bool want_recv = a.out_recv != nullptr;
     if (n == 0) return absl::OkStatus();
-    if (!a.seqs.empty()) return AttentionBatched(q, pool, layer, a, out);
     const bool stats = want_cross || want_recv;
 
     std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
@@ -765,6 +767,17 @@ class CudaBackend final : public Backend {
                                 const AttentionArgs& a, Tensor& out) {
     const int64_t n = q.rows;
     const int S = static_cast<int>(a.seqs.size());
+    // The same slot tables come back for every layer of a decode step: keyed by their content
+    // (and the pool), they are range-checked and copied to the device once per step.
+    Hasher h;
+    h.U64(static_cast<uint64_t>(pool.num_blocks) * pool.block_size);
+    for (const SeqRows& sq : a.seqs) h.I32s(sq.ctx_slots);
+    const Hash128 key = h.Finish();
+    const bool cached = has_tables_ && key == tables_key_;
+    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out, /*check_slots=*/!cached));
+    if (!kernels::PagedAttentionSupported(a.head_dim, a.n_heads, a.n_kv_heads)) {
+      return absl::UnimplementedError("Attention: unsupported head_dim for batched sequences");
+    }
     kernels::PagedAttentionParams p;
     p.q = B(q);
     p.q_stride = q.cols;
@@ -783,10 +796,9 @@ class CudaBackend final : public Backend {
     int64_t max_rows = 0;
     for (const SeqRows& sq : a.seqs) max_rows = std::max(max_rows, sq.row_end - sq.row_begin);
     if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
-      return AttentionBySequence(*this, q, pool, layer, a, out);
+      return AttentionBySequence(*this, q, pool, layer, a, out);  // validates per sequence
     }
-    // Staging order: the slot tables, then positions, row starts, table offsets, lengths; each
-    // span lands 16-byte aligned, so table s starts at the running aligned offset.
+    // Table s starts at the running 16-byte-aligned offset (the layout Stage gives the spans).
     std::vector<int32_t> rows(S + 1), start(S), len(S);
     std::vector<HostSpan> spans;
     int64_t off = 0;
@@ -801,18 +813,35 @@ class CudaBackend final : public Backend {
       off += static_cast<int64_t>((sq.ctx_slots.size_bytes() + 15) / 16 * 16);
     }
     rows[S] = static_cast<int32_t>(n);
-    spans.push_back({a.q_pos.data(), a.q_pos.size_bytes()});
-    spans.push_back({rows.data(), rows.size() * 4});
-    spans.push_back({start.data(), start.size() * 4});
-    spans.push_back({len.data(), len.size() * 4});
-    ASSIGN_OR_RETURN(auto d, Stage(spans));
-    p.ctx_slots = static_cast<const int32_t*>(d[0]);
+    if (!cached) {
+      // New tables: staged, then kept in a device buffer of their own for the next layers.
+      ASSIGN_OR_RETURN(auto t, Stage(spans));
+      if (static_cast<size_t>(off) > tables_bytes_) {
+        CUDA_RETURN(cudaStreamSynchronize(stream_), "tables: sync");
+        if (tables_) cudaFree(tables_);
+        tables_ = nullptr;
+        tables_bytes_ = 0;
+        CUDA_RETURN(cudaMalloc(&tables_, std::max<size_t>(off, 1 << 20)), "tables: alloc");
+        tables_bytes_ = std::max<size_t>(off, 1 << 20);
+      }
+      if (off > 0) {
+        CUDA_RETURN(cudaMemcpyAsync(tables_, t[0], off, cudaMemcpyDeviceToDevice, stream_),
+                    "tables: copy");
+      }
+      tables_key_ = key;
+      has_tables_ = true;
+    }
+    ASSIGN_OR_RETURN(auto d, Stage({{a.q_pos.data(), a.q_pos.size_bytes()},
+                                    {rows.data(), rows.size() * 4},
+                                    {start.data(), start.size() * 4},
+                                    {len.data(), len.size() * 4}}));
+    p.ctx_slots = static_cast<const int32_t*>(tables_);
     p.ctx_len = static_cast<int>(off / 4);
-    p.q_pos = static_cast<const int32_t*>(d[S]);
+    p.q_pos = static_cast<const int32_t*>(d[0]);
     p.num_seqs = S;
-    p.seq_rows = static_cast<const int32_t*>(d[S + 1]);
-    p.seq_ctx_start = static_cast<const int32_t*>(d[S + 2]);
-    p.seq_ctx_len = static_cast<const int32_t*>(d[S + 3]);
+    p.seq_rows = static_cast<const int32_t*>(d[1]);
+    p.seq_ctx_start = static_cast<const int32_t*>(d[2]);
+    p.seq_ctx_len = static_cast<const int32_t*>(d[3]);
     p.max_seq_ctx = max_ctx;
     const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
     ASSIGN_OR_RETURN(void* ws, attn_scratch_.Get(ws_bytes + 256, stream_));
@@ -923,6 +952,11 @@ class CudaBackend final : public Backend {
   int device_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;  // Prefetch copies, beside the compute stream
+  // Slot tables of the last batched attention call, on the device (AttentionBatched).
+  void* tables_ = nullptr;
+  size_t tables_bytes_ = 0;
+  Hash128 tables_key_;
+  bool has_tables_ = false;
   std::map<int64_t, cudaEvent_t> tickets_;
   int64_t last_ticket_ = 0;
   kernels::LtGemm gemm_;
