@@ -1,13 +1,15 @@
 // CUDA backend: bf16 storage, fp32 accumulation, one stream per backend. Operations validate
 // their arguments on the host exactly as the CPU reference does, stage host index spans
-// (positions, slots, ids) through a pinned ring into a reusable device scratch buffer, and
-// launch the kernels of kernels/ on the stream; only Download, ReadKv, Attention with selection
+// (positions, slots, ids) through a pinned ring into device copies that later calls with the
+// same bytes reuse (every layer of a pass stages the same arrays), and launch the kernels of
+// kernels/ on the stream; only Download, ReadKv, Attention with selection
 // statistics and Synchronize wait for the device.
 #include "gpu_worker/backend/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -96,6 +98,9 @@ class CudaBackend final : public Backend {
     if (pinned_) cudaFreeHost(pinned_);
     for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
     if (tables_) cudaFree(tables_);
+    for (StageEntry& e : stage_cache_) {
+      if (e.dev) cudaFree(e.dev);
+    }
     if (copy_stream_) cudaStreamDestroy(copy_stream_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -907,6 +912,28 @@ class CudaBackend final : public Backend {
     size_t total = 0;
     for (const HostSpan& s : spans) total += (s.bytes + 15) / 16 * 16;
     total = std::max<size_t>(total, 16);
+    // The same index arrays come back for every layer of a forward pass (positions, slots, slot
+    // tables): a request whose bytes match a recent one reuses its device copy.
+    Hasher h;
+    for (const HostSpan& s : spans) h.U64(s.bytes).Bytes(s.data, s.bytes);
+    const Hash128 key = h.Finish();
+    auto pointers = [&spans](void* base) {
+      std::vector<void*> out;
+      size_t off = 0;
+      for (const HostSpan& s : spans) {
+        out.push_back(static_cast<char*>(base) + off);
+        off += (s.bytes + 15) / 16 * 16;
+      }
+      return out;
+    };
+    StageEntry* victim = &stage_cache_[0];
+    for (StageEntry& e : stage_cache_) {
+      if (e.valid && e.key == key) {
+        e.used = ++stage_tick_;
+        return pointers(e.dev);
+      }
+      if (!e.valid || (victim->valid && e.used < victim->used)) victim = &e;
+    }
     if (total > pinned_size_) {
       CUDA_RETURN(cudaStreamSynchronize(stream_), "stage: sync");
       cudaFreeHost(pinned_);
@@ -918,20 +945,32 @@ class CudaBackend final : public Backend {
       CUDA_RETURN(cudaStreamSynchronize(stream_), "stage: sync");
       pinned_off_ = 0;
     }
-    ASSIGN_OR_RETURN(void* dev, idx_scratch_.Get(total, stream_));
+    // Miss: the least recently used entry takes it (stream order keeps earlier readers of its
+    // old contents ahead of the overwrite).
+    StageEntry& e = *victim;
+    e.valid = false;
+    if (e.cap < total) {
+      if (e.dev) cudaFreeAsync(e.dev, stream_);
+      e.dev = nullptr;
+      e.cap = 0;
+      const size_t cap = std::max<size_t>(total, 4096);
+      CUDA_RETURN(cudaMallocAsync(&e.dev, cap, stream_), "stage: alloc");
+      e.cap = cap;
+    }
     char* host = static_cast<char*>(pinned_) + pinned_off_;
-    std::vector<void*> out;
     size_t off = 0;
     for (const HostSpan& s : spans) {
       if (s.bytes) std::memcpy(host + off, s.data, s.bytes);
-      out.push_back(static_cast<char*>(dev) + off);
       off += (s.bytes + 15) / 16 * 16;
     }
     // Copied by a kernel reading the pinned ring, not by a copy engine: Prefetch's bulk copies
     // on the other stream would otherwise hold these small ones (and the layer) behind them.
-    CUDA_RETURN(kernels::CopyFromPinned(host, dev, off ? off : 16, stream_), "stage: copy");
+    CUDA_RETURN(kernels::CopyFromPinned(host, e.dev, off ? off : 16, stream_), "stage: copy");
     pinned_off_ += total;
-    return out;
+    e.key = key;
+    e.valid = true;
+    e.used = ++stage_tick_;
+    return pointers(e.dev);
   }
 
   absl::StatusOr<const float*> RopeTable(const RopeParams& p) {
@@ -952,6 +991,16 @@ class CudaBackend final : public Backend {
   int device_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;  // Prefetch copies, beside the compute stream
+  // Recently staged index arrays and their device copies (Stage), least recently used replaced.
+  struct StageEntry {
+    Hash128 key;
+    void* dev = nullptr;
+    size_t cap = 0;
+    uint64_t used = 0;
+    bool valid = false;
+  };
+  std::array<StageEntry, 16> stage_cache_;
+  uint64_t stage_tick_ = 0;
   // Slot tables of the last batched attention call, on the device (AttentionBatched).
   void* tables_ = nullptr;
   size_t tables_bytes_ = 0;
@@ -960,7 +1009,7 @@ class CudaBackend final : public Backend {
   std::map<int64_t, cudaEvent_t> tickets_;
   int64_t last_ticket_ = 0;
   kernels::LtGemm gemm_;
-  DeviceScratch idx_scratch_, f32_scratch_, attn_scratch_;
+  DeviceScratch f32_scratch_, attn_scratch_;
   bool use_small_n_gemm_ = true;
   bool fused_residual_ = false;
   int attn_impl_ = 0;
