@@ -774,9 +774,13 @@ class CudaBackend final : public Backend {
     const int S = static_cast<int>(a.seqs.size());
     // The same slot tables come back for every layer of a decode step: keyed by their content
     // (and the pool), they are range-checked and copied to the device once per step.
+    // Raw bytes (an in-process key): Hasher::I32s's portable per-element encoding cost ~1 ms
+    // per layer at batch 32 x 8K (run 10 of docs/perf-notes.md).
     Hasher h;
     h.U64(static_cast<uint64_t>(pool.num_blocks) * pool.block_size);
-    for (const SeqRows& sq : a.seqs) h.I32s(sq.ctx_slots);
+    for (const SeqRows& sq : a.seqs) {
+      h.U64(sq.ctx_slots.size()).Bytes(sq.ctx_slots.data(), sq.ctx_slots.size_bytes());
+    }
     const Hash128 key = h.Finish();
     const bool cached = has_tables_ && key == tables_key_;
     RETURN_IF_ERROR(ValidateAttention(q, pool, a, out, /*check_slots=*/!cached));
