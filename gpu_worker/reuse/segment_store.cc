@@ -67,33 +67,31 @@ absl::Status SegmentStore::Put(const Hash128& fp, SegmentKv kv) {
   return absl::OkStatus();
 }
 
+SegmentStore::Entry* SegmentStore::FindVerifiedLocked(const Hash128& fp) {
+  auto it = map_.find(fp);
+  if (it == map_.end()) return nullptr;
+  if (VerifySegmentKv(*it->second.kv)) return &it->second;
+  // Corrupt data is dropped and never served: the caller recomputes.
+  ++stats_.corrupt;
+  EraseLocked(fp);
+  return nullptr;
+}
+
 std::shared_ptr<const SegmentKv> SegmentStore::Get(const Hash128& fp) {
   std::lock_guard<std::mutex> l(mu_);
-  auto it = map_.find(fp);
-  if (it == map_.end()) {
+  Entry* e = FindVerifiedLocked(fp);
+  if (e == nullptr) {
     ++stats_.misses;
     return nullptr;
   }
-  if (!VerifySegmentKv(*it->second.kv)) {
-    // Corrupt data is dropped and never served: the caller recomputes.
-    ++stats_.corrupt;
-    ++stats_.misses;
-    EraseLocked(fp);
-    return nullptr;
-  }
-  lru_.splice(lru_.end(), lru_, it->second.lru);
+  lru_.splice(lru_.end(), lru_, e->lru);
   ++stats_.hits;
-  return it->second.kv;
+  return e->kv;
 }
 
 bool SegmentStore::Verify(const Hash128& fp) {
   std::lock_guard<std::mutex> l(mu_);
-  auto it = map_.find(fp);
-  if (it == map_.end()) return false;
-  if (VerifySegmentKv(*it->second.kv)) return true;
-  ++stats_.corrupt;
-  EraseLocked(fp);
-  return false;
+  return FindVerifiedLocked(fp) != nullptr;
 }
 
 bool SegmentStore::Contains(const Hash128& fp) const {

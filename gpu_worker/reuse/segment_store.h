@@ -63,6 +63,8 @@ class SegmentStore {
     std::list<Hash128>::iterator lru;
   };
   void EraseLocked(const Hash128& fp);
+  // The entry when present and its checksums hold; a corrupt one is dropped and counted.
+  Entry* FindVerifiedLocked(const Hash128& fp);
   SegmentStoreOptions opts_;
   mutable std::mutex mu_;
   absl::flat_hash_map<Hash128, Entry> map_;
