@@ -7,6 +7,7 @@
 #include "cache_server/server.h"
 #include "common/kv_block.h"
 #include "gtest/gtest.h"
+#include "tests/service/test_util.h"
 
 namespace sparsex::service {
 namespace {
@@ -57,12 +58,7 @@ TEST(KvTierCodecTest, RoundTripAndRejects) {
 class KvTierServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    cache::ServerOptions o;
-    o.grpc_port = 0;
-    o.metrics_port = -1;
-    o.cache.memory_capacity_bytes = 64 << 20;
-    o.cache.disk_backend = "memory";
-    auto s = cache::CacheServer::Start(o);
+    auto s = testutil::StartMemoryCacheServer();
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
     ClusterTierOptions t;

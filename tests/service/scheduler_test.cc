@@ -7,39 +7,15 @@
 #include <thread>
 
 #include "tests/gpu_worker/test_util.h"
+#include "tests/service/test_util.h"
 
 namespace sparsex::service {
 namespace {
 
 using namespace std::chrono_literals;
 
-struct Collected {
-  std::vector<int32_t> ids;
-  std::string text;
-  StreamChunk final;
-  int chunks = 0;
-};
-
-Collected Drain(RequestHandle& h, std::chrono::seconds timeout = 60s) {
-  Collected c;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::vector<StreamChunk> got;
-  while (std::chrono::steady_clock::now() < deadline) {
-    got.clear();
-    h.Wait(&got, 50ms);
-    for (auto& ch : got) {
-      c.ids.insert(c.ids.end(), ch.ids.begin(), ch.ids.end());
-      c.text += ch.text;
-      ++c.chunks;
-      if (ch.final) {
-        c.final = ch;
-        return c;
-      }
-    }
-  }
-  ADD_FAILURE() << "request did not finish in time";
-  return c;
-}
+using testutil::Collected;
+using testutil::Drain;
 
 class SchedulerTest : public ::testing::Test {
  protected:

@@ -7,42 +7,22 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "cache_server/server.h"
 #include "common/fingerprint.h"
 #include "gpu_worker/service/kv_tier.h"
 #include "gpu_worker/service/scheduler.h"
 #include "gpu_worker/service/worker_server.h"
 #include "proto/worker.grpc.pb.h"
 #include "tests/gpu_worker/test_util.h"
+#include "tests/service/test_util.h"
 
 namespace sparsex::service {
 namespace {
 
 using namespace std::chrono_literals;
 
-struct Collected {
-  std::vector<int32_t> ids;
-  StreamChunk final;
-};
+using testutil::Collected;
 
-Collected Drain(RequestHandle& h) {
-  Collected c;
-  const auto deadline = std::chrono::steady_clock::now() + 120s;
-  std::vector<StreamChunk> got;
-  while (std::chrono::steady_clock::now() < deadline) {
-    got.clear();
-    h.Wait(&got, 50ms);
-    for (auto& ch : got) {
-      c.ids.insert(c.ids.end(), ch.ids.begin(), ch.ids.end());
-      if (ch.final) {
-        c.final = ch;
-        return c;
-      }
-    }
-  }
-  ADD_FAILURE() << "request did not finish in time";
-  return c;
-}
+Collected Drain(RequestHandle& h) { return testutil::Drain(h, 120s); }
 
 class SchedulerTpTest : public ::testing::Test {
  protected:
@@ -202,12 +182,7 @@ TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2) {
 // the documents and writes back each rank's share; the second fetches both ranks' shares,
 // reuses them, and answers with the same tokens as the first.
 TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
-  cache::ServerOptions so;
-  so.grpc_port = 0;
-  so.metrics_port = -1;
-  so.cache.memory_capacity_bytes = 64 << 20;
-  so.cache.disk_backend = "memory";
-  auto server = cache::CacheServer::Start(so);
+  auto server = testutil::StartMemoryCacheServer();
   ASSERT_TRUE(server.ok()) << server.status();
   WorkerOptions o;
   o.model_path = testing::Stories260KPath();
