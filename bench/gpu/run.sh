@@ -103,21 +103,22 @@ stamp "benchmark"
 stamp "bench done"
 
 # ---- reuse prefill: 8 stored segments (shuffled) + 256 new tokens, F=2, r=0.15 ----
+# The issue's reuse case; extra arguments (e.g. --tp 2) and $SPX_REUSE_ARGS come last.
+reuse_bench() {
+  # shellcheck disable=SC2086
+  NCCL_NVLS_ENABLE=0 "$BUILD/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda \
+    --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 --ratio 0.15 "$@" \
+    ${SPX_REUSE_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+}
 stamp "reuse prefill benchmark"
-# shellcheck disable=SC2086
-"$BUILD/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda --segments 8 \
-  --segment-tokens 4064 --new-tokens 256 --full-layers 2 --ratio 0.15 ${SPX_REUSE_ARGS:-} \
-  --out "$OUT/reuse_prefill_raw.json" 2>&1 | tee -a "$OUT/bench.log"
+reuse_bench --out "$OUT/reuse_prefill_raw.json"
 stamp "reuse done"
 
 # ---- tensor parallelism (issue 7): the same reuse benchmark on 2 GPUs over NCCL ----
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$NCCL" = ON ] && [ "$NGPU" -ge 2 ]; then
   stamp "reuse prefill benchmark, tp 2 ($NGPU GPUs)"
-  # shellcheck disable=SC2086
-  NCCL_NVLS_ENABLE=0 "$BUILD/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda \
-    --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 --ratio 0.15 --tp 2 \
-    ${SPX_REUSE_ARGS:-} --out "$OUT/reuse_prefill_tp2.json" 2>&1 | tee -a "$OUT/bench.log"
+  reuse_bench --tp 2 --out "$OUT/reuse_prefill_tp2.json"
   stamp "tp 2 done"
 fi
 
@@ -152,23 +153,20 @@ if os.path.exists(p):
     for r in json.load(open(p))["records"]:
         base[(r["case"], r["tokens"])] = r["ms"]
 recs = []
-p = os.path.join(out, "reuse_prefill_raw.json")
-if os.path.exists(p):
+for name, prefix, tp in (("reuse_prefill_raw.json", "prefill_", 1),
+                         ("reuse_prefill_tp2.json", "tp2_prefill_", 2)):
+    p = os.path.join(out, name)
+    if not os.path.exists(p):
+        continue
     for r in json.load(open(p)):
         # 1 + 8 x 4064 + 256 = 32769 tokens: compared with the 32K (32768) baseline.
-        ours["records"].append({"case": "prefill_" + r["case"], "tokens": r["tokens"],
-                                "ms": r["ms"], "speedup_vs_our_full": r["speedup_vs_full"],
-                                "selected_tokens": r["selected_tokens"],
-                                "compute_share": r["compute_share"]})
-        base[("prefill_" + r["case"], r["tokens"])] = base.get(("full_prefill", 32768))
-p = os.path.join(out, "reuse_prefill_tp2.json")
-if os.path.exists(p):
-    for r in json.load(open(p)):
-        ours["records"].append({"case": "tp2_prefill_" + r["case"], "tokens": r["tokens"],
-                                "ms": r["ms"], "speedup_vs_our_full": r["speedup_vs_full"],
-                                "selected_tokens": r["selected_tokens"],
-                                "compute_share": r["compute_share"], "tp": 2})
-        base[("tp2_prefill_" + r["case"], r["tokens"])] = base.get(("full_prefill", 32768))
+        rec = {"case": prefix + r["case"], "tokens": r["tokens"], "ms": r["ms"],
+               "speedup_vs_our_full": r["speedup_vs_full"],
+               "selected_tokens": r["selected_tokens"], "compute_share": r["compute_share"]}
+        if tp > 1:
+            rec["tp"] = tp
+        ours["records"].append(rec)
+        base[(prefix + r["case"], r["tokens"])] = base.get(("full_prefill", 32768))
 for r in ours["records"]:
     b = base.get((r["case"], r["tokens"]))
     r = dict(r, baseline_ms=b, ratio=(round(r["ms"] / b, 3) if b else None))
