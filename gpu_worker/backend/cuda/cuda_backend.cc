@@ -97,7 +97,6 @@ class CudaBackend final : public Backend {
     for (auto& [k, p] : rope_tables_) cudaFree(p);
     if (pinned_) cudaFreeHost(pinned_);
     for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
-    if (tables_) cudaFree(tables_);
     for (StageEntry& e : stage_cache_) {
       if (e.dev) cudaFree(e.dev);
     }
@@ -772,18 +771,31 @@ class CudaBackend final : public Backend {
                                 const AttentionArgs& a, Tensor& out) {
     const int64_t n = q.rows;
     const int S = static_cast<int>(a.seqs.size());
-    // The same slot tables come back for every layer of a decode step: keyed by their content
-    // (and the pool), they are range-checked and copied to the device once per step.
-    // Raw bytes (an in-process key): Hasher::I32s's portable per-element encoding cost ~1 ms
-    // per layer at batch 32 x 8K (run 10 of docs/perf-notes.md).
-    Hasher h;
-    h.U64(static_cast<uint64_t>(pool.num_blocks) * pool.block_size);
-    for (const SeqRows& sq : a.seqs) {
-      h.U64(sq.ctx_slots.size()).Bytes(sq.ctx_slots.data(), sq.ctx_slots.size_bytes());
+    // Table s starts at the running 16-byte-aligned offset (the layout Stage gives the spans);
+    // positions, row starts, table offsets and lengths follow.
+    std::vector<int32_t> rows(S + 1), start(S), len(S);
+    std::vector<HostSpan> spans;
+    int64_t off = 0;
+    int max_ctx = 0;
+    for (int i = 0; i < S; ++i) {
+      const SeqRows& sq = a.seqs[i];
+      spans.push_back({sq.ctx_slots.data(), sq.ctx_slots.size_bytes()});
+      rows[i] = static_cast<int32_t>(sq.row_begin);
+      start[i] = static_cast<int32_t>(off / 4);
+      len[i] = static_cast<int32_t>(sq.ctx_slots.size());
+      max_ctx = std::max(max_ctx, len[i]);
+      off += static_cast<int64_t>((sq.ctx_slots.size_bytes() + 15) / 16 * 16);
     }
-    const Hash128 key = h.Finish();
-    const bool cached = has_tables_ && key == tables_key_;
-    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out, /*check_slots=*/!cached));
+    rows[S] = static_cast<int32_t>(n);
+    spans.push_back({a.q_pos.data(), a.q_pos.size_bytes()});
+    spans.push_back({rows.data(), rows.size() * 4});
+    spans.push_back({start.data(), start.size() * 4});
+    spans.push_back({len.data(), len.size() * 4});
+    // Every layer of a decode step stages the same tables: a device copy staged under this
+    // domain (batched attention over a pool of this size) passed the slot checks when staged.
+    const Hash128 key =
+        StageKey(spans, 1 + static_cast<uint64_t>(pool.num_blocks) * pool.block_size);
+    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out, /*check_slots=*/!StageHas(key)));
     if (!kernels::PagedAttentionSupported(a.head_dim, a.n_heads, a.n_kv_heads)) {
       return absl::UnimplementedError("Attention: unsupported head_dim for batched sequences");
     }
@@ -807,50 +819,14 @@ class CudaBackend final : public Backend {
     if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
       return AttentionBySequence(*this, q, pool, layer, a, out);  // validates per sequence
     }
-    // Table s starts at the running 16-byte-aligned offset (the layout Stage gives the spans).
-    std::vector<int32_t> rows(S + 1), start(S), len(S);
-    std::vector<HostSpan> spans;
-    int64_t off = 0;
-    int max_ctx = 0;
-    for (int i = 0; i < S; ++i) {
-      const SeqRows& sq = a.seqs[i];
-      spans.push_back({sq.ctx_slots.data(), sq.ctx_slots.size_bytes()});
-      rows[i] = static_cast<int32_t>(sq.row_begin);
-      start[i] = static_cast<int32_t>(off / 4);
-      len[i] = static_cast<int32_t>(sq.ctx_slots.size());
-      max_ctx = std::max(max_ctx, len[i]);
-      off += static_cast<int64_t>((sq.ctx_slots.size_bytes() + 15) / 16 * 16);
-    }
-    rows[S] = static_cast<int32_t>(n);
-    if (!cached) {
-      // New tables: staged, then kept in a device buffer of their own for the next layers.
-      ASSIGN_OR_RETURN(auto t, Stage(spans));
-      if (static_cast<size_t>(off) > tables_bytes_) {
-        CUDA_RETURN(cudaStreamSynchronize(stream_), "tables: sync");
-        if (tables_) cudaFree(tables_);
-        tables_ = nullptr;
-        tables_bytes_ = 0;
-        CUDA_RETURN(cudaMalloc(&tables_, std::max<size_t>(off, 1 << 20)), "tables: alloc");
-        tables_bytes_ = std::max<size_t>(off, 1 << 20);
-      }
-      if (off > 0) {
-        CUDA_RETURN(cudaMemcpyAsync(tables_, t[0], off, cudaMemcpyDeviceToDevice, stream_),
-                    "tables: copy");
-      }
-      tables_key_ = key;
-      has_tables_ = true;
-    }
-    ASSIGN_OR_RETURN(auto d, Stage({{a.q_pos.data(), a.q_pos.size_bytes()},
-                                    {rows.data(), rows.size() * 4},
-                                    {start.data(), start.size() * 4},
-                                    {len.data(), len.size() * 4}}));
-    p.ctx_slots = static_cast<const int32_t*>(tables_);
+    ASSIGN_OR_RETURN(auto d, Stage(spans, key));
+    p.ctx_slots = static_cast<const int32_t*>(d[0]);
     p.ctx_len = static_cast<int>(off / 4);
-    p.q_pos = static_cast<const int32_t*>(d[0]);
+    p.q_pos = static_cast<const int32_t*>(d[S]);
     p.num_seqs = S;
-    p.seq_rows = static_cast<const int32_t*>(d[1]);
-    p.seq_ctx_start = static_cast<const int32_t*>(d[2]);
-    p.seq_ctx_len = static_cast<const int32_t*>(d[3]);
+    p.seq_rows = static_cast<const int32_t*>(d[S + 1]);
+    p.seq_ctx_start = static_cast<const int32_t*>(d[S + 2]);
+    p.seq_ctx_len = static_cast<const int32_t*>(d[S + 3]);
     p.max_seq_ctx = max_ctx;
     const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
     ASSIGN_OR_RETURN(void* ws, attn_scratch_.Get(ws_bytes + 256, stream_));
@@ -912,15 +888,31 @@ class CudaBackend final : public Backend {
   // returns the device address of each span. The device scratch is reused by every call:
   // stream order puts each copy after the kernels that read the previous call's data. The
   // pinned ring only wraps after a stream sync, so no queued copy reads overwritten bytes.
+  // The key of a Stage request: its bytes, and a domain (requests of different domains never
+  // share a device copy; 0 for plain index arrays).
+  static Hash128 StageKey(const std::vector<HostSpan>& spans, uint64_t domain = 0) {
+    Hasher h;
+    h.U64(domain);
+    for (const HostSpan& s : spans) h.U64(s.bytes).Bytes(s.data, s.bytes);
+    return h.Finish();
+  }
+  // Whether a device copy staged under `key` is still held.
+  bool StageHas(const Hash128& key) const {
+    for (const StageEntry& e : stage_cache_) {
+      if (e.valid && e.key == key) return true;
+    }
+    return false;
+  }
   absl::StatusOr<std::vector<void*>> Stage(const std::vector<HostSpan>& spans) {
+    return Stage(spans, StageKey(spans));
+  }
+  // The same index arrays come back for every layer of a forward pass (positions, slots, slot
+  // tables): a request whose key matches a recent one reuses its device copy.
+  absl::StatusOr<std::vector<void*>> Stage(const std::vector<HostSpan>& spans,
+                                           const Hash128& key) {
     size_t total = 0;
     for (const HostSpan& s : spans) total += (s.bytes + 15) / 16 * 16;
     total = std::max<size_t>(total, 16);
-    // The same index arrays come back for every layer of a forward pass (positions, slots, slot
-    // tables): a request whose bytes match a recent one reuses its device copy.
-    Hasher h;
-    for (const HostSpan& s : spans) h.U64(s.bytes).Bytes(s.data, s.bytes);
-    const Hash128 key = h.Finish();
     auto pointers = [&spans](void* base) {
       std::vector<void*> out;
       size_t off = 0;
@@ -1005,11 +997,6 @@ class CudaBackend final : public Backend {
   };
   std::array<StageEntry, 16> stage_cache_;
   uint64_t stage_tick_ = 0;
-  // Slot tables of the last batched attention call, on the device (AttentionBatched).
-  void* tables_ = nullptr;
-  size_t tables_bytes_ = 0;
-  Hash128 tables_key_;
-  bool has_tables_ = false;
   std::map<int64_t, cudaEvent_t> tickets_;
   int64_t last_ticket_ = 0;
   kernels::LtGemm gemm_;
