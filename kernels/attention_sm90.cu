@@ -10,8 +10,7 @@
 // from shared memory (K-major); O += P V takes P from registers (the S accumulator layout is the
 // A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
 // (docs/perf-notes.md has their timings; the plain one is the default): S of the next tile
-// issued before this tile's softmax ("pipelined"), 128 keys per step in two stages, and the
-// statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
+// issued before this tile's softmax ("pipelined"), and the statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
 // elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
@@ -29,14 +28,10 @@ using detail::PackBf16x2;
 constexpr int kHd = 128, kBm = 128, kThreads = 256;
 // Shared layout (bytes from the 1024-aligned base): Q, then K and V of each stage.
 constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
-// Keys per step BN: 64 (3 stages) or 128 (2 stages: 161 KiB of the 227).
-template <int BN>
-struct Tiles {
-  static constexpr int kStages = BN == 64 ? 3 : 2;
-  static constexpr int kTileBytes = BN * kHd * 2;
-  static constexpr int kStageBytes = 2 * kTileBytes;  // K + V
-  static constexpr int kSmem = 1024 + kQBytes + kStages * kStageBytes;
-};
+constexpr int kBn = 64, kStages = 3;             // keys per step, cp.async stages
+constexpr int kTileBytes = kBn * kHd * 2;         // 16 KiB
+constexpr int kStageBytes = 2 * kTileBytes;       // K + V
+constexpr int kSmem = 1024 + kQBytes + kStages * kStageBytes;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -82,16 +77,6 @@ __device__ __forceinline__ void WgmmaQK(float* d, uint64_t da, uint64_t db, int 
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// The same with 128 keys: D[64x128] (+)= A[64x16] * B[16x128].
-__device__ __forceinline__ void WgmmaQK128(float* d, uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
 // D[64x128] += A[64x16] (registers: P) * B[16x128] in shared memory, B MN-major (the V tile as stored, hd contiguous; transposed by the instruction).
 __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t db) {
   asm volatile(
@@ -108,15 +93,12 @@ enum Mode { kPlain = 0, kPipelined = 1, kStats = 2 };
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
-template <int MODE, int BN>
+template <int MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     WgmmaFlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
                      int qt) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kStatsMode = MODE == kStats;
-  constexpr int kBn = BN, kStages = Tiles<BN>::kStages;
-  constexpr int kTileBytes = Tiles<BN>::kTileBytes, kStageBytes = Tiles<BN>::kStageBytes;
-  static_assert(MODE != kPipelined || BN == 64, "the pipelined variant keeps two S tiles");
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_lim[kBm];
   __shared__ int s_max_lim, s_min_lim;
@@ -195,10 +177,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (n_tiles > 0) load_kv(0, 0);
   detail::CpAsyncCommit();
-  if constexpr (kStages == 3) {
-    if (n_tiles > 1) load_kv(1, 1);
-    detail::CpAsyncCommit();
-  }
+  if (n_tiles > 1) load_kv(1, 1);
+  detail::CpAsyncCommit();
 
   float o[16][4];
 #pragma unroll
@@ -223,11 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t koff = (ks & 3) * 32;
       const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
       const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024);
-      if constexpr (kBn == 64) {
-        WgmmaQK(&acc[0][0], da, db, ks > 0);
-      } else {
-        WgmmaQK128(&acc[0][0], da, db, ks > 0);
-      }
+      WgmmaQK(&acc[0][0], da, db, ks > 0);
     }
   };
   // Scale, causal mask, online softmax of tile t in acc; P into pa, O rescaled.
@@ -455,13 +431,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <int MODE, int BN>
+template <int MODE>
 cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st,
                    cudaStream_t stream) {
-  constexpr int smem = Tiles<BN>::kSmem;
+  constexpr int smem = kSmem;
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE, BN>,
+    cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured = true;
@@ -469,7 +445,7 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
-  WgmmaFlashKernel<MODE, BN><<<grid, kThreads, smem, stream>>>(p, st, G, qt);
+  WgmmaFlashKernel<MODE><<<grid, kThreads, smem, stream>>>(p, st, G, qt);
   return cudaGetLastError();
 }
 
@@ -498,16 +474,12 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p) {
          detail::Aligned16(p.q) && detail::Aligned16(p.k_pool) && detail::Aligned16(p.v_pool);
 }
 
-cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, int variant,
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
                                cudaStream_t stream) {
   if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p)) return cudaErrorInvalidValue;
   if (p.num_q == 0) return cudaSuccess;
   const AttentionStatsParams none;
-  switch (variant) {
-    case 1: return Launch<kPipelined, 64>(p, none, stream);
-    case 2: return Launch<kPlain, 128>(p, none, stream);
-    default: return Launch<kPlain, 64>(p, none, stream);
-  }
+  return pipelined ? Launch<kPipelined>(p, none, stream) : Launch<kPlain>(p, none, stream);
 }
 
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
@@ -515,7 +487,7 @@ cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionSta
   if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p) || p.lse == nullptr)
     return cudaErrorInvalidValue;
   if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
-  return Launch<kStats, 64>(p, s, stream);
+  return Launch<kStats>(p, s, stream);
 }
 
 }  // namespace sparsex::kernels

@@ -11,10 +11,10 @@ bool Sm90AttentionAvailable();
 // Whether the shapes and alignment of p suit the wgmma kernel (head_dim 128, 128 % G == 0,
 // 16-byte aligned rows).
 bool Sm90AttentionSupports(const PagedAttentionParams& p);
-// Unsplit attention for p (out and, when set, lse). variant 0: 64 keys per step, one step after
-// the other; 1: 64 keys, the next tile's Q K^T overlapping this tile's softmax; 2: 128 keys per
-// step (two stages).
-cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, int variant, cudaStream_t stream);
+// Unsplit attention for p (out and, when set, lse). pipelined: the next tile's Q K^T overlaps
+// this tile's softmax (else one step after the other).
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
+                               cudaStream_t stream);
 // The statistics pass of AttentionStats on wgmma (p.lse from the attention pass).
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                                cudaStream_t stream);

@@ -75,7 +75,7 @@ done
 SPX_ATTN_WARPS=4 SPX_ATTN_IMPL=mma "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1 || tests_rc=1
 impl_ok=""
-for im in wgmma wgmma-pipe wgmma-128; do
+for im in wgmma wgmma-pipe; do
   echo "== SPX_ATTN_IMPL=$im" >>"$OUT/tests.log"
   if SPX_ATTN_IMPL=$im timeout 120 "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
       --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1; then
@@ -87,7 +87,7 @@ done
 stamp "attention kernels passing: mma${impl_ok}"
 case " $impl_ok " in
   *" wgmma "*) ;;  # the default
-  *" wgmma-128 "*) export SPX_ATTN_IMPL=wgmma-128 ;;
+  *" wgmma-pipe "*) export SPX_ATTN_IMPL=wgmma-pipe ;;
   *) export SPX_ATTN_IMPL=mma SPX_MICRO_IMPLS=mma ;;
 esac
 grep -E "^==|^\[  (PASSED|FAILED|SKIPPED) |Failure|error|Expected|Which is|actual|rel" "$OUT/tests.log" | head -80
