@@ -11,6 +11,7 @@ namespace {
 
 using detail::CeilDiv;
 using detail::CpAsync16;
+using detail::Ex2;
 using detail::LdMatrixX4;
 using detail::LdMatrixX4Trans;
 using detail::MmaBf16;
@@ -34,13 +35,6 @@ constexpr bool kDefaultSm90 = true;
 constexpr bool kDefaultPipelined = false;
 constexpr int kBN = 64;       // keys per step
 constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
-
-// ex2.approx: one MUFU op (2^-inf = +0); the scores are already in the log2 domain.
-__device__ __forceinline__ float Ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <int HD>
 __device__ __forceinline__ int Swz(int row, int chunk) {
@@ -275,34 +269,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
         }
       }
     } else {
-      // Online softmax.
-      float mx[2] = {kNegInf, kNegInf};
-#pragma unroll
-      for (int nb = 0; nb < kBN / 8; ++nb) {
-        mx[0] = fmaxf(mx[0], fmaxf(s[nb][0], s[nb][1]));
-        mx[1] = fmaxf(mx[1], fmaxf(s[nb][2], s[nb][3]));
-      }
-      float ref[2], corr[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float m_new = fmaxf(row_m[i], mx[i]);
-        ref[i] = m_new == kNegInf ? 0.0f : m_new;
-        corr[i] = Ex2(row_m[i] - ref[i]);
-        row_m[i] = m_new;
-        row_l[i] *= corr[i];
-        cross[i] *= corr[i];
-      }
-#pragma unroll
-      for (int nb = 0; nb < kBN / 8; ++nb) {
-        s[nb][0] = Ex2(s[nb][0] - ref[0]);
-        s[nb][1] = Ex2(s[nb][1] - ref[0]);
-        s[nb][2] = Ex2(s[nb][2] - ref[1]);
-        s[nb][3] = Ex2(s[nb][3] - ref[1]);
-        row_l[0] += s[nb][0] + s[nb][1];
-        row_l[1] += s[nb][2] + s[nb][3];
-      }
+      float corr[2];
+      detail::OnlineSoftmaxStep(s, row_m, row_l, corr);
+      cross[0] *= corr[0];
+      cross[1] *= corr[1];
       if (fused_cross) detail::AccumulateCross(s, key0, p.key_group, ctx_len, qg, cross);
 #pragma unroll
       for (int nd = 0; nd < HD / 8; ++nd) {

@@ -23,6 +23,7 @@ namespace {
 
 using detail::CeilDiv;
 using detail::CpAsync16;
+using detail::Ex2;
 using detail::PackBf16x2;
 
 constexpr int kHd = 128, kBm = 128, kThreads = 256;
@@ -48,12 +49,6 @@ __device__ __forceinline__ uint64_t Desc(uint32_t saddr, uint32_t lbo, uint32_t 
   return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
          (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ float Ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 __device__ __forceinline__ void WgFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -221,33 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc[nb][c] = v;
       }
     }
-    float mx[2] = {kNegInf, kNegInf};
-#pragma unroll
-    for (int nb = 0; nb < kBn / 8; ++nb) {
-      mx[0] = fmaxf(mx[0], fmaxf(acc[nb][0], acc[nb][1]));
-      mx[1] = fmaxf(mx[1], fmaxf(acc[nb][2], acc[nb][3]));
-    }
-    float ref[2], corr[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float m_new = fmaxf(row_m[i], mx[i]);
-      ref[i] = m_new == kNegInf ? 0.0f : m_new;
-      corr[i] = Ex2(row_m[i] - ref[i]);
-      row_m[i] = m_new;
-      row_l[i] *= corr[i];
-      xacc[i] *= corr[i];
-    }
-#pragma unroll
-    for (int nb = 0; nb < kBn / 8; ++nb) {
-      acc[nb][0] = Ex2(acc[nb][0] - ref[0]);
-      acc[nb][1] = Ex2(acc[nb][1] - ref[0]);
-      acc[nb][2] = Ex2(acc[nb][2] - ref[1]);
-      acc[nb][3] = Ex2(acc[nb][3] - ref[1]);
-      row_l[0] += acc[nb][0] + acc[nb][1];
-      row_l[1] += acc[nb][2] + acc[nb][3];
-    }
+    float corr[2];
+    detail::OnlineSoftmaxStep(acc, row_m, row_l, corr);
+    xacc[0] *= corr[0];
+    xacc[1] *= corr[1];
     if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);
 #pragma unroll
     for (int kk = 0; kk < kBn / 16; ++kk) {

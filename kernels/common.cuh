@@ -111,6 +111,50 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- online softmax of the flash kernels (mma.sync and wgmma share the accumulator layout) ----
+// ex2.approx: one MUFU op (2^-inf = +0); the scores are already in the log2 domain.
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One tile of the online softmax. A thread holds scores (log2 domain, masked keys -inf) of two
+// rows (g, g + 8) for NB groups of 8 keys: element [nb][c] belongs to row c >> 1, and a row is
+// spread over the 4 lanes of a quad. Replaces the scores by their exponentials against the
+// running maximum, advances row_m and row_l (this thread's partial row sums), and returns in
+// corr the factor by which the caller rescales whatever else it accumulated (O, cross mass).
+template <int NB>
+__device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float (&row_m)[2],
+                                                  float (&row_l)[2], float (&corr)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[nb][0], s[nb][1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[nb][2], s[nb][3]));
+  }
+  float ref[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float m_new = fmaxf(row_m[i], mx[i]);
+    ref[i] = m_new == -INFINITY ? 0.0f : m_new;
+    corr[i] = Ex2(row_m[i] - ref[i]);
+    row_m[i] = m_new;
+    row_l[i] *= corr[i];
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    s[nb][0] = Ex2(s[nb][0] - ref[0]);
+    s[nb][1] = Ex2(s[nb][1] - ref[0]);
+    s[nb][2] = Ex2(s[nb][2] - ref[1]);
+    s[nb][3] = Ex2(s[nb][3] - ref[1]);
+    row_l[0] += s[nb][0] + s[nb][1];
+    row_l[1] += s[nb][2] + s[nb][3];
+  }
+}
+
 // ---- fused cross-segment mass (selection statistic) for the flash kernels ----
 // A thread holds probabilities (unnormalised, after the online-softmax exponent) of two rows
 // (g, g + 8) for NB groups of 8 keys in the mma/wgmma accumulator layout: element [nb][c] is
