@@ -245,6 +245,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   float s_cur[kBn / 8][4];
+  // Tile t's scores into s_cur, one tile after the other: wait for its K/V, start loading the
+  // tile kStages - 1 ahead into the stage tile t - 1 used, S = Q K^T.
+  auto tile_scores = [&](int t) {
+    detail::CpAsyncWait<kStages - 2>();  // tile t has landed
+    FenceProxyAsync();
+    __syncthreads();  // ... for every thread; the stage of tile t - 1 is free
+    if (t + kStages - 1 < n_tiles) load_kv((t + kStages - 1) % kStages, t + kStages - 1);
+    detail::CpAsyncCommit();
+    WgFence();
+    issue_s(t % kStages, s_cur);
+    WgCommit();
+    WgWait0();
+  };
   if constexpr (kStatsMode) {
     float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
     int qg[2] = {0, 0};
@@ -257,15 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     for (int t = 0; t < n_tiles; ++t) {
-      detail::CpAsyncWait<kStages - 2>();  // tile t has landed
-      FenceProxyAsync();
-      __syncthreads();  // ... for every thread; the stage of tile t - 1 is free
-      if (t + kStages - 1 < n_tiles) load_kv((t + kStages - 1) % kStages, t + kStages - 1);
-      detail::CpAsyncCommit();
-      WgFence();
-      issue_s(t % kStages, s_cur);
-      WgCommit();
-      WgWait0();
+      tile_scores(t);
       const int key0 = t * kBn + 2 * tq;
       const bool need_mask = (t * kBn + kBn - 1) > min_lim;
       float colsum[kBn / 8][2];
@@ -352,15 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     for (int t = 0; t < n_tiles; ++t) {
-      detail::CpAsyncWait<kStages - 2>();  // tile t has landed
-      FenceProxyAsync();
-      __syncthreads();  // ... for every thread; the stage of tile t - 1 is free
-      if (t + kStages - 1 < n_tiles) load_kv((t + kStages - 1) % kStages, t + kStages - 1);
-      detail::CpAsyncCommit();
-      WgFence();
-      issue_s(t % kStages, s_cur);
-      WgCommit();
-      WgWait0();
+      tile_scores(t);
       softmax(s_cur, t);
       WgFence();
       issue_pv(t % kStages);
