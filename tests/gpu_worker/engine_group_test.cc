@@ -6,28 +6,13 @@
 #include <set>
 #include <thread>
 
+#include "tests/gpu_worker/engine_group_util.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex {
 namespace {
 
-// Greedy decoding through the group's Admit / Prefill / Step / RegisterPrefix / Release.
-std::vector<int32_t> Greedy(EngineGroup& g, const std::vector<int32_t>& prompt, int n) {
-  auto seq = g.Admit(prompt);
-  EXPECT_TRUE(seq.ok()) << seq.status();
-  if (!seq.ok()) return {};
-  auto lg = g.Prefill(*seq);
-  std::vector<int32_t> out;
-  while (lg.ok() && static_cast<int>(out.size()) < n) {
-    const int32_t t = static_cast<int32_t>(std::max_element(lg->begin(), lg->end()) - lg->begin());
-    out.push_back(t);
-    lg = g.Step(*seq, t);
-  }
-  EXPECT_TRUE(lg.ok()) << lg.status();
-  g.RegisterPrefix(*seq);
-  g.Release(*seq);
-  return out;
-}
+using testing::Greedy;
 
 TEST(EngineGroup, RanksInLockstepMatchTheUnshardedEngine) {
   auto model = testing::LoadStories260K();

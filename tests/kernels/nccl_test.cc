@@ -10,6 +10,7 @@
 
 #include "gpu_worker/engine/engine_group.h"
 #include "gtest/gtest.h"
+#include "tests/gpu_worker/engine_group_util.h"
 
 #if SPARSEX_WITH_NCCL
 #include "gpu_worker/engine/nccl_communicator.h"
@@ -78,21 +79,7 @@ TEST(Nccl, TwoDevicesSum) {
   }
 }
 
-std::vector<int32_t> Greedy(EngineGroup& g, const std::vector<int32_t>& prompt, int n) {
-  auto seq = g.Admit(prompt);
-  EXPECT_TRUE(seq.ok()) << seq.status();
-  if (!seq.ok()) return {};
-  auto lg = g.Prefill(*seq);
-  std::vector<int32_t> out;
-  while (lg.ok() && static_cast<int>(out.size()) < n) {
-    const int32_t t = static_cast<int32_t>(std::max_element(lg->begin(), lg->end()) - lg->begin());
-    out.push_back(t);
-    if (static_cast<int>(out.size()) < n) lg = g.Step(*seq, t);
-  }
-  EXPECT_TRUE(lg.ok()) << lg.status();
-  g.Release(*seq);
-  return out;
-}
+using testing::Greedy;
 
 TEST(Nccl, Stories260KTp2GreedyEqualsTp1For64Tokens) {
   if (DeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << DeviceCount();
