@@ -78,14 +78,19 @@ TEST(CudaEngine, Stories260KPrefillLogitsClose) {
   EXPECT_EQ(Argmax(*lg), Argmax(*lc));
 }
 
+// A CUDA engine whose every run computes what it is asked (no prefix-cache hits).
+absl::StatusOr<std::unique_ptr<Engine>> CudaEngineWithoutPrefixCache(const Model& model) {
+  EngineOptions go;
+  go.backend.kind = "cuda";
+  go.kv.enable_prefix_caching = false;
+  return Engine::Create(model, go);
+}
+
 TEST(CudaEngine, BatchedDecodeMatchesOneSequenceAtATime) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
   auto model = LoadStories();
   ASSERT_NE(model, nullptr);
-  EngineOptions go;
-  go.backend.kind = "cuda";
-  go.kv.enable_prefix_caching = false;
-  auto gpu = Engine::Create(*model, go);
+  auto gpu = CudaEngineWithoutPrefixCache(*model);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day",
                          "The sun was hot and the birds sang in the tall green trees. Lily"};
@@ -120,10 +125,7 @@ TEST(CudaEngine, ReuseFromPinnedHostTierEqualsDeviceTier) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
   auto model = LoadStories();
   ASSERT_NE(model, nullptr);
-  EngineOptions go;
-  go.backend.kind = "cuda";
-  go.kv.enable_prefix_caching = false;
-  auto gpu = Engine::Create(*model, go);
+  auto gpu = CudaEngineWithoutPrefixCache(*model);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   SegmentStore store({});
   auto enc = [&](const char* t) { return model->tokenizer().Encode(t, false); };
