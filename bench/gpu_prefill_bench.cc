@@ -457,96 +457,75 @@ int Main(const Options& o) {
     CHECK_OK(be->Synchronize());
   }
 
-  // ---- decode, batch 1, at decode_ctx tokens of context ----
+  // ---- decode at decode_ctx tokens of context: batch 1 and batch B ----
+  // Each sequence owns its own blocks of the pool (distinct KV memory, as in serving); the
+  // context's KV is written once by a prefill of sequence 0 (the others read whatever their
+  // blocks hold, which the attention's cost does not depend on). Every step is the engine's
+  // decode pass (ModelRunner::Forward over one row per sequence, greedy next token), once as
+  // plain launches and once as a recorded scope replayed as a CUDA graph.
   if (o.decode_steps > 0) {
     const int ctx = o.decode_ctx;
-    SeqLayout seq(ctx + o.decode_steps, kv.num_blocks, bs, cfg.vocab_size, 4242);
-    {
-      std::span<const int32_t> ids(seq.ids.data(), ctx), pos(seq.pos.data(), ctx),
-          sl(seq.slots.data(), ctx);
-      Tensor x = Unwrap(runner->Embed(ids), "Embed");
-      LayerRows rows{pos, sl, sl};
-      for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
-      be->Free(x);
-      CHECK_OK(be->Synchronize());
-    }
-    std::vector<double> times, host_ms;
-    int32_t tok = seq.ids[ctx - 1];
-    for (int t = 0; t < o.decode_steps; ++t) {
-      const int p = ctx + t;
-      timer.Start();
-      const auto h0 = std::chrono::steady_clock::now();
-      Tensor x = Unwrap(runner->Embed({&tok, 1}), "Embed");
-      LayerRows rows{std::span<const int32_t>(seq.pos.data() + p, 1),
-                     std::span<const int32_t>(seq.slots.data() + p, 1),
-                     std::span<const int32_t>(seq.slots.data(), p + 1)};
-      for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
-      host_ms.push_back(std::chrono::duration<double, std::milli>(
-                            std::chrono::steady_clock::now() - h0).count());
-      const int32_t row0 = 0;
-      std::vector<float> logits = Unwrap(runner->Logits(x, {&row0, 1}), "Logits");
-      be->Free(x);
-      const double ms = timer.StopMs();
-      tok = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      if (t >= 2) times.push_back(ms);  // first steps warm up the decode shapes
-    }
-    const double med = Median(times);
-    char extra[96];
-    std::snprintf(extra, sizeof extra, ", \"batch\": 1, \"context\": %d, \"host_enqueue_ms\": %.3f",
-                  ctx, Median(host_ms));
-    records.push_back({"decode_bs1_ms_per_token", ctx, med,
-                       *std::min_element(times.begin(), times.end()),
-                       static_cast<int>(times.size()), extra});
-    std::printf("decode batch 1 at %d context: %.3f ms/token (min %.3f, %zu steps); host time to "
-                "enqueue the 32 layers %.3f ms (median)\n", ctx, med, records.back().min_ms,
-                times.size(), Median(host_ms));
-  }
-
-  // ---- decode, batch B: one row per sequence through every matmul, attention per sequence ----
-  // Each sequence owns its own blocks of the pool (distinct KV memory, as in serving); their
-  // KV content is whatever the pool holds, which the attention's cost does not depend on.
-  if (o.decode_steps > 0 && o.decode_batch > 1) {
-    const int B = o.decode_batch, ctx = o.decode_ctx;
     const int per = (ctx + o.decode_steps + bs) / bs + 1;  // blocks per sequence
-    std::vector<std::vector<int32_t>> slots(B);
-    for (int b = 0; b < B; ++b) {
+    const int max_b = std::max(1, o.decode_batch);
+    std::vector<std::vector<int32_t>> slots(max_b);
+    for (int b = 0; b < max_b; ++b) {
       slots[b].resize(ctx + o.decode_steps);
       for (int p = 0; p < ctx + o.decode_steps; ++p) slots[b][p] = (b * per + p / bs) * bs + p % bs;
     }
-    std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
-    std::iota(all.begin(), all.end(), 0);
-    std::vector<double> times;
-    for (int t = 0; t < o.decode_steps; ++t) {
-      const int p = ctx + t;
-      std::vector<RowGroup> groups(B);
-      for (int b = 0; b < B; ++b) {
-        pos[b] = p;
-        wslots[b] = slots[b][p];
-        groups[b] = {b, b + 1, std::span<const int32_t>(slots[b].data(), p + 1)};
-      }
-      timer.Start();
-      Tensor x = Unwrap(runner->Embed(toks), "Embed");
-      LayerRows rows{pos, wslots, {}, groups};
-      for (int l = 0; l < cfg.n_layers; ++l) CHECK_OK(runner->Layer(l, x, rows));
-      std::vector<float> logits = Unwrap(runner->Logits(x, all), "Logits");
-      be->Free(x);
-      const double ms = timer.StopMs();
-      for (int b = 0; b < B; ++b) {
-        auto first = logits.begin() + static_cast<int64_t>(b) * cfg.vocab_size;
-        toks[b] = static_cast<int32_t>(std::max_element(first, first + cfg.vocab_size) - first);
-      }
-      if (t >= 2) times.push_back(ms);
+    {
+      SeqLayout seq(ctx, kv.num_blocks, bs, cfg.vocab_size, 4242);
+      std::vector<int32_t> sl(slots[0].begin(), slots[0].begin() + ctx);
+      LayerRows rows{seq.pos, sl, sl};
+      CHECK_OK(runner->Forward(seq.ids, rows, {}).status());
+      CHECK_OK(be->Synchronize());
     }
-    const double med = Median(times);
-    char extra[160];
-    std::snprintf(extra, sizeof extra,
-                  ", \"batch\": %d, \"context\": %d, \"tokens_per_s\": %.1f", B, ctx,
-                  1000.0 * B / med);
-    records.push_back({"decode_bs" + std::to_string(B) + "_ms_per_step", ctx, med,
-                       *std::min_element(times.begin(), times.end()),
-                       static_cast<int>(times.size()), extra});
-    std::printf("decode batch %d at %d context each: %.3f ms/step = %.0f tokens/s (min %.3f ms)\n",
-                B, ctx, med, 1000.0 * B / med, records.back().min_ms);
+    auto decode = [&](int B, bool graph) {
+      std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
+      std::iota(all.begin(), all.end(), 0);
+      std::vector<double> times;
+      for (int t = 0; t < o.decode_steps; ++t) {
+        const int p = ctx + t;
+        std::vector<RowGroup> groups(B);
+        for (int b = 0; b < B; ++b) {
+          pos[b] = p;
+          wslots[b] = slots[b][p];
+          groups[b] = {b, b + 1, std::span<const int32_t>(slots[b].data(), p + 1)};
+        }
+        timer.Start();
+        LayerRows rows{pos, wslots, {}, groups};
+        std::vector<float> logits = Unwrap(runner->Forward(toks, rows, all, graph), "decode");
+        const double ms = timer.StopMs();
+        for (int b = 0; b < B; ++b) {
+          auto first = logits.begin() + static_cast<int64_t>(b) * cfg.vocab_size;
+          toks[b] = static_cast<int32_t>(std::max_element(first, first + cfg.vocab_size) - first);
+        }
+        if (t >= 3) times.push_back(ms);  // first steps warm up (and record, then capture)
+      }
+      return std::make_pair(Median(times), *std::min_element(times.begin(), times.end()));
+    };
+    std::vector<int> batches = {1};
+    if (o.decode_batch > 1) batches.push_back(o.decode_batch);
+    for (int B : batches) {
+      for (bool graph : {false, true}) {
+        const auto before = be->graph_stats();
+        auto [med, mn] = decode(B, graph);
+        const auto after = be->graph_stats();
+        const std::string name = B == 1 ? "decode_bs1_ms_per_token"
+                                        : "decode_bs" + std::to_string(B) + "_ms_per_step";
+        char extra[200];
+        std::snprintf(extra, sizeof extra,
+                      ", \"batch\": %d, \"context\": %d, \"tokens_per_s\": %.1f, "
+                      "\"cuda_graph\": %s, \"graph_replays\": %lld",
+                      B, ctx, 1000.0 * B / med, graph ? "true" : "false",
+                      static_cast<long long>(after.replayed - before.replayed));
+        records.push_back({graph ? name : name + "_launches", ctx, med, mn,
+                           o.decode_steps - 3, extra});
+        std::printf("decode batch %d at %d context%s: %.3f ms/step = %.0f tokens/s (min %.3f; "
+                    "%lld graph replays)\n",
+                    B, ctx, graph ? ", CUDA graph" : ", launches", med, 1000.0 * B / med, mn,
+                    static_cast<long long>(after.replayed - before.replayed));
+      }
+    }
   }
 
   std::ofstream f(o.out);

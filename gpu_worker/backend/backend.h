@@ -138,6 +138,26 @@ class Backend {
   virtual void FreeKvPool(KvPool& pool) = 0;
   virtual absl::Status Synchronize() = 0;
 
+  // ---- recorded scopes (decode graphs) ----
+  // The operations enqueued from BeginGraph until EndGraph, or until the first operation that
+  // waits for the device (Download, ReadKv, statistics, Synchronize, ...), form one recorded
+  // sequence. When a sequence recurs with the same operations, shapes, buffers and parameters
+  // (the contents of the host index arrays may differ), a backend may replay it as one
+  // captured graph instead of one launch per operation (CUDA graphs: decode steps, whose
+  // launches otherwise cost more than their kernels). Inside a scope the host index arrays an
+  // operation was given are copied when it is called, so they may change afterwards; tensors
+  // allocated in a scope should be freed before the next scope begins (their addresses are
+  // part of what must recur). Errors of recorded launches surface at the end of the sequence.
+  // Default: nothing is recorded, operations run as they are called.
+  virtual absl::Status BeginGraph() { return absl::OkStatus(); }
+  virtual absl::Status EndGraph() { return absl::OkStatus(); }
+  struct GraphStats {
+    int64_t scopes = 0;    // recorded sequences ended
+    int64_t captured = 0;  // ... captured into a new graph (and launched)
+    int64_t replayed = 0;  // ... launched as a graph captured before
+  };
+  virtual GraphStats graph_stats() const { return {}; }
+
   // ---- operations (shapes checked by callers; see the CPU reference for exact semantics) ----
   // out[i] = table[ids[i]]
   virtual absl::Status Embedding(const Tensor& table, std::span<const int32_t> ids,

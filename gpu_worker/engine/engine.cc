@@ -149,19 +149,12 @@ absl::StatusOr<std::vector<float>> Engine::Prefill(Sequence& seq) {
     std::vector<int32_t> pos(e - b);
     for (int i = 0; i < e - b; ++i) pos[i] = b + i;
     std::span<const int32_t> ids(seq.tokens.data() + b, e - b);
-    ASSIGN_OR_RETURN(Tensor x, runner_->Embed(ids));
     LayerRows rows{pos, std::span<const int32_t>(ctx.data() + b, e - b),
                    std::span<const int32_t>(ctx.data(), e)};
-    absl::Status st;
-    for (int l = 0; l < model_->config().n_layers && st.ok(); ++l) st = runner_->Layer(l, x, rows);
-    if (st.ok() && e == total) {
-      const int32_t last = e - b - 1;
-      auto lg = runner_->Logits(x, std::span<const int32_t>(&last, 1));
-      if (lg.ok()) logits = std::move(*lg);
-      else st = lg.status();
-    }
-    runner_->backend().Free(x);
-    RETURN_IF_ERROR(st);
+    const int32_t last = e - b - 1;
+    std::span<const int32_t> out;
+    if (e == total) out = std::span<const int32_t>(&last, 1);
+    ASSIGN_OR_RETURN(logits, runner_->Forward(ids, rows, out));
     seq.computed = e;
   }
   return logits;
@@ -170,6 +163,12 @@ absl::StatusOr<std::vector<float>> Engine::Prefill(Sequence& seq) {
 absl::StatusOr<std::vector<float>> Engine::Step(Sequence& seq, int32_t token) {
   if (static_cast<int>(seq.tokens.size()) >= model_->config().max_seq_len) {
     return absl::OutOfRangeError("context length reached");
+  }
+  if (seq.computed == static_cast<int>(seq.tokens.size())) {
+    // A decode step: the batched path (one sequence), whose launches a backend can replay.
+    Sequence* one[] = {&seq};
+    ASSIGN_OR_RETURN(auto out, StepBatch(one, std::span<const int32_t>(&token, 1)));
+    return std::move(out[0]);
   }
   seq.tokens.push_back(token);
   return Prefill(seq);
@@ -205,19 +204,14 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
     ctx[i] = CtxSlots(*seqs[i], p + 1);
     groups[i] = {i, i + 1, ctx[i]};
   }
-  ASSIGN_OR_RETURN(Tensor x, runner_->Embed(tokens));
   LayerRows rows{pos, slots, {}, groups};
-  absl::Status st;
-  for (int l = 0; l < model_->config().n_layers && st.ok(); ++l) st = runner_->Layer(l, x, rows);
   std::vector<int32_t> all(B);
   for (int64_t i = 0; i < B; ++i) all[i] = static_cast<int32_t>(i);
-  absl::StatusOr<std::vector<float>> lg = st.ok() ? runner_->Logits(x, all) : st;
-  runner_->backend().Free(x);
-  RETURN_IF_ERROR(lg.status());
+  ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(tokens, rows, all, opts_.graphs));
   const int64_t V = model_->config().vocab_size;
   std::vector<std::vector<float>> out(B);
   for (int64_t i = 0; i < B; ++i) {
-    out[i].assign(lg->begin() + i * V, lg->begin() + (i + 1) * V);
+    out[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
     seqs[i]->tokens.push_back(tokens[i]);
     seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
   }

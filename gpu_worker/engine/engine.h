@@ -26,6 +26,9 @@ struct EngineOptions {
   int prefill_chunk = 4096;  // tokens per prefill forward call (bounds scratch memory).
                              // Default: 4096
   TensorParallelOptions tp;  // Default: no sharding
+  // Decode steps as recorded backend scopes (Backend::BeginGraph): on CUDA one captured graph
+  // per batch size and context-length bucket, replayed every step. Default: true
+  bool graphs = true;
 };
 
 // A request's token sequence and its KV blocks.

@@ -163,6 +163,27 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   return be_->Add(x, *o);
 }
 
+absl::StatusOr<std::vector<float>> ModelRunner::Forward(std::span<const int32_t> ids,
+                                                       const LayerRows& rows,
+                                                       std::span<const int32_t> out_rows,
+                                                       bool graph) {
+  graph = graph && comm_ == nullptr;
+  if (graph) RETURN_IF_ERROR(be_->BeginGraph());
+  absl::StatusOr<std::vector<float>> logits = std::vector<float>{};
+  absl::StatusOr<Tensor> x = Embed(ids);
+  if (!x.ok()) logits = x.status();
+  for (int l = 0; l < cfg_.n_layers && logits.ok(); ++l) {
+    if (absl::Status st = Layer(l, *x, rows); !st.ok()) logits = st;
+  }
+  if (logits.ok() && !out_rows.empty()) logits = Logits(*x, out_rows);
+  if (x.ok()) be_->Free(*x);
+  if (graph) {
+    absl::Status st = be_->EndGraph();
+    if (!st.ok() && logits.ok()) logits = st;
+  }
+  return logits;
+}
+
 absl::StatusOr<Tensor> ModelRunner::ProjectQkv(int l, const Tensor& x) {
   const int64_t n = x.rows;
   const int64_t cols = static_cast<int64_t>(cfg_.n_heads) * cfg_.head_dim + 2 * kv_dim();

@@ -70,6 +70,13 @@ class ModelRunner {
   absl::Status SumAcrossRanks(std::span<float> v) {
     return comm_ != nullptr ? comm_->AllReduceSumHost(v) : absl::OkStatus();
   }
+  // Embeds ids, runs every layer over them (LayerRows as for Layer) and returns the logits of
+  // out_rows (none: empty). With `graph` (and no tensor parallelism, whose collectives are not
+  // recorded) the pass is one recorded backend scope (Backend::BeginGraph): decode steps of the
+  // same batch replay one captured CUDA graph.
+  absl::StatusOr<std::vector<float>> Forward(std::span<const int32_t> ids, const LayerRows& rows,
+                                             std::span<const int32_t> out_rows,
+                                             bool graph = false);
   // Final norm + output projection of the given rows: [rows.size() * vocab] fp32.
   absl::StatusOr<std::vector<float>> Logits(const Tensor& x, std::span<const int32_t> rows);
   // RoPE at `pos` applied to rows [row0, row0 + pos.size()) of pre-RoPE K (backend memory),

@@ -75,9 +75,21 @@ absl::StatusOr<std::unique_ptr<Model>> MakeSyntheticModel(const std::string& nam
     c.vocab_size = 1000;
     c.max_seq_len = 8192;
     m->tokenizer_ = std::make_unique<NumericTokenizer>(c.vocab_size, 1, 2);
+  } else if (name == "small") {
+    // Head dim 128 with grouped-query heads: the shapes of the GPU's tensor-core attention
+    // (batched decode, recorded decode graphs) at test size.
+    c.n_layers = 2;
+    c.dim = 256;
+    c.ffn_dim = 512;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.head_dim = 128;
+    c.vocab_size = 1000;
+    c.max_seq_len = 8192;
+    m->tokenizer_ = std::make_unique<NumericTokenizer>(c.vocab_size, 1, 2);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("unknown synthetic model '", name,
-                                                   "' (expected llama3-8b or tiny)"));
+                                                   "' (expected llama3-8b, small or tiny)"));
   }
   m->synthetic_ = true;
   m->synthetic_seed_ = 1234;

@@ -13,8 +13,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <map>
+#include <memory>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/hash.h"
@@ -88,12 +92,85 @@ struct HostSpan {
   size_t bytes;
 };
 
+// Device memory for the tensors and index arrays of recorded scopes (Backend::BeginGraph):
+// one allocation carved first-fit on the host, so that the same sequence of requests gets the
+// same addresses every time (what lets a recorded sequence recur) and no allocation call is
+// captured into a graph. Reuse in program order is safe: everything runs in order on the
+// backend's stream.
+class GraphArena {
+ public:
+  ~GraphArena() {
+    if (base_) cudaFree(base_);
+  }
+  size_t size() const { return size_; }
+  size_t live() const { return used_.size(); }
+  // Replaces the memory (none may be live).
+  absl::Status Reserve(size_t bytes) {
+    if (base_) cudaFree(base_);
+    base_ = nullptr;
+    size_ = 0;
+    free_.clear();
+    CUDA_RETURN(cudaMalloc(&base_, bytes), "graph arena alloc");
+    size_ = bytes;
+    free_[0] = bytes;
+    return absl::OkStatus();
+  }
+  bool Owns(const void* p) const {
+    return base_ != nullptr && p >= base_ && p < base_ + size_;
+  }
+  void* Take(size_t bytes) {
+    bytes = std::max<size_t>((bytes + 255) / 256 * 256, 256);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < bytes) continue;
+      const size_t off = it->first, len = it->second;
+      free_.erase(it);
+      if (len > bytes) free_[off + bytes] = len - bytes;
+      used_[off] = bytes;
+      return base_ + off;
+    }
+    return nullptr;
+  }
+  void Give(void* p) {
+    auto it = used_.find(static_cast<size_t>(static_cast<char*>(p) - base_));
+    if (it == used_.end()) return;
+    size_t off = it->first, len = it->second;
+    used_.erase(it);
+    auto next = free_.lower_bound(off);
+    if (next != free_.end() && next->first == off + len) {
+      len += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {
+        prev->second += len;
+        return;
+      }
+    }
+    free_[off] = len;
+  }
+
+ private:
+  char* base_ = nullptr;
+  size_t size_ = 0;
+  std::map<size_t, size_t> free_, used_;  // offset -> length
+};
+
+size_t RoundUpPow2(size_t v) {
+  size_t r = 1;
+  while (r < v) r <<= 1;
+  return r;
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {}
   ~CudaBackend() override {
     cudaSetDevice(device_);
     if (stream_) cudaStreamSynchronize(stream_);
+    for (GraphEntry& g : graphs_) cudaGraphExecDestroy(g.exec);
+    if (graph_done_) cudaEventDestroy(graph_done_);
+    if (graph_pinned_) cudaFreeHost(graph_pinned_);
     for (auto& [k, p] : rope_tables_) cudaFree(p);
     if (pinned_) cudaFreeHost(pinned_);
     for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
@@ -136,6 +213,9 @@ class CudaBackend final : public Backend {
     }
     pinned_size_ = 16u << 20;
     CUDA_RETURN(cudaMallocHost(&pinned_, pinned_size_), "pinned staging alloc");
+    // SPX_CUDA_GRAPHS=0 runs recorded scopes (BeginGraph) as plain launches (for comparisons).
+    if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) graphs_enabled_ = std::string(g) != "0";
+    CUDA_RETURN(cudaEventCreateWithFlags(&graph_done_, cudaEventDisableTiming), "graph event");
     return absl::OkStatus();
   }
 
@@ -149,6 +229,12 @@ class CudaBackend final : public Backend {
     if (rows < 0 || cols < 0) return absl::InvalidArgumentError("negative tensor shape");
     Tensor t{nullptr, DType::kBF16, rows, cols};
     const size_t bytes = std::max<size_t>(t.bytes(), 16);
+    if (recording_) {
+      if ((t.data = arena_.Take(bytes)) != nullptr) return t;
+      // Out of arena: the scope ends here (a larger arena next time) and runs as launched.
+      arena_want_ = std::max(arena_want_, 2 * arena_.size());
+      RETURN_IF_ERROR(FlushGraph());
+    }
     cudaError_t e = cudaMallocAsync(&t.data, bytes, stream_);
     if (e != cudaSuccess) {
       cudaGetLastError();
@@ -159,7 +245,10 @@ class CudaBackend final : public Backend {
     return t;
   }
   void Free(Tensor& t) override {
-    if (t.data && t.host) {
+    if (arena_.Owns(t.data)) {
+      arena_.Give(t.data);  // later users are enqueued after this tensor's last reader
+    } else if (t.data && t.host) {
+      KeepError(FlushGraph());
       // Queued copies may still read it: cudaFreeHost would not wait for this stream.
       cudaStreamSynchronize(copy_stream_);
       cudaStreamSynchronize(stream_);
@@ -171,6 +260,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<Tensor> AllocHost(int64_t rows, int64_t cols) override {
+    RETURN_IF_ERROR(FlushGraph());
     if (rows < 0 || cols < 0) return absl::InvalidArgumentError("negative tensor shape");
     Tensor t{nullptr, DType::kBF16, rows, cols};
     t.host = true;
@@ -186,6 +276,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<int64_t> Prefetch(const Tensor& src, Tensor& dst) override {
+    RETURN_IF_ERROR(FlushGraph());
     RETURN_IF_ERROR(CheckBf16(src, "Prefetch src"));
     RETURN_IF_ERROR(CheckBf16(dst, "Prefetch dst"));
     RETURN_IF_ERROR(CheckShape(dst, src.rows, src.cols, "Prefetch"));
@@ -208,6 +299,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status Await(int64_t ticket) override {
+    RETURN_IF_ERROR(FlushGraph());
     auto it = tickets_.find(ticket);
     if (it == tickets_.end()) return absl::OkStatus();  // already awaited
     cudaError_t e = cudaStreamWaitEvent(stream_, it->second, 0);
@@ -218,6 +310,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status Upload(std::span<const float> host, Tensor& dst) override {
+    RETURN_IF_ERROR(FlushGraph());
     RETURN_IF_ERROR(CheckBf16(dst, "Upload"));
     if (host.size() != static_cast<size_t>(dst.rows * dst.cols)) {
       return absl::InvalidArgumentError("Upload: size mismatch");
@@ -239,6 +332,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status Download(const Tensor& src, std::span<float> host) override {
+    RETURN_IF_ERROR(FlushGraph());
     RETURN_IF_ERROR(CheckBf16(src, "Download"));
     if (host.size() != static_cast<size_t>(src.rows * src.cols)) {
       return absl::InvalidArgumentError("Download: size mismatch");
@@ -324,6 +418,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<BackendWeights> LoadWeights(const Model& model) override {
+    RETURN_IF_ERROR(FlushGraph());
     const ModelConfig& c = model.config();
     const ModelWeights& w = model.weights();
     BackendWeights out;
@@ -356,6 +451,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<BackendWeights> RandomWeights(const ModelConfig& c, uint64_t seed) override {
+    RETURN_IF_ERROR(FlushGraph());
     uint64_t counter = 0;
     auto rand = [&](int64_t rows, int64_t cols) -> absl::StatusOr<Tensor> {
       ASSIGN_OR_RETURN(Tensor t, Alloc(rows, cols));
@@ -378,12 +474,14 @@ class CudaBackend final : public Backend {
   }
 
   void FreeWeights(BackendWeights& w) override {
+    KeepError(FlushGraph());
     Backend::FreeWeights(w);
     cudaStreamSynchronize(stream_);  // frees are stream-ordered
   }
 
   absl::StatusOr<KvPool> AllocKvPool(int num_layers, int num_blocks, int block_size,
                                      int kv_dim) override {
+    RETURN_IF_ERROR(FlushGraph());
     if (num_layers < 0 || num_blocks < 0 || block_size <= 0 || kv_dim <= 0) {
       return absl::InvalidArgumentError("AllocKvPool: bad shape");
     }
@@ -410,12 +508,14 @@ class CudaBackend final : public Backend {
     return p;
   }
   void FreeKvPool(KvPool& pool) override {
+    KeepError(FlushGraph());
     cudaStreamSynchronize(stream_);
     for (Tensor& t : pool.k) cudaFree(t.data);
     for (Tensor& t : pool.v) cudaFree(t.data);
     pool = KvPool{};
   }
   absl::Status Synchronize() override {
+    RETURN_IF_ERROR(FlushGraph());
     CUDA_RETURN(cudaStreamSynchronize(stream_), "Synchronize");
     return absl::OkStatus();
   }
@@ -434,11 +534,11 @@ class CudaBackend final : public Backend {
     }
     if (ids.empty()) return absl::OkStatus();
     ASSIGN_OR_RETURN(auto d, Stage({{ids.data(), ids.size_bytes()}}));
-    CUDA_RETURN(kernels::GatherRows(B(table), table.cols, table.rows,
-                                    static_cast<const int32_t*>(d[0]), B(out), out.cols,
-                                    out.rows, out.cols, stream_),
-                "Embedding");
-    return absl::OkStatus();
+    const auto* di = static_cast<const int32_t*>(d[0]);
+    return Run("Embedding", [=, this] {
+      return kernels::GatherRows(B(table), table.cols, table.rows, di, B(out), out.cols,
+                                 out.rows, out.cols, stream_);
+    }, table.data, table.rows, table.cols, di, out.data, out.rows, out.cols);
   }
 
   absl::Status RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor& out) override {
@@ -447,10 +547,10 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CheckBf16(out, "RmsNorm out"));
     RETURN_IF_ERROR(CheckShape(out, x.rows, x.cols, "RmsNorm"));
     if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("RmsNorm: weight size");
-    CUDA_RETURN(kernels::RmsNorm(B(x), x.cols, B(w), B(out), out.cols, x.rows,
-                                 static_cast<int>(x.cols), eps, stream_),
-                "RmsNorm");
-    return absl::OkStatus();
+    return Run("RmsNorm", [=, this] {
+      return kernels::RmsNorm(B(x), x.cols, B(w), B(out), out.cols, x.rows,
+                              static_cast<int>(x.cols), eps, stream_);
+    }, x.data, x.rows, x.cols, w.data, out.data, out.cols, eps);
   }
 
   absl::Status MatMul(const Tensor& x, const Tensor& w, Tensor& out) override {
@@ -476,27 +576,39 @@ class CudaBackend final : public Backend {
     if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
     if (use_small_n_gemm_ &&
         kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
-      CUDA_RETURN(kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
-                                      w.rows, x.cols, beta, stream_),
-                  "MatMul (small n)");
+      return Run("MatMul (small n)", [=, this] {
+        return kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
+                                   x.cols, beta, stream_);
+      }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols, beta);
+    }
+    // cuBLASLt reports a status of its own: a failed launch is mapped onto a CUDA error for the
+    // recorded path and logged with the shapes here.
+    auto run = [=, this] {
+      cublasStatus_t st = gemm_.Run(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
+                                    x.cols, beta, stream_);
+      return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorLaunchFailure;
+    };
+    if (!recording_) {
+      cublasStatus_t st = gemm_.Run(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
+                                    x.cols, beta, stream_);
+      if (st != CUBLAS_STATUS_SUCCESS) {
+        return absl::InternalError(absl::StrCat("MatMul [", x.rows, "x", x.cols, "] @ [", w.rows,
+                                                "x", w.cols, "]^T: ",
+                                                kernels::CublasStatusName(st)));
+      }
       return absl::OkStatus();
     }
-    cublasStatus_t st = gemm_.Run(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
-                                  x.cols, beta, stream_);
-    if (st != CUBLAS_STATUS_SUCCESS) {
-      return absl::InternalError(absl::StrCat("MatMul [", x.rows, "x", x.cols, "] @ [", w.rows,
-                                              "x", w.cols, "]^T: ",
-                                              kernels::CublasStatusName(st)));
-    }
-    return absl::OkStatus();
+    return Run("MatMul (cuBLASLt)", run, x.data, x.rows, x.cols, w.data, w.rows, out.data,
+               out.cols, beta);
   }
 
   absl::Status Add(Tensor& a, const Tensor& b) override {
     RETURN_IF_ERROR(CheckBf16(a, "Add a"));
     RETURN_IF_ERROR(CheckBf16(b, "Add b"));
     RETURN_IF_ERROR(CheckShape(b, a.rows, a.cols, "Add"));
-    CUDA_RETURN(kernels::Add(B(a), a.cols, B(b), b.cols, a.rows, a.cols, stream_), "Add");
-    return absl::OkStatus();
+    return Run("Add", [=, this] {
+      return kernels::Add(B(a), a.cols, B(b), b.cols, a.rows, a.cols, stream_);
+    }, a.data, a.rows, a.cols, b.data, b.cols);
   }
 
   absl::Status AddRmsNorm(Tensor& x, const Tensor& b, const Tensor& w, float eps,
@@ -508,19 +620,19 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CheckShape(b, x.rows, x.cols, "AddRmsNorm"));
     RETURN_IF_ERROR(CheckShape(out, x.rows, x.cols, "AddRmsNorm"));
     if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("AddRmsNorm: weight size");
-    CUDA_RETURN(kernels::AddRmsNorm(B(x), x.cols, B(b), b.cols, B(w), B(out), out.cols, x.rows,
-                                    static_cast<int>(x.cols), eps, stream_),
-                "AddRmsNorm");
-    return absl::OkStatus();
+    return Run("AddRmsNorm", [=, this] {
+      return kernels::AddRmsNorm(B(x), x.cols, B(b), b.cols, B(w), B(out), out.cols, x.rows,
+                                 static_cast<int>(x.cols), eps, stream_);
+    }, x.data, x.rows, x.cols, b.data, b.cols, w.data, out.data, out.cols, eps);
   }
 
   absl::Status SwiGLU(const Tensor& x, Tensor& out) override {
     RETURN_IF_ERROR(CheckBf16(x, "SwiGLU x"));
     RETURN_IF_ERROR(CheckBf16(out, "SwiGLU out"));
     RETURN_IF_ERROR(CheckShape(out, x.rows, x.cols / 2, "SwiGLU"));
-    CUDA_RETURN(kernels::SwiGlu(B(x), x.cols, B(out), out.cols, x.rows, out.cols, stream_),
-                "SwiGLU");
-    return absl::OkStatus();
+    return Run("SwiGLU", [=, this] {
+      return kernels::SwiGlu(B(x), x.cols, B(out), out.cols, x.rows, out.cols, stream_);
+    }, x.data, x.rows, x.cols, out.data, out.cols);
   }
 
   absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads, std::span<const int32_t> pos,
@@ -536,11 +648,11 @@ class CudaBackend final : public Backend {
     if (x.rows == 0 || n_heads == 0) return absl::OkStatus();
     ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
     ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()}}));
-    kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
-    CUDA_RETURN(kernels::Rope(B(x) + col_offset, x.cols, x.rows, n_heads,
-                              static_cast<const int32_t*>(d[0]), r, stream_),
-                "Rope");
-    return absl::OkStatus();
+    const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
+    const auto* dp = static_cast<const int32_t*>(d[0]);
+    return Run("Rope", [=, this] {
+      return kernels::Rope(B(x) + col_offset, x.cols, x.rows, n_heads, dp, r, stream_);
+    }, x.data, x.rows, x.cols, col_offset, n_heads, dp, inv, r.head_dim, r.halves);
   }
 
   absl::Status CheckLayer(const KvPool& pool, int layer) {
@@ -573,11 +685,13 @@ class CudaBackend final : public Backend {
     }
     if (n == 0) return absl::OkStatus();
     ASSIGN_OR_RETURN(auto d, Stage({{slots.data(), slots.size_bytes()}}));
-    CUDA_RETURN(kernels::WriteKv(View(pool, layer), B(k_src) + k_col, k_src.cols,
-                                 B(v_src) + v_col, v_src.cols,
-                                 static_cast<const int32_t*>(d[0]), n, stream_),
-                "WriteKv");
-    return absl::OkStatus();
+    const auto* ds = static_cast<const int32_t*>(d[0]);
+    const kernels::KvPoolView view = View(pool, layer);
+    return Run("WriteKv", [=, this] {
+      return kernels::WriteKv(view, B(k_src) + k_col, k_src.cols, B(v_src) + v_col, v_src.cols,
+                              ds, n, stream_);
+    }, view.k, view.v, view.num_slots, view.kv_dim, k_src.data, k_src.cols, k_col, v_src.data,
+               v_src.cols, v_col, ds, n);
   }
 
   absl::Status AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
@@ -602,18 +716,21 @@ class CudaBackend final : public Backend {
     ASSIGN_OR_RETURN(const float* inv, RopeTable(rope));
     ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
                                     {slots.data(), slots.size_bytes()}}));
-    kernels::RopeArgs r{inv, rope.head_dim, rope.layout == RopeLayout::kHalves};
-    CUDA_RETURN(kernels::AssembleKv(View(pool, layer), B(k_pre) + row0 * k_pre.cols, k_pre.cols,
-                                    B(v) + row0 * v.cols, v.cols,
-                                    static_cast<const int32_t*>(d[0]),
-                                    static_cast<const int32_t*>(d[1]), n,
-                                    pool.kv_dim / rope.head_dim, r, stream_),
-                "AssembleKv");
-    return absl::OkStatus();
+    const kernels::RopeArgs r{inv, rope.head_dim, rope.layout == RopeLayout::kHalves};
+    const auto* dp = static_cast<const int32_t*>(d[0]);
+    const auto* ds = static_cast<const int32_t*>(d[1]);
+    const kernels::KvPoolView view = View(pool, layer);
+    const int heads = pool.kv_dim / rope.head_dim;
+    return Run("AssembleKv", [=, this] {
+      return kernels::AssembleKv(view, B(k_pre) + row0 * k_pre.cols, k_pre.cols,
+                                 B(v) + row0 * v.cols, v.cols, dp, ds, n, heads, r, stream_);
+    }, view.k, view.v, view.num_slots, view.kv_dim, k_pre.data, k_pre.cols, v.data, v.cols, row0,
+               dp, ds, n, heads, inv, r.head_dim, r.halves);
   }
 
   absl::Status RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
                          int64_t n_cols, std::span<float> out) override {
+    RETURN_IF_ERROR(FlushGraph());
     RETURN_IF_ERROR(CheckBf16(a, "RowSqDist a"));
     RETURN_IF_ERROR(CheckBf16(b, "RowSqDist b"));
     if (a.rows != b.rows || static_cast<int64_t>(out.size()) != a.rows || a_col < 0 ||
@@ -637,6 +754,7 @@ class CudaBackend final : public Backend {
 
   absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
                       std::span<float> k_host, std::span<float> v_host) override {
+    RETURN_IF_ERROR(FlushGraph());
     RETURN_IF_ERROR(CheckLayer(pool, layer));
     RETURN_IF_ERROR(ValidateSlots(pool, slots));
     const int64_t n = static_cast<int64_t>(slots.size()), d = pool.kv_dim;
@@ -683,6 +801,7 @@ class CudaBackend final : public Backend {
     const bool want_recv = a.out_recv != nullptr;
     if (n == 0) return absl::OkStatus();
     const bool stats = want_cross || want_recv;
+    if (stats) RETURN_IF_ERROR(FlushGraph());  // the statistics come back to the host
 
     std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
                                    {a.ctx_slots.data(), a.ctx_slots.size_bytes()}};
@@ -718,8 +837,8 @@ class CudaBackend final : public Backend {
     const size_t lse_bytes = stats ? align(static_cast<size_t>(n) * H * 4) : 0;
     const size_t cross_bytes = want_cross ? align(static_cast<size_t>(n) * 4) : 0;
     const size_t recv_bytes = want_recv ? align(static_cast<size_t>(ctx) * 4) : 0;
-    ASSIGN_OR_RETURN(void* ws, attn_scratch_.Get(split_bytes + lse_bytes + cross_bytes +
-                                                     recv_bytes + 256, stream_));
+    ASSIGN_OR_RETURN(void* ws, Workspace(attn_scratch_, split_bytes + lse_bytes + cross_bytes +
+                                                            recv_bytes + 256));
     char* wp = static_cast<char*>(ws);
     float* lse = stats ? reinterpret_cast<float*>(wp + split_bytes) : nullptr;
     float* cross = want_cross ? reinterpret_cast<float*>(wp + split_bytes + lse_bytes) : nullptr;
@@ -734,9 +853,13 @@ class CudaBackend final : public Backend {
       p.out_cross = cross;
       CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");
     }
-    CUDA_RETURN(kernels::PagedAttention(p, split_bytes ? ws : nullptr, split_bytes, stream_),
-                "Attention");
-    if (!stats) return absl::OkStatus();
+    void* split_ws = split_bytes ? ws : nullptr;
+    if (!stats) {
+      return Run("Attention", [=, this] {
+        return kernels::PagedAttention(p, split_ws, split_bytes, stream_);
+      }, p, split_ws, split_bytes);
+    }
+    CUDA_RETURN(kernels::PagedAttention(p, split_ws, split_bytes, stream_), "Attention");
 
     if (want_recv) {
       kernels::AttentionStatsParams s;
@@ -771,10 +894,16 @@ class CudaBackend final : public Backend {
                                 const AttentionArgs& a, Tensor& out) {
     const int64_t n = q.rows;
     const int S = static_cast<int>(a.seqs.size());
-    // Table s starts at the running 16-byte-aligned offset (the layout Stage gives the spans);
-    // positions, row starts, table offsets and lengths follow.
+    // Positions, row starts, table offsets and lengths (sizes fixed by the batch) come first,
+    // then the tables: table s at the running 16-byte-aligned offset from the first table (the
+    // layout Stage gives the spans), so a recorded step's arrays keep their addresses as the
+    // tables grow.
     std::vector<int32_t> rows(S + 1), start(S), len(S);
     std::vector<HostSpan> spans;
+    spans.push_back({a.q_pos.data(), a.q_pos.size_bytes()});
+    spans.push_back({rows.data(), rows.size() * 4});
+    spans.push_back({start.data(), start.size() * 4});
+    spans.push_back({len.data(), len.size() * 4});
     int64_t off = 0;
     int max_ctx = 0;
     for (int i = 0; i < S; ++i) {
@@ -787,15 +916,18 @@ class CudaBackend final : public Backend {
       off += static_cast<int64_t>((sq.ctx_slots.size_bytes() + 15) / 16 * 16);
     }
     rows[S] = static_cast<int32_t>(n);
-    spans.push_back({a.q_pos.data(), a.q_pos.size_bytes()});
-    spans.push_back({rows.data(), rows.size() * 4});
-    spans.push_back({start.data(), start.size() * 4});
-    spans.push_back({len.data(), len.size() * 4});
     // Every layer of a decode step stages the same tables: a device copy staged under this
     // domain (batched attention over a pool of this size) passed the slot checks when staged.
-    const Hash128 key =
-        StageKey(spans, 1 + static_cast<uint64_t>(pool.num_blocks) * pool.block_size);
-    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out, /*check_slots=*/!StageHas(key)));
+    const uint64_t domain = 1 + static_cast<uint64_t>(pool.num_blocks) * pool.block_size;
+    Hash128 key;
+    bool checked = false;
+    if (recording_) {
+      checked = StagedInScope(spans, domain);
+    } else {
+      key = StageKey(spans, domain);
+      checked = StageHas(key);
+    }
+    RETURN_IF_ERROR(ValidateAttention(q, pool, a, out, /*check_slots=*/!checked));
     if (!kernels::PagedAttentionSupported(a.head_dim, a.n_heads, a.n_kv_heads)) {
       return absl::UnimplementedError("Attention: unsupported head_dim for batched sequences");
     }
@@ -819,20 +951,33 @@ class CudaBackend final : public Backend {
     if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
       return AttentionBySequence(*this, q, pool, layer, a, out);  // validates per sequence
     }
-    ASSIGN_OR_RETURN(auto d, Stage(spans, key));
-    p.ctx_slots = static_cast<const int32_t*>(d[0]);
-    p.ctx_len = static_cast<int>(off / 4);
-    p.q_pos = static_cast<const int32_t*>(d[S]);
+    std::vector<void*> d;
+    if (recording_) {
+      ASSIGN_OR_RETURN(d, StageRecorded(spans, domain));
+    } else {
+      ASSIGN_OR_RETURN(d, Stage(spans, key));
+    }
+    p.q_pos = static_cast<const int32_t*>(d[0]);
     p.num_seqs = S;
-    p.seq_rows = static_cast<const int32_t*>(d[S + 1]);
-    p.seq_ctx_start = static_cast<const int32_t*>(d[S + 2]);
-    p.seq_ctx_len = static_cast<const int32_t*>(d[S + 3]);
+    p.seq_rows = static_cast<const int32_t*>(d[1]);
+    p.seq_ctx_start = static_cast<const int32_t*>(d[2]);
+    p.seq_ctx_len = static_cast<const int32_t*>(d[3]);
+    p.ctx_slots = static_cast<const int32_t*>(d[4]);
+    p.ctx_len = static_cast<int>(off / 4);
     p.max_seq_ctx = max_ctx;
+    if (recording_) {
+      // The lengths are read on the device; the launch is planned for a bucket of context
+      // lengths (key blocks past a sequence's end add nothing), so the next steps' launches are
+      // the same and a captured graph replays until the bucket is outgrown.
+      p.max_seq_ctx = static_cast<int>(std::max<size_t>(RoundUpPow2(max_ctx), 256));
+      p.ctx_len = p.max_seq_ctx;
+    }
     const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
-    ASSIGN_OR_RETURN(void* ws, attn_scratch_.Get(ws_bytes + 256, stream_));
-    CUDA_RETURN(kernels::PagedAttention(p, ws_bytes ? ws : nullptr, ws_bytes, stream_),
-                "Attention (batched)");
-    return absl::OkStatus();
+    ASSIGN_OR_RETURN(void* ws, Workspace(attn_scratch_, ws_bytes + 256));
+    void* split_ws = ws_bytes ? ws : nullptr;
+    return Run("Attention (batched)", [=, this] {
+      return kernels::PagedAttention(p, split_ws, ws_bytes, stream_);
+    }, p, split_ws, ws_bytes);
   }
 
   absl::Status GatherRows(const Tensor& src, std::span<const int32_t> idx, Tensor& dst) override {
@@ -844,11 +989,11 @@ class CudaBackend final : public Backend {
     }
     if (idx.empty()) return absl::OkStatus();
     ASSIGN_OR_RETURN(auto d, Stage({{idx.data(), idx.size_bytes()}}));
-    CUDA_RETURN(kernels::GatherRows(B(src), src.cols, src.rows,
-                                    static_cast<const int32_t*>(d[0]), B(dst), dst.cols,
-                                    dst.rows, dst.cols, stream_),
-                "GatherRows");
-    return absl::OkStatus();
+    const auto* di = static_cast<const int32_t*>(d[0]);
+    return Run("GatherRows", [=, this] {
+      return kernels::GatherRows(B(src), src.cols, src.rows, di, B(dst), dst.cols, dst.rows,
+                                 dst.cols, stream_);
+    }, src.data, src.rows, src.cols, di, dst.data, dst.rows, dst.cols);
   }
 
   absl::Status ScatterRows(const Tensor& src, std::span<const int32_t> idx,
@@ -861,10 +1006,11 @@ class CudaBackend final : public Backend {
     }
     if (idx.empty()) return absl::OkStatus();
     ASSIGN_OR_RETURN(auto d, Stage({{idx.data(), idx.size_bytes()}}));
-    CUDA_RETURN(kernels::ScatterRows(B(src), src.cols, static_cast<const int32_t*>(d[0]),
-                                     B(dst), dst.cols, dst.rows, src.rows, src.cols, stream_),
-                "ScatterRows");
-    return absl::OkStatus();
+    const auto* di = static_cast<const int32_t*>(d[0]);
+    return Run("ScatterRows", [=, this] {
+      return kernels::ScatterRows(B(src), src.cols, di, B(dst), dst.cols, dst.rows, src.rows,
+                                  src.cols, stream_);
+    }, src.data, src.rows, src.cols, di, dst.data, dst.rows, dst.cols);
   }
 
   absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
@@ -876,11 +1022,13 @@ class CudaBackend final : public Backend {
       return absl::OutOfRangeError("CopyRows: range outside tensors");
     }
     if (n == 0 || src.cols == 0) return absl::OkStatus();
-    CUDA_RETURN(cudaMemcpyAsync(B(dst) + dst_row * dst.cols, B(src) + src_row * src.cols,
-                                static_cast<size_t>(n * src.cols) * 2, cudaMemcpyDefault,
-                                stream_),
-                "CopyRows");
-    return absl::OkStatus();
+    if (src.host || dst.host) RETURN_IF_ERROR(FlushGraph());  // host memory: never recorded
+    void* to = B(dst) + dst_row * dst.cols;
+    const void* from = B(src) + src_row * src.cols;
+    const size_t bytes = static_cast<size_t>(n * src.cols) * 2;
+    return Run("CopyRows", [=, this] {
+      return cudaMemcpyAsync(to, from, bytes, cudaMemcpyDefault, stream_);
+    }, to, from, bytes);
   }
 
  private:
@@ -904,6 +1052,7 @@ class CudaBackend final : public Backend {
     return false;
   }
   absl::StatusOr<std::vector<void*>> Stage(const std::vector<HostSpan>& spans) {
+    if (recording_) return StageRecorded(spans, 0);
     return Stage(spans, StageKey(spans));
   }
   // The same index arrays come back for every layer of a forward pass (positions, slots, slot
@@ -969,6 +1118,232 @@ class CudaBackend final : public Backend {
     return pointers(e.dev);
   }
 
+  // ---- recorded scopes ----
+  // Inside a scope every operation validates and stages its arrays when it is called but its
+  // launch is only queued (Run); the queue runs at the scope's end (FlushGraph): as a graph
+  // captured before when the queue's signature (every launch's operation, buffers, shapes and
+  // parameters, staged arrays by address) matches one, captured into a new graph the second
+  // time a signature is seen, else launched one by one.
+  template <class T>
+  void SigOne(const T& v) {
+    if constexpr (std::is_same_v<T, kernels::PagedAttentionParams>) {
+      SigAll(v.q, v.q_stride, v.out, v.out_stride, v.q_pos, v.num_q, v.k_pool, v.v_pool,
+             v.kv_stride, v.ctx_slots, v.ctx_len, v.n_heads, v.n_kv_heads, v.head_dim, v.scale,
+             v.lse, v.warps, v.impl, v.key_group, v.q_group, v.out_cross, v.num_seqs, v.seq_rows,
+             v.seq_ctx_start, v.seq_ctx_len, v.max_seq_ctx);
+    } else {
+      static_assert(std::is_arithmetic_v<T> || std::is_pointer_v<T> || std::is_enum_v<T>);
+      sig_->Bytes(&v, sizeof v);
+    }
+  }
+  template <class... A>
+  void SigAll(const A&... a) {
+    (SigOne(a), ...);
+  }
+  // Launches f now, or (recording) queues it under a signature of what it launches.
+  template <class F, class... A>
+  absl::Status Run(const char* what, F&& f, const A&... sig) {
+    if (!recording_) {
+      CUDA_RETURN(f(), what);
+      return absl::OkStatus();
+    }
+    sig_->Str(what);
+    SigAll(sig...);
+    pending_.push_back({std::function<cudaError_t()>(std::forward<F>(f)), what});
+    return absl::OkStatus();
+  }
+  // Device scratch for one operation: from the arena inside a scope (given back when the
+  // scope's launches are enqueued), else the growing scratch.
+  absl::StatusOr<void*> Workspace(DeviceScratch& scratch, size_t bytes) {
+    if (recording_) {
+      if (void* p = arena_.Take(bytes)) {
+        scope_temps_.push_back(p);
+        return p;
+      }
+      arena_want_ = std::max(arena_want_, 2 * arena_.size());
+      RETURN_IF_ERROR(FlushGraph());
+    }
+    return scratch.Get(bytes, stream_);
+  }
+  // Whether arrays with these bytes were staged earlier in this scope (and so were checked).
+  bool StagedInScope(const std::vector<HostSpan>& spans, uint64_t domain) {
+    return FindScopeStage(spans, domain) != nullptr;
+  }
+  struct ScopeStage {
+    uint64_t domain = 0;
+    std::vector<size_t> sizes;
+    const char* pinned = nullptr;  // the bytes as staged
+    std::vector<void*> dev;
+  };
+  const ScopeStage* FindScopeStage(const std::vector<HostSpan>& spans, uint64_t domain) const {
+    for (const ScopeStage& e : scope_stages_) {
+      if (e.domain != domain || e.sizes.size() != spans.size()) continue;
+      bool same = true;
+      size_t off = 0;
+      for (size_t i = 0; i < spans.size() && same; ++i) {
+        same = e.sizes[i] == spans[i].bytes &&
+               (spans[i].bytes == 0 || std::memcmp(e.pinned + off, spans[i].data,
+                                                   spans[i].bytes) == 0);
+        off += (spans[i].bytes + 15) / 16 * 16;
+      }
+      if (same) return &e;
+    }
+    return nullptr;
+  }
+  // Stage inside a scope: the bytes go to the scope's pinned area and a queued kernel copies
+  // them to arena memory. The copy covers a power-of-two capacity, so arrays that grow from
+  // step to step (slot tables) keep their launch until the capacity is outgrown. Arrays with
+  // the same bytes as earlier ones in the scope share their copy.
+  absl::StatusOr<std::vector<void*>> StageRecorded(const std::vector<HostSpan>& spans,
+                                                   uint64_t domain) {
+    if (const ScopeStage* e = FindScopeStage(spans, domain)) return e->dev;
+    size_t total = 0;
+    for (const HostSpan& sp : spans) total += (sp.bytes + 15) / 16 * 16;
+    const size_t cap = std::max<size_t>(RoundUpPow2(total), 256);
+    void* dev = graph_pinned_off_ + cap <= graph_pinned_size_ ? arena_.Take(cap) : nullptr;
+    if (dev == nullptr) {
+      if (graph_pinned_off_ + cap > graph_pinned_size_) {
+        graph_pinned_want_ = std::max(graph_pinned_want_, 2 * (graph_pinned_off_ + cap));
+      } else {
+        arena_want_ = std::max(arena_want_, 2 * arena_.size());
+      }
+      RETURN_IF_ERROR(FlushGraph());
+      return domain == 0 ? Stage(spans) : Stage(spans, StageKey(spans, domain));
+    }
+    scope_temps_.push_back(dev);
+    char* host = static_cast<char*>(graph_pinned_) + graph_pinned_off_;
+    graph_pinned_off_ += cap;
+    ScopeStage e;
+    e.domain = domain;
+    e.pinned = host;
+    size_t off = 0;
+    for (const HostSpan& sp : spans) {
+      if (sp.bytes) std::memcpy(host + off, sp.data, sp.bytes);
+      e.sizes.push_back(sp.bytes);
+      e.dev.push_back(static_cast<char*>(dev) + off);
+      off += (sp.bytes + 15) / 16 * 16;
+    }
+    RETURN_IF_ERROR(Run("stage", [=, this] {
+      return kernels::CopyFromPinned(host, dev, cap, stream_);
+    }, static_cast<const void*>(host), dev, cap));
+    scope_stages_.push_back(std::move(e));
+    return scope_stages_.back().dev;
+  }
+
+ public:
+  absl::Status BeginGraph() override {
+    RETURN_IF_ERROR(FlushGraph());
+    if (!graphs_enabled_) return absl::OkStatus();
+    // The pinned area is rewritten below: the last launch must have read it.
+    CUDA_RETURN(cudaEventSynchronize(graph_done_), "graph: wait");
+    if (arena_.live() == 0 && arena_.size() < arena_want_) {
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "graph arena: sync");
+      RETURN_IF_ERROR(arena_.Reserve(arena_want_));
+    }
+    if (graph_pinned_size_ < graph_pinned_want_) {
+      if (graph_pinned_) cudaFreeHost(graph_pinned_);
+      graph_pinned_ = nullptr;
+      graph_pinned_size_ = 0;
+      CUDA_RETURN(cudaMallocHost(&graph_pinned_, graph_pinned_want_), "graph pinned alloc");
+      graph_pinned_size_ = graph_pinned_want_;
+    }
+    graph_pinned_off_ = 0;
+    sig_ = std::make_unique<Hasher>();
+    recording_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status EndGraph() override {
+    absl::Status s = FlushGraph();
+    if (s.ok()) s = kept_error_;
+    kept_error_ = absl::OkStatus();
+    return s;
+  }
+  GraphStats graph_stats() const override { return gstats_; }
+
+ private:
+  void KeepError(absl::Status s) {
+    if (!s.ok() && kept_error_.ok()) kept_error_ = std::move(s);
+  }
+  // Ends the recording scope: enqueues its queued launches (see above).
+  absl::Status FlushGraph() {
+    if (!recording_) return absl::OkStatus();
+    recording_ = false;
+    const Hash128 sig = sig_->Finish();
+    std::vector<Pending> work = std::move(pending_);
+    pending_.clear();
+    scope_stages_.clear();
+    ++gstats_.scopes;
+    auto run_all = [&]() -> absl::Status {
+      for (Pending& w : work) CUDA_RETURN(w.launch(), w.what);
+      return absl::OkStatus();
+    };
+    absl::Status st;
+    GraphEntry* hit = nullptr;
+    for (GraphEntry& g : graphs_) {
+      if (g.sig == sig) hit = &g;
+    }
+    if (hit != nullptr) {
+      hit->used = ++graph_tick_;
+      ++gstats_.replayed;
+      cudaError_t e = cudaGraphLaunch(hit->exec, stream_);
+      st = e == cudaSuccess ? absl::OkStatus() : CudaError(e, "graph launch");
+    } else if (Seen(sig) >= 2 && !work.empty()) {
+      st = Capture(sig, run_all);
+    } else {
+      st = run_all();
+    }
+    for (void* p : scope_temps_) arena_.Give(p);
+    scope_temps_.clear();
+    if (cudaError_t e = cudaEventRecord(graph_done_, stream_); e != cudaSuccess && st.ok()) {
+      st = CudaError(e, "graph: record");
+    }
+    return st;
+  }
+  // How often this signature ended a scope (counting this time).
+  int Seen(const Hash128& sig) {
+    for (auto& [h, n] : seen_) {
+      if (h == sig) return ++n;
+    }
+    if (seen_.size() >= 64) seen_.erase(seen_.begin());
+    seen_.emplace_back(sig, 1);
+    return 1;
+  }
+  absl::Status Capture(const Hash128& sig, const std::function<absl::Status()>& run_all) {
+    CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+                "graph: begin capture");
+    absl::Status st = run_all();
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(stream_, &graph);
+    if (st.ok() && e != cudaSuccess) st = CudaError(e, "graph: end capture");
+    cudaGraphExec_t exec = nullptr;
+    if (st.ok()) {
+      e = cudaGraphInstantiate(&exec, graph, 0);
+      if (e != cudaSuccess) st = CudaError(e, "graph: instantiate");
+    }
+    if (graph) cudaGraphDestroy(graph);
+    if (!st.ok()) {
+      // Nothing ran: launch the queue one by one, and never try this signature again.
+      cudaGetLastError();
+      for (auto& [h, n] : seen_) {
+        if (h == sig) n = std::numeric_limits<int>::min() / 2;
+      }
+      return run_all();
+    }
+    if (graphs_.size() >= kMaxGraphs) {
+      auto lru = std::min_element(graphs_.begin(), graphs_.end(),
+                                  [](const GraphEntry& a, const GraphEntry& b) {
+                                    return a.used < b.used;
+                                  });
+      CUDA_RETURN(cudaStreamSynchronize(stream_), "graph: sync");  // may still run
+      cudaGraphExecDestroy(lru->exec);
+      graphs_.erase(lru);
+    }
+    graphs_.push_back({sig, exec, ++graph_tick_});
+    ++gstats_.captured;
+    CUDA_RETURN(cudaGraphLaunch(exec, stream_), "graph launch");
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<const float*> RopeTable(const RopeParams& p) {
     const auto key = std::make_tuple(p.head_dim, p.theta, static_cast<int>(p.scaling.type),
                                      p.scaling.factor, p.scaling.low_freq_factor,
@@ -1007,6 +1382,33 @@ class CudaBackend final : public Backend {
   int attn_warps_ = 0;
   void* pinned_ = nullptr;
   size_t pinned_size_ = 0, pinned_off_ = 0;
+  // Recorded scopes (BeginGraph).
+  static constexpr size_t kMaxGraphs = 32;
+  struct Pending {
+    std::function<cudaError_t()> launch;
+    const char* what;
+  };
+  struct GraphEntry {
+    Hash128 sig;
+    cudaGraphExec_t exec = nullptr;
+    uint64_t used = 0;
+  };
+  bool graphs_enabled_ = true;
+  bool recording_ = false;
+  std::unique_ptr<Hasher> sig_;
+  std::vector<Pending> pending_;
+  std::vector<ScopeStage> scope_stages_;
+  std::vector<void*> scope_temps_;  // arena memory given back at the scope's end
+  GraphArena arena_;
+  size_t arena_want_ = 64u << 20;
+  void* graph_pinned_ = nullptr;
+  size_t graph_pinned_size_ = 0, graph_pinned_off_ = 0, graph_pinned_want_ = 4u << 20;
+  cudaEvent_t graph_done_ = nullptr;
+  std::vector<GraphEntry> graphs_;
+  std::vector<std::pair<Hash128, int>> seen_;
+  uint64_t graph_tick_ = 0;
+  GraphStats gstats_;
+  absl::Status kept_error_;
   std::map<std::tuple<int, float, int, float, float, float, int>, float*> rope_tables_;
 };
 
