@@ -50,7 +50,6 @@ constexpr int FlashSmemBytes() {
 struct FlashExtra {
   int group = 1;            // G: query heads per KV head
   int qt = 64;              // query rows per block (16 * warps / G)
-  int tiles_per_split = 0;  // key tiles per split (gridDim.z splits)
   float* ws_o = nullptr;    // [splits, num_q, n_heads, HD] fp32, split mode only
   float* ws_lse = nullptr;  // [splits, num_q, n_heads]
 };
@@ -121,8 +120,12 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBN));
   int t_begin = 0, t_end = n_tiles;
   if (ex.ws_o != nullptr) {
-    t_begin = split * ex.tiles_per_split;
-    t_end = min(n_tiles, t_begin + ex.tiles_per_split);
+    // The block's own key range (not the launch's planned maximum) is divided over the
+    // splits: balanced for sequences of any length in one launch, and a launch planned for a
+    // bucket of lengths (a replayed decode graph) loses nothing to empty splits.
+    const int per = static_cast<int>(CeilDiv(n_tiles, static_cast<int>(gridDim.z)));
+    t_begin = split * per;
+    t_end = min(n_tiles, t_begin + per);
   }
 
   // Rows owned by this thread inside its warp's 16: g and g + 8.
@@ -136,6 +139,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
     head[i] = kvh * G + mr[i] / QT;
   }
   const float scale_log2 = p.scale * kLog2e;
+  const bool warp_active = __any_sync(0xffffffffu, lim[0] >= 0 || lim[1] >= 0);
 
   auto load_kv = [&](int buf, int tile) {
     bf16* dk = sK + buf * kBN * HD;
@@ -198,6 +202,12 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
     detail::CpAsyncCommit();
     detail::CpAsyncWait<1>();
     __syncthreads();
+    // A warp whose 16 rows are all empty (short query tiles; decode, where a sequence has one
+    // row per head) only helps load.
+    if (!warp_active) {
+      __syncthreads();
+      continue;
+    }
 
     if (t == t_begin) {
 #pragma unroll
@@ -602,7 +612,6 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
     if (plan.splits > 1) {
       if (workspace_bytes < PagedAttentionWorkspaceBytes(p) || workspace == nullptr)
         return cudaErrorInvalidValue;
-      ex.tiles_per_split = plan.tiles_per_split;
       ex.ws_o = static_cast<float*>(workspace);
       ex.ws_lse = ex.ws_o + static_cast<size_t>(plan.splits) * p.num_q * p.n_heads * p.head_dim;
     }

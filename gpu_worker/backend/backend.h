@@ -152,9 +152,10 @@ class Backend {
   virtual absl::Status BeginGraph() { return absl::OkStatus(); }
   virtual absl::Status EndGraph() { return absl::OkStatus(); }
   struct GraphStats {
-    int64_t scopes = 0;    // recorded sequences ended
-    int64_t captured = 0;  // ... captured into a new graph (and launched)
-    int64_t replayed = 0;  // ... launched as a graph captured before
+    int64_t scopes = 0;          // recorded sequences ended
+    int64_t replayed = 0;        // ... all of whose launches were graphs captured before
+    int64_t captured = 0;        // graphs captured (a long sequence is several graphs)
+    int64_t graph_launches = 0;  // graphs launched (captured ones included)
   };
   virtual GraphStats graph_stats() const { return {}; }
 

@@ -1150,6 +1150,9 @@ class CudaBackend final : public Backend {
     sig_->Str(what);
     SigAll(sig...);
     pending_.push_back({std::function<cudaError_t()>(std::forward<F>(f)), what});
+    // A long scope goes out in segments of a fixed number of launches, each replayed as its
+    // own graph: the device runs one segment while the host records the next.
+    if (pending_.size() >= kSegmentLaunches) return FlushSegment();
     return absl::OkStatus();
   }
   // Device scratch for one operation: from the arena inside a scope (given back when the
@@ -1250,6 +1253,7 @@ class CudaBackend final : public Backend {
     graph_pinned_off_ = 0;
     sig_ = std::make_unique<Hasher>();
     recording_ = true;
+    scope_replayed_ = true;
     return absl::OkStatus();
   }
   absl::Status EndGraph() override {
@@ -1264,15 +1268,30 @@ class CudaBackend final : public Backend {
   void KeepError(absl::Status s) {
     if (!s.ok() && kept_error_.ok()) kept_error_ = std::move(s);
   }
-  // Ends the recording scope: enqueues its queued launches (see above).
+  // Ends the recording scope: enqueues its queued launches (see above) and gives its arena
+  // memory back.
   absl::Status FlushGraph() {
     if (!recording_) return absl::OkStatus();
+    absl::Status st = FlushSegment();
     recording_ = false;
-    const Hash128 sig = sig_->Finish();
-    std::vector<Pending> work = std::move(pending_);
-    pending_.clear();
     scope_stages_.clear();
     ++gstats_.scopes;
+    if (st.ok() && scope_replayed_) ++gstats_.replayed;
+    for (void* p : scope_temps_) arena_.Give(p);
+    scope_temps_.clear();
+    if (cudaError_t e = cudaEventRecord(graph_done_, stream_); e != cudaSuccess && st.ok()) {
+      st = CudaError(e, "graph: record");
+    }
+    return st;
+  }
+  // Enqueues the launches queued since the last segment: a graph replayed, a new graph
+  // captured, or one launch each.
+  absl::Status FlushSegment() {
+    if (pending_.empty()) return absl::OkStatus();
+    const Hash128 sig = sig_->Finish();
+    sig_ = std::make_unique<Hasher>();
+    std::vector<Pending> work = std::move(pending_);
+    pending_.clear();
     auto run_all = [&]() -> absl::Status {
       for (Pending& w : work) CUDA_RETURN(w.launch(), w.what);
       return absl::OkStatus();
@@ -1282,20 +1301,16 @@ class CudaBackend final : public Backend {
     for (GraphEntry& g : graphs_) {
       if (g.sig == sig) hit = &g;
     }
+    scope_replayed_ = scope_replayed_ && hit != nullptr;
     if (hit != nullptr) {
       hit->used = ++graph_tick_;
-      ++gstats_.replayed;
+      ++gstats_.graph_launches;
       cudaError_t e = cudaGraphLaunch(hit->exec, stream_);
       st = e == cudaSuccess ? absl::OkStatus() : CudaError(e, "graph launch");
-    } else if (Seen(sig) >= 2 && !work.empty()) {
+    } else if (Seen(sig) >= 2) {
       st = Capture(sig, run_all);
     } else {
       st = run_all();
-    }
-    for (void* p : scope_temps_) arena_.Give(p);
-    scope_temps_.clear();
-    if (cudaError_t e = cudaEventRecord(graph_done_, stream_); e != cudaSuccess && st.ok()) {
-      st = CudaError(e, "graph: record");
     }
     return st;
   }
@@ -1304,7 +1319,7 @@ class CudaBackend final : public Backend {
     for (auto& [h, n] : seen_) {
       if (h == sig) return ++n;
     }
-    if (seen_.size() >= 64) seen_.erase(seen_.begin());
+    if (seen_.size() >= 4 * kMaxGraphs) seen_.erase(seen_.begin());
     seen_.emplace_back(sig, 1);
     return 1;
   }
@@ -1340,6 +1355,7 @@ class CudaBackend final : public Backend {
     }
     graphs_.push_back({sig, exec, ++graph_tick_});
     ++gstats_.captured;
+    ++gstats_.graph_launches;
     CUDA_RETURN(cudaGraphLaunch(exec, stream_), "graph launch");
     return absl::OkStatus();
   }
@@ -1383,7 +1399,9 @@ class CudaBackend final : public Backend {
   void* pinned_ = nullptr;
   size_t pinned_size_ = 0, pinned_off_ = 0;
   // Recorded scopes (BeginGraph).
-  static constexpr size_t kMaxGraphs = 32;
+  // Graphs kept (least recently used replaced); launches per segment of a scope.
+  static constexpr size_t kMaxGraphs = 256;
+  static constexpr size_t kSegmentLaunches = 64;
   struct Pending {
     std::function<cudaError_t()> launch;
     const char* what;
@@ -1395,6 +1413,7 @@ class CudaBackend final : public Backend {
   };
   bool graphs_enabled_ = true;
   bool recording_ = false;
+  bool scope_replayed_ = false;  // every segment of this scope so far was a replay
   std::unique_ptr<Hasher> sig_;
   std::vector<Pending> pending_;
   std::vector<ScopeStage> scope_stages_;
