@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu_worker/backend/cuda/cuda_backend.h"
+#include "gpu_worker/backend/cuda/cudnn_attention.h"
 #include "kernels/attention.h"
 #include "kernels/attention_sm90.h"
 #include "kernels/gemm.h"
@@ -163,6 +164,21 @@ int Main(const Options& o) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("device: %s, %d SMs; synthetic llama3-8b, %d layers; weights generated in %.2f s\n",
               prop.name, prop.multiProcessorCount, cfg.n_layers, init_s);
+
+  // Which kernel serves dense prefill attention (the backend's choice, reported with the figures).
+  std::string dense_attention = "own kernel";
+  {
+    const char* env = std::getenv("SPX_CUDNN_ATTENTION");
+    auto dnn = CudnnAttention::Create(stream);
+    if (env != nullptr && std::string(env) == "0") {
+      dense_attention = "own kernel (SPX_CUDNN_ATTENTION=0)";
+    } else if (dnn.ok()) {
+      dense_attention = "cuDNN " + (*dnn)->version();
+    } else {
+      dense_attention = "own kernel (" + std::string(dnn.status().message()) + ")";
+    }
+  }
+  std::printf("dense prefill attention: %s\n", dense_attention.c_str());
 
   std::vector<Record> records;
   EventTimer timer(stream);
@@ -530,6 +546,7 @@ int Main(const Options& o) {
 
   std::ofstream f(o.out);
   f << "{\n  \"device\": \"" << prop.name << "\",\n  \"model\": \"synthetic:llama3-8b\",\n"
+    << "  \"dense_attention\": \"" << dense_attention << "\",\n"
     << "  \"layers\": " << cfg.n_layers << ",\n  \"records\": [\n";
   for (size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];

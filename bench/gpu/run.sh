@@ -3,8 +3,9 @@
 # nlohmann-json or pcre2 headers there), runs the GPU tests, the GPU benchmark and the
 # Hugging Face transformers baseline, and writes everything to $OUT:
 #   build.log, tests.log, bench.log (machine, benchmarks, baseline output), gpu_prefill_raw.json
-#   (ours), reuse_prefill_raw.json, hf_baseline.json, gpu_prefill.json (records: case, tokens,
-#   ms, baseline_ms, ratio); at most 8 files come back from the device machine.
+#   (ours), own_attention_raw.json (32K with cuDNN off), reuse_prefill_raw.json, hf_baseline.json,
+#   gpu_prefill.json (records: case, tokens, ms, baseline_ms, ratio); at most 8 files come back
+#   from the device machine.
 # The missing libraries travel as Debian 12 packages in .deps/debs (fetched on a Debian machine
 # with `apt-get download libabsl-dev libabsl20220623 libxxhash-dev nlohmann-json3-dev
 # libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 pkgconf pkgconf-bin
@@ -36,6 +37,13 @@ export PKG_CONFIG_PATH=$LIBDIR/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if ! command -v pkg-config >/dev/null; then export PATH=$PATH:$DEPS/usr/bin; fi
 export SPARSEX_MODELS=${SPARSEX_MODELS:-$ROOT/.deps/models}
+# cuDNN (dense prefill attention, loaded with dlopen): the system's, else the one PyTorch's
+# wheels bring (nvidia-cudnn-cu13).
+if ! ldconfig -p 2>/dev/null | grep -q "libcudnn.so.9"; then
+  CUDNN_DIR=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+  if [ -n "$CUDNN_DIR" ] && [ -d "$CUDNN_DIR" ]; then export LD_LIBRARY_PATH=$CUDNN_DIR:$LD_LIBRARY_PATH; fi
+fi
+echo "cuDNN: $(ldconfig -p 2>/dev/null | grep -m1 libcudnn.so.9 | awk '{print $NF}') ${CUDNN_DIR:-}" | tee -a "$OUT/bench.log"
 
 # ---- build ----
 stamp "configure + build (jobs $JOBS)"
@@ -70,8 +78,13 @@ for t in backend_consistency_test cuda_engine_test $NCCL_TARGET; do
   "$BUILD/bin/$t" --gtest_brief=1 >>"$OUT/tests.log" 2>&1 || tests_rc=1
 done
 # Every attention kernel through the same checks: mma.sync with 4 warps, and on sm_90a each
-# wgmma variant. The benchmarks use the default (auto: plain wgmma) unless it fails here, in
-# which case they fall back to one that passed.
+# wgmma variant (cuDNN off, so the long dense cases run on our kernels too). The benchmarks use
+# the default (auto: plain wgmma) unless it fails here, in which case they fall back to one
+# that passed. Then every dense case cuDNN can take through cuDNN, failures not masked.
+echo "== SPX_CUDNN_ATTENTION=require SPX_CUDNN_MIN_TOKENS=64" >>"$OUT/tests.log"
+SPX_CUDNN_ATTENTION=require SPX_CUDNN_MIN_TOKENS=64 "$BUILD/bin/backend_consistency_test" \
+  --gtest_brief=1 --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1 || tests_rc=1
+export SPX_CUDNN_ATTENTION=0
 SPX_ATTN_WARPS=4 SPX_ATTN_IMPL=mma "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1 || tests_rc=1
 impl_ok=""
@@ -84,6 +97,7 @@ for im in wgmma wgmma-pipe; do
     tests_rc=1
   fi
 done
+unset SPX_CUDNN_ATTENTION
 stamp "attention kernels passing: mma${impl_ok}"
 case " $impl_ok " in
   *" wgmma "*) ;;  # the default
@@ -101,6 +115,12 @@ stamp "benchmark"
 "$BUILD/bin/gpu_prefill_bench" ${SPX_BENCH_ARGS:-} --out "$OUT/gpu_prefill_raw.json" \
   2>&1 | tee -a "$OUT/bench.log"
 stamp "bench done"
+# The same-run full prefill with our own attention kernel for every layer (cuDNN off).
+if [ -z "${SPX_SKIP_OWN:-}" ]; then
+  SPX_CUDNN_ATTENTION=0 "$BUILD/bin/gpu_prefill_bench" --lengths ${SPX_OWN_LENGTHS:-32768} \
+    --reps 2 --decode-steps 0 --no-micro --out "$OUT/own_attention_raw.json" 2>&1 \
+    | grep -E "attention|full prefill" | tee -a "$OUT/bench.log"
+fi
 
 # ---- reuse prefill: 8 stored segments (shuffled) + 256 new tokens, F=2, r=0.15 ----
 # The issue's reuse case; extra arguments (e.g. --tp 2) and $SPX_REUSE_ARGS come last.
@@ -147,6 +167,11 @@ python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
 ours = json.load(open(os.path.join(out, "gpu_prefill_raw.json")))
+p = os.path.join(out, "own_attention_raw.json")
+if os.path.exists(p):
+    for r in json.load(open(p))["records"]:
+        if r["case"] == "full_prefill":
+            ours["records"].append(dict(r, case="full_prefill_own_attention"))
 base = {}
 p = os.path.join(out, "hf_baseline.json")
 if os.path.exists(p):
@@ -167,11 +192,15 @@ for name, prefix, tp in (("reuse_prefill_raw.json", "prefill_", 1),
             rec["tp"] = tp
         ours["records"].append(rec)
         base[(prefix + r["case"], r["tokens"])] = base.get(("full_prefill", 32768))
+base_full = {t: ms for (c, t), ms in base.items() if c == "full_prefill"}
 for r in ours["records"]:
     b = base.get((r["case"], r["tokens"]))
+    if b is None and r["case"] == "full_prefill_own_attention":
+        b = base_full.get(r["tokens"])
     r = dict(r, baseline_ms=b, ratio=(round(r["ms"] / b, 3) if b else None))
     recs.append(r)
-json.dump({"device": ours.get("device"), "model": ours.get("model"), "records": recs},
+json.dump({"device": ours.get("device"), "model": ours.get("model"),
+           "dense_attention": ours.get("dense_attention"), "records": recs},
           open(os.path.join(out, "gpu_prefill.json"), "w"), indent=1)
 print("%-28s %7s %10s %10s %7s" % ("case", "tokens", "ms", "base_ms", "ratio"))
 for r in recs:

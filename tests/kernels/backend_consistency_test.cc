@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
+#include "gpu_worker/backend/cuda/cudnn_attention.h"
 #include "gtest/gtest.h"
 
 namespace sparsex {
@@ -344,6 +345,7 @@ struct AttnCase {
   int H, KV, hd, ctx;
   std::vector<int32_t> q_pos;
   bool stats = false;
+  bool in_order = false;  // the blocks in order: consecutive slots (a fresh prefill's)
 };
 
 class AttentionConsistency : public BackendConsistency {
@@ -358,7 +360,7 @@ class AttentionConsistency : public BackendConsistency {
     // Block table: a shuffled set of blocks.
     std::vector<int32_t> table(blocks);
     std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), rng_);
+    if (!tc.in_order) std::shuffle(table.begin(), table.end(), rng_);
     std::vector<int32_t> ctx_slots(tc.ctx);
     for (int j = 0; j < tc.ctx; ++j) ctx_slots[j] = table[j / bs] * bs + j % bs;
     // Keys and values of every position (K scaled so that softmax is far from uniform).
@@ -458,6 +460,29 @@ TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
   Run({"gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
   Run({"mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
   Run({"stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});
+}
+
+// Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
+// dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
+// shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
+// an error instead of the silent fallback to our kernel.
+TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
+  {
+    auto probe = CudnnAttention::Create(nullptr);
+    if (!probe.ok()) GTEST_SKIP() << probe.status();
+  }
+  setenv("SPX_CUDNN_ATTENTION", "require", 1);
+  setenv("SPX_CUDNN_MIN_TOKENS", "64", 1);
+  auto g = CreateBackend({.kind = "cuda"});
+  unsetenv("SPX_CUDNN_ATTENTION");
+  unsetenv("SPX_CUDNN_MIN_TOKENS");
+  ASSERT_TRUE(g.ok()) << g.status();
+  gpu_ = std::move(*g);
+  Run({"cudnn dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});
+  Run({"cudnn dense 2048 gqa4 gathered", 32, 8, 128, 2048, Dense(0, 2048)});
+  Run({"cudnn chunk 700 after 1400", 32, 8, 128, 2100, Dense(1400, 2100)});
+  Run({"cudnn gqa8 ragged 1500", 32, 4, 128, 1500, Dense(0, 1500), false, true});
+  Run({"cudnn mha hd64 300", 8, 8, 64, 300, Dense(0, 300)});
 }
 
 TEST_F(AttentionConsistency, DecodeSplitK) {
