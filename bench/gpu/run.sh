@@ -37,13 +37,14 @@ export PKG_CONFIG_PATH=$LIBDIR/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if ! command -v pkg-config >/dev/null; then export PATH=$PATH:$DEPS/usr/bin; fi
 export SPARSEX_MODELS=${SPARSEX_MODELS:-$ROOT/.deps/models}
-# cuDNN (dense prefill attention, loaded with dlopen): the system's, else the one PyTorch's
-# wheels bring (nvidia-cudnn-cu13).
-if ! ldconfig -p 2>/dev/null | grep -q "libcudnn.so.9"; then
-  CUDNN_DIR=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
-  if [ -n "$CUDNN_DIR" ] && [ -d "$CUDNN_DIR" ]; then export LD_LIBRARY_PATH=$CUDNN_DIR:$LD_LIBRARY_PATH; fi
+# cuDNN (dense prefill attention, loaded with dlopen): the one PyTorch's wheels bring
+# (nvidia-cudnn-cu13, the version PyTorch's SDPA measurements used) when present, else the
+# system's. SPX_CUDNN_LIB names the library the backend opens first.
+CUDNN_DIR=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+if [ -z "${SPX_CUDNN_LIB:-}" ] && [ -n "$CUDNN_DIR" ] && [ -f "$CUDNN_DIR/libcudnn.so.9" ]; then
+  export LD_LIBRARY_PATH=$CUDNN_DIR:$LD_LIBRARY_PATH SPX_CUDNN_LIB=$CUDNN_DIR/libcudnn.so.9
 fi
-echo "cuDNN: $(ldconfig -p 2>/dev/null | grep -m1 libcudnn.so.9 | awk '{print $NF}') ${CUDNN_DIR:-}" | tee -a "$OUT/bench.log"
+echo "cuDNN: ${SPX_CUDNN_LIB:-system $(ldconfig -p 2>/dev/null | grep -m1 libcudnn.so.9 | awk '{print $NF}')}" | tee -a "$OUT/bench.log"
 
 # ---- build ----
 stamp "configure + build (jobs $JOBS)"
@@ -69,6 +70,23 @@ stamp "build rc: cmake $cmake_rc ninja $build_rc"
 if [ $cmake_rc -ne 0 ] || [ $build_rc -ne 0 ]; then
   grep -E "error|Error|CMake Error" -A3 "$OUT/build.log" | head -60
   exit 1
+fi
+
+# ---- cuDNN check only (SPX_CUDNN_CHECK=1): the cuDNN attention tests with cuDNN's own error
+# and warning log, once per library candidate, then exit ----
+if [ -n "${SPX_CUDNN_CHECK:-}" ]; then
+  for lib in "${SPX_CUDNN_LIB:-}" "$(ldconfig -p 2>/dev/null | grep -m1 libcudnn.so.9 | awk '{print $NF}')"; do
+    [ -n "$lib" ] || continue
+    stamp "cuDNN check with $lib"
+    SPX_CUDNN_LIB=$lib CUDNN_LOGERR_DBG=1 CUDNN_LOGWARN_DBG=1 CUDNN_LOGDEST_DBG=stderr \
+      "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
+      --gtest_filter='AttentionConsistency.CudnnDense*' 2>&1 | grep -v "^$" | head -${SPX_CUDNN_LOG_LINES:-60}
+    "$BUILD/bin/backend_consistency_test" --gtest_brief=1 --gtest_filter='AttentionConsistency.*' \
+      2>&1 | grep -E "PASSED|FAILED|Failure|UNIMPL|cuDNN" | head -20
+  done
+  "$BUILD/bin/gpu_prefill_bench" --lengths ${SPX_CHECK_LENGTHS:-32768} --reps 1 --decode-steps 0 \
+    --no-micro --out "$OUT/check.json" 2>&1 | grep -E "attention|full prefill"
+  exit 0
 fi
 
 # ---- tests ----

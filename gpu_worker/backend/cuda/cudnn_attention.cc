@@ -27,7 +27,7 @@ enum : int {
   // cudnnDataType_t
   kFloat = 0, kInt32 = 4, kBf16 = 9, kBoolean = 11,
   // cudnnPointwiseMode_t
-  kPwAdd = 0, kPwMul = 1, kPwDiv = 6, kPwSub = 9, kPwExp = 13, kPwCmpGe = 303, kPwGenIndex = 501,
+  kPwAdd = 0, kPwMul = 1, kPwDiv = 6, kPwSub = 9, kPwExp = 13, kPwLog = 15, kPwCmpGe = 303, kPwGenIndex = 501,
   kPwBinarySelect = 601,
   // cudnnReduceTensorOp_t
   kReduceAdd = 0, kReduceMax = 3,
@@ -90,6 +90,7 @@ static_assert(Same(kPwMul, CUDNN_POINTWISE_MUL));
 static_assert(Same(kPwDiv, CUDNN_POINTWISE_DIV));
 static_assert(Same(kPwSub, CUDNN_POINTWISE_SUB));
 static_assert(Same(kPwExp, CUDNN_POINTWISE_EXP));
+static_assert(Same(kPwLog, CUDNN_POINTWISE_LOG));
 static_assert(Same(kPwCmpGe, CUDNN_POINTWISE_CMP_GE));
 static_assert(Same(kPwGenIndex, CUDNN_POINTWISE_GEN_INDEX));
 static_assert(Same(kPwBinarySelect, CUDNN_POINTWISE_BINARY_SELECT));
@@ -169,7 +170,8 @@ struct CudnnAttention::Plan {
   std::vector<Desc> keep;
   Desc plan = nullptr;
   int64_t workspace = 0;
-  bool offset = false;  // the causal limit is shifted (n_q < n_kv)
+  bool offset = false;     // the causal limit is shifted (n_q < n_kv)
+  bool stats_out = false;  // the softmax statistics are a real output (kUidStats)
   absl::Status error;   // why no plan exists for this shape (then plan is null)
   ~Plan() {
     for (auto it = keep.rbegin(); it != keep.rend(); ++it) api->destroy_desc(*it);
@@ -268,7 +270,9 @@ class Builder {
 };
 
 // Tensor ids of the variant pack (the rest are virtual).
-enum : int64_t { kUidQ = 1, kUidK, kUidV, kUidO, kUidScale, kUidNegInf, kUidOffset, kUidVirtual = 100 };
+enum : int64_t {
+  kUidQ = 1, kUidK, kUidV, kUidO, kUidScale, kUidNegInf, kUidOffset, kUidStats, kUidVirtual = 100
+};
 
 template <typename T>
 bool Resolve(void* lib, const char* name, T& fn) {
@@ -324,6 +328,7 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(cudaStrea
 CudnnAttention::~CudnnAttention() {
   plans_.clear();
   if (workspace_) cudaFree(workspace_);
+  if (stats_) cudaFree(stats_);
   if (handle_ && api_) api_->destroy(handle_);
 }
 
@@ -334,9 +339,9 @@ std::string CudnnAttention::version() const {
 
 // The graph cuDNN's fused flash-attention engine recognises (the one cudnn-frontend emits for
 // causal SDPA before cuDNN 9.21): S = Q K^T; S *= scale; S = row + offset >= col ? S : -max;
-// P = softmax(S) as max, sub, exp, sum, div; O = P V. Intermediates are virtual fp32.
+// P = softmax(S) as max, sub, exp, sum, div; O = P V. Intermediates are virtual fp32, P bf16.
 absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
-    const CudnnAttentionShape& s) {
+    const CudnnAttentionShape& s, bool stats_out) {
   auto plan = std::make_unique<Plan>();
   plan->api = api_.get();
   Builder b(*api_, plan->keep);
@@ -384,7 +389,14 @@ absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
   ops.push_back(b.Pointwise(kPwExp, kFloat, s3, nullptr, nullptr, e));
   Desc sum = rows();
   ops.push_back(b.Reduction(kReduceAdd, e, sum));
-  Desc p = scores(kFloat);
+  // The statistics max + log(sum): the engine's pattern includes them even for inference (a
+  // virtual output then); some versions only take them as a real output.
+  Desc log_sum = rows();
+  ops.push_back(b.Pointwise(kPwLog, kFloat, sum, nullptr, nullptr, log_sum));
+  plan->stats_out = stats_out;
+  Desc stats = stats_out ? b.Tensor(kUidStats, kFloat, rdims, rstr, false) : rows();
+  ops.push_back(b.Pointwise(kPwAdd, kFloat, mx, log_sum, nullptr, stats));
+  Desc p = scores(kBf16);  // the second matmul takes P in the I/O type
   ops.push_back(b.Pointwise(kPwDiv, kFloat, e, sum, nullptr, p));
   ops.push_back(b.Matmul(p, v, o));
 
@@ -399,8 +411,9 @@ absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
 
   // Heuristics (mode A, then fallback) give engine configurations; the first whose plan
   // finalizes is taken.
-  std::string why = "no engine configuration";
+  std::string why;
   for (int mode : {static_cast<int>(kHeurA), static_cast<int>(kHeurFallback)}) {
+    const char* mode_name = mode == kHeurA ? "heuristics A" : "fallback";
     Desc heur = b.Make(kEngineHeurDesc);
     b.SetDesc(heur, kAttrHeurGraph, graph);
     b.Set(heur, kAttrHeurMode, kTypeHeurMode, 1, &mode);
@@ -411,7 +424,7 @@ absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
                                   nullptr));
     }
     if (b.status() != 0) {
-      why = api_->Error(b.status());
+      absl::StrAppend(&why, mode_name, ": ", api_->Error(b.status()), "; ");
       b.set_status(0);
       continue;
     }
@@ -422,6 +435,7 @@ absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
       b.set_status(api_->get_attr(heur, kAttrHeurResults, kTypeBackendDescriptor, count, &got,
                                   cfgs.data()));
     }
+    absl::StrAppend(&why, mode_name, ": ", got, " configurations");
     for (int64_t i = 0; i < got && b.status() == 0; ++i) {
       Desc cand = nullptr;
       if (api_->create_desc(kExecutionPlanDesc, &cand) != 0) break;
@@ -434,11 +448,12 @@ absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
         plan->plan = cand;
         break;
       }
-      why = api_->Error(st);
+      if (i == 0) absl::StrAppend(&why, " (first: ", api_->Error(st), ")");
       api_->destroy_desc(cand);
     }
     if (plan->plan) break;
-    if (b.status() != 0) why = api_->Error(b.status());
+    if (b.status() != 0) absl::StrAppend(&why, " ", api_->Error(b.status()));
+    absl::StrAppend(&why, "; ");
     b.set_status(0);
   }
   if (!plan->plan) {
@@ -459,7 +474,17 @@ absl::StatusOr<CudnnAttention::Plan*> CudnnAttention::GetPlan(const CudnnAttenti
     // Plans are small but each distinct prompt length makes one: bound the cache.
     if (plans_.size() >= 64) plans_.clear();
     const auto t0 = std::chrono::steady_clock::now();
-    auto built = Build(s);
+    auto built = Build(s, /*stats_out=*/false);
+    if (!built.ok()) {
+      auto again = Build(s, /*stats_out=*/true);
+      if (again.ok()) {
+        built = std::move(again);
+      } else {
+        built = absl::UnimplementedError(absl::StrCat(built.status().message(),
+                                                      " | with statistics output: ",
+                                                      again.status().message()));
+      }
+    }
     plan_build_ms_ += std::chrono::duration<double, std::milli>(
                           std::chrono::steady_clock::now() - t0).count();
     std::unique_ptr<Plan> p;
@@ -503,6 +528,20 @@ absl::Status CudnnAttention::Run(const CudnnAttentionShape& s, const void* q, co
   if (p->offset) {
     uids.push_back(kUidOffset);
     ptrs.push_back(&offset);
+  }
+  if (p->stats_out) {
+    const size_t bytes = static_cast<size_t>(s.heads) * s.n_q * sizeof(float);
+    if (bytes > stats_bytes_) {
+      if (stats_) cudaFree(stats_);
+      stats_ = nullptr;
+      stats_bytes_ = 0;
+      if (cudaMalloc(&stats_, bytes) != cudaSuccess) {
+        return absl::ResourceExhaustedError("cuDNN attention statistics");
+      }
+      stats_bytes_ = bytes;
+    }
+    uids.push_back(kUidStats);
+    ptrs.push_back(stats_);
   }
   Desc pack = nullptr;
   Status st = api_->create_desc(kVariantPackDesc, &pack);

@@ -62,7 +62,7 @@ class CudnnAttention {
   struct Plan;
   CudnnAttention() = default;
   absl::StatusOr<Plan*> GetPlan(const CudnnAttentionShape& shape);
-  absl::StatusOr<std::unique_ptr<Plan>> Build(const CudnnAttentionShape& shape);
+  absl::StatusOr<std::unique_ptr<Plan>> Build(const CudnnAttentionShape& shape, bool stats_out);
 
   std::unique_ptr<Api> api_;
   void* handle_ = nullptr;  // cudnnHandle_t
@@ -70,6 +70,8 @@ class CudnnAttention {
   std::map<decltype(CudnnAttentionShape{}.Key()), std::unique_ptr<Plan>> plans_;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  void* stats_ = nullptr;  // softmax statistics, for engines that want them as an output
+  size_t stats_bytes_ = 0;
   int64_t plans_built_ = 0;
   double plan_build_ms_ = 0;
 };
