@@ -66,6 +66,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   bf16* sV = sK + 2 * kBN * HD;            // [2][kBN * HD] (unused in STATS)
   __shared__ int s_lim[kBM];
   __shared__ int s_max_lim, s_min_lim;
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = ex.group, QT = ex.qt;
@@ -368,6 +370,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
 // Merges split-K partials: one block of head_dim threads per (query row, head).
 __global__ void CombineKernel(const PagedAttentionParams p, const float* ws_o,
                               const float* ws_lse, int splits) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int64_t rh = blockIdx.x;  // qrow * H + head
   const int qrow = static_cast<int>(rh / p.n_heads), head = static_cast<int>(rh % p.n_heads);
   const int d = threadIdx.x;
@@ -552,8 +556,7 @@ cudaError_t LaunchFlashNW(const PagedAttentionParams& p, const AttentionStatsPar
   const unsigned tiles_x = static_cast<unsigned>(p.num_seqs > 0 ? p.num_seqs
                                                                 : CeilDiv(p.num_q, ex.qt));
   const dim3 grid(tiles_x, p.n_kv_heads, splits);
-  FlashKernel<HD, STATS, NW><<<grid, 32 * NW, smem, stream>>>(p, st, ex);
-  return cudaGetLastError();
+  return detail::LaunchPdl(FlashKernel<HD, STATS, NW>, grid, 32 * NW, smem, stream, p, st, ex);
 }
 
 template <int HD, bool STATS>
@@ -619,9 +622,8 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
                         ? LaunchFlash<128, false>(p, none, ex, plan.splits, stream)
                         : LaunchFlash<64, false>(p, none, ex, plan.splits, stream);
     if (e != cudaSuccess || plan.splits <= 1) return e;
-    CombineKernel<<<static_cast<unsigned>((int64_t)p.num_q * p.n_heads), p.head_dim, 0, stream>>>(
-        p, ex.ws_o, ex.ws_lse, plan.splits);
-    return cudaGetLastError();
+    return detail::LaunchPdl(CombineKernel, static_cast<unsigned>((int64_t)p.num_q * p.n_heads),
+                             p.head_dim, 0, stream, p, ex.ws_o, ex.ws_lse, plan.splits);
   }
   if (p.head_dim > 64 || p.num_seqs > 0) return cudaErrorInvalidValue;
   const int64_t warps = (int64_t)p.num_q * p.n_heads;

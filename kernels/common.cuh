@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 namespace sparsex::kernels::detail {
 
@@ -18,6 +19,48 @@ using bf16 = __nv_bfloat16;
   } while (0)
 
 __host__ __device__ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Programmatic dependent launch (Hopper): a kernel started by LaunchPdl may begin while the
+// previous kernel on the stream is still running (its blocks fill the idle SMs, a matmul
+// streams its weights), so every such kernel calls PdlWait() before it touches memory the
+// previous kernel reads or writes, and PdlLaunchDependents() to let the next one start early.
+// Both are no-ops on older GPUs and in kernels launched without the attribute.
+__device__ __forceinline__ void PdlWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void PdlLaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launches may carry the programmatic-dependency attribute: the current device is
+// compute capability 9.0 or newer and SPX_PDL is not "0" (read once per process).
+bool PdlEnabled();
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream
+// serialization when PdlEnabled(). Only for kernels that call PdlWait() first.
+template <typename... P, typename... A>
+cudaError_t LaunchPdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t stream, A&&... args) {
+  if (!PdlEnabled()) {
+    kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
 
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll

@@ -1,5 +1,7 @@
 #include "kernels/gemm.h"
 
+#include "kernels/common.cuh"
+
 namespace sparsex::kernels {
 
 #define SPX_LT_CHECK(expr)                               \
@@ -130,6 +132,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const bool has1 = row0 + 1 < m;
   const __nv_bfloat16* w0 = w + row0 * ws;
   const __nv_bfloat16* w1 = has1 ? w0 + ws : w0;
+  // The weights never depend on the previous kernel: under programmatic dependent launch this
+  // warp asks for its rows (128-byte lines into L2) while that kernel is still running, then
+  // waits for it before reading x.
+  for (int64_t c = lane * 64; c < k; c += 32 * 64) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + c));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c));
+  }
+  sparsex::kernels::detail::PdlWait();
+  sparsex::kernels::detail::PdlLaunchDependents();
   float acc[kGemvRowsPerWarp][N];
 #pragma unroll
   for (int r = 0; r < kGemvRowsPerWarp; ++r)
@@ -186,9 +197,9 @@ cudaError_t LaunchSmallN(const __nv_bfloat16* x, int64_t xs, const __nv_bfloat16
   const int64_t rows_per_block = kGemvWarps * kGemvRowsPerWarp;
   const int64_t blocks = (m + rows_per_block - 1) / rows_per_block;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  SmallNGemmKernel<N><<<static_cast<unsigned>(blocks), kGemvWarps * 32, 0, stream>>>(
-      x, xs, w, ws, out, os, m, k, beta);
-  return cudaGetLastError();
+  return sparsex::kernels::detail::LaunchPdl(SmallNGemmKernel<N>, static_cast<unsigned>(blocks),
+                                             kGemvWarps * 32, 0, stream, x, xs, w, ws, out, os,
+                                             m, k, beta);
 }
 
 }  // namespace

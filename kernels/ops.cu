@@ -2,6 +2,9 @@
 
 #include "kernels/common.cuh"
 
+#include <cstdlib>
+#include <string>
+
 namespace sparsex::kernels {
 namespace {
 
@@ -63,10 +66,34 @@ __global__ void FillKernel(bf16* dst, int64_t n, float v) {
     dst[i] = b;
 }
 
+}  // namespace
+
+namespace detail {
+bool PdlEnabled() {
+  static int cached[64];  // per device: 0 unknown, 1 off, 2 on
+  static const bool env_on = [] {
+    const char* e = std::getenv("SPX_PDL");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  int dev = 0;
+  if (!env_on || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cached[dev] = major >= 9 ? 2 : 1;
+  }
+  return cached[dev] == 2;
+}
+}  // namespace detail
+
+namespace {
+
 // One block per row. VEC = 8 moves 16-byte vectors, VEC = 1 single elements.
 template <int VEC, bool kAdd>
 __global__ void RmsNormKernel(bf16* res, int64_t res_stride, const bf16* x, int64_t x_stride,
                               const bf16* w, bf16* out, int64_t out_stride, int dim, float eps) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * x_stride;
   bf16* rr = kAdd ? res + row * res_stride : nullptr;
@@ -116,6 +143,8 @@ __global__ void RmsNormKernel(bf16* res, int64_t res_stride, const bf16* x, int6
 template <int VEC>
 __global__ void AddKernel(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride,
                           int64_t rows, int64_t cols) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int64_t per_row = cols / VEC;
   const int64_t total = rows * per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
@@ -141,6 +170,8 @@ __device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g));
 template <int VEC>
 __global__ void SwiGluKernel(const bf16* x, int64_t x_stride, bf16* out, int64_t out_stride,
                              int64_t rows, int64_t half) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int64_t per_row = half / VEC;
   const int64_t total = rows * per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
@@ -166,6 +197,8 @@ template <int VEC>
 __global__ void GatherKernel(const bf16* src, int64_t src_stride, int64_t src_rows,
                              const int32_t* idx, bf16* dst, int64_t dst_stride, int64_t n,
                              int64_t cols) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int64_t per_row = cols / VEC;
   const int64_t total = n * per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
@@ -226,6 +259,8 @@ __global__ void RowSqDistKernel(const bf16* a, int64_t as, const bf16* b, int64_
 }
 
 __global__ void CopyPinnedKernel(const uint4* src, uint4* dst, int64_t n) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = src[i];
@@ -237,7 +272,7 @@ cudaError_t CopyFromPinned(const void* src, void* dst, size_t bytes, cudaStream_
   if (bytes == 0) return cudaSuccess;
   if (bytes % 16 || !detail::Aligned16(src) || !detail::Aligned16(dst)) return cudaErrorInvalidValue;
   const int64_t n = static_cast<int64_t>(bytes / 16);
-  CopyPinnedKernel<<<GridFor(n), kThreads, 0, stream>>>(static_cast<const uint4*>(src),
+  return detail::LaunchPdl(CopyPinnedKernel, GridFor(n), kThreads, 0, stream, static_cast<const uint4*>(src),
                                                         static_cast<uint4*>(dst), n);
   return cudaGetLastError();
 }
@@ -285,10 +320,10 @@ cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
   int threads = static_cast<int>(CeilDiv(CeilDiv(dim, per_thread), 32) * 32);
   threads = threads > 1024 ? 1024 : threads;
   if (v8) {
-    RmsNormKernel<8, false><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+    return detail::LaunchPdl(RmsNormKernel<8, false>, static_cast<unsigned>(rows), threads, 0, stream, 
         nullptr, 0, x, x_stride, w, out, out_stride, dim, eps);
   } else {
-    RmsNormKernel<1, false><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+    return detail::LaunchPdl(RmsNormKernel<1, false>, static_cast<unsigned>(rows), threads, 0, stream, 
         nullptr, 0, x, x_stride, w, out, out_stride, dim, eps);
   }
   return cudaGetLastError();
@@ -304,10 +339,10 @@ cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_
   int threads = static_cast<int>(CeilDiv(CeilDiv(dim, per_thread), 32) * 32);
   threads = threads > 1024 ? 1024 : threads;
   if (v8) {
-    RmsNormKernel<8, true><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+    return detail::LaunchPdl(RmsNormKernel<8, true>, static_cast<unsigned>(rows), threads, 0, stream, 
         residual, res_stride, x, x_stride, w, out, out_stride, dim, eps);
   } else {
-    RmsNormKernel<1, true><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+    return detail::LaunchPdl(RmsNormKernel<1, true>, static_cast<unsigned>(rows), threads, 0, stream, 
         residual, res_stride, x, x_stride, w, out, out_stride, dim, eps);
   }
   return cudaGetLastError();
@@ -317,10 +352,10 @@ cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int6
                 int64_t cols, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   if (Vec8({a, b}, {a_stride, b_stride, cols})) {
-    AddKernel<8><<<GridFor(rows * cols / 8), kThreads, 0, stream>>>(a, a_stride, b, b_stride,
+    return detail::LaunchPdl(AddKernel<8>, GridFor(rows * cols / 8), kThreads, 0, stream, a, a_stride, b, b_stride,
                                                                     rows, cols);
   } else {
-    AddKernel<1><<<GridFor(rows * cols), kThreads, 0, stream>>>(a, a_stride, b, b_stride, rows,
+    return detail::LaunchPdl(AddKernel<1>, GridFor(rows * cols), kThreads, 0, stream, a, a_stride, b, b_stride, rows,
                                                                cols);
   }
   return cudaGetLastError();
@@ -330,10 +365,10 @@ cudaError_t SwiGlu(const bf16* x, int64_t x_stride, bf16* out, int64_t out_strid
                    int64_t half, cudaStream_t stream) {
   if (rows <= 0 || half <= 0) return cudaSuccess;
   if (Vec8({x, out}, {x_stride, out_stride, half})) {
-    SwiGluKernel<8><<<GridFor(rows * half / 8), kThreads, 0, stream>>>(x, x_stride, out,
+    return detail::LaunchPdl(SwiGluKernel<8>, GridFor(rows * half / 8), kThreads, 0, stream, x, x_stride, out,
                                                                       out_stride, rows, half);
   } else {
-    SwiGluKernel<1><<<GridFor(rows * half), kThreads, 0, stream>>>(x, x_stride, out, out_stride,
+    return detail::LaunchPdl(SwiGluKernel<1>, GridFor(rows * half), kThreads, 0, stream, x, x_stride, out, out_stride,
                                                                   rows, half);
   }
   return cudaGetLastError();
@@ -344,10 +379,10 @@ cudaError_t GatherRows(const bf16* src, int64_t src_stride, int64_t src_rows,
                        int64_t cols, cudaStream_t stream) {
   if (n <= 0 || cols <= 0) return cudaSuccess;
   if (Vec8({src, dst}, {src_stride, dst_stride, cols})) {
-    GatherKernel<8><<<GridFor(n * cols / 8), kThreads, 0, stream>>>(
+    return detail::LaunchPdl(GatherKernel<8>, GridFor(n * cols / 8), kThreads, 0, stream, 
         src, src_stride, src_rows, idx, dst, dst_stride, n, cols);
   } else {
-    GatherKernel<1><<<GridFor(n * cols), kThreads, 0, stream>>>(src, src_stride, src_rows, idx,
+    return detail::LaunchPdl(GatherKernel<1>, GridFor(n * cols), kThreads, 0, stream, src, src_stride, src_rows, idx,
                                                                dst, dst_stride, n, cols);
   }
   return cudaGetLastError();

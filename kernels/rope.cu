@@ -20,6 +20,8 @@ __global__ void RopeKernel(const bf16* src, int64_t src_stride, bf16* dst, int64
                            int64_t dst_rows, const int32_t* slots, int64_t rows, int n_heads,
                            const int32_t* pos, const float* inv_freq, int head_dim,
                            bool halves) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int half = head_dim / 2;
   const int64_t per_row = static_cast<int64_t>(n_heads) * half;
   const int64_t total = rows * per_row;
@@ -47,6 +49,8 @@ __global__ void RopeKernel(const bf16* src, int64_t src_stride, bf16* dst, int64
 __global__ void WriteKvKernel(bf16* pk, bf16* pv, int64_t num_slots, int kv_dim, const bf16* ks,
                               int64_t k_stride, const bf16* vs, int64_t v_stride,
                               const int32_t* slots, int64_t n) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
   const int64_t per_row = kv_dim / 8, half = n * per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < 2 * half;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -69,7 +73,7 @@ cudaError_t Rope(bf16* x, int64_t x_stride, int64_t rows, int n_heads, const int
   if (rope.head_dim <= 0 || rope.head_dim % 2 != 0 || rope.inv_freq == nullptr)
     return cudaErrorInvalidValue;
   const int64_t total = rows * n_heads * (rope.head_dim / 2);
-  RopeKernel<<<GridFor(total), kThreads, 0, stream>>>(x, x_stride, x, x_stride, rows, nullptr,
+  return detail::LaunchPdl(RopeKernel, GridFor(total), kThreads, 0, stream, x, x_stride, x, x_stride, rows, nullptr,
                                                       rows, n_heads, pos, rope.inv_freq,
                                                       rope.head_dim, rope.halves);
   return cudaGetLastError();
@@ -82,9 +86,9 @@ cudaError_t WriteKv(const KvPoolView& pool, const bf16* k_src, int64_t k_stride,
   if (pool.kv_dim % 8 == 0 && k_stride % 8 == 0 && v_stride % 8 == 0 &&
       detail::Aligned16(k_src) && detail::Aligned16(v_src) && detail::Aligned16(pool.k) &&
       detail::Aligned16(pool.v)) {
-    WriteKvKernel<<<GridFor(2 * n * (pool.kv_dim / 8)), kThreads, 0, stream>>>(
-        pool.k, pool.v, pool.num_slots, pool.kv_dim, k_src, k_stride, v_src, v_stride, slots, n);
-    return cudaGetLastError();
+    return detail::LaunchPdl(WriteKvKernel, GridFor(2 * n * (pool.kv_dim / 8)), kThreads, 0,
+                             stream, pool.k, pool.v, pool.num_slots, pool.kv_dim, k_src, k_stride,
+                             v_src, v_stride, slots, n);
   }
   cudaError_t e = ScatterRows(k_src, k_stride, slots, pool.k, pool.kv_dim, pool.num_slots, n,
                               pool.kv_dim, stream);
@@ -102,11 +106,9 @@ cudaError_t AssembleKv(const KvPoolView& pool, const bf16* k_pre, int64_t k_stri
       n_kv_heads * rope.head_dim != pool.kv_dim)
     return cudaErrorInvalidValue;
   const int64_t total = n * n_kv_heads * (rope.head_dim / 2);
-  RopeKernel<<<GridFor(total), kThreads, 0, stream>>>(k_pre, k_stride, pool.k, pool.kv_dim,
-                                                      pool.num_slots, slots, n, n_kv_heads, pos,
-                                                      rope.inv_freq, rope.head_dim,
-                                                      rope.halves);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = detail::LaunchPdl(RopeKernel, GridFor(total), kThreads, 0, stream, k_pre,
+                                    k_stride, pool.k, pool.kv_dim, pool.num_slots, slots, n,
+                                    n_kv_heads, pos, rope.inv_freq, rope.head_dim, rope.halves);
   if (e != cudaSuccess) return e;
   return ScatterRows(v_pre, v_stride, slots, pool.v, pool.kv_dim, pool.num_slots, n, pool.kv_dim,
                      stream);
