@@ -41,11 +41,16 @@ __device__ __forceinline__ void PdlLaunchDependents() {
 bool PdlEnabled();
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream
-// serialization when PdlEnabled(). Only for kernels that call PdlWait() first.
+// serialization when PdlEnabled() and the grid is at most kPdlMaxBlocks blocks (decode-sized
+// work, the largest being the lm_head matmul's 16032): a long prefill's element-wise grids gain
+// nothing from an early start, and their blocks waiting in PdlWait would hold SM slots the
+// kernel they wait for still needs. Only for kernels that call PdlWait() first.
+constexpr uint64_t kPdlMaxBlocks = 16384;
 template <typename... P, typename... A>
 cudaError_t LaunchPdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
                       cudaStream_t stream, A&&... args) {
-  if (!PdlEnabled()) {
+  const uint64_t blocks = uint64_t(grid.x) * grid.y * grid.z;
+  if (blocks > kPdlMaxBlocks || !PdlEnabled()) {
     kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
     return cudaGetLastError();
   }
