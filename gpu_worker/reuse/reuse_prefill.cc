@@ -346,14 +346,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       // Each tensor-parallel rank holds only its KV heads: sum so all ranks rank identically.
       RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
     }
-    std::vector<float> score = selector->Score(in);
-    BudgetOptions full = o.budget;
-    full.mode = BudgetOptions::Mode::kFixed;
-    full.ratio = 1.0f;
-    ranked = ApplyBudget(score, full);  // full ranking
-    // Keep count for the first sparse layer.
-    const int first_keep = static_cast<int>(ApplyBudget(score, o.budget).size());
-    ranked.resize(first_keep);
+    // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
+    ranked = ApplyBudget(selector->Score(in), o.budget);
   }
   RETURN_IF_ERROR(phase(&st.select_ms));
 

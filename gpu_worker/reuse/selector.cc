@@ -86,17 +86,21 @@ absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name
 
 std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b) {
   const int n = static_cast<int>(score.size());
+  const bool fixed = b.mode == BudgetOptions::Mode::kFixed;
+  const float r = std::clamp(fixed ? b.ratio : b.max_ratio, 0.0f, 1.0f);
+  const int cap = std::min(n, static_cast<int>(std::lround(r * n)));
   std::vector<int32_t> idx(n);
   std::iota(idx.begin(), idx.end(), 0);
-  // Stable: ties keep token order, so selection is deterministic.
-  std::stable_sort(idx.begin(), idx.end(), [&](int x, int y) { return score[x] > score[y]; });
-  int keep;
-  if (b.mode == BudgetOptions::Mode::kFixed) {
-    keep = static_cast<int>(std::lround(std::clamp(b.ratio, 0.0f, 1.0f) * n));
-  } else {
+  // Only the best `cap` tokens can be kept: a partial sort instead of ranking every token (a
+  // 32K-token prompt keeps ~15%). Ties go by token order, as a stable sort would give, so the
+  // selection is deterministic.
+  std::partial_sort(idx.begin(), idx.begin() + cap, idx.end(), [&](int x, int y) {
+    return score[x] > score[y] || (score[x] == score[y] && x < y);
+  });
+  int keep = cap;
+  if (!fixed) {
     double total = 0;
     for (float s : score) total += std::max(0.0f, s);
-    const int cap = static_cast<int>(std::lround(std::clamp(b.max_ratio, 0.0f, 1.0f) * n));
     keep = 0;
     double acc = 0;
     while (keep < cap && total > 0 && acc < b.target_mass * total) {
@@ -104,7 +108,7 @@ std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOp
       ++keep;
     }
   }
-  idx.resize(std::min(keep, n));
+  idx.resize(keep);
   return idx;
 }
 

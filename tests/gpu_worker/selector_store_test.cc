@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <numeric>
+#include <random>
 #include <set>
 
 #include "gpu_worker/reuse/segment_store.h"
@@ -33,6 +35,31 @@ TEST(Budget, AdaptiveCoversTargetMassWithinTheCap) {
   b.target_mass = 0.9f;
   b.max_ratio = 0.3f;
   EXPECT_EQ(ApplyBudget(flat, b).size(), 3u);
+}
+
+// The partial ranking equals the prefix of a full stable ranking, ties in token order
+// included (scores drawn from a few values so ties are common).
+TEST(Budget, PartialRankingIsTheStableRankingsPrefix) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> level(0, 20);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<float> s(1000 + trial * 37);
+    for (float& x : s) x = 0.05f * level(rng);
+    std::vector<int32_t> ref(s.size());
+    std::iota(ref.begin(), ref.end(), 0);
+    std::stable_sort(ref.begin(), ref.end(), [&](int x, int y) { return s[x] > s[y]; });
+    BudgetOptions b;
+    b.ratio = 0.15f;
+    const std::vector<int32_t> got = ApplyBudget(s, b);
+    ASSERT_EQ(got.size(), static_cast<size_t>(std::lround(0.15 * s.size())));
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), ref.begin())) << "trial " << trial;
+    b.mode = BudgetOptions::Mode::kAdaptive;
+    b.target_mass = 0.4f;
+    b.max_ratio = 0.5f;
+    const std::vector<int32_t> adaptive = ApplyBudget(s, b);
+    EXPECT_TRUE(std::equal(adaptive.begin(), adaptive.end(), ref.begin())) << "trial " << trial;
+    EXPECT_GT(adaptive.size(), 0u);
+  }
 }
 
 TEST(Selectors, EachRanksByItsOwnSignal) {
