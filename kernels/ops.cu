@@ -272,9 +272,8 @@ cudaError_t CopyFromPinned(const void* src, void* dst, size_t bytes, cudaStream_
   if (bytes == 0) return cudaSuccess;
   if (bytes % 16 || !detail::Aligned16(src) || !detail::Aligned16(dst)) return cudaErrorInvalidValue;
   const int64_t n = static_cast<int64_t>(bytes / 16);
-  return detail::LaunchPdl(CopyPinnedKernel, GridFor(n), kThreads, 0, stream, static_cast<const uint4*>(src),
-                                                        static_cast<uint4*>(dst), n);
-  return cudaGetLastError();
+  return detail::LaunchPdl(CopyPinnedKernel, GridFor(n), kThreads, 0, stream,
+                           static_cast<const uint4*>(src), static_cast<uint4*>(dst), n);
 }
 
 cudaError_t RowSqDist(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride,
@@ -319,14 +318,9 @@ cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
   const int per_thread = v8 ? 8 : 1;
   int threads = static_cast<int>(CeilDiv(CeilDiv(dim, per_thread), 32) * 32);
   threads = threads > 1024 ? 1024 : threads;
-  if (v8) {
-    return detail::LaunchPdl(RmsNormKernel<8, false>, static_cast<unsigned>(rows), threads, 0, stream, 
-        nullptr, 0, x, x_stride, w, out, out_stride, dim, eps);
-  } else {
-    return detail::LaunchPdl(RmsNormKernel<1, false>, static_cast<unsigned>(rows), threads, 0, stream, 
-        nullptr, 0, x, x_stride, w, out, out_stride, dim, eps);
-  }
-  return cudaGetLastError();
+  return detail::LaunchPdl(v8 ? RmsNormKernel<8, false> : RmsNormKernel<1, false>,
+                           static_cast<unsigned>(rows), threads, 0, stream, nullptr, 0, x, x_stride,
+                           w, out, out_stride, dim, eps);
 }
 
 cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_t x_stride,
@@ -338,40 +332,31 @@ cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_
   const int per_thread = v8 ? 8 : 1;
   int threads = static_cast<int>(CeilDiv(CeilDiv(dim, per_thread), 32) * 32);
   threads = threads > 1024 ? 1024 : threads;
-  if (v8) {
-    return detail::LaunchPdl(RmsNormKernel<8, true>, static_cast<unsigned>(rows), threads, 0, stream, 
-        residual, res_stride, x, x_stride, w, out, out_stride, dim, eps);
-  } else {
-    return detail::LaunchPdl(RmsNormKernel<1, true>, static_cast<unsigned>(rows), threads, 0, stream, 
-        residual, res_stride, x, x_stride, w, out, out_stride, dim, eps);
-  }
-  return cudaGetLastError();
+  return detail::LaunchPdl(v8 ? RmsNormKernel<8, true> : RmsNormKernel<1, true>,
+                           static_cast<unsigned>(rows), threads, 0, stream, residual, res_stride, x,
+                           x_stride, w, out, out_stride, dim, eps);
 }
 
 cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int64_t rows,
                 int64_t cols, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   if (Vec8({a, b}, {a_stride, b_stride, cols})) {
-    return detail::LaunchPdl(AddKernel<8>, GridFor(rows * cols / 8), kThreads, 0, stream, a, a_stride, b, b_stride,
-                                                                    rows, cols);
-  } else {
-    return detail::LaunchPdl(AddKernel<1>, GridFor(rows * cols), kThreads, 0, stream, a, a_stride, b, b_stride, rows,
-                                                               cols);
+    return detail::LaunchPdl(AddKernel<8>, GridFor(rows * cols / 8), kThreads, 0, stream, a,
+                             a_stride, b, b_stride, rows, cols);
   }
-  return cudaGetLastError();
+  return detail::LaunchPdl(AddKernel<1>, GridFor(rows * cols), kThreads, 0, stream, a, a_stride, b,
+                           b_stride, rows, cols);
 }
 
 cudaError_t SwiGlu(const bf16* x, int64_t x_stride, bf16* out, int64_t out_stride, int64_t rows,
                    int64_t half, cudaStream_t stream) {
   if (rows <= 0 || half <= 0) return cudaSuccess;
   if (Vec8({x, out}, {x_stride, out_stride, half})) {
-    return detail::LaunchPdl(SwiGluKernel<8>, GridFor(rows * half / 8), kThreads, 0, stream, x, x_stride, out,
-                                                                      out_stride, rows, half);
-  } else {
-    return detail::LaunchPdl(SwiGluKernel<1>, GridFor(rows * half), kThreads, 0, stream, x, x_stride, out, out_stride,
-                                                                  rows, half);
+    return detail::LaunchPdl(SwiGluKernel<8>, GridFor(rows * half / 8), kThreads, 0, stream, x,
+                             x_stride, out, out_stride, rows, half);
   }
-  return cudaGetLastError();
+  return detail::LaunchPdl(SwiGluKernel<1>, GridFor(rows * half), kThreads, 0, stream, x, x_stride,
+                           out, out_stride, rows, half);
 }
 
 cudaError_t GatherRows(const bf16* src, int64_t src_stride, int64_t src_rows,
@@ -379,13 +364,11 @@ cudaError_t GatherRows(const bf16* src, int64_t src_stride, int64_t src_rows,
                        int64_t cols, cudaStream_t stream) {
   if (n <= 0 || cols <= 0) return cudaSuccess;
   if (Vec8({src, dst}, {src_stride, dst_stride, cols})) {
-    return detail::LaunchPdl(GatherKernel<8>, GridFor(n * cols / 8), kThreads, 0, stream, 
-        src, src_stride, src_rows, idx, dst, dst_stride, n, cols);
-  } else {
-    return detail::LaunchPdl(GatherKernel<1>, GridFor(n * cols), kThreads, 0, stream, src, src_stride, src_rows, idx,
-                                                               dst, dst_stride, n, cols);
+    return detail::LaunchPdl(GatherKernel<8>, GridFor(n * cols / 8), kThreads, 0, stream, src,
+                             src_stride, src_rows, idx, dst, dst_stride, n, cols);
   }
-  return cudaGetLastError();
+  return detail::LaunchPdl(GatherKernel<1>, GridFor(n * cols), kThreads, 0, stream, src, src_stride,
+                           src_rows, idx, dst, dst_stride, n, cols);
 }
 
 cudaError_t ScatterRows(const bf16* src, int64_t src_stride, const int32_t* idx, bf16* dst,

@@ -73,10 +73,9 @@ cudaError_t Rope(bf16* x, int64_t x_stride, int64_t rows, int n_heads, const int
   if (rope.head_dim <= 0 || rope.head_dim % 2 != 0 || rope.inv_freq == nullptr)
     return cudaErrorInvalidValue;
   const int64_t total = rows * n_heads * (rope.head_dim / 2);
-  return detail::LaunchPdl(RopeKernel, GridFor(total), kThreads, 0, stream, x, x_stride, x, x_stride, rows, nullptr,
-                                                      rows, n_heads, pos, rope.inv_freq,
-                                                      rope.head_dim, rope.halves);
-  return cudaGetLastError();
+  return detail::LaunchPdl(RopeKernel, GridFor(total), kThreads, 0, stream, x, x_stride, x,
+                           x_stride, rows, nullptr, rows, n_heads, pos, rope.inv_freq,
+                           rope.head_dim, rope.halves);
 }
 
 cudaError_t WriteKv(const KvPoolView& pool, const bf16* k_src, int64_t k_stride,

@@ -24,6 +24,7 @@
 
 #include "common/hash.h"
 #include "gpu_worker/backend/cuda/cudnn_attention.h"
+#include "gpu_worker/backend/cuda/device_scratch.h"
 #include "gpu_worker/backend/rope.h"
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
@@ -62,31 +63,6 @@ absl::Status CheckBf16(const Tensor& t, const char* what) {
   }
   return absl::OkStatus();
 }
-
-// A device allocation that grows on demand (after synchronising the stream, so no queued
-// kernel still reads the old one).
-class DeviceScratch {
- public:
-  ~DeviceScratch() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  absl::StatusOr<void*> Get(size_t bytes, cudaStream_t stream) {
-    if (bytes <= size_) return ptr_;
-    CUDA_RETURN(cudaStreamSynchronize(stream), "scratch grow: sync");
-    if (ptr_) cudaFree(ptr_);
-    ptr_ = nullptr;
-    size_ = 0;
-    size_t want = std::max<size_t>(bytes, 2 * size_);
-    want = std::max<size_t>(want, 1 << 20);
-    CUDA_RETURN(cudaMalloc(&ptr_, want), "scratch alloc");
-    size_ = want;
-    return ptr_;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t size_ = 0;
-};
 
 // Host spans to stage in one copy; each lands 16-byte aligned in the device scratch.
 struct HostSpan {
@@ -981,7 +957,6 @@ class CudaBackend final : public Backend {
                    cudnn_->version().c_str(), static_cast<long long>(n),
                    static_cast<long long>(ctx), cudnn_->plan_build_ms() - ms);
     }
-    ++cudnn_calls_;
     return absl::OkStatus();
   }
 
@@ -1496,7 +1471,6 @@ class CudaBackend final : public Backend {
   int cudnn_mode_ = 1;         // 0 off, 1 when available, 2 required
   int64_t cudnn_min_tokens_ = 16384;
   bool cudnn_fallback_logged_ = false;
-  int64_t cudnn_calls_ = 0;
   DeviceScratch cudnn_kv_;  // gathered K and V when a sequence's slots are not consecutive
   bool use_small_n_gemm_ = true;
   bool fused_residual_ = false;

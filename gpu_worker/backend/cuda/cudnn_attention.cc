@@ -27,8 +27,8 @@ enum : int {
   // cudnnDataType_t
   kFloat = 0, kInt32 = 4, kBf16 = 9, kBoolean = 11,
   // cudnnPointwiseMode_t
-  kPwAdd = 0, kPwMul = 1, kPwDiv = 6, kPwSub = 9, kPwExp = 13, kPwLog = 15, kPwCmpGe = 303, kPwGenIndex = 501,
-  kPwBinarySelect = 601,
+  kPwAdd = 0, kPwMul = 1, kPwDiv = 6, kPwSub = 9, kPwExp = 13, kPwLog = 15, kPwCmpGe = 303,
+  kPwGenIndex = 501, kPwBinarySelect = 601,
   // cudnnReduceTensorOp_t
   kReduceAdd = 0, kReduceMax = 3,
   // cudnnBackendHeurMode_t
@@ -215,7 +215,9 @@ class Builder {
     Finalize(t);
     return t;
   }
-  Desc Scalar(int64_t uid, int dtype) { return Tensor(uid, dtype, {1, 1, 1, 1}, {1, 1, 1, 1}, false, true); }
+  Desc Scalar(int64_t uid, int dtype) {
+    return Tensor(uid, dtype, {1, 1, 1, 1}, {1, 1, 1, 1}, false, true);
+  }
   // y = mode(x[, b[, t]]): one pointwise operation.
   Desc Pointwise(int mode, int prec, Desc x, Desc b, Desc t, Desc y, int64_t axis = -1) {
     Desc pw = Make(kPointwiseDesc);
@@ -295,7 +297,8 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(cudaStrea
     return absl::UnavailableError(absl::StrCat("cuDNN not loadable: ", why ? why : "?"));
   }
   void* lib = api->lib;
-  bool ok = Resolve(lib, "cudnnCreate", api->create) && Resolve(lib, "cudnnDestroy", api->destroy) &&
+  bool ok = Resolve(lib, "cudnnCreate", api->create) &&
+            Resolve(lib, "cudnnDestroy", api->destroy) &&
             Resolve(lib, "cudnnSetStream", api->set_stream) &&
             Resolve(lib, "cudnnGetVersion", api->get_version) &&
             Resolve(lib, "cudnnGetErrorString", api->error_string) &&
@@ -327,8 +330,6 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(cudaStrea
 
 CudnnAttention::~CudnnAttention() {
   plans_.clear();
-  if (workspace_) cudaFree(workspace_);
-  if (stats_) cudaFree(stats_);
   if (handle_ && api_) api_->destroy(handle_);
 }
 
@@ -406,7 +407,8 @@ absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>> CudnnAttention::Build(
         ops.data());
   b.Finalize(graph);
   if (b.status() != 0) {
-    return absl::UnimplementedError(absl::StrCat("cuDNN attention graph: ", api_->Error(b.status())));
+    return absl::UnimplementedError(
+        absl::StrCat("cuDNN attention graph: ", api_->Error(b.status())));
   }
 
   // Heuristics (mode A, then fallback) give engine configurations; the first whose plan
@@ -510,15 +512,7 @@ absl::Status CudnnAttention::Run(const CudnnAttentionShape& s, const void* q, co
     return absl::InvalidArgumentError("cuDNN attention: bad shape");
   }
   ASSIGN_OR_RETURN(Plan * p, GetPlan(s));
-  if (static_cast<size_t>(p->workspace) > workspace_bytes_) {
-    if (workspace_) cudaFree(workspace_);  // synchronises: the old one may be in use
-    workspace_ = nullptr;
-    workspace_bytes_ = 0;
-    if (cudaMalloc(&workspace_, p->workspace) != cudaSuccess) {
-      return absl::ResourceExhaustedError("cuDNN attention workspace");
-    }
-    workspace_bytes_ = p->workspace;
-  }
+  ASSIGN_OR_RETURN(void* ws, workspace_.Get(static_cast<size_t>(p->workspace), stream_));
   float scale = s.scale;
   float neg_inf = std::numeric_limits<float>::lowest();
   int32_t offset = static_cast<int32_t>(s.n_kv - s.n_q);
@@ -530,18 +524,10 @@ absl::Status CudnnAttention::Run(const CudnnAttentionShape& s, const void* q, co
     ptrs.push_back(&offset);
   }
   if (p->stats_out) {
-    const size_t bytes = static_cast<size_t>(s.heads) * s.n_q * sizeof(float);
-    if (bytes > stats_bytes_) {
-      if (stats_) cudaFree(stats_);
-      stats_ = nullptr;
-      stats_bytes_ = 0;
-      if (cudaMalloc(&stats_, bytes) != cudaSuccess) {
-        return absl::ResourceExhaustedError("cuDNN attention statistics");
-      }
-      stats_bytes_ = bytes;
-    }
+    ASSIGN_OR_RETURN(void* stats,
+                     stats_.Get(static_cast<size_t>(s.heads) * s.n_q * sizeof(float), stream_));
     uids.push_back(kUidStats);
-    ptrs.push_back(stats_);
+    ptrs.push_back(stats);
   }
   Desc pack = nullptr;
   Status st = api_->create_desc(kVariantPackDesc, &pack);
@@ -553,7 +539,6 @@ absl::Status CudnnAttention::Run(const CudnnAttentionShape& s, const void* q, co
     st = api_->set_attr(pack, kAttrPackPointers, kTypeVoidPtr, static_cast<int64_t>(ptrs.size()),
                         ptrs.data());
   }
-  void* ws = workspace_;
   if (st == 0) st = api_->set_attr(pack, kAttrPackWorkspace, kTypeVoidPtr, 1, &ws);
   if (st == 0) st = api_->finalize(pack);
   if (st == 0) st = api_->execute(handle_, p->plan, pack);

@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "common/status.h"
+#include "gpu_worker/backend/cuda/device_scratch.h"
 
 namespace sparsex {
 
@@ -68,10 +69,8 @@ class CudnnAttention {
   void* handle_ = nullptr;  // cudnnHandle_t
   cudaStream_t stream_ = nullptr;
   std::map<decltype(CudnnAttentionShape{}.Key()), std::unique_ptr<Plan>> plans_;
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
-  void* stats_ = nullptr;  // softmax statistics, for engines that want them as an output
-  size_t stats_bytes_ = 0;
+  DeviceScratch workspace_;
+  DeviceScratch stats_;  // softmax statistics, for engines that want them as an output
   int64_t plans_built_ = 0;
   double plan_build_ms_ = 0;
 };
