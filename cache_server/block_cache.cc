@@ -20,15 +20,6 @@
 
 namespace sparsex::cache {
 
-const char* TierName(Tier t) {
-  switch (t) {
-    case Tier::kMemory: return "memory";
-    case Tier::kDisk: return "disk";
-    case Tier::kNone: break;
-  }
-  return "none";
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -26,7 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "cache_server/block_key.h"
+#include "cache_client/block_key.h"
+#include "cache_client/types.h"
 #include "cache_server/options.h"
 #include "common/hash.h"
 #include "common/status.h"
@@ -36,22 +37,6 @@ class Registry;
 }
 
 namespace sparsex::cache {
-
-enum class Tier { kNone = 0, kMemory = 1, kDisk = 2 };
-const char* TierName(Tier t);
-
-struct LookupEntry {
-  absl::StatusCode code = absl::StatusCode::kNotFound;  // kOk when present
-  Tier tier = Tier::kNone;
-  uint64_t size = 0;
-  uint32_t layout_version = 0;
-};
-
-struct Reservation {
-  uint64_t id = 0;
-  uint64_t offset = 0;
-  uint64_t deadline_unix_ms = 0;
-};
 
 struct LeasedBlock {
   absl::StatusCode code = absl::StatusCode::kNotFound;
@@ -65,15 +50,6 @@ struct LeaseGrant {
   uint64_t id = 0;  // 0 when nothing was leased (partial request, all absent)
   uint64_t expires_unix_ms = 0;
   std::vector<LeasedBlock> blocks;
-};
-
-struct CacheStats {
-  uint64_t memory_capacity_bytes = 0, memory_used_bytes = 0, memory_blocks = 0;
-  uint64_t disk_used_bytes = 0, disk_blocks = 0;
-  uint64_t hits_memory = 0, hits_disk = 0, misses = 0;
-  uint64_t evictions = 0, corrupt_blocks = 0;
-  uint64_t active_leases = 0, active_reservations = 0, reclaimed_reservations = 0;
-  uint64_t bytes_in = 0, bytes_out = 0;
 };
 
 class BlockCache {

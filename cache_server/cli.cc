@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "cache_server/client/cluster_client.h"
+#include "cache_client/cluster_client.h"
 #include "cache_server/synthetic.h"
 #include "common/kv_block.h"
 

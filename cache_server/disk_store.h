@@ -14,7 +14,7 @@
 #include <span>
 #include <string>
 
-#include "cache_server/block_key.h"
+#include "cache_client/block_key.h"
 #include "common/hash.h"
 #include "common/status.h"
 

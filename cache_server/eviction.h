@@ -10,7 +10,7 @@
 #include <functional>
 #include <memory>
 
-#include "cache_server/block_key.h"
+#include "cache_client/block_key.h"
 #include "cache_server/options.h"
 
 namespace sparsex::cache {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cache_client/transport.h"
 #include "common/fingerprint.h"
 
 namespace sparsex::cache {
@@ -59,25 +60,6 @@ struct CacheOptions {
   // KV layout version the server accepts (FAILED_PRECONDITION "layout_mismatch" otherwise).
   // Default: kKvLayoutVersion.
   uint32_t layout_version = kKvLayoutVersion;
-};
-
-struct TransportOptions {
-  // Data plane: "ucx" (RMA to/from the registered arena) or "none" (bytes only inline through
-  // gRPC: Commit.inline_data / Read). Default: "ucx" ("none" in a build without UCX).
-  std::string kind = SPARSEX_WITH_UCX ? "ucx" : "none";
-  // UCX transports, as UCX_TLS (e.g. "sysv,posix,cma,self" or "tcp" or "rc,cuda_copy").
-  // Empty: the UCX_TLS environment variable, else UCX's own choice. Default: "".
-  std::string ucx_tls;
-  // Let UCX allocate the arena (shared-memory segments remote peers on the same host map
-  // directly); false: mmap + register. Default: true.
-  bool ucx_allocate_arena = true;
-  // Fault the whole arena in (MADV_POPULATE_WRITE) in the background at startup, so that the
-  // first puts do not pay a page fault per 4 KiB on the server side. Default: true.
-  bool prefault_arena = true;
-  // Page-lock the arena for the GPU (cudaHostRegister, loaded at runtime from libcudart, so the
-  // server does not link CUDA): "auto" when a CUDA device is visible, "on" (fail without
-  // one), "off". Default: "auto".
-  std::string cuda_pin = "auto";
 };
 
 struct ServerOptions {

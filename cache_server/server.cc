@@ -6,7 +6,7 @@
 #include <mutex>
 
 #include "cache_server/service.h"
-#include "cache_server/transport.h"
+#include "cache_client/transport.h"
 #include "common/metrics/http_server.h"
 #include "common/metrics/metrics.h"
 

@@ -1,5 +1,7 @@
 #include "cache_server/service.h"
 
+#include "cache_client/key_codec.h"
+
 #include <array>
 
 #include "common/metrics/metrics.h"
@@ -61,21 +63,6 @@ absl::StatusOr<std::vector<BlockKey>> KeysFromProto(
 }
 
 }  // namespace
-
-absl::StatusOr<BlockKey> KeyFromProto(const pb::BlockKey& k) {
-  BlockKey key;
-  ASSIGN_OR_RETURN(key.segment, DecodeFingerprint(k.segment_fp()));
-  key.layer_begin = k.layer_begin();
-  key.layer_end = k.layer_end();
-  RETURN_IF_ERROR(ValidateBlockKey(key));
-  return key;
-}
-
-void KeyToProto(const BlockKey& k, pb::BlockKey* out) {
-  out->set_segment_fp(EncodeFingerprint(k.segment));
-  out->set_layer_begin(k.layer_begin);
-  out->set_layer_end(k.layer_end);
-}
 
 struct CacheServiceImpl::Metrics {
   std::array<metrics::Histogram*, kNumMethods> latency{};

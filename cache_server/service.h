@@ -8,7 +8,7 @@
 #include <string>
 
 #include "cache_server/block_cache.h"
-#include "cache_server/transport.h"
+#include "cache_client/transport.h"
 #include "proto/cache.grpc.pb.h"
 
 namespace sparsex::metrics {
@@ -59,9 +59,5 @@ class CacheServiceImpl final : public sparsex::cache::v1::CacheService::Service 
   std::unique_ptr<Metrics> m_;
   std::atomic<bool> serving_{true};
 };
-
-// Proto <-> internal conversions, shared with the client library.
-absl::StatusOr<BlockKey> KeyFromProto(const v1::BlockKey& k);
-void KeyToProto(const BlockKey& k, v1::BlockKey* out);
 
 }  // namespace sparsex::cache

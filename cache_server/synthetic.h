@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cache_server/block_key.h"
+#include "cache_client/block_key.h"
 #include "common/kv_block.h"
 
 namespace sparsex::cache {

@@ -18,4 +18,26 @@ Hash128 PrefixBlockHash(const Hash128& model_fp, const Hash128& parent,
   return h.Finish();
 }
 
+std::string FingerprintToBytes(const Hash128& h) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+absl::StatusOr<Hash128> FingerprintFromBytes(std::string_view s) {
+  if (s.size() != 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad_fingerprint: fingerprint must be 16 bytes, got ", s.size()));
+  }
+  Hash128 h;
+  for (int i = 0; i < 8; ++i) {
+    h.hi = (h.hi << 8) | static_cast<unsigned char>(s[i]);
+    h.lo = (h.lo << 8) | static_cast<unsigned char>(s[8 + i]);
+  }
+  return h;
+}
+
 }  // namespace sparsex

@@ -9,9 +9,11 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "common/hash.h"
+#include "common/status.h"
 
 namespace sparsex {
 
@@ -27,5 +29,10 @@ Hash128 SegmentFingerprint(const Hash128& model_fp, std::span<const int32_t> tok
 // and in it is identical, for the same model.
 Hash128 PrefixBlockHash(const Hash128& model_fp, const Hash128& parent,
                         std::span<const int32_t> block_tokens);
+
+// The wire encoding of a fingerprint in every proto: 16 bytes, big-endian, hi then lo.
+std::string FingerprintToBytes(const Hash128& h);
+// INVALID_ARGUMENT ("bad_fingerprint: ...") unless s is 16 bytes.
+absl::StatusOr<Hash128> FingerprintFromBytes(std::string_view s);
 
 }  // namespace sparsex

@@ -14,6 +14,21 @@ std::string Hash128::Hex() const {
   return buf;
 }
 
+std::optional<Hash128> Hash128::FromHex(std::string_view hex) {
+  if (hex.size() != 32) return std::nullopt;
+  uint64_t w[2] = {0, 0};
+  for (size_t i = 0; i < 32; ++i) {
+    const char c = hex[i];
+    int d;
+    if (c >= '0' && c <= '9') d = c - '0';
+    else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+    else return std::nullopt;
+    w[i / 16] = (w[i / 16] << 4) | static_cast<uint64_t>(d);
+  }
+  return Hash128{w[0], w[1]};
+}
+
 uint64_t Hash64(const void* data, size_t n, uint64_t seed) {
   return XXH3_64bits_withSeed(data, n, seed);
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -14,6 +15,8 @@ struct Hash128 {
   uint64_t hi = 0, lo = 0;
   bool operator==(const Hash128&) const = default;
   std::string Hex() const;  // 32 lowercase hex digits
+  // Parses Hex()'s output (either case); nullopt for anything else.
+  static std::optional<Hash128> FromHex(std::string_view hex);
   template <typename H>
   friend H AbslHashValue(H h, const Hash128& v) {
     return H::combine(std::move(h), v.hi, v.lo);

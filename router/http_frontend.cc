@@ -10,8 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/metrics/metrics.h"
-#include "gpu_worker/model/model.h"
-#include "gpu_worker/service/api_convert.h"
+#include "common/utf8.h"
 #include "router/frontends.h"
 #include "router/router.h"
 
@@ -19,7 +18,6 @@ namespace sparsex::router {
 namespace {
 
 using json = nlohmann::json;
-using service::IsValidUtf8;
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 

@@ -17,10 +17,11 @@
 #include "common/etcd/etcd_client.h"
 #include "common/fingerprint.h"
 #include "common/metrics/metrics.h"
-#include "gpu_worker/model/model.h"
-#include "gpu_worker/reuse/reuse_prefill.h"
-#include "gpu_worker/service/api_convert.h"
+#include "common/utf8.h"
+#include "model/model_info.h"
+#include "model/prompt.h"
 #include "proto/grpc_status.h"
+#include "proto/request_check.h"
 #include "proto/worker.grpc.pb.h"
 
 namespace sparsex::router {
@@ -28,8 +29,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace wpb = sparsex::worker::v1;
-using service::IsValidUtf8;
-using service::SanitizeUtf8;
 
 std::string RandomHex(int n) {
   static std::mutex mu;
@@ -140,10 +139,70 @@ struct RouterMetrics {
 
 }  // namespace
 
+// What the router hashes with, learned from the first worker that serves the router's model:
+// the model fingerprint (it hashes samples of the weights, which the router never reads), the
+// segment encoding and the KV block size. Workers that disagree are not routed to.
+struct ServedIdentity {
+  bool known = false;
+  Hash128 fingerprint;
+  std::string fingerprint_hex;
+  std::string encoding;
+  int block_size = 0;
+};
+
 struct Router::Impl {
   RouterOptions opts;
-  std::unique_ptr<Model> model;
+  ModelInfo model;
   std::string model_name;
+  mutable std::mutex id_mu;
+  ServedIdentity id;  // guarded by id_mu
+
+  ServedIdentity Identity() const {
+    std::lock_guard<std::mutex> l(id_mu);
+    return id;
+  }
+
+  // "" when the worker may serve this router's requests, else why not. The first acceptable
+  // worker fixes the identity.
+  std::string Accept(const wpb::WorkerInfo& info) {
+    const ModelConfig& c = model.config;
+    if (info.vocab_size() != c.vocab_size || info.context_length() != c.max_seq_len) {
+      return absl::StrCat("its model has vocabulary ", info.vocab_size(), " and context ",
+                          info.context_length(), ", this router's ", c.vocab_size, " and ",
+                          c.max_seq_len);
+    }
+    const int bs = info.kv_block_size() > 0 ? info.kv_block_size() : 16;  // older workers: 16
+    if (!opts.segment_encoding.empty() && info.segment_encoding() != opts.segment_encoding) {
+      return absl::StrCat("its segment encoding is ", info.segment_encoding(), ", --segment_encoding ",
+                          opts.segment_encoding);
+    }
+    if (opts.kv_block_size > 0 && bs != opts.kv_block_size) {
+      return absl::StrCat("its KV block size is ", bs, ", --kv_block_size ", opts.kv_block_size);
+    }
+    std::lock_guard<std::mutex> l(id_mu);
+    if (!id.known) {
+      auto fp = Hash128::FromHex(info.model_fingerprint());
+      if (!fp.has_value()) return "its model fingerprint is malformed";
+      id.known = true;
+      id.fingerprint = *fp;
+      id.fingerprint_hex = info.model_fingerprint();
+      id.encoding = info.segment_encoding();
+      id.block_size = bs;
+      Log(absl::StrCat("serving model ", model_name, " fingerprint ", id.fingerprint_hex,
+                       ", segment encoding ", id.encoding, ", KV block size ", bs, " (from worker ",
+                       info.worker_id(), ")"));
+      return "";
+    }
+    if (info.model_fingerprint() != id.fingerprint_hex) {
+      return absl::StrCat("it serves model fingerprint ", info.model_fingerprint(), ", the cluster ",
+                          id.fingerprint_hex);
+    }
+    if (info.segment_encoding() != id.encoding || bs != id.block_size) {
+      return absl::StrCat("its segment encoding / block size are ", info.segment_encoding(), " / ",
+                          bs, ", the cluster's ", id.encoding, " / ", id.block_size);
+    }
+    return "";
+  }
   ClusterIndex index;
   metrics::Registry registry;
   std::unique_ptr<RouterMetrics> m;
@@ -273,15 +332,11 @@ struct Router::Impl {
         std::lock_guard<std::mutex> l(c.mu);
         c.name = info.worker_id();
       }
-      if (info.model_fingerprint() != model->fingerprint().Hex() ||
-          info.segment_encoding() != opts.segment_encoding) {
+      if (const std::string why = Accept(info); !why.empty()) {
         c.model_ok = false;
         if (!warned_model) {
-          Log(absl::StrCat("worker ", info.worker_id(), " serves model ", info.model(), " (",
-                           info.model_fingerprint(), ", encoding ", info.segment_encoding(),
-                           "); this router serves ", model_name, " (",
-                           model->fingerprint().Hex(), ", encoding ", opts.segment_encoding,
-                           "): not routing to it"));
+          Log(absl::StrCat("worker ", info.worker_id(), " (model ", info.model(), "): ", why,
+                           ": not routing to it"));
           warned_model = true;
         }
         for (int i = 0; i < 20 && !c.stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -308,7 +363,7 @@ struct Router::Impl {
         if (ev.has_snapshot()) {
           std::vector<IndexEntry> entries;
           for (const auto& e : ev.snapshot().entries()) {
-            auto fp = service::DecodeFingerprintBytes(e.fingerprint());
+            auto fp = FingerprintFromBytes(e.fingerprint());
             if (fp.ok()) entries.push_back({*fp, e.num_tokens(), e.tier() == wpb::TIER_GPU});
           }
           index.ApplySnapshot(c.address, ev.instance_id(), ev.snapshot().seq(), entries);
@@ -323,7 +378,7 @@ struct Router::Impl {
                                           : ClusterIndex::EventKind::kStored;
           Hash128 fp;
           if (k != ClusterIndex::EventKind::kCleared) {
-            auto d = service::DecodeFingerprintBytes(ce.fingerprint());
+            auto d = FingerprintFromBytes(ce.fingerprint());
             if (!d.ok()) continue;
             fp = *d;
           }
@@ -376,8 +431,8 @@ struct Router::Impl {
 
   absl::StatusOr<Prepared> Prepare(const v1::GenerateRequest& req) {
     Prepared p;
-    const Tokenizer& tok = model->tokenizer();
-    const ModelConfig& cfg = model->config();
+    const Tokenizer& tok = *model.tokenizer;
+    const ModelConfig& cfg = model.config;
     const bool has_prompt = !req.prompt().empty() || req.prompt_ids_size() > 0;
     if (req.segments_size() > 0 && has_prompt) {
       return absl::InvalidArgumentError("set either segments or prompt/prompt_ids, not both");
@@ -429,8 +484,8 @@ struct Router::Impl {
       return absl::InvalidArgumentError(absl::StrCat(
           "prompt of ", n, " tokens exceeds the context length of ", cfg.max_seq_len));
     }
-    RETURN_IF_ERROR(service::SamplingFromProto(req.sampling()).status());
-    RETURN_IF_ERROR(service::ReuseFromProto(req.reuse(), ReuseOptions{}, cfg.n_layers).status());
+    RETURN_IF_ERROR(CheckSamplingRequest(req.sampling(), cfg.vocab_size));
+    RETURN_IF_ERROR(CheckReuseRequest(req.reuse(), cfg.n_layers));
     p.prompt_tokens = n;
     p.wreq.set_request_id(req.request_id().empty() ? "req-" + RandomHex(16) : req.request_id());
     p.wreq.set_add_bos(add_bos);
@@ -438,28 +493,26 @@ struct Router::Impl {
     *p.wreq.mutable_reuse() = req.reuse();
     p.wreq.set_return_token_ids(req.return_token_ids());
     const bool reuse_on = !req.reuse().has_enable() || req.reuse().enable();
-    {
-      // Exact-prefix blocks as the worker's block manager hashes them (chained, salted with the
-      // model fingerprint). Their tokens add to a worker's score on top of any segment hit
-      // covering them: an exact hit needs no recompute at all.
-      std::vector<int32_t> all;
-      if (add_bos && tok.bos_id() >= 0) all.push_back(tok.bos_id());
-      for (const auto& s : segs) all.insert(all.end(), s.tokens.begin(), s.tokens.end());
-      const size_t bs = static_cast<size_t>(std::max(1, opts.kv_block_size));
-      Hash128 parent;
-      for (size_t i = 0; i + bs < all.size(); i += bs) {  // never the block of the last token
-        parent = PrefixBlockHash(model->fingerprint(), parent,
-                                 std::span<const int32_t>(all.data() + i, bs));
-        p.fps.push_back({parent, static_cast<int>(bs), /*block=*/true});
-      }
-    }
     for (const auto& s : segs) {
       wpb::TokenSegment* ts = p.wreq.add_segments();
       ts->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
       ts->set_cacheable(s.cacheable);
-      if (reuse_on && s.cacheable && !s.tokens.empty()) {
-        p.fps.push_back({SegmentFingerprint(model->fingerprint(), s.tokens, opts.segment_encoding),
-                         static_cast<int>(s.tokens.size())});
+    }
+    // Routing hints: exact-prefix blocks (their tokens add to a worker's score on top of any
+    // segment hit covering them: an exact hit needs no recompute) and segment fingerprints,
+    // hashed as the workers hash them. Unknown until a worker has reported its identity.
+    const ServedIdentity ident = Identity();
+    if (ident.known) {
+      const RequestFingerprints f = FingerprintRequest(
+          ident.fingerprint, segs, add_bos ? tok.bos_id() : -1,
+          {.block_size = ident.block_size, .encoding = ident.encoding, .segments = reuse_on});
+      for (const Hash128& h : f.prefix_blocks) {
+        p.fps.push_back({h, ident.block_size, /*block=*/true});
+      }
+      for (size_t i = 0; i < segs.size(); ++i) {
+        if (f.segments[i].has_value()) {
+          p.fps.push_back({*f.segments[i], static_cast<int>(segs[i].tokens.size())});
+        }
       }
     }
     return p;
@@ -621,7 +674,7 @@ struct Router::Impl {
   }
 
   absl::Status CheckModel(const std::string& name) const {
-    if (name.empty() || name == model_name || name == model->fingerprint().Hex()) {
+    if (name.empty() || name == model_name || (Identity().known && name == Identity().fingerprint_hex)) {
       return absl::OkStatus();
     }
     return absl::InvalidArgumentError(absl::StrCat("unknown model '", SanitizeUtf8(name),
@@ -654,7 +707,8 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(const RouterOptions& opti
   Impl& s = *r->impl_;
   s.opts = options;
   if (options.model_path.empty()) return absl::InvalidArgumentError("router: --model is required");
-  ASSIGN_OR_RETURN(s.model, LoadModel(options.model_path));
+  // Config and tokenizer only: the router never maps weight files.
+  ASSIGN_OR_RETURN(s.model, LoadModelInfo(options.model_path));
   s.model_name = options.model_name.empty()
                      ? std::filesystem::path(options.model_path).stem().string()
                      : options.model_name;
@@ -680,7 +734,7 @@ absl::Status Router::Generate(const v1::GenerateRequest& req, const GenerateSink
 absl::StatusOr<v1::TokenizeResponse> Router::Tokenize(const v1::TokenizeRequest& req) {
   RETURN_IF_ERROR(CheckModel(req.model()));
   if (!IsValidUtf8(req.text())) return absl::InvalidArgumentError("text: invalid UTF-8");
-  const Tokenizer& tok = impl_->model->tokenizer();
+  const Tokenizer& tok = *impl_->model.tokenizer;
   std::vector<int32_t> ids = tok.Encode(req.text(), req.has_add_bos() && req.add_bos());
   v1::TokenizeResponse resp;
   for (int32_t id : ids) {
@@ -693,11 +747,11 @@ absl::StatusOr<v1::TokenizeResponse> Router::Tokenize(const v1::TokenizeRequest&
 v1::ListModelsResponse Router::ListModels() {
   v1::ListModelsResponse resp;
   v1::ModelInfo* mi = resp.add_models();
-  const ModelConfig& c = impl_->model->config();
+  const ModelConfig& c = impl_->model.config;
   mi->set_id(impl_->model_name);
   mi->set_context_length(c.max_seq_len);
   mi->set_vocab_size(c.vocab_size);
-  mi->set_fingerprint(impl_->model->fingerprint().Hex());
+  mi->set_fingerprint(impl_->Identity().fingerprint_hex);  // "" until a worker reported it
   int n = 0;
   for (auto& w : impl_->Conns()) n += (w->healthy && w->model_ok) ? 1 : 0;
   mi->set_workers(n);
@@ -728,7 +782,6 @@ absl::Status Router::CheckModel(const std::string& model) const {
   return impl_->CheckModel(model);
 }
 
-const Model& Router::model() const { return *impl_->model; }
 const std::string& Router::model_name() const { return impl_->model_name; }
 metrics::Registry& Router::registry() { return impl_->registry; }
 const RouterOptions& Router::options() const { return impl_->opts; }

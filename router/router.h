@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "gpu_worker/reuse/chunking.h"
+#include "model/chunking.h"
 #include "proto/sparsex.pb.h"
 #include "router/cluster_index.h"
 
@@ -31,7 +31,6 @@ namespace grpc {
 class ServerContext;
 }
 namespace sparsex {
-class Model;
 namespace metrics {
 class Registry;
 }
@@ -40,7 +39,9 @@ class Registry;
 namespace sparsex::router {
 
 struct RouterOptions {
-  std::string model_path;   // the served model (tokenizer, fingerprint). Default: "" (required)
+  // The served model: config and tokenizer only (a *.gguf, a directory with config.json and
+  // tokenizer.json, or synthetic:<name>); weights are never read. Default: "" (required)
+  std::string model_path;
   std::string model_name;   // API name. Default: the file name without extension
   std::string grpc_address = "127.0.0.1:50051";  // public gRPC API; "" disables. Default
   std::string http_address = "127.0.0.1:8000";   // OpenAI HTTP + /metrics; "" disables. Default
@@ -52,8 +53,10 @@ struct RouterOptions {
   int membership_poll_ms = 500;  // etcd poll period. Default: 500 ms
   RoutingWeights weights;        // Default: see RoutingWeights
   ChunkingOptions chunking;      // plain prompts. Default: ChunkingOptions{}
-  std::string segment_encoding = "none";  // must match the workers'. Default: none
-  int kv_block_size = 16;  // workers' KV block size, for exact-prefix block hashes. Default: 16
+  // The segment encoding and KV block size the router hashes with come from the workers
+  // (WorkerInfo). Set, these are expectations: workers that differ are not routed to.
+  std::string segment_encoding;  // Default: "" (any; the first worker's)
+  int kv_block_size = 0;         // Default: 0 (any; the first worker's)
   int max_attempts = 3;          // workers tried before the first token. Default: 3
   int request_timeout_ms = 0;    // deadline when the client sets none; 0 = none. Default: 0
   std::string ready_file;        // JSON with the ports, written once serving. Default: none
@@ -83,7 +86,6 @@ class Router {
   // INVALID_ARGUMENT "unknown model" unless `model` is "" or the served model's name.
   absl::Status CheckModel(const std::string& model) const;
 
-  const Model& model() const;
   const std::string& model_name() const;
   metrics::Registry& registry();
   const RouterOptions& options() const;

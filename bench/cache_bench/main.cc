@@ -28,9 +28,9 @@
 #include <thread>
 #include <vector>
 
-#include "cache_server/client/cache_client.h"
+#include "cache_client/cache_client.h"
 #include "cache_server/synthetic.h"
-#include "cache_server/testing/server_process.h"
+#include "testing/server_process.h"
 #include "common/kv_block.h"
 
 namespace {

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "gpu_worker/model/model.h"
+#include "model/model.h"
 
 namespace sparsex {
 

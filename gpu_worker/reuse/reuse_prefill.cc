@@ -56,14 +56,6 @@ absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers) {
   return EncodingContext(o.encoding, 0).status();
 }
 
-std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const ChunkingOptions& o) {
-  std::vector<PromptSegment> out;
-  for (auto [b, e] : ChunkTokens(ids, o)) {
-    out.push_back({std::vector<int32_t>(ids.begin() + b, ids.begin() + e), true});
-  }
-  return out;
-}
-
 Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens,
                                  const std::string& encoding) const {
   return SegmentFingerprint(engine_->model().fingerprint(), tokens, encoding);

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "gpu_worker/engine/engine.h"
-#include "gpu_worker/reuse/chunking.h"
+#include "model/prompt.h"
 #include "gpu_worker/reuse/device_tier.h"
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/selector.h"
@@ -56,11 +56,6 @@ struct ReuseOptions {
 };
 
 absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers);
-
-struct PromptSegment {
-  std::vector<int32_t> tokens;
-  bool cacheable = true;  // look up and store this segment. Default: true
-};
 
 struct ReuseStats {
   int prompt_tokens = 0;
@@ -125,8 +120,5 @@ class ReuseEngine {
   ReuseOptions opts_;
   DeviceSegmentTier tier_, host_tier_;
 };
-
-// Splits a plain prompt into segments by content-defined chunking.
-std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const ChunkingOptions& o);
 
 }  // namespace sparsex

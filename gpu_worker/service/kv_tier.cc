@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "cache_server/client/cluster_client.h"
+#include "cache_client/cluster_client.h"
 #include "common/kv_block.h"
 
 namespace sparsex::service {

@@ -22,7 +22,8 @@
 #include "common/fingerprint.h"
 #include "common/metrics/http_server.h"
 #include "common/metrics/metrics.h"
-#include "gpu_worker/model/model.h"
+#include "common/utf8.h"
+#include "model/model.h"
 #include "gpu_worker/service/api_convert.h"
 #include "gpu_worker/service/event_log.h"
 #include "proto/grpc_status.h"
@@ -190,7 +191,7 @@ struct WorkerServer::State {
     r.set_seq(seq);
     for (const auto& e : entries) {
       wpb::CacheEntry* c = r.add_entries();
-      c->set_fingerprint(EncodeFingerprintBytes(e.fp));
+      c->set_fingerprint(FingerprintToBytes(e.fp));
       c->set_num_tokens(e.num_tokens);
       c->set_tier(ToProtoTier(e.tier));
     }
@@ -247,7 +248,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
       w.segments.push_back({std::vector<int32_t>(seg.tokens().begin(), seg.tokens().end()),
                             seg.cacheable()});
     }
-    auto sampling = SamplingFromProto(req->sampling());
+    auto sampling = SamplingFromProto(req->sampling(), s_->model->config().vocab_size);
     if (!sampling.ok()) return ToGrpcStatus(sampling.status());
     w.sampling = *sampling;
     auto reuse = ReuseFromProto(req->reuse(), s_->opts.scheduler.reuse,
@@ -381,7 +382,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
                     : r.kind == EventKind::kRemoved
                         ? (block ? wpb::CacheEvent::BLOCK_REMOVED : wpb::CacheEvent::SEGMENT_REMOVED)
                         : wpb::CacheEvent::ALL_CLEARED);
-        if (r.kind != EventKind::kCleared) c->set_fingerprint(EncodeFingerprintBytes(r.fp));
+        if (r.kind != EventKind::kCleared) c->set_fingerprint(FingerprintToBytes(r.fp));
         c->set_num_tokens(r.num_tokens);
         c->set_tier(ToProtoTier(r.tier));
         if (!writer->Write(e)) return grpc::Status::OK;
@@ -420,6 +421,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
     resp->set_context_length(c.max_seq_len);
     resp->set_vocab_size(c.vocab_size);
     resp->set_segment_encoding(s_->opts.scheduler.reuse.encoding);
+    resp->set_kv_block_size(s_->opts.scheduler.engine.kv.block_size);
     resp->set_device(s_->opts.device);
     *resp->mutable_load() = s_->Load();
     return grpc::Status::OK;

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "cache_server/synthetic.h"
-#include "cache_server/testing/server_process.h"
+#include "testing/server_process.h"
 #include "common/kv_block.h"
 #include "common/metrics/metrics.h"
 

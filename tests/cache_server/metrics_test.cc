@@ -7,7 +7,7 @@
 #include <fstream>
 #include <thread>
 
-#include "cache_server/testing/server_process.h"
+#include "testing/server_process.h"
 #include "common/metrics/http_server.h"
 
 namespace sparsex::metrics {

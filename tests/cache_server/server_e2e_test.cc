@@ -16,9 +16,9 @@
 #include <regex>
 #include <thread>
 
-#include "cache_server/client/cache_client.h"
+#include "cache_client/cache_client.h"
 #include "cache_server/synthetic.h"
-#include "cache_server/testing/server_process.h"
+#include "testing/server_process.h"
 #include "common/kv_block.h"
 #include "proto/cache.grpc.pb.h"
 

@@ -6,8 +6,8 @@
 #include <set>
 
 #include "cache_server/arena_allocator.h"
-#include "cache_server/block_key.h"
-#include "cache_server/client/cluster_client.h"
+#include "cache_client/block_key.h"
+#include "cache_client/cluster_client.h"
 #include "cache_server/disk_store.h"
 #include "cache_server/eviction.h"
 #include "cache_server/synthetic.h"

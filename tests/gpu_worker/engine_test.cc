@@ -1,4 +1,5 @@
 // End-to-end engine tests on the real stories260K model.
+#include "testing/models_dir.h"
 #include "gpu_worker/engine/engine.h"
 
 #include <cmath>
@@ -25,7 +26,7 @@ TEST(Engine, GreedyFromBosReproducesTheOracle) {
   ASSERT_NE(model, nullptr);
   auto engine = Engine::Create(*model, {});
   ASSERT_TRUE(engine.ok()) << engine.status();
-  std::vector<int32_t> oracle = ReadIds(ModelsDir() + "/stories260K/expected_greedy_t0.ids");
+  std::vector<int32_t> oracle = ReadIds(sparsex::testing::ModelsDir() + "/stories260K/expected_greedy_t0.ids");
   ASSERT_EQ(oracle.size(), 345u);
   GenerateRequest req;
   req.prompt = {model->tokenizer().bos_id()};

@@ -4,7 +4,8 @@
 #include <memory>
 #include <string>
 
-#include "gpu_worker/model/model.h"
+#include "testing/models_dir.h"
+#include "model/model.h"
 #include "gtest/gtest.h"
 
 namespace sparsex::testing {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <memory>
 
+#include "testing/models_dir.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 #include "gtest/gtest.h"
@@ -11,9 +12,9 @@ namespace sparsex {
 namespace {
 
 std::unique_ptr<Model> LoadStories() {
-  auto m = LoadModel(ModelsDir() + "/stories260K/stories260K.gguf");
+  auto m = LoadModel(sparsex::testing::ModelsDir() + "/stories260K/stories260K.gguf");
   EXPECT_TRUE(m.ok()) << "cannot load the test model (set $SPARSEX_MODELS, now resolving to "
-                      << ModelsDir() << "): " << m.status();
+                      << sparsex::testing::ModelsDir() << "): " << m.status();
   return m.ok() ? std::move(*m) : nullptr;
 }
 

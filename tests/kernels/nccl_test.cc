@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "testing/models_dir.h"
 #include "gpu_worker/engine/engine_group.h"
 #include "gtest/gtest.h"
 #include "tests/gpu_worker/engine_group_util.h"
@@ -83,7 +84,7 @@ using testing::Greedy;
 
 TEST(Nccl, Stories260KTp2GreedyEqualsTp1For64Tokens) {
   if (DeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << DeviceCount();
-  auto model = LoadModel(ModelsDir() + "/stories260K/stories260K.gguf");
+  auto model = LoadModel(sparsex::testing::ModelsDir() + "/stories260K/stories260K.gguf");
   ASSERT_TRUE(model.ok()) << model.status();
   EngineOptions o;
   o.backend.kind = "cuda";

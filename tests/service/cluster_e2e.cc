@@ -18,12 +18,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cache_server/testing/server_process.h"
+#include "testing/server_process.h"
 #include "common/etcd/etcd_client.h"
 #include "common/etcd/http_client.h"
 #include "common/fingerprint.h"
 #include "common/kv_block.h"
-#include "cache_server/client/cache_client.h"
+#include "cache_client/cache_client.h"
 #include "gpu_worker/service/kv_tier.h"
 #include "gtest/gtest.h"
 #include "proto/sparsex.grpc.pb.h"

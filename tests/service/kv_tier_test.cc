@@ -3,7 +3,7 @@
 // segment's (wrong shape) or is corrupt is never used, and the failure is reported.
 #include "gpu_worker/service/kv_tier.h"
 
-#include "cache_server/client/cache_client.h"
+#include "cache_client/cache_client.h"
 #include "cache_server/server.h"
 #include "common/kv_block.h"
 #include "gtest/gtest.h"

@@ -1,0 +1,410 @@
+#include "cache_client/cache_client.h"
+
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+
+#include <set>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "cache_client/key_codec.h"
+#include "cache_client/transport.h"
+#include "common/kv_block.h"
+#include "proto/cache.grpc.pb.h"
+#include "proto/grpc_status.h"
+
+namespace sparsex::cache {
+
+namespace pb = sparsex::cache::v1;
+
+struct CacheClient::Impl {
+  CacheClientOptions opt;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::CacheService::Stub> stub;
+  std::unique_ptr<ClientTransport> transport;  // null: inline gRPC
+  std::mutex transport_mu;
+  std::string server_id, data_plane;
+  std::mutex buffers_mu;
+  std::set<void*> transport_buffers;
+  uint64_t max_block_bytes = 0;
+
+  std::unique_ptr<grpc::ClientContext> Ctx() const {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(opt.rpc_timeout_ms));
+    return c;
+  }
+  Deadline TransferDeadline() const {
+    return std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.transfer_timeout_ms);
+  }
+};
+
+CacheClient::CacheClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CacheClient::~CacheClient() = default;
+
+absl::StatusOr<std::unique_ptr<CacheClient>> CacheClient::Connect(
+    const CacheClientOptions& options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("client: empty address");
+  if (options.transport != "ucx" && options.transport != "grpc") {
+    return absl::InvalidArgumentError("client: transport must be ucx or grpc");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->opt = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  impl->channel =
+      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  impl->stub = pb::CacheService::NewStub(impl->channel);
+
+  pb::EndpointRequest req;
+  pb::EndpointResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(impl->stub->GetEndpoint(impl->Ctx().get(), req, &resp)));
+  impl->server_id = resp.server_id();
+  impl->max_block_bytes = resp.max_block_bytes();
+  impl->data_plane = "grpc";
+  if (options.transport == "ucx") {
+    EndpointInfo ep;
+    ep.transport = resp.transport();
+    ep.worker_address = resp.worker_address();
+    ep.rkey = resp.rkey();
+    ep.base_address = resp.base_address();
+    ep.arena_bytes = resp.arena_bytes();
+    TransportOptions to;
+    to.kind = "ucx";
+    to.ucx_tls = options.ucx_tls;
+    auto t = CreateClientTransport(to, ep);
+    if (t.ok()) {
+      impl->transport = std::move(*t);
+      impl->data_plane = "ucx";
+    } else if (!options.fallback_to_grpc) {
+      return t.status();
+    }
+  }
+  return std::unique_ptr<CacheClient>(new CacheClient(std::move(impl)));
+}
+
+absl::StatusOr<std::vector<LookupInfo>> CacheClient::Lookup(std::span<const BlockKey> keys) {
+  pb::LookupRequest req;
+  req.set_model_fp(EncodeFingerprint(impl_->opt.model_fp));
+  req.set_layout_version(impl_->opt.layout_version);
+  for (const auto& k : keys) KeyToProto(k, req.add_keys());
+  pb::LookupResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Lookup(impl_->Ctx().get(), req, &resp)));
+  if (resp.results_size() != static_cast<int>(keys.size())) {
+    return absl::InternalError("lookup: reply has the wrong number of results");
+  }
+  std::vector<LookupInfo> out(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& r = resp.results(static_cast<int>(i));
+    out[i].present = r.present();
+    out[i].tier = static_cast<Tier>(r.tier());
+    out[i].size = r.size();
+    out[i].layout_version = r.layout_version();
+    out[i].code = static_cast<absl::StatusCode>(r.code());
+  }
+  return out;
+}
+
+absl::StatusOr<Reservation> CacheClient::Reserve(const BlockKey& key, uint64_t size,
+                                                 double cost) {
+  pb::ReserveRequest req;
+  req.set_model_fp(EncodeFingerprint(impl_->opt.model_fp));
+  req.set_layout_version(impl_->opt.layout_version);
+  KeyToProto(key, req.mutable_key());
+  req.set_size(size);
+  req.set_cost(cost);
+  pb::ReserveResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Reserve(impl_->Ctx().get(), req, &resp)));
+  return Reservation{resp.reservation_id(), resp.offset(), resp.deadline_unix_ms()};
+}
+
+absl::Status CacheClient::Write(const Reservation& r, std::span<const uint8_t> bytes,
+                                uint64_t at) {
+  if (impl_->transport == nullptr) {
+    return absl::FailedPreconditionError("no data plane: commit the block inline");
+  }
+  RemoteOp op{r.offset + at, const_cast<uint8_t*>(bytes.data()), bytes.size()};
+  std::lock_guard<std::mutex> lock(impl_->transport_mu);
+  return impl_->transport->Put({&op, 1}, impl_->TransferDeadline());
+}
+
+absl::Status CacheClient::Commit(const Reservation& r, uint64_t checksum,
+                                 std::span<const uint8_t> inline_block) {
+  pb::CommitRequest req;
+  req.set_reservation_id(r.id);
+  req.set_checksum(checksum);
+  if (!inline_block.empty()) {
+    req.set_inline_data(reinterpret_cast<const char*>(inline_block.data()), inline_block.size());
+  }
+  pb::CommitResponse resp;
+  return FromGrpcStatus(impl_->stub->Commit(impl_->Ctx().get(), req, &resp));
+}
+
+absl::Status CacheClient::Abort(const Reservation& r) {
+  pb::AbortRequest req;
+  req.set_reservation_id(r.id);
+  pb::AbortResponse resp;
+  return FromGrpcStatus(impl_->stub->Abort(impl_->Ctx().get(), req, &resp));
+}
+
+absl::Status CacheClient::Put(const BlockKey& key, std::span<const uint8_t> block, double cost) {
+  ASSIGN_OR_RETURN(Reservation r, Reserve(key, block.size(), cost));
+  const uint64_t checksum = KvBlockWireChecksum(block);
+  if (impl_->transport == nullptr) return Commit(r, checksum, block);
+  if (absl::Status s = Write(r, block); !s.ok()) {
+    (void)Abort(r);
+    return s;
+  }
+  return Commit(r, checksum);
+}
+
+absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const BlockKey> keys,
+                                                                 const Allocator& alloc,
+                                                                 const OnBlock& on_block) {
+  pb::LeaseRequest req;
+  req.set_model_fp(EncodeFingerprint(impl_->opt.model_fp));
+  req.set_layout_version(impl_->opt.layout_version);
+  req.set_ttl_ms(impl_->opt.lease_ttl_ms);
+  req.set_partial(true);
+  for (const auto& k : keys) KeyToProto(k, req.add_keys());
+  pb::LeaseResponse lease;
+  RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Lease(impl_->Ctx().get(), req, &lease)));
+  if (lease.blocks_size() != static_cast<int>(keys.size())) {
+    return absl::InternalError("lease: reply has the wrong number of blocks");
+  }
+
+  std::vector<absl::Status> status(keys.size());
+  std::vector<uint8_t*> dst(keys.size(), nullptr);
+  std::vector<size_t> present;  // key indices leased OK, in order
+  std::vector<RemoteOp> ops;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& b = lease.blocks(static_cast<int>(i));
+    if (b.code() != 0) {
+      status[i] = absl::NotFoundError(absl::StrCat("miss: ", keys[i].ToString()));
+      continue;
+    }
+    dst[i] = alloc(i, b.size());
+    if (dst[i] == nullptr) {
+      status[i] = absl::ResourceExhaustedError("allocator returned no memory");
+      continue;
+    }
+    present.push_back(i);
+    ops.push_back({b.offset(), dst[i], b.size()});
+  }
+
+  std::vector<BlockKey> corrupt;
+  size_t next_report = 0;  // next key index to report through on_block (key order)
+  auto report_until = [&](size_t end) {
+    for (; next_report < end; ++next_report) {
+      if (on_block) {
+        const auto& b = lease.blocks(static_cast<int>(next_report));
+        on_block(next_report, status[next_report],
+                 status[next_report].ok() ? std::span<const uint8_t>(dst[next_report], b.size())
+                                          : std::span<const uint8_t>());
+      }
+    }
+  };
+  auto landed = [&](size_t j) {
+    const size_t i = present[j];
+    const auto& b = lease.blocks(static_cast<int>(i));
+    if (impl_->opt.verify &&
+        KvBlockWireChecksum({dst[i], static_cast<size_t>(b.size())}) != b.checksum()) {
+      status[i] = absl::NotFoundError(absl::StrCat("miss: ", keys[i].ToString(),
+                                                   " failed checksum verification"));
+      corrupt.push_back(keys[i]);
+    }
+    report_until(i + 1);
+  };
+
+  absl::Status transfer;
+  if (!ops.empty()) {
+    if (impl_->transport != nullptr && impl_->opt.verify && impl_->opt.verify_in_background &&
+        present.size() > 1) {
+      // Pipeline: this thread drives the transfer, a helper verifies (and reports) block j
+      // while block j + 1 is being copied.
+      std::mutex qm;
+      std::condition_variable qcv;
+      size_t arrived = 0;
+      bool finished = false;
+      std::thread verifier([&] {
+        for (size_t j = 0; j < present.size(); ++j) {
+          {
+            std::unique_lock<std::mutex> l(qm);
+            qcv.wait(l, [&] { return arrived > j || finished; });
+            if (arrived <= j) return;
+          }
+          landed(j);
+        }
+      });
+      {
+        std::lock_guard<std::mutex> lock(impl_->transport_mu);
+        transfer = impl_->transport->Get(
+            ops,
+            [&](size_t j) {
+              {
+                std::lock_guard<std::mutex> l(qm);
+                arrived = j + 1;
+              }
+              qcv.notify_one();
+            },
+            impl_->TransferDeadline());
+      }
+      {
+        std::lock_guard<std::mutex> l(qm);
+        finished = true;
+      }
+      qcv.notify_one();
+      verifier.join();
+    } else if (impl_->transport != nullptr) {
+      std::lock_guard<std::mutex> lock(impl_->transport_mu);
+      transfer = impl_->transport->Get(ops, landed, impl_->TransferDeadline());
+    } else {
+      for (size_t j = 0; j < present.size() && transfer.ok(); ++j) {
+        pb::ReadRequest rr;
+        rr.set_lease_id(lease.lease_id());
+        rr.set_index(static_cast<uint32_t>(present[j]));
+        pb::ReadResponse data;
+        transfer = FromGrpcStatus(impl_->stub->Read(impl_->Ctx().get(), rr, &data));
+        if (transfer.code() == absl::StatusCode::kNotFound) {  // dropped as corrupt
+          status[present[j]] = transfer;
+          transfer = absl::OkStatus();
+          report_until(present[j] + 1);
+          continue;
+        }
+        if (transfer.ok()) {
+          if (data.data().size() != ops[j].size) {
+            transfer = absl::InternalError("read: wrong size");
+            break;
+          }
+          std::memcpy(dst[present[j]], data.data().data(), ops[j].size);
+          landed(j);
+        }
+      }
+    }
+  }
+  absl::Status released;
+  if (lease.lease_id() != 0) {
+    pb::ReleaseLeaseRequest rel;
+    rel.set_lease_id(lease.lease_id());
+    pb::ReleaseLeaseResponse rr;
+    released = FromGrpcStatus(impl_->stub->ReleaseLease(impl_->Ctx().get(), rel, &rr));
+  }
+  if (!transfer.ok()) return transfer;
+  if (!released.ok() && !impl_->opt.verify) {
+    // Without verification an expired lease means the bytes may have been overwritten.
+    return released;
+  }
+  report_until(keys.size());
+  if (!corrupt.empty()) {
+    pb::EvictRequest ev;
+    for (const auto& k : corrupt) KeyToProto(k, ev.add_keys());
+    ev.set_corrupt(true);
+    pb::EvictResponse er;
+    (void)impl_->stub->Evict(impl_->Ctx().get(), ev, &er);
+  }
+  return status;
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<std::string>>> CacheClient::Fetch(
+    std::span<const BlockKey> keys) {
+  std::vector<std::string> bufs(keys.size());
+  ASSIGN_OR_RETURN(auto st, FetchInto(keys, [&](size_t i, uint64_t size) {
+    bufs[i].resize(size);
+    return reinterpret_cast<uint8_t*>(bufs[i].data());
+  }));
+  std::vector<absl::StatusOr<std::string>> out;
+  out.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (st[i].ok()) out.emplace_back(std::move(bufs[i]));
+    else out.emplace_back(st[i]);
+  }
+  return out;
+}
+
+absl::StatusOr<uint32_t> CacheClient::Evict(std::span<const BlockKey> keys, bool all) {
+  pb::EvictRequest req;
+  for (const auto& k : keys) KeyToProto(k, req.add_keys());
+  req.set_all(all);
+  pb::EvictResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Evict(impl_->Ctx().get(), req, &resp)));
+  return resp.evicted();
+}
+
+absl::StatusOr<CacheStats> CacheClient::Stats() {
+  pb::StatsRequest req;
+  pb::StatsResponse r;
+  RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Stats(impl_->Ctx().get(), req, &r)));
+  CacheStats s;
+  s.memory_capacity_bytes = r.memory_capacity_bytes();
+  s.memory_used_bytes = r.memory_used_bytes();
+  s.memory_blocks = r.memory_blocks();
+  s.disk_used_bytes = r.disk_used_bytes();
+  s.disk_blocks = r.disk_blocks();
+  s.hits_memory = r.hits_memory();
+  s.hits_disk = r.hits_disk();
+  s.misses = r.misses();
+  s.evictions = r.evictions();
+  s.corrupt_blocks = r.corrupt_blocks();
+  s.active_leases = r.active_leases();
+  s.active_reservations = r.active_reservations();
+  s.reclaimed_reservations = r.reclaimed_reservations();
+  s.bytes_in = r.bytes_in();
+  s.bytes_out = r.bytes_out();
+  return s;
+}
+
+absl::Status CacheClient::Health() {
+  pb::HealthRequest req;
+  pb::HealthResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Health(impl_->Ctx().get(), req, &resp)));
+  if (!resp.serving()) return absl::UnavailableError("cache server not serving");
+  return absl::OkStatus();
+}
+
+absl::Status CacheClient::RegisterMemory(void* p, size_t n) {
+  if (impl_->transport == nullptr) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(impl_->transport_mu);
+  return impl_->transport->RegisterMemory(p, n);
+}
+
+void CacheClient::UnregisterMemory(void* p) {
+  if (impl_->transport == nullptr) return;
+  std::lock_guard<std::mutex> lock(impl_->transport_mu);
+  impl_->transport->UnregisterMemory(p);
+}
+
+uint8_t* CacheClient::AllocateBuffer(size_t n) {
+  if (impl_->transport != nullptr) {
+    std::lock_guard<std::mutex> lock(impl_->transport_mu);
+    if (void* p = impl_->transport->AllocateMemory(n)) {
+      std::lock_guard<std::mutex> l(impl_->buffers_mu);
+      impl_->transport_buffers.insert(p);
+      return static_cast<uint8_t*>(p);
+    }
+  }
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+}
+
+void CacheClient::FreeBuffer(uint8_t* p, size_t n) {
+  if (p == nullptr) return;
+  {
+    std::lock_guard<std::mutex> l(impl_->buffers_mu);
+    if (impl_->transport_buffers.erase(p) > 0) {
+      std::lock_guard<std::mutex> lock(impl_->transport_mu);
+      impl_->transport->FreeMemory(p);
+      return;
+    }
+  }
+  munmap(p, n);
+}
+
+const std::string& CacheClient::server_id() const { return impl_->server_id; }
+const std::string& CacheClient::address() const { return impl_->opt.address; }
+const std::string& CacheClient::data_plane() const { return impl_->data_plane; }
+
+}  // namespace sparsex::cache

@@ -1,0 +1,274 @@
+// Format-independent parts of model loading: dtypes, fp32 conversion, validation, fingerprint,
+// dispatch. The GGUF and safetensors parsers live in gguf.cc and safetensors.cc.
+#include "model/model.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+
+namespace sparsex {
+
+size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+  }
+  return "?";
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+float BitsToF32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE half -> single by bit manipulation (no F16C dependency, exact for every input).
+float HalfToF32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  if (exp == 0x1f) return BitsToF32(sign | 0x7f800000u | (mant << 13));  // inf / nan (payload kept)
+  if (exp != 0) return BitsToF32(sign | ((exp + 112) << 23) | (mant << 13));  // 127 - 15 = 112
+  if (mant == 0) return BitsToF32(sign);                                      // +-0
+  // Subnormal half: value = mant * 2^-24. Normalise: shift the leading 1 into bit 10.
+  int e = -1;
+  do {
+    mant <<= 1;
+    ++e;
+  } while ((mant & 0x400) == 0);
+  return BitsToF32(sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3ff) << 13));
+}
+
+}  // namespace
+
+void TensorView::ToF32(float* out) const {
+  const int64_t n = numel();
+  const auto* p = static_cast<const uint8_t*>(data);
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(out, p, static_cast<size_t>(n) * 4);
+      return;
+    case DType::kF16:
+      // Tensors in safetensors may be only 2-byte aligned or not at all: memcpy every load.
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        out[i] = HalfToF32(h);
+      }
+      return;
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        out[i] = BitsToF32(static_cast<uint32_t>(h) << 16);
+      }
+      return;
+  }
+}
+
+namespace {
+
+std::string ShapeStr(const std::vector<int64_t>& s) { return "[" + absl::StrJoin(s, ", ") + "]"; }
+
+absl::Status CheckTensor(const TensorView& t, const char* slot, std::vector<int64_t> want) {
+  if (t.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", slot, " (", t.name, ") is missing"));
+  }
+  if (t.shape != want) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " (", slot, ") has shape ",
+                                                   ShapeStr(t.shape), ", expected shape ",
+                                                   ShapeStr(want)));
+  }
+  if (t.nbytes != static_cast<size_t>(t.numel()) * DTypeSize(t.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor ", t.name, " holds ", t.nbytes, " bytes, its shape ", ShapeStr(t.shape), " ",
+        DTypeName(t.dtype), " needs ", t.numel() * DTypeSize(t.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+void HashTensor(Hasher& h, const TensorView& t) {
+  // Names, dtypes, shapes and the first and last 4 KiB: cheap (no full read of a multi-GB
+  // model), deterministic, and enough to tell apart two checkpoints of the same architecture.
+  constexpr size_t kSample = 4096;
+  h.Str(t.name).U64(static_cast<uint64_t>(t.dtype)).U64(t.shape.size());
+  for (int64_t d : t.shape) h.U64(static_cast<uint64_t>(d));
+  const auto* p = static_cast<const uint8_t*>(t.data);
+  size_t head = std::min(kSample, t.nbytes);
+  size_t tail = std::min(kSample, t.nbytes);
+  h.U64(t.nbytes);
+  h.U64(Hash64(p, head));
+  h.U64(Hash64(p + (t.nbytes - tail), tail));
+}
+
+uint64_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+}  // namespace
+
+absl::Status ValidateConfig(const ModelConfig& c) {
+  if (c.n_layers <= 0 || c.dim <= 0 || c.ffn_dim <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 ||
+      c.head_dim <= 0 || c.vocab_size <= 0 || c.max_seq_len <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "invalid model config: n_layers ", c.n_layers, ", dim ", c.dim, ", ffn_dim ", c.ffn_dim,
+        ", n_heads ", c.n_heads, ", n_kv_heads ", c.n_kv_heads, ", head_dim ", c.head_dim,
+        ", vocab_size ", c.vocab_size, ", max_seq_len ", c.max_seq_len, " (all must be > 0)"));
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n_heads ", c.n_heads, " is not a multiple of n_kv_heads ", c.n_kv_heads));
+  }
+  if (c.head_dim % 2 != 0) {  // RoPE rotates pairs
+    return absl::InvalidArgumentError(absl::StrCat("head_dim ", c.head_dim, " is odd"));
+  }
+  if (!(c.rms_eps > 0) || !(c.rope_theta > 0) || !std::isfinite(c.rms_eps) ||
+      !std::isfinite(c.rope_theta)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid rms_eps ", c.rms_eps, " or rope_theta ", c.rope_theta));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FinalizeModel(Model& m) {
+  const ModelConfig& c = m.config_;
+  RETURN_IF_ERROR(ValidateConfig(c));
+  const ModelWeights& w = m.weights_;
+  if (static_cast<int>(w.layers.size()) != c.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("model has ", w.layers.size(),
+                                                   " layers of weights, config says ", c.n_layers));
+  }
+  const int64_t q_dim = int64_t{c.n_heads} * c.head_dim;
+  const int64_t kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  RETURN_IF_ERROR(CheckTensor(w.tok_embeddings, "tok_embeddings", {c.vocab_size, c.dim}));
+  RETURN_IF_ERROR(CheckTensor(w.final_norm, "final_norm", {c.dim}));
+  RETURN_IF_ERROR(CheckTensor(w.output, "output", {c.vocab_size, c.dim}));
+  for (const LayerWeights& l : w.layers) {
+    RETURN_IF_ERROR(CheckTensor(l.attn_norm, "attn_norm", {c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.wq, "wq", {q_dim, c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.wk, "wk", {kv_dim, c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.wv, "wv", {kv_dim, c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.wo, "wo", {c.dim, q_dim}));
+    RETURN_IF_ERROR(CheckTensor(l.ffn_norm, "ffn_norm", {c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.w_gate, "w_gate", {c.ffn_dim, c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.w_up, "w_up", {c.ffn_dim, c.dim}));
+    RETURN_IF_ERROR(CheckTensor(l.w_down, "w_down", {c.dim, c.ffn_dim}));
+  }
+  // A tokenizer id past the embedding table would read out of bounds; padded tables are fine.
+  if (m.tokenizer_ != nullptr && m.tokenizer_->vocab_size() > c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", m.tokenizer_->vocab_size(),
+                                                   " tokens, the model's vocab_size is only ",
+                                                   c.vocab_size));
+  }
+
+  Hasher h;
+  h.Str("sparsex-model-v1").Str(c.architecture);
+  for (int v : {c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size,
+                c.max_seq_len}) {
+    h.U64(static_cast<uint64_t>(v));
+  }
+  h.U64(FloatBits(c.rms_eps))
+      .U64(FloatBits(c.rope_theta))
+      .U64(static_cast<uint64_t>(c.rope_layout));
+  const RopeScaling& rs = c.rope_scaling;
+  h.U64(static_cast<uint64_t>(rs.type));
+  if (rs.type != RopeScaling::Type::kNone) {
+    h.U64(FloatBits(rs.factor)).U64(FloatBits(rs.low_freq_factor));
+    h.U64(FloatBits(rs.high_freq_factor)).U64(static_cast<uint64_t>(rs.original_max_position));
+  }
+  h.U64(c.tied_embeddings ? 1 : 0);
+  HashTensor(h, w.tok_embeddings);
+  HashTensor(h, w.final_norm);
+  HashTensor(h, w.output);
+  for (const LayerWeights& l : w.layers) {
+    for (const TensorView* t :
+         {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down}) {
+      HashTensor(h, *t);
+    }
+  }
+  m.fingerprint_ = h.Finish();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
+  if (absl::StartsWith(path, "synthetic:")) return MakeSyntheticModel(path.substr(10));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("model path ", path, " does not exist"));
+  }
+  if (S_ISDIR(st.st_mode)) {
+    struct stat cfg {};
+    if (::stat((path + "/config.json").c_str(), &cfg) == 0) return LoadHfDirectory(path);
+    return absl::InvalidArgumentError(
+        absl::StrCat("model directory ", path, " has no config.json (not a Hugging Face model)"));
+  }
+  if (absl::EndsWith(path, ".gguf")) return LoadGguf(path);
+  return absl::InvalidArgumentError(
+      absl::StrCat("cannot tell the format of ", path,
+                   ": expected a *.gguf file or a directory with config.json"));
+}
+
+absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path) {
+  ModelInfo info;
+  if (absl::StartsWith(path, "synthetic:")) {
+    // Synthetic models carry shapes and a tokenizer but no weights: nothing is mapped.
+    ASSIGN_OR_RETURN(std::unique_ptr<Model> m, MakeSyntheticModel(path.substr(10)));
+    info.config = m->config_;
+    info.tokenizer = std::move(m->tokenizer_);
+    info.source = path;
+    return info;
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("model path ", path, " does not exist"));
+  }
+  if (S_ISDIR(st.st_mode)) {
+    ASSIGN_OR_RETURN(info, LoadHfInfo(path));
+  } else if (absl::EndsWith(path, ".gguf")) {
+    ASSIGN_OR_RETURN(info, LoadGgufInfo(path));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot tell the format of ", path,
+                     ": expected a *.gguf file or a directory with config.json"));
+  }
+  RETURN_IF_ERROR(ValidateConfig(info.config));
+  if (info.tokenizer != nullptr && info.tokenizer->vocab_size() > info.config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", info.tokenizer->vocab_size(),
+                                                   " tokens, the model's vocab_size is only ",
+                                                   info.config.vocab_size));
+  }
+  return info;
+}
+
+}  // namespace sparsex

@@ -1,0 +1,49 @@
+// A prompt as the engine and the router see it: a sequence of segments, with the one definition
+// of the fingerprints a request's KV is found by. The router computes them to route; the worker
+// computes the same ones to look its KV up (common/fingerprint.h holds the hash functions).
+//
+//   std::vector<PromptSegment> segs = ChunkPrompt(ids, ChunkingOptions{});
+//   RequestFingerprints f = FingerprintRequest(model_fp, segs, bos_id, {.block_size = 16});
+//   f.segments[i];       // the segment's fingerprint (absent for uncacheable or empty ones)
+//   f.prefix_blocks;     // chained exact-prefix block hashes, as the block manager computes them
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/hash.h"
+#include "model/chunking.h"
+
+namespace sparsex {
+
+struct PromptSegment {
+  std::vector<int32_t> tokens;
+  bool cacheable = true;  // look up and store this segment. Default: true
+};
+
+// Splits a plain prompt into segments by content-defined chunking.
+std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const ChunkingOptions& o);
+
+struct FingerprintOptions {
+  int block_size = 16;              // KV block size of the exact-prefix cache. Default: 16
+  std::string encoding = "none";    // segment encoding context. Default: "none"
+  bool segments = true;             // fingerprint segments (false: reuse off). Default: true
+};
+
+struct RequestFingerprints {
+  // Chained hashes of every full block before the block holding the last token (the last token
+  // is always computed, so its block is never an exact hit).
+  std::vector<Hash128> prefix_blocks;
+  // One entry per segment; nullopt for an uncacheable or empty segment, or with segments off.
+  std::vector<std::optional<Hash128>> segments;
+};
+
+// bos_id < 0: no BOS is prepended.
+RequestFingerprints FingerprintRequest(const Hash128& model_fp,
+                                       std::span<const PromptSegment> segments, int32_t bos_id,
+                                       const FingerprintOptions& options);
+
+}  // namespace sparsex

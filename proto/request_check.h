@@ -1,0 +1,17 @@
+// Range checks of the public request messages (proto/sparsex.proto) that need no engine: the
+// router applies them before routing and the worker once more at its own process boundary
+// (gpu_worker/service/api_convert.h), from this one definition. Engine-level checks (selector
+// names, segment encodings) belong to the worker alone.
+#pragma once
+
+#include "common/status.h"
+#include "proto/sparsex.pb.h"
+
+namespace sparsex {
+
+// INVALID_ARGUMENT naming the field. vocab_size > 0 also checks stop_ids against the vocabulary.
+absl::Status CheckSamplingRequest(const v1::SamplingParams& p, int vocab_size);
+// full_layers in [0, n_layers] (when n_layers > 0), recompute_ratio in [0, 1].
+absl::Status CheckReuseRequest(const v1::ReuseOptions& p, int n_layers);
+
+}  // namespace sparsex
