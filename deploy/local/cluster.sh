@@ -12,6 +12,9 @@
 #   --workers N          [SPARSEX_WORKERS]   : 1
 #   --cache-servers N    [SPARSEX_CACHE_SERVERS] : 1 (0: no cache cluster)
 #   --device cpu|cuda    [SPARSEX_DEVICE]    : cpu
+#   --cache-memory SIZE  [SPARSEX_CACHE_MEMORY]: 256M on cpu, 16G on cuda   each cache server's
+#                                              memory arena (an 8B model's 2000-token segment is
+#                                              512 MiB of fp32 KV)
 #   --grpc-port P        [SPARSEX_GRPC_PORT] : 50051 (0 or busy: a free port)
 #   --http-port P        [SPARSEX_HTTP_PORT] : 8000  (0 or busy: a free port)
 #   --worker-args "..."  [SPARSEX_WORKER_ARGS]: extra sparsex-worker flags
@@ -33,6 +36,7 @@ MODEL=${SPARSEX_MODEL:-$MODELS/stories260K/stories260K.gguf}
 WORKERS=${SPARSEX_WORKERS:-1}
 CACHES=${SPARSEX_CACHE_SERVERS:-1}
 DEVICE=${SPARSEX_DEVICE:-cpu}
+CACHE_MEMORY=${SPARSEX_CACHE_MEMORY:-}
 GRPC_PORT=${SPARSEX_GRPC_PORT:-50051}
 HTTP_PORT=${SPARSEX_HTTP_PORT:-8000}
 WORKER_ARGS=${SPARSEX_WORKER_ARGS:-}
@@ -47,6 +51,7 @@ while [ $# -gt 0 ]; do
     --workers) WORKERS=$2; shift 2 ;;
     --cache-servers) CACHES=$2; shift 2 ;;
     --device) DEVICE=$2; shift 2 ;;
+    --cache-memory) CACHE_MEMORY=$2; shift 2 ;;
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --worker-args) WORKER_ARGS=$2; shift 2 ;;
@@ -58,6 +63,7 @@ while [ $# -gt 0 ]; do
 done
 
 log() { echo "cluster: $*" >&2; }
+[ -n "$CACHE_MEMORY" ] || { [ "$DEVICE" = cuda ] && CACHE_MEMORY=16G || CACHE_MEMORY=256M; }
 die() { echo "cluster: error: $*" >&2; exit 1; }
 
 # A free TCP port on 127.0.0.1 (the kernel picks it).
@@ -165,14 +171,14 @@ case "$CMD" in
     CACHE_LIST=""
     for i in $(seq 0 $((CACHES - 1))); do
       start "cache$i" "$BIN_DIR/sparsex-cache-server" --grpc_port=0 --metrics_port=0 \
-        --disk_path="$RUN_DIR/cache$i-db" --memory_capacity=256M --ready_file="$RUN_DIR/cache$i.ready"
+        --disk_path="$RUN_DIR/cache$i-db" --memory_capacity="$CACHE_MEMORY" --ready_file="$RUN_DIR/cache$i.ready"
       wait_file "cache$i" "$RUN_DIR/cache$i.ready"
       p=$(json_field "$RUN_DIR/cache$i.ready" grpc_port)
       mp=$(json_field "$RUN_DIR/cache$i.ready" metrics_port)
       CACHE_LIST="${CACHE_LIST:+$CACHE_LIST,}127.0.0.1:$p"
       { echo "CACHE${i}_GRPC=127.0.0.1:$p"; echo "CACHE${i}_METRICS=127.0.0.1:$mp";
         echo "CACHE${i}_PID=$(cat "$RUN_DIR/cache$i.pid")"; } >>"$ENV"
-      log "cache server $i on 127.0.0.1:$p (metrics $mp)"
+      log "cache server $i on 127.0.0.1:$p (metrics $mp, memory $CACHE_MEMORY)"
     done
 
     # workers

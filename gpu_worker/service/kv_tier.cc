@@ -106,9 +106,15 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     out.failure_reasons.push_back(reason);
   };
   std::lock_guard<std::mutex> l(mu_);
-  // Which segments the cluster has (layer 0 stands for the segment).
+  // Which segments the cluster has whole: every layer is looked up (metadata only), because a
+  // server evicts layers one by one; a segment with a missing layer is skipped before any byte
+  // moves instead of failing after its other layers were transferred.
   std::vector<cache::BlockKey> probe;
-  for (const SegmentRef& s : want) probe.push_back({key(s.fp), 0, 1});
+  for (const SegmentRef& s : want) {
+    for (int layer = 0; layer < n_layers_; ++layer) {
+      probe.push_back({key(s.fp), static_cast<uint32_t>(layer), static_cast<uint32_t>(layer + 1)});
+    }
+  }
   auto look = client_->Lookup(probe);
   if (!look.ok()) {
     // The cluster cannot tell: nothing is known to be there; count one transport failure.
@@ -116,28 +122,51 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     return out;
   }
   std::vector<SegmentRef> present;
+  std::vector<uint64_t> layer_bytes;  // per present segment and layer, in fetch order
   for (size_t i = 0; i < want.size(); ++i) {
-    if ((*look)[i].present) present.push_back(want[i]);
-    else ++out.absent;
+    int have = 0;
+    for (int layer = 0; layer < n_layers_; ++layer) have += (*look)[i * n_layers_ + layer].present;
+    if (have == n_layers_) {
+      present.push_back(want[i]);
+      for (int layer = 0; layer < n_layers_; ++layer) {
+        layer_bytes.push_back((*look)[i * n_layers_ + layer].size);
+      }
+    } else if (have == 0) {
+      ++out.absent;
+    } else {
+      ++out.incomplete;
+      fail("incomplete");
+    }
   }
   if (present.empty()) return out;
   std::vector<cache::BlockKey> keys;
   for (const SegmentRef& s : present) {
-    for (int l = 0; l < n_layers_; ++l) {
-      keys.push_back({key(s.fp), static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)});
+    for (int layer = 0; layer < n_layers_; ++layer) {
+      keys.push_back({key(s.fp), static_cast<uint32_t>(layer), static_cast<uint32_t>(layer + 1)});
     }
   }
+  // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each).
   std::vector<std::string> bufs(keys.size());
-  auto st = client_->FetchInto(
-      keys,
-      [&bufs](size_t i, uint64_t size) {
-        bufs[i].resize(size);
-        return reinterpret_cast<uint8_t*>(bufs[i].data());
-      },
-      {});
-  if (!st.ok()) {
-    for (size_t i = 0; i < present.size(); ++i) fail("transport");
-    return out;
+  std::vector<absl::Status> status(keys.size());
+  for (size_t begin = 0; begin < keys.size();) {
+    size_t end = begin;
+    uint64_t bytes = 0;
+    while (end < keys.size() &&
+           (end == begin || bytes + layer_bytes[end] <= opts_.fetch_batch_bytes)) {
+      bytes += layer_bytes[end++];
+    }
+    auto st = client_->FetchInto(
+        std::span<const cache::BlockKey>(keys.data() + begin, end - begin),
+        [&bufs, begin](size_t i, uint64_t size) {
+          bufs[begin + i].resize(size);
+          return reinterpret_cast<uint8_t*>(bufs[begin + i].data());
+        },
+        {});
+    for (size_t i = begin; i < end; ++i) {
+      status[i] = st.ok() ? (*st)[i - begin] : st.status();
+      if (status[i].ok()) out.bytes += bufs[i].size();
+    }
+    begin = end;
   }
   std::vector<cache::BlockKey> bad;  // blocks that are not what their key says
   for (size_t s = 0; s < present.size(); ++s) {
@@ -148,22 +177,23 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     kv.k.resize(n_layers_);
     kv.v.resize(n_layers_);
     std::string reason;
-    for (int l = 0; l < n_layers_ && reason.empty(); ++l) {
-      const size_t i = s * n_layers_ + l;
-      const absl::Status& ks = (*st)[i];
+    for (int layer = 0; layer < n_layers_ && reason.empty(); ++layer) {
+      const size_t i = s * n_layers_ + layer;
+      const absl::Status& ks = status[i];
       if (!ks.ok()) {
         // NOT_FOUND after a positive lookup: evicted meanwhile, or dropped as corrupt.
         reason = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
         continue;
       }
       absl::Status ds =
-          DecodeSegmentLayer(KvBlockBytes(bufs[i]), model_fp_, key(present[s].fp), l, &kv);
+          DecodeSegmentLayer(KvBlockBytes(bufs[i]), model_fp_, key(present[s].fp), layer, &kv);
       if (!ds.ok()) reason = "corrupt";
     }
+    for (int layer = 0; layer < n_layers_; ++layer) std::string().swap(bufs[s * n_layers_ + layer]);
     if (!reason.empty()) {
       fail(reason);
       if (reason == "corrupt") {
-        for (int l = 0; l < n_layers_; ++l) bad.push_back(keys[s * n_layers_ + l]);
+        for (int layer = 0; layer < n_layers_; ++layer) bad.push_back(keys[s * n_layers_ + layer]);
       }
       continue;
     }

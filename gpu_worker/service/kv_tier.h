@@ -39,6 +39,10 @@ struct ClusterTierOptions {
   std::string transport = "ucx";  // data plane: ucx | grpc. Default: ucx
   std::string ucx_tls;          // UCX transports (as UCX_TLS); "": UCX's choice. Default: ""
   uint32_t rpc_timeout_ms = 5000;  // per control RPC. Default: 5000
+  // Bytes leased and transferred per fetch round: a cache server serves a lease from its
+  // memory arena (promoting blocks from disk), so one lease larger than a server's arena can
+  // never be granted whole. Default: 64 MiB
+  uint64_t fetch_batch_bytes = uint64_t{64} << 20;
 };
 
 struct SegmentRef {
@@ -49,6 +53,8 @@ struct SegmentRef {
 struct FetchOutcome {
   int fetched = 0;   // segments fetched and stored locally
   int failures = 0;  // present in the cluster but not usable (transport error, corrupt, partial)
+  int incomplete = 0;  // of the failures: some layers missing at lookup (nothing transferred)
+  uint64_t bytes = 0;  // bytes transferred
   int absent = 0;    // not in the cluster
   std::vector<std::string> failure_reasons;  // one per failure: transport | corrupt | incomplete
   std::vector<SegmentRef> stored;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -99,6 +100,8 @@ struct WorkerMetrics {
                              "Cacheable segments looked up, by result (hit, miss).", {"result"});
     fetched = tok("sparsex_worker_fetched_segments_total",
                   "Segments fetched from the cache cluster into the host store.");
+    fetch_bytes = tok("sparsex_worker_fetch_bytes_total",
+                      "Bytes of segment KV transferred from the cache cluster.");
     fetch_failures = &r.AddCounter(
         "sparsex_worker_fetch_failures_total",
         "Cluster fetches that could not be used (recomputed instead), by reason.", {"reason"});
@@ -131,7 +134,7 @@ struct WorkerMetrics {
   metrics::Histogram *ttft, *inter_token, *e2e, *queue, *fetch;
   metrics::Family<metrics::Counter>* requests;
   metrics::Counter *prompt_tokens, *prefix_tokens, *reused_tokens, *recomputed_tokens,
-      *new_tokens, *generated_tokens, *fetched;
+      *new_tokens, *generated_tokens, *fetched, *fetch_bytes;
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback;
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations;
   metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info;
@@ -288,6 +291,26 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
       if (!f.stored.empty()) s_->events->Reconcile(*s_->store);
       s_->m->fetched->Inc(f.fetched);
       for (const std::string& why : f.failure_reasons) s_->m->fetch_failures->Get({why}).Inc();
+      s_->m->fetch_bytes->Inc(static_cast<double>(f.bytes));
+      if (f.failures > 0) {
+        // Say why at once (rate-limited): a fetch that cannot succeed is recomputed, and only
+        // this line and the metric tell the operator.
+        static std::atomic<int64_t> last_log_s{0};
+        const int64_t now_s = std::chrono::duration_cast<std::chrono::seconds>(
+                                  Clock::now().time_since_epoch()).count();
+        int64_t prev = last_log_s.load();
+        if (now_s - prev >= 5 && last_log_s.compare_exchange_strong(prev, now_s)) {
+          std::map<std::string, int> by;
+          for (const std::string& why : f.failure_reasons) ++by[why];
+          std::string reasons;
+          for (const auto& [why, n] : by) absl::StrAppend(&reasons, reasons.empty() ? "" : ", ", n, " ", why);
+          LogLine(s_->worker_id, absl::StrCat("cache cluster: ", f.failures, " of ", refs.size(),
+                                              " segments not fetched (", reasons,
+                                              "); recomputed. 'incomplete': the server holds only "
+                                              "some layers (evicted: its memory/disk capacity is "
+                                              "too small for this model's segments)"));
+        }
+      }
       w.segments_fetched = f.fetched;
       w.fetch_failures = f.failures;
     }

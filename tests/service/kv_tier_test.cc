@@ -182,5 +182,65 @@ TEST_F(KvTierServerTest, UnreachableClusterMeansRecompute) {
   EXPECT_FALSE(tier_->Put(Hash128{300, 2}, MakeKv(4, 1.0f)).ok());
 }
 
+// A segment larger than the server's memory arena (the case of an 8B model's ~2000-token
+// segment against a 256 MiB arena): one lease for all of it can never be granted, so the tier
+// fetches in rounds of at most fetch_batch_bytes, each promoted from the disk tier on its own.
+absl::StatusOr<std::unique_ptr<cache::CacheServer>> StartSmallServer(const std::string& disk) {
+  cache::ServerOptions o;
+  o.grpc_port = 0;
+  o.metrics_port = -1;
+  o.cache.memory_capacity_bytes = 4 << 20;
+  o.cache.disk_backend = disk;
+  return cache::CacheServer::Start(o);
+}
+
+TEST(KvTierLargeSegmentTest, SegmentLargerThanTheArenaIsFetchedInRounds) {
+  auto server = StartSmallServer("memory");
+  ASSERT_TRUE(server.ok()) << server.status();
+  const Hash128 model{5, 6}, fp{7, 8};
+  const int n = 24576;  // 1.5 MiB of fp32 K+V per layer, 4.5 MiB in all (arena: 4 MiB)
+  SegmentKv kv = MakeKv(n, 2.0f);
+  ClusterTierOptions t;
+  t.servers = {(*server)->grpc_address()};
+  t.fetch_batch_bytes = 2 << 20;
+  auto writer = ClusterKvTier::Connect(t, model, kLayers, kDim);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_TRUE((*writer)->Put(fp, kv).ok());
+
+  SegmentStore store(SegmentStoreOptions{});
+  SegmentRef ref{fp, n};
+  FetchOutcome f = (*writer)->FetchMissing({&ref, 1}, &store);
+  EXPECT_EQ(f.failures, 0) << (f.failure_reasons.empty() ? "" : f.failure_reasons[0]);
+  ASSERT_EQ(f.fetched, 1);
+  EXPECT_GE(f.bytes, uint64_t{3} * n * kDim * 8);
+  std::shared_ptr<const SegmentKv> got = store.Get(fp);
+  ASSERT_NE(got, nullptr);
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(got->k[l], kv.k[l]);
+    EXPECT_EQ(got->v[l], kv.v[l]);
+  }
+}
+
+TEST(KvTierLargeSegmentTest, PartlyEvictedSegmentCostsNoTransfer) {
+  auto server = StartSmallServer("none");  // memory only: evicted layers are gone
+  ASSERT_TRUE(server.ok()) << server.status();
+  const Hash128 model{5, 6}, fp{7, 9};
+  const int n = 24576;
+  ClusterTierOptions t;
+  t.servers = {(*server)->grpc_address()};
+  auto tier = ClusterKvTier::Connect(t, model, kLayers, kDim);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  (void)(*tier)->Put(fp, MakeKv(n, 3.0f));  // the last layer written evicts an earlier one
+  SegmentStore store(SegmentStoreOptions{});
+  SegmentRef ref{fp, n};
+  FetchOutcome f = (*tier)->FetchMissing({&ref, 1}, &store);
+  EXPECT_EQ(f.fetched, 0);
+  ASSERT_EQ(f.failures, 1);
+  EXPECT_EQ(f.incomplete, 1);
+  EXPECT_EQ(f.failure_reasons[0], "incomplete");
+  EXPECT_EQ(f.bytes, 0u);  // found out by lookup, before any transfer
+  EXPECT_FALSE(store.Contains(fp));
+}
+
 }  // namespace
 }  // namespace sparsex::service
