@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
@@ -318,7 +320,11 @@ absl::Status GgufReader::Parse() {
       return absl::Status(s.code(),
                           absl::StrCat(s.message(), " (metadata key ", key, ", file ", path, ")"));
     }
-    kv_[key] = v;
+    // A repeated key is ambiguous (which value wins depends on the reader): refuse the file.
+    if (!kv_.emplace(key, v).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("duplicate GGUF metadata key ", key, " in ", path));
+    }
   }
   uint64_t alignment = 32;
   if (Find("general.alignment") != nullptr) {
@@ -557,6 +563,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> GgufTokenizer(const GgufReader& r) {
   return MakeSpmTokenizer(std::move(v));
 }
 
+// An f64 value beyond float's range becomes inf (the conversion itself would be undefined);
+// ValidateConfig then refuses it.
+float ToF32Checked(double d) {
+  if (std::isnan(d)) return std::numeric_limits<float>::quiet_NaN();
+  if (std::fabs(d) > std::numeric_limits<float>::max()) {
+    return d > 0 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
+  }
+  return static_cast<float>(d);
+}
+
 // The model configuration from GGUF metadata and tensor shapes (no tensor data is read).
 absl::Status GgufConfig(const GgufReader& r, ModelConfig& c) {
   const std::string& path = r.path();
@@ -593,11 +609,11 @@ absl::Status GgufConfig(const GgufReader& r, ModelConfig& c) {
   }
   if (r.Find("llama.attention.layer_norm_rms_epsilon") != nullptr) {
     ASSIGN_OR_RETURN(double eps, r.GetFloat("llama.attention.layer_norm_rms_epsilon"));
-    c.rms_eps = static_cast<float>(eps);
+    c.rms_eps = ToF32Checked(eps);
   }
   if (r.Find("llama.rope.freq_base") != nullptr) {
     ASSIGN_OR_RETURN(double theta, r.GetFloat("llama.rope.freq_base"));
-    c.rope_theta = static_cast<float>(theta);
+    c.rope_theta = ToF32Checked(theta);
   }
   if (c.n_heads <= 0) return absl::InvalidArgumentError("llama.attention.head_count is 0");
   c.head_dim = c.dim / c.n_heads;
@@ -670,14 +686,20 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
 absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path) {
   // Read a growing prefix until the metadata and tensor infos parse: the weights (most of the
   // file) are never read or mapped.
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO must not block the open (it is refused just below, as is anything but a
+  // regular file); reads of a regular file are unaffected.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
   }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, S_ISFIFO(st.st_mode)  ? " is a FIFO"
+              : S_ISDIR(st.st_mode) ? " is a directory"
+                                    : " is not a regular file",
+        "; only regular files can be read"));
   }
   const size_t file_size = static_cast<size_t>(st.st_size);
   std::vector<uint8_t> buf;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
@@ -130,6 +131,56 @@ void HashTensor(Hasher& h, const TensorView& t) {
   h.U64(Hash64(p + (t.nbytes - tail), tail));
 }
 
+// Index of the first NaN or infinity in t, or -1. IEEE floats are non-finite exactly when their
+// exponent bits are all ones, so this is one pass of integer masks over the mapped bytes (no
+// conversion); blocks are OR-reduced branch-free and only a hit is searched element by element.
+template <typename U>
+int64_t FirstNonFinite(const uint8_t* p, int64_t n, U exp_mask) {
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    bool bad = false;
+    for (int64_t i = b; i < e; ++i) {
+      U u;
+      std::memcpy(&u, p + i * sizeof(U), sizeof(U));  // safetensors data may be unaligned
+      bad |= (u & exp_mask) == exp_mask;
+    }
+    if (!bad) continue;
+    for (int64_t i = b; i < e; ++i) {
+      U u;
+      std::memcpy(&u, p + i * sizeof(U), sizeof(U));
+      if ((u & exp_mask) == exp_mask) return i;
+    }
+  }
+  return -1;
+}
+
+absl::Status CheckFinite(const TensorView& t) {
+  const auto* p = static_cast<const uint8_t*>(t.data);
+  const int64_t n = t.numel();
+  int64_t at = -1;
+  switch (t.dtype) {
+    case DType::kF32:
+      at = FirstNonFinite<uint32_t>(p, n, 0x7f800000u);
+      break;
+    case DType::kF16:
+      at = FirstNonFinite<uint16_t>(p, n, 0x7c00);
+      break;
+    case DType::kBF16:
+      at = FirstNonFinite<uint16_t>(p, n, 0x7f80);
+      break;
+  }
+  if (at < 0) return absl::OkStatus();
+  std::vector<float> v(1);
+  TensorView one = t;
+  one.shape = {1};
+  one.data = p + at * static_cast<int64_t>(DTypeSize(t.dtype));
+  one.ToF32(v.data());
+  return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " holds a non-finite value (",
+                                                 v[0], ") at element ", at, " of ", n,
+                                                 ": the weights are corrupt"));
+}
+
 uint64_t FloatBits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -190,6 +241,20 @@ absl::Status FinalizeModel(Model& m) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", m.tokenizer_->vocab_size(),
                                                    " tokens, the model's vocab_size is only ",
                                                    c.vocab_size));
+  }
+
+  // NaN or infinite weights would turn every logit into NaN (and every sampled token into 0):
+  // refuse them at load, naming the tensor. Synthetic models have no weight data.
+  if (!m.synthetic_) {
+    RETURN_IF_ERROR(CheckFinite(w.tok_embeddings));
+    RETURN_IF_ERROR(CheckFinite(w.final_norm));
+    if (w.output.data != w.tok_embeddings.data) RETURN_IF_ERROR(CheckFinite(w.output));
+    for (const LayerWeights& l : w.layers) {
+      for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm,
+                                  &l.w_gate, &l.w_up, &l.w_down}) {
+        RETURN_IF_ERROR(CheckFinite(*t));
+      }
+    }
   }
 
   Hasher h;

@@ -82,7 +82,8 @@ class Model {
   std::vector<std::vector<uint8_t>> owned_;         // weights not backed by a file
 };
 
-// Validates the config and every weight's shape, then computes the fingerprint.
+// Validates the config, every weight's shape and that every weight is finite (one pass over the
+// mapped data: NaN/Inf is an error naming the tensor), then computes the fingerprint.
 absl::Status FinalizeModel(Model& m);
 
 // "llama3-8b" (Llama-3.1-8B shapes: 32 layers, hidden 4096, 32 q / 8 kv heads, head dim 128,

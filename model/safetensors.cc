@@ -2,18 +2,21 @@
 // model.safetensors.index.json, tokenizer.json. Shards are memory-mapped; each header's length
 // and every tensor's data_offsets are checked against the file size and against dtype * shape
 // before a view is handed out. JSON is parsed without exceptions, and every field's type is
-// checked before it is read, so a malformed file gives a Status naming the field.
+// checked before it is read, so a malformed file gives a Status naming the field. Only regular
+// files are read, and JSON text is size- and depth-checked (common/json_depth.h) before parsing.
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
-#include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <sstream>
+#include <string_view>
 
+#include "common/json_depth.h"
 #include "model/model.h"
 
 namespace sparsex {
@@ -21,17 +24,27 @@ namespace {
 
 using nlohmann::json;
 
-bool FileExists(const std::string& path) {
+// Exists as anything: a FIFO or a directory in a file's place is then refused by the reader
+// with an error saying so (not taken for a missing file, and never opened blocking).
+bool PathExists(const std::string& path) {
   struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::stat(path.c_str(), &st) == 0;
 }
 
-absl::StatusOr<json> ReadJsonFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+// Size limits of the JSON files read here (the depth limit is kMaxJsonDepth). Real files are far
+// smaller: a Llama config.json is ~1 KB, a 400-shard index ~100 KB.
+constexpr size_t kMaxConfigJsonBytes = size_t{16} << 20;
+constexpr size_t kMaxIndexJsonBytes = size_t{64} << 20;
+
+// Regular files only (MappedFile refuses FIFOs and devices, which would block or never end);
+// size and nesting are checked before the parser sees the text.
+absl::StatusOr<json> ReadJsonFile(const std::string& path, size_t max_bytes) {
+  ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> f, MappedFile::Open(path));
+  const std::string_view text(reinterpret_cast<const char*>(f->data()), f->size());
+  if (absl::Status s = CheckJsonLimits(text, max_bytes); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
+  }
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, " is not valid JSON"));
   return j;
 }
@@ -75,6 +88,10 @@ absl::Status ParseSafetensors(const MappedFile& f, StTensors& out) {
                                             f.size() - 8, " bytes after it"));
   }
   const char* hdr = reinterpret_cast<const char*>(f.data()) + 8;
+  if (absl::Status s = CheckJsonDepth(std::string_view(hdr, hlen), kMaxJsonDepth); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors file ", path, ": header: ", s.message()));
+  }
   json j = json::parse(hdr, hdr + hlen, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(
@@ -174,7 +191,13 @@ absl::StatusOr<float> FloatField(const json& c, const char* key, float def) {
   if (!c[key].is_number()) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " must be a number"));
   }
-  return c[key].get<float>();
+  // A double beyond float's range (1e39) would become inf: refuse it here, naming the key.
+  const double d = c[key].get<double>();
+  if (!std::isfinite(d) || std::fabs(d) > std::numeric_limits<float>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: ", key, " = ", d, " is not a finite 32-bit float"));
+  }
+  return static_cast<float>(d);
 }
 
 absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
@@ -266,17 +289,18 @@ absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
 
 absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
   auto m = std::make_unique<Model>();
-  ASSIGN_OR_RETURN(json config, ReadJsonFile(dir + "/config.json"));
+  ASSIGN_OR_RETURN(json config, ReadJsonFile(dir + "/config.json", kMaxConfigJsonBytes));
   bool tie = false;
   RETURN_IF_ERROR(ParseConfig(config, m->config_, &tie));
 
   // transformers prefers a single model.safetensors over an index, so do we.
   std::vector<std::string> shards;
   json weight_map;
-  if (FileExists(dir + "/model.safetensors")) {
+  if (PathExists(dir + "/model.safetensors")) {
     shards.push_back("model.safetensors");
-  } else if (FileExists(dir + "/model.safetensors.index.json")) {
-    ASSIGN_OR_RETURN(json index, ReadJsonFile(dir + "/model.safetensors.index.json"));
+  } else if (PathExists(dir + "/model.safetensors.index.json")) {
+    ASSIGN_OR_RETURN(json index,
+                     ReadJsonFile(dir + "/model.safetensors.index.json", kMaxIndexJsonBytes));
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
       return absl::InvalidArgumentError("model.safetensors.index.json has no weight_map object");
     }
@@ -313,11 +337,17 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
   ModelWeights& w = m->weights_;
   RETURN_IF_ERROR(TakeTensor(tensors, "model.embed_tokens.weight", &w.tok_embeddings));
   RETURN_IF_ERROR(TakeTensor(tensors, "model.norm.weight", &w.final_norm));
-  if (!tie && tensors.contains("lm_head.weight")) {
-    RETURN_IF_ERROR(TakeTensor(tensors, "lm_head.weight", &w.output));
-  } else {
+  if (tie) {
     w.output = w.tok_embeddings;
     m->config_.tied_embeddings = true;
+  } else if (tensors.contains("lm_head.weight")) {
+    RETURN_IF_ERROR(TakeTensor(tensors, "lm_head.weight", &w.output));
+  } else {
+    // transformers' default is untied: without lm_head.weight the output projection would be
+    // randomly initialised there. Using the embeddings instead would serve a different model.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor lm_head.weight is missing in ", dir,
+        " and config.json does not set tie_word_embeddings: true"));
   }
   // Nine tensors per layer: a corrupt num_hidden_layers must not size a huge allocation.
   if (static_cast<uint64_t>(m->config_.n_layers) * 9 > tensors.size()) {
@@ -341,7 +371,7 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
   }
 
   const std::string tok_path = dir + "/tokenizer.json";
-  if (!FileExists(tok_path)) {
+  if (!PathExists(tok_path)) {
     return absl::NotFoundError(absl::StrCat(tok_path, " not found: a tokenizer is required"));
   }
   ASSIGN_OR_RETURN(m->tokenizer_, LoadHfTokenizer(tok_path));
@@ -352,12 +382,12 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
 
 absl::StatusOr<ModelInfo> LoadHfInfo(const std::string& dir) {
   ModelInfo info;
-  ASSIGN_OR_RETURN(json config, ReadJsonFile(dir + "/config.json"));
+  ASSIGN_OR_RETURN(json config, ReadJsonFile(dir + "/config.json", kMaxConfigJsonBytes));
   bool tie = false;
   RETURN_IF_ERROR(ParseConfig(config, info.config, &tie));
   info.config.tied_embeddings = tie;
   const std::string tok_path = dir + "/tokenizer.json";
-  if (!FileExists(tok_path)) {
+  if (!PathExists(tok_path)) {
     return absl::NotFoundError(absl::StrCat(tok_path, " not found: a tokenizer is required"));
   }
   ASSIGN_OR_RETURN(info.tokenizer, LoadHfTokenizer(tok_path));

@@ -2,13 +2,16 @@
 #include <civetweb.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <mutex>
 #include <random>
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_depth.h"
 #include "common/metrics/metrics.h"
 #include "common/utf8.h"
 #include "router/frontends.h"
@@ -107,11 +110,39 @@ void ReplyJson(mg_connection* c, int status, const json& j) {
 void ReplyError(mg_connection* c, const HttpError& e) { ReplyJson(c, e.status, ErrorJson(e)); }
 
 // Field readers: a wrong type is a 400 naming the field.
-HttpError TypeError(const std::string& field, const char* want) {
+HttpError TypeError(const std::string& field, const std::string& want) {
   HttpError e;
   e.message = "'" + field + "' must be " + want;
   e.param = field;
   return e;
+}
+
+// A JSON integer read into a field of type T: an integer literal, or a number with no fraction
+// (2.0), within [lo, hi] (by default T's whole range). Anything else is a 400 naming the field:
+// a value that does not fit is refused, never narrowed (2^32 + 403 is not token 403).
+template <typename T>
+T CheckedInt(const json& v, const std::string& field, T lo = std::numeric_limits<T>::min(),
+             T hi = std::numeric_limits<T>::max()) {
+  const auto bad = [&] {
+    return TypeError(field, absl::StrCat("an integer in [", lo, ", ", hi, "]"));
+  };
+  __int128 x = 0;
+  if (v.is_number_unsigned()) {
+    x = v.get<uint64_t>();
+  } else if (v.is_number_integer()) {
+    x = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // Whole numbers within +-2^64 (beyond, no T of ours fits; the cast below stays defined).
+    if (!std::isfinite(d) || d != std::trunc(d) || std::fabs(d) >= 18446744073709551616.0) {
+      throw bad();
+    }
+    x = static_cast<__int128>(d);
+  } else {
+    throw bad();
+  }
+  if (x < static_cast<__int128>(lo) || x > static_cast<__int128>(hi)) throw bad();
+  return static_cast<T>(x);
 }
 
 struct Parsed {
@@ -134,11 +165,11 @@ void ParseCommon(const json& b, Parsed* p, bool chat) {
     if (!b[f].is_number()) throw TypeError(f, "a number");
     return b[f].get<double>();
   };
-  auto integer = [&](const char* f) -> std::optional<int64_t> {
+  auto integer = [&](const char* f, int64_t lo, int64_t hi) -> std::optional<int64_t> {
     if (!b.contains(f) || b[f].is_null()) return std::nullopt;
-    if (!b[f].is_number_integer()) throw TypeError(f, "an integer");
-    return b[f].get<int64_t>();
+    return CheckedInt<int64_t>(b[f], f, lo, hi);
   };
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   auto boolean = [&](const char* f) -> std::optional<bool> {
     if (!b.contains(f) || b[f].is_null()) return std::nullopt;
     if (!b[f].is_boolean()) throw TypeError(f, "a boolean");
@@ -147,24 +178,17 @@ void ParseCommon(const json& b, Parsed* p, bool chat) {
   // OpenAI defaults: temperature 1, top_p 1, max_tokens 16.
   s->set_temperature(static_cast<float>(num("temperature").value_or(1.0)));
   if (auto v = num("top_p")) s->set_top_p(static_cast<float>(*v));
-  if (auto v = integer("top_k")) {
-    if (*v < 0) throw TypeError("top_k", "an integer >= 0");
-    s->set_top_k(static_cast<int32_t>(*v));
+  if (auto v = integer("top_k", 0, kInt32Max)) s->set_top_k(static_cast<int32_t>(*v));
+  if (b.contains("seed") && !b["seed"].is_null()) {
+    s->set_seed(CheckedInt<uint64_t>(b["seed"], "seed"));
   }
-  if (auto v = integer("seed")) s->set_seed(static_cast<uint64_t>(*v));
-  std::optional<int64_t> mt = integer("max_tokens");
-  if (chat && !mt) mt = integer("max_completion_tokens");
-  if (mt) {
-    if (*mt < 1 || *mt > (1 << 20)) {
-      HttpError e;
-      e.message = "'max_tokens' must be >= 1";
-      e.param = "max_tokens";
-      throw e;
-    }
-    s->set_max_tokens(static_cast<int32_t>(*mt));
-  }
+  const char* mt_field = "max_tokens";
+  if (chat && (!b.contains(mt_field) || b[mt_field].is_null())) mt_field = "max_completion_tokens";
+  if (auto mt = integer(mt_field, 1, 1 << 20)) s->set_max_tokens(static_cast<int32_t>(*mt));
   if (auto v = boolean("ignore_eos")) s->set_ignore_eos(*v);
-  if (auto v = integer("n"); v && *v != 1) {
+  if (auto v = integer("n", std::numeric_limits<int64_t>::min(),
+                       std::numeric_limits<int64_t>::max());
+      v && *v != 1) {
     HttpError e;
     e.message = "only n = 1 is supported";
     e.param = "n";
@@ -211,8 +235,7 @@ void ParseCommon(const json& b, Parsed* p, bool chat) {
     if (auto v = rb("store_new_segments")) o->set_store_new_segments(*v);
     if (auto v = rb("register_prefix")) o->set_register_prefix(*v);
     if (ro.contains("full_layers")) {
-      if (!ro["full_layers"].is_number_integer()) throw TypeError("reuse.full_layers", "an integer");
-      o->set_full_layers(ro["full_layers"].get<int32_t>());
+      o->set_full_layers(CheckedInt<int32_t>(ro["full_layers"], "reuse.full_layers"));
     }
     if (ro.contains("recompute_ratio")) {
       if (!ro["recompute_ratio"].is_number()) throw TypeError("reuse.recompute_ratio", "a number");
@@ -233,8 +256,7 @@ void AddSegments(const json& segs, v1::GenerateRequest* r) {
       seg->set_text(s.get<std::string>());
     } else if (s.is_array()) {
       for (const json& t : s) {
-        if (!t.is_number_integer()) throw TypeError("segments", "strings or token-id arrays");
-        seg->mutable_ids()->add_ids(t.get<int32_t>());
+        seg->mutable_ids()->add_ids(CheckedInt<int32_t>(t, "segments[][]"));
       }
     } else if (s.is_object() && s.contains("text") && s["text"].is_string()) {
       seg->set_text(s["text"].get<std::string>());
@@ -251,6 +273,14 @@ Parsed ParseCompletion(const json& b) {
   Parsed p;
   ParseCommon(b, &p, false);
   v1::GenerateRequest& r = p.req;
+  const bool has_prompt = b.contains("prompt") && !b["prompt"].is_null();
+  if (b.contains("segments") && has_prompt) {
+    // Never drop one of the two silently: the client would get an answer to another prompt.
+    HttpError e;
+    e.message = "set either 'segments' or 'prompt', not both";
+    e.param = "prompt";
+    throw e;
+  }
   if (b.contains("segments")) {
     AddSegments(b["segments"], &r);
   } else {
@@ -274,10 +304,7 @@ Parsed ParseCompletion(const json& b) {
     if (one->is_string()) {
       r.set_prompt(one->get<std::string>());
     } else if (one->is_array()) {
-      for (const json& t : *one) {
-        if (!t.is_number_integer()) throw TypeError("prompt", "a string or an array of token ids");
-        r.add_prompt_ids(t.get<int32_t>());
-      }
+      for (const json& t : *one) r.add_prompt_ids(CheckedInt<int32_t>(t, "prompt[]"));
     } else {
       throw TypeError("prompt", "a string or an array of token ids");
     }
@@ -324,7 +351,8 @@ Parsed ParseChat(const json& b) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
       throw TypeError("messages[]", "objects with a string 'role'");
     }
-    std::string text = MessageText(m.contains("content") ? m["content"] : json(nullptr));
+    static const json kNoContent;  // a reference, not a (recursive) copy of the content
+    std::string text = MessageText(m.contains("content") ? m["content"] : kNoContent);
     if (text.empty()) continue;
     p.req.add_segments()->set_text(text);
   }
@@ -444,6 +472,13 @@ struct HttpFrontend::Impl {
       if (!IsValidUtf8(body)) {
         HttpError e;
         e.message = "request body is not valid UTF-8";
+        throw e;
+      }
+      // Depth first: nesting thousands of levels deep would exhaust the stack in the parser or
+      // in any recursive walk or copy of the parsed value (the size is bounded by ReadBody).
+      if (absl::Status s = CheckJsonDepth(body, kMaxJsonDepth); !s.ok()) {
+        HttpError e;
+        e.message = "request body: " + std::string(s.message());
         throw e;
       }
       json b = json::parse(body, nullptr, false);
@@ -592,7 +627,10 @@ struct HttpFrontend::Impl {
     const mg_request_info* ri = mg_get_request_info(c);
     std::string uri = ri->local_uri ? ri->local_uri : "";
     const std::string prefix = "/v1/models/";
-    if (uri.rfind(prefix, 0) == 0 && uri.size() > prefix.size()) {
+    // civetweb matches handler patterns by prefix: "/v1/modelsXYZ" lands here too. Only
+    // /v1/models and /v1/models/{id} exist.
+    if (uri != "/v1/models" && uri.rfind(prefix, 0) != 0) return OnOther(c, nullptr);
+    if (uri.rfind(prefix, 0) == 0) {
       const std::string want = uri.substr(prefix.size());
       for (const json& d : data) {
         if (d["id"] == want) {

@@ -433,6 +433,11 @@ struct Router::Impl {
     Prepared p;
     const Tokenizer& tok = *model.tokenizer;
     const ModelConfig& cfg = model.config;
+    // The worker API is proto3: an invalid UTF-8 request_id would fail there with an empty
+    // INTERNAL error, so it is refused here, naming the field.
+    if (!IsValidUtf8(req.request_id())) {
+      return absl::InvalidArgumentError("request_id: invalid UTF-8");
+    }
     const bool has_prompt = !req.prompt().empty() || req.prompt_ids_size() > 0;
     if (req.segments_size() > 0 && has_prompt) {
       return absl::InvalidArgumentError("set either segments or prompt/prompt_ids, not both");

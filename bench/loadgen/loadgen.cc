@@ -739,6 +739,7 @@ int main(int argc, char** argv) {
   f.Add("duration_s", &o.duration_s, "stop sending after this many seconds (0 = off)");
   f.Add("warmup", &o.warmup, "requests sent first, one at a time, not measured");
   f.Add("seed", &c.seed, "workload and arrival seed");
+  f.Add("pool_seed", &c.pool_seed, "rag: document pool seed (0: from --seed; fixed: same pool across sweep points)");
   f.Add("timeout_ms", &o.timeout_ms, "per-request deadline");
   f.Add("max_tokens", &o.max_tokens, "tokens generated per request");
   f.Add("temperature", &o.temperature, "sampling temperature (0 = greedy)");

@@ -172,10 +172,12 @@ class RagWorkload : public Workload {
   RagWorkload(const WorkloadConfig& c, const std::vector<std::string>& text_docs, int pool)
       : c_(c), content_(c_, text_docs), zipf_(pool, c.zipf), rng_(c.seed) {
     docs_.reserve(static_cast<size_t>(pool));
+    Rng pool_rng(c.pool_seed != 0 ? c.pool_seed : c.seed);
+    Rng& doc_rng = c.pool_seed != 0 ? pool_rng : rng_;
     for (int d = 0; d < pool; ++d) {
       SegmentSpec s = content_.text()
                           ? content_.FromText(SegmentSpec::Kind::kDocument, text_docs[d] + "\n")
-                          : content_.Make(SegmentSpec::Kind::kDocument, c.doc_tokens, "", "", rng_);
+                          : content_.Make(SegmentSpec::Kind::kDocument, c.doc_tokens, "", "", doc_rng);
       s.source = d;
       docs_.push_back(std::move(s));
     }

@@ -69,6 +69,10 @@ struct WorkloadConfig {
   std::string workload = "rag";  // rag | chat | agents
   Content content = Content::kNumbers;
   uint64_t seed = 1;
+  // Seed of the document pool's content (rag) when nonzero; 0: derived from `seed`. A fixed pool
+  // seed keeps the same documents across sweep points that vary `seed` (new orderings and
+  // questions over one warm pool). Default: 0
+  uint64_t pool_seed = 0;
   // numbers: token ids drawn uniformly from [min_id, max_id).
   int min_id = 1000, max_id = 100000;
   // rag

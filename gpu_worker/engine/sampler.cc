@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace sparsex {
@@ -26,7 +27,38 @@ int32_t Argmax(std::span<const float> logits) {
   return best;
 }
 
+absl::Status CheckLogits(std::span<const float> logits) {
+  if (logits.empty()) return absl::InternalError("non-finite logits: no logits");
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // One branch-free pass (a vocabulary is ~10^5 logits per token); the culprit is looked up
+  // only when there is one.
+  bool bad = false, any = false;
+  for (const float x : logits) {
+    bad |= !(x < kInf);  // NaN or +Inf
+    any |= x > -kInf;
+  }
+  if (bad) {
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (!(logits[i] < kInf)) {
+        return absl::InternalError(absl::StrCat("non-finite logits: logit ", i, " of ",
+                                                logits.size(), " is ", logits[i],
+                                                " (broken weights or kernel)"));
+      }
+    }
+  }
+  if (!any) return absl::InternalError("non-finite logits: every logit is -inf");
+  return absl::OkStatus();
+}
+
 int32_t Sampler::Sample(std::span<const float> logits) {
+  absl::StatusOr<int32_t> t = TrySample(logits);
+  if (t.ok()) return *t;
+  if (status_.ok()) status_ = t.status();
+  return logits.empty() ? 0 : Argmax(logits);
+}
+
+absl::StatusOr<int32_t> Sampler::TrySample(std::span<const float> logits) {
+  RETURN_IF_ERROR(CheckLogits(logits));
   if (p_.temperature == 0.0f) return Argmax(logits);
   const int n = static_cast<int>(logits.size());
   std::vector<int32_t> idx(n);

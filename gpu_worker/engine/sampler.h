@@ -22,14 +22,28 @@ struct SamplingParams {
 
 absl::Status ValidateSampling(const SamplingParams& p);
 
+// Logits a token can be drawn from: no NaN, no +Inf, not empty and not all -Inf (-Inf alone
+// masks a token). Else INTERNAL "non-finite logits: ..." naming the first bad index: a broken
+// model, weights or kernel, never a token.
+absl::Status CheckLogits(std::span<const float> logits);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
+  // The next token, or CheckLogits' error.
+  absl::StatusOr<int32_t> TrySample(std::span<const float> logits);
+  // TrySample for callers that cannot take a Status yet (the engine's and the scheduler's
+  // decode loops): on bad logits it records the first error in status() and returns
+  // Argmax(logits) without sorting them (NaN breaks the ordering a sort needs). Such callers
+  // should move to TrySample, or check status() after each call.
   int32_t Sample(std::span<const float> logits);
+  // OK, or the first error Sample met.
+  const absl::Status& status() const { return status_; }
 
  private:
   SamplingParams p_;
   std::mt19937_64 rng_;
+  absl::Status status_;
 };
 
 // Index of the largest logit (the first one on ties, as llama2.c does).

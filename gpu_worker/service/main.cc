@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   int kv_blocks = o.scheduler.engine.kv.num_blocks;
   int block_size = o.scheduler.engine.kv.block_size;
   bool prefix_caching = o.scheduler.engine.kv.enable_prefix_caching;
-  int64_t host_store_mb = static_cast<int64_t>(o.host_store_bytes >> 20);
+  int64_t host_store_mb = -1;  // per device below
+  int prefill_chunk = -1;      // per device below
   int64_t device_tier_mb = -1;
   int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
@@ -47,7 +48,8 @@ int main(int argc, char** argv) {
   f.Add("prefix_caching", &prefix_caching, "exact prefix caching in the paged KV");
   f.Add("max_running", &o.scheduler.max_running, "sequences admitted at once");
   f.Add("max_queue", &o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED");
-  f.Add("prefill_chunk", &o.scheduler.prefill_chunk, "tokens per plain prefill chunk per iteration");
+  f.Add("prefill_chunk", &prefill_chunk,
+        "tokens per plain prefill chunk per iteration (default -1: 256 on cpu, 2048 on cuda)");
   f.Add("defer_segment_stores", &o.scheduler.defer_segment_stores,
         "store missing segments after the first token (off the TTFT path)");
   f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
@@ -55,9 +57,11 @@ int main(int argc, char** argv) {
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
   f.Add("host_store_mb", &host_store_mb,
-        "host segment store capacity in MiB (with --tp N: split evenly over the ranks)");
+        "host segment store capacity in MiB (with --tp N: split evenly over the ranks; default "
+        "-1: 1024 on cpu, 8192 on cuda, where one 2000-token segment of an 8B model is 512 MiB "
+        "of fp32 KV)");
   f.Add("device_tier_mb", &device_tier_mb,
-        "segment KV kept in device memory, MiB per GPU (default -1: 1024 with --device cuda, "
+        "segment KV kept in device memory, MiB per GPU (default -1: 8192 with --device cuda, "
         "else 0)");
   f.Add("host_tier_mb", &host_tier_mb,
         "segment KV kept in pinned host memory (bf16 on a GPU), MiB per rank; used when "
@@ -87,8 +91,13 @@ int main(int argc, char** argv) {
   o.scheduler.engine.kv.block_size = block_size;
   o.scheduler.engine.kv.enable_prefix_caching = prefix_caching;
   o.scheduler.reuse.budget.ratio = recompute_ratio;
+  // GPU defaults sized for an 8B model (the CPU ones for the small test models).
+  const bool cuda = o.device == "cuda";
+  if (host_store_mb < 0) host_store_mb = cuda ? 8192 : static_cast<int64_t>(o.host_store_bytes >> 20);
+  if (prefill_chunk < 0) prefill_chunk = cuda ? 2048 : o.scheduler.prefill_chunk;
+  o.scheduler.prefill_chunk = prefill_chunk;
   o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;
-  if (device_tier_mb < 0) device_tier_mb = o.device == "cuda" ? 1024 : 0;
+  if (device_tier_mb < 0) device_tier_mb = cuda ? 8192 : 0;
   o.scheduler.device_tier_bytes = static_cast<size_t>(device_tier_mb) << 20;
   o.scheduler.host_tier_bytes = static_cast<size_t>(std::max<int64_t>(host_tier_mb, 0)) << 20;
   o.cluster.replication = static_cast<uint32_t>(replication);

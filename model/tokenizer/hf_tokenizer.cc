@@ -4,11 +4,11 @@
 #include <pcre2.h>
 
 #include <array>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "absl/container/flat_hash_map.h"
+#include "common/json_depth.h"
+#include "common/mapped_file.h"
 #include "model/tokenizer/bpe_util.h"
 #include "model/tokenizer/tokenizer.h"
 
@@ -17,6 +17,9 @@ namespace {
 
 using json = nlohmann::json;
 using tok_internal::BpeSymbol;
+
+// Largest tokenizer.json accepted (Llama-3's is 9 MB, the largest common ones ~35 MB).
+constexpr size_t kMaxTokenizerJsonBytes = size_t{256} << 20;
 
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -267,6 +270,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
   auto tok = std::unique_ptr<HfTokenizer>(new HfTokenizer());
   HfTokenizer& t = *tok;
   bool byte_level = false;
+  // Deep nesting would exhaust the stack in the parser or in the recursive walks below.
+  if (absl::Status s = CheckJsonLimits(text, kMaxTokenizerJsonBytes); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: ", s.message()));
+  }
   try {
     const json j = json::parse(text);
     const json& model = j.at("model");
@@ -425,12 +432,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError("cannot open " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return absl::DataLossError("cannot read " + path);
-  auto tok = ParseHfTokenizer(ss.str());
+  // A regular file only: a FIFO would block the read forever (MappedFile refuses it).
+  ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> f, MappedFile::Open(path));
+  const std::string_view text(reinterpret_cast<const char*>(f->data()), f->size());
+  auto tok = ParseHfTokenizer(text);
   if (!tok.ok())
     return absl::Status(tok.status().code(), path + ": " + std::string(tok.status().message()));
   return tok;

@@ -1,14 +1,20 @@
 // Model loader tests: the real stories260K GGUF, synthetic GGUF files and Hugging Face
 // directories written here (single and sharded safetensors, byte-level BPE tokenizer.json), and
 // corrupt variants of each (truncated, bad magic, bad header length, wrong shapes, no tokenizer).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -306,6 +312,9 @@ struct SynthGgufOptions {
   uint64_t alignment = 32;
   bool all_kv_types = false;
   size_t pad_metadata_bytes = 0;  // a general.description of this many bytes
+  bool duplicate_key = false;     // llama.block_count written twice (2, then 3)
+  std::string nan_tensor;         // tensor whose element 3 is NaN (in its own dtype)
+  float rope_theta = 50000.0f;    // llama.rope.freq_base
 };
 
 constexpr int kGDim = 8, kGFfn = 12, kGHeads = 2, kGKv = 1, kGLayers = 2;
@@ -356,7 +365,8 @@ std::map<std::string, std::vector<float>> WriteSynthGguf(const std::string& path
   w.Kv<uint32_t>(a + ".attention.head_count_kv", 4, kGKv);
   w.Kv<uint32_t>(a + ".context_length", 4, 256);
   w.Kv<uint32_t>(a + ".rope.dimension_count", 4, kGDim / kGHeads);
-  w.Kv<float>(a + ".rope.freq_base", 6, 50000.0f);
+  w.Kv<float>(a + ".rope.freq_base", 6, o.rope_theta);
+  if (o.duplicate_key) w.Kv<uint32_t>(a + ".block_count", 4, kGLayers + 1);
   w.Kv<float>(a + ".attention.layer_norm_rms_epsilon", 6, 1e-6f);
   if (o.pad_metadata_bytes > 0) w.KvStr("general.description", std::string(o.pad_metadata_bytes, 'x'));
   if (o.all_kv_types) {
@@ -388,6 +398,14 @@ std::map<std::string, std::vector<float>> WriteSynthGguf(const std::string& path
     std::string bytes;
     for (auto& x : v) {
       x = static_cast<float>(dist(rng)) / 64.0f;  // exact in F16 and BF16
+      if (name == o.nan_tensor && &x == &v[3]) {
+        x = std::numeric_limits<float>::quiet_NaN();
+        if (type == 1) {  // F16 NaN: exponent all ones, mantissa non-zero
+          uint16_t h = 0x7e00;
+          bytes.append(reinterpret_cast<const char*>(&h), 2);
+          continue;
+        }
+      }
       if (type == 0) {
         bytes.append(reinterpret_cast<const char*>(&x), 4);
       } else if (type == 1) {
@@ -1054,6 +1072,241 @@ TEST_F(ModelLoaderTest, ModelInfoOfSyntheticModels) {
   EXPECT_EQ(info->config.n_layers, 32);
   EXPECT_EQ(info->config.vocab_size, 128256);
   EXPECT_EQ(info->tokenizer->Encode("12 7 99", false), (std::vector<int32_t>{12, 7, 99}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Input hardening (issue 16): deep JSON, FIFOs, non-finite weights, inconsistent files
+
+// `levels` arrays nested inside each other: "[[[...]]]".
+std::string Nested(int levels) { return std::string(levels, '[') + std::string(levels, ']'); }
+
+TEST_F(ModelLoaderTest, DeeplyNestedConfigJsonIsRefused) {
+  WriteHfModel(Path("hf"), {});
+  std::string config = ReadBytes(Path("hf/config.json"));
+  config.insert(config.rfind('}'), ", \"junk\": " + Nested(10000));
+  WriteBytes(Path("hf/config.json"), config);
+  for (const auto& s : {LoadModel(Path("hf")).status(), LoadModelInfo(Path("hf")).status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("config.json"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("deeper than 64"), std::string::npos) << s;
+  }
+  // Nesting within the limit is just an unknown key.
+  config = ReadBytes(Path("hf/config.json"));
+  config.replace(config.find(Nested(10000)), 20000, Nested(40));
+  WriteBytes(Path("hf/config.json"), config);
+  EXPECT_TRUE(LoadModel(Path("hf")).ok());
+}
+
+TEST_F(ModelLoaderTest, OversizedConfigJsonIsRefused) {
+  WriteHfModel(Path("hf"), {});
+  std::string config = ReadBytes(Path("hf/config.json"));
+  config.insert(config.rfind('}'), ", \"pad\": \"" + std::string(size_t{17} << 20, 'x') + "\"");
+  WriteBytes(Path("hf/config.json"), config);
+  auto s = LoadModelInfo(Path("hf")).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s.message().substr(0, 200);
+  EXPECT_NE(s.message().find("exceeds the limit"), std::string::npos) << s.message().substr(0, 200);
+}
+
+TEST_F(ModelLoaderTest, DeeplyNestedTokenizerJsonIsRefused) {
+  WriteHfModel(Path("hf"), {});
+  std::string tok = ReadBytes(Path("hf/tokenizer.json"));
+  tok.insert(tok.rfind('}'), ", \"junk\": " + Nested(10000));
+  WriteBytes(Path("hf/tokenizer.json"), tok);
+  for (const auto& s : {LoadModel(Path("hf")).status(), LoadModelInfo(Path("hf")).status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("tokenizer.json"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("deeper than 64"), std::string::npos) << s;
+  }
+  // A pre-tokenizer Sequence nested 10,000 deep (the parser's walk of it is recursive).
+  json t = MinimalTokenizerJson();
+  std::string seq;
+  for (int i = 0; i < 10000; ++i) seq += "{\"type\":\"Sequence\",\"pretokenizers\":[";
+  seq += t["pre_tokenizer"].dump();
+  for (int i = 0; i < 10000; ++i) seq += "]}";
+  std::string text = t.dump();
+  const std::string pre = t["pre_tokenizer"].dump();
+  text.replace(text.find(pre), pre.size(), seq);
+  auto p = ParseHfTokenizer(text);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << p.status();
+  EXPECT_NE(p.status().message().find("deeper than 64"), std::string::npos) << p.status();
+}
+
+TEST_F(ModelLoaderTest, DeeplyNestedSafetensorsHeaderAndIndexAreRefused) {
+  WriteHfModel(Path("hf"), {});
+  std::string st = ReadBytes(Path("hf/model.safetensors"));
+  uint64_t hlen;
+  std::memcpy(&hlen, st.data(), 8);
+  std::string header = st.substr(8, hlen);
+  const std::string meta = "\"__metadata__\":{\"format\":\"pt\"}";
+  ASSERT_NE(header.find(meta), std::string::npos) << header.substr(0, 100);
+  header.replace(header.find(meta), meta.size(), "\"__metadata__\":" + Nested(10000));
+  uint64_t n = header.size();
+  WriteBytes(Path("hf/model.safetensors"),
+             std::string(reinterpret_cast<const char*>(&n), 8) + header + st.substr(8 + hlen));
+  auto m = LoadModel(Path("hf"));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("deeper than 64"), std::string::npos) << m.status();
+  EXPECT_NE(m.status().message().find("model.safetensors"), std::string::npos) << m.status();
+
+  HfOptions o;
+  o.sharded = true;
+  WriteHfModel(Path("sharded"), o);
+  std::string index = ReadBytes(Path("sharded/model.safetensors.index.json"));
+  index.insert(index.rfind('}'), ", \"junk\": " + Nested(10000));
+  WriteBytes(Path("sharded/model.safetensors.index.json"), index);
+  m = LoadModel(Path("sharded"));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("index.json"), std::string::npos) << m.status();
+}
+
+// Runs load() on another thread. A loader that blocks on the FIFO `fifo` fails the test and is
+// released (a writer opens and closes the FIFO, so the blocked open/read sees end of file).
+absl::Status LoadWithTimeout(const std::function<absl::Status()>& load, const std::string& fifo) {
+  auto fut = std::async(std::launch::async, load);
+  if (fut.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+    ADD_FAILURE() << "loading blocked on the FIFO " << fifo;
+    while (fut.wait_for(std::chrono::milliseconds(50)) == std::future_status::timeout) {
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  return fut.get();
+}
+
+TEST_F(ModelLoaderTest, FifoInsteadOfAFileIsRefusedPromptly) {
+  ASSERT_EQ(::mkfifo(Path("fifo.gguf").c_str(), 0600), 0);
+  for (auto load : {+[](const std::string& p) { return LoadModel(p).status(); },
+                    +[](const std::string& p) { return LoadModelInfo(p).status(); },
+                    +[](const std::string& p) { return LoadGguf(p).status(); }}) {
+    absl::Status s = LoadWithTimeout([&] { return load(Path("fifo.gguf")); }, Path("fifo.gguf"));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("FIFO"), std::string::npos) << s;
+  }
+  // A FIFO in place of each file of a Hugging Face directory.
+  for (const char* file : {"config.json", "tokenizer.json", "model.safetensors"}) {
+    const std::string dir = Path(std::string("hf_") + file);
+    WriteHfModel(dir, {});
+    const std::string f = dir + "/" + file;
+    fs::remove(f);
+    ASSERT_EQ(::mkfifo(f.c_str(), 0600), 0);
+    absl::Status s = LoadWithTimeout([&] { return LoadModel(dir).status(); }, f);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << file << ": " << s;
+    EXPECT_NE(s.message().find("FIFO"), std::string::npos) << file << ": " << s;
+    if (std::string(file) != "model.safetensors") {
+      s = LoadWithTimeout([&] { return LoadModelInfo(dir).status(); }, f);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << file << ": " << s;
+    }
+  }
+  // A directory where a file belongs: refused, not mapped.
+  WriteHfModel(Path("hf_dir"), {});
+  fs::remove(Path("hf_dir/model.safetensors"));
+  fs::create_directory(Path("hf_dir/model.safetensors"));
+  auto m = LoadModel(Path("hf_dir"));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("directory"), std::string::npos) << m.status();
+}
+
+TEST_F(ModelLoaderTest, NonFiniteGgufWeightsAreRefusedNamingTheTensor) {
+  for (uint32_t type : {0u, 1u, 30u}) {  // F32, F16, BF16
+    SynthGgufOptions o;
+    o.type = type;
+    o.nan_tensor = "blk.1.ffn_up.weight";
+    WriteSynthGguf(Path("nan.gguf"), o);
+    auto m = LoadGguf(Path("nan.gguf"));
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << type << ": " << m.status();
+    EXPECT_NE(m.status().message().find("blk.1.ffn_up.weight"), std::string::npos) << m.status();
+    EXPECT_NE(m.status().message().find("non-finite"), std::string::npos) << m.status();
+    EXPECT_NE(m.status().message().find("element 3"), std::string::npos) << m.status();
+  }
+  SynthGgufOptions norm;
+  norm.nan_tensor = "output_norm.weight";  // F32 norms
+  WriteSynthGguf(Path("nan.gguf"), norm);
+  auto m = LoadGguf(Path("nan.gguf"));
+  EXPECT_NE(m.status().message().find("output_norm.weight"), std::string::npos) << m.status();
+}
+
+TEST_F(ModelLoaderTest, NonFiniteSafetensorsWeightsAreRefusedNamingTheTensor) {
+  auto ts = WriteHfModel(Path("hf"), {});
+  for (auto& t : ts) {
+    if (t.name == "model.layers.0.mlp.down_proj.weight") {  // BF16: +Inf is 0x7f80
+      const uint16_t inf = 0x7f80;
+      std::memcpy(t.bytes.data() + 2 * 5, &inf, 2);
+    }
+  }
+  WriteBytes(Path("hf/model.safetensors"), SafetensorsBytes(ts));
+  auto m = LoadModel(Path("hf"));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("model.layers.0.mlp.down_proj.weight"), std::string::npos)
+      << m.status();
+  EXPECT_NE(m.status().message().find("inf"), std::string::npos) << m.status();
+}
+
+TEST_F(ModelLoaderTest, InfiniteRmsEpsOrRopeThetaIsRefused) {
+  ModelConfig c;
+  c.n_layers = c.dim = c.ffn_dim = c.n_heads = c.n_kv_heads = c.vocab_size = 2;
+  c.head_dim = 2;
+  EXPECT_TRUE(ValidateConfig(c).ok());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (float bad : {inf, -inf, nan, 0.0f, -1.0f}) {
+    ModelConfig e = c;
+    e.rms_eps = bad;
+    EXPECT_EQ(ValidateConfig(e).code(), absl::StatusCode::kInvalidArgument) << bad;
+    ModelConfig t = c;
+    t.rope_theta = bad;
+    EXPECT_EQ(ValidateConfig(t).code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  // config.json: 1e39 overflows a float to inf; 1e300 too.
+  WriteHfModel(Path("hf"), {});
+  const json good = json::parse(ReadBytes(Path("hf/config.json")));
+  for (const char* key : {"rms_norm_eps", "rope_theta"}) {
+    for (double v : {1e39, 1e300}) {
+      json c2 = good;
+      c2[key] = v;
+      WriteBytes(Path("hf/config.json"), c2.dump());
+      auto s = LoadModelInfo(Path("hf")).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << key << " " << v << ": " << s;
+      EXPECT_EQ(LoadModel(Path("hf")).status().code(), absl::StatusCode::kInvalidArgument);
+    }
+  }
+  // GGUF: an infinite llama.rope.freq_base.
+  SynthGgufOptions o;
+  o.rope_theta = inf;
+  WriteSynthGguf(Path("inf.gguf"), o);
+  EXPECT_EQ(LoadGguf(Path("inf.gguf")).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadModelInfo(Path("inf.gguf")).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelLoaderTest, DuplicateGgufMetadataKeyIsRefused) {
+  SynthGgufOptions o;
+  o.duplicate_key = true;
+  WriteSynthGguf(Path("dup.gguf"), o);
+  for (const auto& s : {LoadGguf(Path("dup.gguf")).status(),
+                        LoadModelInfo(Path("dup.gguf")).status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("duplicate GGUF metadata key llama.block_count"), std::string::npos)
+        << s;
+  }
+}
+
+TEST_F(ModelLoaderTest, MissingLmHeadIsRefusedUnlessTied) {
+  auto ts = WriteHfModel(Path("hf"), {});
+  std::erase_if(ts, [](const HfTensor& t) { return t.name == "lm_head.weight"; });
+  WriteBytes(Path("hf/model.safetensors"), SafetensorsBytes(ts));
+  // tie_word_embeddings: false, then absent (transformers' default is untied).
+  json config = json::parse(ReadBytes(Path("hf/config.json")));
+  for (bool erase : {false, true}) {
+    if (erase) config.erase("tie_word_embeddings");
+    WriteBytes(Path("hf/config.json"), config.dump());
+    auto m = LoadModel(Path("hf"));
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+    EXPECT_NE(m.status().message().find("lm_head.weight"), std::string::npos) << m.status();
+  }
+  config["tie_word_embeddings"] = true;
+  WriteBytes(Path("hf/config.json"), config.dump());
+  auto m = LoadModel(Path("hf"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE((*m)->config().tied_embeddings);
 }
 
 }  // namespace

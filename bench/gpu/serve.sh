@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The serving benchmark on the GPU machine: the whole cluster (etcd, cache server, CUDA
+# worker(s), router) on 127.0.0.1, driven by sparsex-loadgen over the public gRPC API, for each
+# mode (reuse on: segment reuse + exact prefix caching; reuse off: exact prefix caching only, as
+# vLLM's automatic prefix caching) on a fresh cluster each, warmed up, then a sweep of arrival
+# rates. Writes to $OUT: serve.log, serving_<workload>_<mode>.json (loadgen summaries),
+# metrics_<workload>_<mode>.txt (worker and cache-server counters after the sweep).
+#
+# The binaries come staged from a Debian machine (bench/gpu/stage_serve.sh -> .stage/
+# serve.tar.gz; the device call carries .stage). Knobs (environment):
+#   SPX_SERVE_WORKLOADS   "rag"            rag | chat | agents, space separated
+#   SPX_SERVE_MODES       "off on"
+#   SPX_SERVE_RATES_OFF   "1 2 4"          req/s per sweep point (reuse off)
+#   SPX_SERVE_RATES_ON    "1 2 4 8"        req/s per sweep point (reuse on)
+#   SPX_SERVE_REQUESTS    30               requests per sweep point
+#   SPX_SERVE_WARMUP      16               closed-loop requests before the sweep (not measured)
+#   SPX_SERVE_MODEL       synthetic:llama3-8b
+#   SPX_SERVE_WORKER_ARGS (GPU sizes: 256K tokens of paged KV, 30 GB device tier)
+#   SPX_SERVE_LOADGEN_ARGS extra loadgen flags (all workloads; later flags win)
+#   SPX_SERVE_DEVICE      cuda             (cpu: a local smoke run of this script)
+#   SPX_SERVE_CACHE_MEMORY 32G             the cache server's memory arena
+#
+#   OUT=/tmp/out bench/gpu/serve.sh
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/spx-serve-out}
+mkdir -p "$OUT"
+LOG=$OUT/serve.log
+T0=$(date +%s)
+stamp() { echo "[serve.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+SPX=/tmp/spx
+rm -rf "$SPX" && tar -C /tmp -xzf "$ROOT/.stage/serve.tar.gz" || { stamp "no staged binaries"; exit 1; }
+export LD_LIBRARY_PATH=$SPX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export UCX_MODULE_DIR=$SPX/lib/ucx PATH=$SPX/bin:$PATH
+CUDNN_DIR=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$CUDNN_DIR" ] && export LD_LIBRARY_PATH=$CUDNN_DIR:$LD_LIBRARY_PATH
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; nproc; free -g | head -2; } >>"$LOG" 2>&1
+for b in sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen; do
+  ldd "$SPX/bin/$b" | grep "not found" && { stamp "$b: missing libraries"; exit 1; }
+done
+
+MODEL=${SPX_SERVE_MODEL:-synthetic:llama3-8b}
+WORKER_ARGS=${SPX_SERVE_WORKER_ARGS:---kv_blocks 16384 --prefill_chunk 4096 --device_tier_mb 30000 --host_store_mb 16000}
+REQS=${SPX_SERVE_REQUESTS:-30}
+WARM=${SPX_SERVE_WARMUP:-16}
+
+workload_args() {  # 8-16K-token prompts of random token ids (the synthetic model's tokenizer)
+  case "$1" in
+    rag) echo "--workload rag --pool 32 --zipf 1.0 --docs_per_request 4 --doc_tokens 2000 --question_tokens 64 --pool_seed 7" ;;
+    chat) echo "--workload chat --sessions 16 --system_tokens 1024 --turn_tokens 1500 --max_history_tokens 12000" ;;
+    agents) echo "--workload agents --agents 8 --shared_tokens 8000 --instr_tokens 512 --turn_tokens 400 --max_history_tokens 4000" ;;
+  esac
+}
+
+RUN=/tmp/spx-run
+for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
+  for mode in ${SPX_SERVE_MODES:-off on}; do
+    rates=${SPX_SERVE_RATES_ON:-1 2 4 8}
+    [ "$mode" = off ] && rates=${SPX_SERVE_RATES_OFF:-1 2 4}
+    rm -rf "$RUN"
+    stamp "$wl reuse $mode: cluster up"
+    if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --run-dir "$RUN" --bin-dir "$SPX/bin" \
+        --model "$MODEL" --device "${SPX_SERVE_DEVICE:-cuda}" --cache-servers 1 --cache-memory "${SPX_SERVE_CACHE_MEMORY:-32G}" --timeout 240 \
+        --grpc-port 0 --http-port 0 --worker-args "$WORKER_ARGS" >>"$LOG" 2>&1; then
+      stamp "cluster up failed"; tail -n 30 "$RUN"/*.log >>"$LOG" 2>&1
+      "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1; continue
+    fi
+    . "$RUN/cluster.env"
+    sweep=$(echo $rates | tr ' ' ',')
+    stamp "$wl reuse $mode: warmup $WARM, sweep $sweep x $REQS requests"
+    # shellcheck disable=SC2046
+    timeout 420 "$SPX/bin/sparsex-loadgen" --target "$ROUTER_GRPC" --reuse "$mode" $(workload_args "$wl") \
+      --content numbers --max_tokens 32 --requests "$REQS" --warmup "$WARM" --sweep "$sweep" \
+      --sweep_vary_seed --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}.json" \
+      ${SPX_SERVE_LOADGEN_ARGS:-} >>"$LOG" 2>&1 || stamp "loadgen exit $?"
+    { curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue)' ;
+      curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_(memory|disk|hits|misses|evictions|corrupt|bytes)' ; } \
+      >"$OUT/metrics_${wl}_${mode}.txt" 2>&1
+    grep -h "cache cluster:\|error\|Error" "$RUN"/worker0.log | tail -n 5 >>"$LOG" 2>&1
+    "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1
+  done
+done
+stamp "done"
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$LOG"
+import json, glob, sys, os
+print(f"{'workload':8} {'mode':9} {'rate':>5} {'ok':>4} {'err':>4} {'ttft50':>8} {'ttft99':>8} {'tpot50':>7} {'tpot99':>7} {'reused':>6} {'goodput':>7}")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], 'serving_*.json'))):
+    recs = json.load(open(f))
+    for r in (recs if isinstance(recs, list) else [recs]):
+        g = lambda k: r.get(k) if r.get(k) is not None else float('nan')
+        print(f"{r['workload']:8} {r['mode']:9} {g('rate'):5.1f} {r['completed']:4d} {r['errors']:4d} "
+              f"{g('ttft_p50_ms'):8.0f} {g('ttft_p99_ms'):8.0f} {g('tpot_p50_ms'):7.1f} {g('tpot_p99_ms'):7.1f} "
+              f"{g('reused_share'):6.2f} {str(r['goodput_ok']):>7}")
+PY

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Stages the service binaries for the GPU machine (Ubuntu 24.04 without gRPC, RocksDB, UCX or
+# civetweb): the Debian-built binaries (CUDA on, sm_90a) with every shared library ldd resolves
+# outside glibc, libstdc++/libgcc and CUDA, UCX's transport modules and etcd (static), as one
+# gzip tarball under .stage/ (git-ignored), which a device call carries (`carry: [".stage"]`).
+#
+#   scripts/build.sh && bench/gpu/stage_serve.sh     # then bench/gpu/serve.sh runs there
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BIN=${SPARSEX_BIN_DIR:-$ROOT/build/bin}
+STAGE=$ROOT/.stage
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+mkdir -p "$TMP/spx/bin" "$TMP/spx/lib" "$STAGE"
+BINS="sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen sparsex-rag"
+for b in $BINS; do
+  [ -x "$BIN/$b" ] || { echo "stage_serve: $BIN/$b missing (build first)" >&2; exit 1; }
+  cp "$BIN/$b" "$TMP/spx/bin/"
+  strip --strip-unneeded "$TMP/spx/bin/$b"
+  ldd "$BIN/$b" | awk '/=> \// {print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*) ;;
+      libcuda.so*|libcudart*|libcublas*|libcudnn*|libnccl*|libnvrtc*) ;;  # the machine's CUDA
+      *) [ -e "$TMP/spx/lib/$(basename "$lib")" ] || cp -L "$lib" "$TMP/spx/lib/" ;;
+    esac
+  done
+done
+cp -r /usr/lib/x86_64-linux-gnu/ucx "$TMP/spx/lib/ucx"
+cp /usr/bin/etcd "$TMP/spx/bin/"
+cp "$ROOT/deploy/local/cluster.sh" "$TMP/spx/"
+strip --strip-unneeded "$TMP/spx/lib/"*.so* 2>/dev/null || true
+tar -C "$TMP" -czf "$STAGE/serve.tar.gz" spx
+ls -la "$STAGE/serve.tar.gz"
