@@ -138,7 +138,7 @@ case "$CMD" in
     [ "$CACHES" -eq 0 ] || [ -x "$BIN_DIR/sparsex-cache-server" ] ||
       die "$BIN_DIR/sparsex-cache-server not found"
     command -v etcd >/dev/null || die "etcd not found (scripts/setup.sh installs etcd-server)"
-    [ -e "$MODEL" ] || die "model $MODEL not found (set SPARSEX_MODELS or --model)"
+    case "$MODEL" in synthetic:*) ;; *) [ -e "$MODEL" ] || die "model $MODEL not found (set SPARSEX_MODELS or --model)" ;; esac
     if [ -f "$RUN_DIR/etcd.pid" ] && alive "$(cat "$RUN_DIR/etcd.pid")"; then
       die "a cluster is already running in $RUN_DIR (cluster.sh down first)"
     fi
