@@ -3,8 +3,8 @@
 # worker(s), router) on 127.0.0.1, driven by sparsex-loadgen over the public gRPC API, for each
 # mode (reuse on: segment reuse + exact prefix caching; reuse off: exact prefix caching only, as
 # vLLM's automatic prefix caching) on a fresh cluster each, warmed up, then a sweep of arrival
-# rates. Writes to $OUT: serve.log, serving_<workload>_<mode>.json (loadgen summaries),
-# metrics_<workload>_<mode>.txt (worker and cache-server counters after the sweep).
+# rates. Writes to $OUT: serve.log, serving_<workload>_<mode><tag>.json (loadgen summaries),
+# metrics.txt (worker and cache-server counters after each sweep, appended).
 #
 # The binaries come staged from a Debian machine (bench/gpu/stage_serve.sh -> .stage/
 # serve.tar.gz; the device call carries .stage). Knobs (environment):
@@ -17,6 +17,7 @@
 #   SPX_SERVE_MODEL       synthetic:llama3-8b
 #   SPX_SERVE_WORKER_ARGS (GPU sizes: 256K tokens of paged KV, 30 GB device tier)
 #   SPX_SERVE_LOADGEN_ARGS extra loadgen flags (all workloads; later flags win)
+#   SPX_SERVE_TAG         ""               suffix of the JSON names (several runs in one $OUT)
 #   SPX_SERVE_DEVICE      cuda             (cpu: a local smoke run of this script)
 #   SPX_SERVE_CACHE_MEMORY 32G             the cache server's memory arena
 #
@@ -72,11 +73,11 @@ for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
     # shellcheck disable=SC2046
     timeout 420 "$SPX/bin/sparsex-loadgen" --target "$ROUTER_GRPC" --reuse "$mode" $(workload_args "$wl") \
       --content numbers --max_tokens 32 --requests "$REQS" --warmup "$WARM" --sweep "$sweep" \
-      --sweep_vary_seed --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}.json" \
+      --sweep_vary_seed --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}${SPX_SERVE_TAG:-}.json" \
       ${SPX_SERVE_LOADGEN_ARGS:-} >>"$LOG" 2>&1 || stamp "loadgen exit $?"
-    { curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue)' ;
+    { echo "## $wl reuse $mode ${SPX_SERVE_TAG:-}"; curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue)' ;
       curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_(memory|disk|hits|misses|evictions|corrupt|bytes)' ; } \
-      >"$OUT/metrics_${wl}_${mode}.txt" 2>&1
+      | grep -v _bucket >>"$OUT/metrics.txt" 2>&1
     grep -h "cache cluster:\|error\|Error" "$RUN"/worker0.log | tail -n 5 >>"$LOG" 2>&1
     "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1
   done
