@@ -97,8 +97,13 @@ absl::StatusOr<SegmentKv> ReuseEngine::Encode(const std::vector<int32_t>& tokens
   kv.kv_dim = r.kv_dim();
   const size_t kd = kv.kv_dim;
   for (int l = 0; l < kv.n_layers; ++l) {
-    kv.k.emplace_back(cap.k[l].begin() + c * kd, cap.k[l].end());
-    kv.v.emplace_back(cap.v[l].begin() + c * kd, cap.v[l].end());
+    if (c == 0) {  // no encoding context: the captured rows are the segment's (no copy)
+      kv.k.push_back(std::move(cap.k[l]));
+      kv.v.push_back(std::move(cap.v[l]));
+    } else {
+      kv.k.emplace_back(cap.k[l].begin() + c * kd, cap.k[l].end());
+      kv.v.emplace_back(cap.v[l].begin() + c * kd, cap.v[l].end());
+    }
   }
   return kv;
 }

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   bool prefix_caching = o.scheduler.engine.kv.enable_prefix_caching;
   int64_t host_store_mb = -1;  // per device below
   int prefill_chunk = -1;      // per device below
+  int store_while_busy = -1;   // per device below
   int64_t device_tier_mb = -1;
   int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
@@ -52,6 +53,9 @@ int main(int argc, char** argv) {
         "tokens per plain prefill chunk per iteration (default -1: 256 on cpu, 2048 on cuda)");
   f.Add("defer_segment_stores", &o.scheduler.defer_segment_stores,
         "store missing segments after the first token (off the TTFT path)");
+  f.Add("store_while_busy", &store_while_busy,
+        "1: deferred segment stores also run while sequences decode; 0: only when idle, an "
+        "overflowing backlog is dropped (default -1: 1 on cpu, 0 on cuda)");
   f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
@@ -96,6 +100,8 @@ int main(int argc, char** argv) {
   if (host_store_mb < 0) host_store_mb = cuda ? 8192 : static_cast<int64_t>(o.host_store_bytes >> 20);
   if (prefill_chunk < 0) prefill_chunk = cuda ? 2048 : o.scheduler.prefill_chunk;
   o.scheduler.prefill_chunk = prefill_chunk;
+  if (store_while_busy < 0) store_while_busy = cuda ? 0 : 1;
+  o.scheduler.store_while_busy = store_while_busy != 0;
   o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;
   if (device_tier_mb < 0) device_tier_mb = cuda ? 8192 : 0;
   o.scheduler.device_tier_bytes = static_cast<size_t>(device_tier_mb) << 20;

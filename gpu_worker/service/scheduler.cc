@@ -301,7 +301,14 @@ void BatchScheduler::Iteration() {
   DecodeAll(decoding);
   std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
   // 5. One deferred segment store, unless a prefill already ran (then only when many wait).
-  if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
+  // Without store_while_busy: only when idle, and an overflowing backlog loses its oldest.
+  if (!opts_.store_while_busy) {
+    while (static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
+      pending_stores_.pop_front();
+      ++stores_dropped_;
+    }
+    if (!prefilled && decoding.empty() && active_.empty()) StoreOne();
+  } else if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
     StoreOne();
   }
 }
@@ -497,6 +504,7 @@ void BatchScheduler::PublishLoad() {
   load_.running = static_cast<int>(active_.size());
   load_.running_tokens = tokens;
   load_.pending_stores = static_cast<int>(pending_stores_.size());
+  load_.stores_dropped = stores_dropped_;
   if (group_) {
     load_.kv_blocks_total = group_->engine().blocks().num_blocks();
     load_.kv_blocks_free = group_->engine().blocks().available();

@@ -55,8 +55,17 @@ struct SchedulerOptions {
   // (they run as deferred engine work, one per iteration), so storing never adds to TTFT.
   // Default: true
   bool defer_segment_stores = true;
-  // Deferred stores waiting beyond this many run even in iterations that prefill. Default: 16
+  // Deferred stores waiting beyond this many run even in iterations that prefill (or, without
+  // store_while_busy, are dropped oldest first). Default: 16
   int max_pending_stores = 16;
+  // Run deferred stores in iterations that decode. A store encodes the segment alone and copies
+  // its KV to the host store: on an H200 with an 8B model that is hundreds of milliseconds per
+  // 2000-token segment, which every decoding sequence would wait for (measured: chat p50 TPOT
+  // 585 ms vs 7.5 ms without reuse; docs/benchmarks.md). false: stores run only when nothing
+  // decodes or prefills, and a backlog beyond max_pending_stores is dropped (counted in
+  // SchedulerLoad::stores_dropped; the segment is computed again when it recurs).
+  // Default: true (the worker sets false on a GPU)
+  bool store_while_busy = true;
   // Backend memory kept for segment KV across requests (ReuseEngine's device tier: assembly
   // without a host round trip on a GPU); 0 copies from the host store per request. Default: 0
   size_t device_tier_bytes = 0;
@@ -121,6 +130,7 @@ struct SchedulerLoad {
   int kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t iterations = 0;
   int pending_stores = 0;  // deferred segment stores not yet run
+  int64_t stores_dropped = 0;  // deferred stores dropped (store_while_busy off, backlog full)
 };
 
 // Observer hooks, called on the engine thread (keep them short).
@@ -209,6 +219,7 @@ class BatchScheduler {
     ReuseOptions opts;
   };
   std::deque<PendingStore> pending_stores_;
+  int64_t stores_dropped_ = 0;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

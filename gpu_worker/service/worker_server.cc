@@ -121,6 +121,11 @@ struct WorkerMetrics {
     host_entries = &r.AddGauge("sparsex_worker_host_segments", "Segments in the host store.").Get();
     draining = &r.AddGauge("sparsex_worker_draining", "1 while draining.").Get();
     iterations = &r.AddGauge("sparsex_worker_iterations", "Engine iterations run.").Get();
+    pending_stores =
+        &r.AddGauge("sparsex_worker_pending_stores", "Deferred segment stores waiting.").Get();
+    stores_dropped = &r.AddGauge("sparsex_worker_stores_dropped",
+                                 "Deferred segment stores dropped (backlog full while busy).")
+                          .Get();
     info = &r.AddGauge("sparsex_worker_info", "Static worker information (value 1).",
                        {"worker", "model", "device", "instance"});
     // Series exist from the start (dashboards and rate() see zeros, not gaps).
@@ -136,7 +141,8 @@ struct WorkerMetrics {
   metrics::Counter *prompt_tokens, *prefix_tokens, *reused_tokens, *recomputed_tokens,
       *new_tokens, *generated_tokens, *fetched, *fetch_bytes;
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback;
-  metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations;
+  metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,
+      *pending_stores, *stores_dropped;
   metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info;
 };
 
@@ -582,6 +588,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->host_entries->Set(static_cast<double>(st.entries));
     sp->m->draining->Set(sp->draining ? 1 : 0);
     sp->m->iterations->Set(static_cast<double>(l.iterations));
+    sp->m->pending_stores->Set(l.pending_stores);
+    sp->m->stores_dropped->Set(static_cast<double>(l.stores_dropped));
   });
   if (options.metrics_port >= 0) {
     metrics::HttpServerOptions ho;

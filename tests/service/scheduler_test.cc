@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/fingerprint.h"
 #include "tests/gpu_worker/test_util.h"
 #include "tests/service/test_util.h"
 
@@ -120,6 +121,36 @@ TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
   EXPECT_LT(c2.final.usage.recomputed_tokens, docs);
   EXPECT_LT(c2.final.usage.compute_share, 0.8);
   EXPECT_EQ(n_stored(), 2u);  // nothing new stored
+}
+
+// store_while_busy = false (the GPU default): deferred stores wait while a sequence decodes,
+// run once the engine is idle, and a backlog beyond max_pending_stores is dropped and counted.
+TEST_F(SchedulerTest, StoresWaitForIdleWithoutStoreWhileBusy) {
+  SchedulerOptions o;
+  o.store_while_busy = false;
+  o.max_pending_stores = 1;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  // A long plain request keeps a sequence decoding while the reuse request's stores queue.
+  WorkItem long_plain = Item({{Enc("Once upon a time")}}, 400, /*reuse=*/false);
+  long_plain.sampling.ignore_eos = true;
+  auto busy = s->Submit(std::move(long_plain));
+  ASSERT_TRUE(busy.ok());
+  auto h = s->Submit(Item({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}}, 2));
+  ASSERT_TRUE(h.ok());
+  Collected c = Drain(**h);
+  ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+  // Two stores queued behind a busy engine with room for one: one dropped, none run yet.
+  EXPECT_TRUE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none")) ==
+              false);
+  Collected b = Drain(**busy);
+  ASSERT_TRUE(b.final.status.ok());
+  for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(s->load().pending_stores, 0);
+  EXPECT_EQ(s->load().stores_dropped, 1);
+  // The newer of the two (kDocB) survived the backlog and was stored once idle.
+  EXPECT_TRUE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none")));
+  EXPECT_FALSE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none")));
 }
 
 // The pinned host tier (CPU: plain host memory) in front of the store: the second request is
