@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
         "segment KV kept in pinned host memory (bf16 on a GPU), MiB per rank; used when "
         "--device_tier_mb is 0 (default 0)");
   f.Add("cache_servers", &o.cluster.servers,
-        "cache server gRPC addresses (comma-separated); ignored with --tp > 1");
+        "cache server gRPC addresses (comma-separated); with --tp N each rank moves its share");
   f.Add("cache_replication", &replication, "copies of each segment in the cache cluster");
   f.Add("cache_transport", &o.cluster.transport, "cache data plane: ucx | grpc");
   f.Add("ucx_tls", &o.cluster.ucx_tls, "UCX transports (as UCX_TLS)");
