@@ -482,7 +482,9 @@ def check_wiring(objs):
 
 def metric_names_in_sources():
     names = set()
-    for path in glob.glob(os.path.join(REPO, "**", "*.cc"), recursive=True):
+    paths = glob.glob(os.path.join(REPO, "**", "*.cc"), recursive=True) + \
+        glob.glob(os.path.join(REPO, "**", "*.h"), recursive=True)
+    for path in paths:
         if "/build" in path[len(REPO):]:
             continue
         with open(path, errors="replace") as f:
