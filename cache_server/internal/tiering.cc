@@ -1,0 +1,246 @@
+// The tiers and the background work: opening the disk tier (rebuilding the index from it) and
+// shutting down (write-back flush), arena allocation with memory eviction and spill, disk
+// capacity, verified disk reads, the post-restart warm loader, and the sweeper that reclaims
+// expired reservations and leases.
+#include <algorithm>
+
+#include "cache_server/internal/block_index.h"
+#include "common/kv_block.h"
+
+namespace sparsex::cache::internal {
+
+absl::Status CacheCore::Init(metrics::Registry* reg) {
+  RegisterMetrics(reg);
+  DiskStoreOptions dso;
+  dso.backend = opt_.disk_backend;
+  dso.path = opt_.disk_path;
+  dso.sync = opt_.sync_writes;
+  ASSIGN_OR_RETURN(disk_, OpenDiskStore(dso));
+  if (disk_) {
+    std::vector<std::pair<uint64_t, BlockKey>> order;
+    std::vector<BlockKey> stale;
+    RETURN_IF_ERROR(disk_->ForEachMeta([&](const BlockKey& k, const DiskMeta& m) {
+      if (m.layout_version != opt_.layout_version || !ValidateBlockKey(k).ok() ||
+          m.size == 0) {
+        stale.push_back(k);
+        return;
+      }
+      Entry e;
+      e.state = Entry::State::kCommitted;
+      e.model_fp = m.model_fp;
+      e.layout_version = m.layout_version;
+      e.size = m.size;
+      e.checksum = m.checksum;
+      e.cost = m.cost;
+      e.on_disk = true;
+      e.commit_unix_ms = m.commit_unix_ms;
+      entries_[k] = e;
+      disk_used_ += m.size;
+      order.emplace_back(m.commit_unix_ms, k);
+    }));
+    for (const auto& k : stale) (void)disk_->Delete(k);
+    std::sort(order.begin(), order.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& [t, k] : order) disk_policy_->Insert(k, entries_[k].size, 1);
+    warm_order_.reserve(order.size());
+    for (auto it = order.rbegin(); it != order.rend(); ++it) warm_order_.push_back(it->second);
+  }
+  UpdateGauges();
+  sweeper_ = std::thread([this] { SweepLoop(); });
+  warm_ = std::thread([this] { WarmLoad(); });
+  return absl::OkStatus();
+}
+
+CacheCore::~CacheCore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (sweeper_.joinable()) sweeper_.join();
+  if (warm_.joinable()) warm_.join();
+  if (disk_ && !opt_.write_through) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [k, e] : entries_) {
+      if (e.state == Entry::State::kCommitted && e.in_memory && !e.on_disk && !e.doomed) {
+        (void)disk_->Put(k, MetaOf(e), {arena_ + e.offset, e.size});
+      }
+    }
+  }
+}
+
+// Allocates arena space, evicting unpinned memory copies in policy order as needed.
+absl::StatusOr<uint64_t> CacheCore::AllocateLocked(uint64_t size) {
+  for (;;) {
+    if (auto off = alloc_.Allocate(size)) return *off;
+    bool evicted = false;
+    const uint64_t need = alloc_.Rounded(size);
+    memory_policy_->ForEachCandidate([&](const BlockKey& k) {
+      auto it = entries_.find(k);
+      if (it == entries_.end()) return false;
+      Entry& e = it->second;
+      if (e.pins > 0 || e.promoting || e.state != Entry::State::kCommitted || !e.in_memory) {
+        return false;
+      }
+      EvictFromMemoryLocked(k);
+      evicted = true;
+      return alloc_.largest_free() >= need;
+    });
+    if (!evicted) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "out_of_capacity: no room for ", size, " bytes: ", alloc_.used(), " of ",
+          alloc_.capacity(), " bytes in use, the rest is leased or being written"));
+    }
+  }
+}
+
+// Drops the memory copy of a committed, unpinned block; spills it first when it is not on
+// disk yet (write-back), or forgets it when there is no disk tier.
+void CacheCore::EvictFromMemoryLocked(const BlockKey& k) {
+  Entry& e = entries_.at(k);
+  if (!e.on_disk && disk_) {
+    auto t0 = Clock::now();
+    DiskMeta meta = MetaOf(e);
+    absl::Status s = disk_->Put(k, meta, {arena_ + e.offset, e.size});
+    Observe(m_.disk_write_seconds, t0);
+    if (s.ok()) {
+      e.on_disk = true;
+      disk_used_ += e.size;
+      disk_policy_->Insert(k, e.size, 1);
+      Inc(m_.spills);
+    }
+  }
+  Inc(m_.evictions_memory);
+  memory_policy_->Erase(k, /*evicted=*/true);
+  alloc_.Free(e.offset, e.size);
+  e.in_memory = false;
+  if (!e.on_disk) {
+    entries_.erase(k);
+  } else {
+    EnforceDiskCapacityLocked();
+  }
+}
+
+void CacheCore::EnforceDiskCapacityLocked() {
+  if (opt_.disk_capacity_bytes == 0 || !disk_) return;
+  while (disk_used_ > opt_.disk_capacity_bytes) {
+    bool removed = false;
+    disk_policy_->ForEachCandidate([&](const BlockKey& k) {
+      auto it = entries_.find(k);
+      if (it == entries_.end()) return false;
+      Entry& e = it->second;
+      if (e.pins > 0 || e.promoting || !e.on_disk) return false;
+      (void)disk_->Delete(k);
+      disk_policy_->Erase(k, true);
+      disk_used_ -= e.size;
+      e.on_disk = false;
+      Inc(m_.evictions_disk);
+      if (!e.in_memory) entries_.erase(it);
+      removed = true;
+      return true;
+    });
+    if (!removed) return;
+  }
+}
+
+absl::Status CacheCore::ReadFromDisk(const BlockKey& k, uint64_t offset, uint64_t size,
+                                     uint64_t checksum) {
+  auto t0 = Clock::now();
+  std::span<uint8_t> dst(arena_ + offset, size);
+  absl::Status s = disk_ ? disk_->Read(k, dst) : absl::NotFoundError("no disk tier");
+  Observe(m_.disk_read_seconds, t0);
+  if (!s.ok()) return s;
+  if (KvBlockWireChecksum(dst) != checksum) {
+    return absl::DataLossError("checksum mismatch on disk read");
+  }
+  auto v = VerifyKvBlock(dst);
+  if (!v.ok()) return v.status();
+  if (v->header.segment_fp != k.segment || v->header.layer_begin != k.layer_begin ||
+      v->header.layer_end != k.layer_end) {
+    return absl::DataLossError("disk block header does not match its key");
+  }
+  return absl::OkStatus();
+}
+
+// After a restart: bring the most recently committed disk blocks back into free memory.
+void CacheCore::WarmLoad() {
+  uint64_t budget = std::min(opt_.warm_load_bytes, alloc_.capacity());
+  for (const BlockKey& k : warm_order_) {
+    uint64_t off = 0, size = 0, checksum = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) break;
+      auto it = entries_.find(k);
+      if (it == entries_.end()) continue;
+      Entry& e = it->second;
+      if (e.in_memory || e.promoting || e.doomed || e.state != Entry::State::kCommitted) {
+        continue;
+      }
+      if (e.size > budget) continue;
+      auto o = alloc_.Allocate(e.size);  // never evicts
+      if (!o) break;
+      e.promoting = true;
+      e.offset = *o;
+      off = *o;
+      size = e.size;
+      checksum = e.checksum;
+      budget -= size;
+    }
+    absl::Status s = ReadFromDisk(k, off, size, checksum);
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = entries_.at(k);
+    e.promoting = false;
+    if (s.ok()) {
+      e.in_memory = true;
+      memory_policy_->Insert(k, e.size, e.cost);
+    } else {
+      Inc(m_.corrupt_disk);
+      alloc_.Free(e.offset, e.size);
+      e.doomed = true;
+      if (e.pins == 0) RemoveEntryLocked(k);
+    }
+    promo_cv_.notify_all();
+    UpdateGauges();
+  }
+  warm_order_.clear();
+  warm_done_.store(true);
+}
+
+void CacheCore::Sweep() {
+  std::lock_guard<std::mutex> lock(mu_);
+  SweepLocked();
+}
+
+void CacheCore::SweepLocked() {
+  const auto now = Clock::now();
+  for (auto it = reservations_.begin(); it != reservations_.end();) {
+    auto cur = it++;
+    if (cur->second.deadline <= now && !cur->second.committing) {
+      RememberExpired(cur->first);
+      Inc(m_.reclaimed);
+      DropReservationLocked(cur);
+    }
+  }
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    auto cur = it++;
+    if (cur->second.deadline <= now) {
+      for (const auto& k : cur->second.pinned) UnpinLocked(k);
+      RememberExpired(cur->first);
+      Inc(m_.leases_expired);
+      leases_.erase(cur);
+    }
+  }
+  UpdateGauges();
+}
+
+void CacheCore::SweepLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    stop_cv_.wait_for(lock,
+                      std::chrono::milliseconds(std::max<uint32_t>(1, opt_.sweep_interval_ms)));
+    if (stop_) break;
+    SweepLocked();
+  }
+}
+
+}  // namespace sparsex::cache::internal
