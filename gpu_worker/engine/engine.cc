@@ -262,7 +262,12 @@ absl::Status Engine::Decode(Sequence& seq, absl::StatusOr<std::vector<float>> lo
   StreamDecoder dec(tok);
   res->finish_reason = "length";
   while (logits.ok() && static_cast<int>(res->tokens.size()) < sampling.max_tokens) {
-    const int32_t next = sampler.Sample(*logits);
+    absl::StatusOr<int32_t> sampled = sampler.TrySample(*logits);
+    if (!sampled.ok()) {  // non-finite logits: an error, never a token
+      logits = sampled.status();
+      break;
+    }
+    const int32_t next = *sampled;
     if (res->tokens.empty()) res->ttft_ms = MsSince(t0);
     if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
       res->finish_reason = "stop";

@@ -98,14 +98,51 @@ absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
     s->thread_.join();
     return st;
   }
+  for (int i = 0; i < std::max(1, options.fetch_threads); ++i) {
+    s->fetchers_.emplace_back([self] { self->FetchLoop(); });
+  }
   return s;
+}
+
+void BatchScheduler::FetchLoop() {
+  for (;;) {
+    std::unique_ptr<Active> a;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      fetch_cv_.wait(l, [this] { return fetch_stop_ || !fetch_queue_.empty(); });
+      if (fetch_stop_) return;
+      a = std::move(fetch_queue_.front());
+      fetch_queue_.pop_front();
+      ++fetching_;
+    }
+    // A request cancelled while it waited skips the fetch; admission drops it.
+    if (!a->h->cancelled() && a->w.remote_fetch) a->w.remote_fetch(a->w);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      --fetching_;
+      queue_.push_back(std::move(a));
+    }
+    cv_.notify_all();
+  }
 }
 
 BatchScheduler::~BatchScheduler() { Stop(); }
 
 void BatchScheduler::Stop() {
+  // Fetch threads first (each finishes the fetch in hand), so that every request ends up in
+  // queue_, which the engine thread fails on its way out.
   {
     std::lock_guard<std::mutex> l(mu_);
+    fetch_stop_ = true;
+  }
+  fetch_cv_.notify_all();
+  for (std::thread& t : fetchers_) {
+    if (t.joinable()) t.join();
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& a : fetch_queue_) queue_.push_back(std::move(a));
+    fetch_queue_.clear();
     stop_ = true;
   }
   cv_.notify_all();
@@ -169,12 +206,20 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> BatchScheduler::Submit(WorkItem w
   {
     std::lock_guard<std::mutex> l(mu_);
     if (stop_) return absl::UnavailableError("worker is stopping");
-    if (static_cast<int>(queue_.size()) >= opts_.max_queue) {
+    const size_t waiting = queue_.size() + fetch_queue_.size() + static_cast<size_t>(fetching_);
+    if (static_cast<int>(waiting) >= opts_.max_queue) {
       return absl::ResourceExhaustedError(
           absl::StrCat("worker queue full (", opts_.max_queue, " waiting requests)"));
     }
+    if (a->w.remote_fetch && !fetch_stop_) {
+      fetch_queue_.push_back(std::move(a));
+      load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
+      fetch_cv_.notify_one();
+      return h;
+    }
     queue_.push_back(std::move(a));
     load_.queue_depth = static_cast<int>(queue_.size());
+  load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
   }
   cv_.notify_all();
   return h;
@@ -403,7 +448,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     logits = std::move(*lg);
   }
   a.state = Active::State::kDecode;
-  Emit(a, a.sampler->Sample(logits));
+  SampleAndEmit(a, logits);
   return true;
 }
 
@@ -427,7 +472,7 @@ void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
     for (Active* a : step) DecodeOne(*a);
     return;
   }
-  for (size_t i = 0; i < step.size(); ++i) Emit(*step[i], step[i]->sampler->Sample((*lg)[i]));
+  for (size_t i = 0; i < step.size(); ++i) SampleAndEmit(*step[i], (*lg)[i]);
 }
 
 bool BatchScheduler::DecodeOne(Active& a) {
@@ -436,7 +481,16 @@ bool BatchScheduler::DecodeOne(Active& a) {
     Finish(a, "", lg.status());
     return false;
   }
-  return Emit(a, a.sampler->Sample(*lg));
+  return SampleAndEmit(a, *lg);
+}
+
+bool BatchScheduler::SampleAndEmit(Active& a, std::span<const float> logits) {
+  absl::StatusOr<int32_t> t = a.sampler->TrySample(logits);
+  if (!t.ok()) {  // non-finite logits: the request fails with the reason, never a token
+    Finish(a, "", t.status());
+    return false;
+  }
+  return Emit(a, *t);
 }
 
 bool BatchScheduler::Emit(Active& a, int32_t token) {
@@ -501,6 +555,7 @@ void BatchScheduler::PublishLoad() {
   }
   std::lock_guard<std::mutex> l(mu_);
   load_.queue_depth = static_cast<int>(queue_.size());
+  load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
   load_.running = static_cast<int>(active_.size());
   load_.running_tokens = tokens;
   load_.pending_stores = static_cast<int>(pending_stores_.size());

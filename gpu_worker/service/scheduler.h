@@ -55,6 +55,8 @@ struct SchedulerOptions {
   // (they run as deferred engine work, one per iteration), so storing never adds to TTFT.
   // Default: true
   bool defer_segment_stores = true;
+  // Threads that run WorkItem::remote_fetch (the "waiting for remote KV" state). Default: 2
+  int fetch_threads = 2;
   // Deferred stores waiting beyond this many run even in iterations that prefill (or, without
   // store_while_busy, are dropped oldest first). Default: 16
   int max_pending_stores = 16;
@@ -99,7 +101,12 @@ struct WorkItem {
   SamplingParams sampling;
   ReuseOptions reuse;  // complete options for this request (defaults already merged)
   std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
-  // Filled by the caller's fetch stage (cluster tier), reported in the usage.
+  // Work to run before admission, on one of the scheduler's fetch threads: the cluster fetch of
+  // segments this worker lacks (it sets segments_fetched / fetch_failures). The request waits
+  // in the "waiting for remote KV" state meanwhile, so a slow cache server blocks neither the
+  // caller's (RPC) thread nor requests that need no fetch. Default: none (queued at once)
+  std::function<void(WorkItem&)> remote_fetch;
+  // Set by remote_fetch, reported in the usage.
   int segments_fetched = 0, fetch_failures = 0;
 };
 
@@ -126,6 +133,7 @@ class RequestHandle {
 // A snapshot of the scheduler's load (updated by the engine thread every iteration).
 struct SchedulerLoad {
   int queue_depth = 0, running = 0;
+  int waiting_remote = 0;  // requests whose remote KV fetch has not finished
   int64_t running_tokens = 0;
   int kv_blocks_total = 0, kv_blocks_free = 0;
   int64_t iterations = 0;
@@ -188,6 +196,7 @@ class BatchScheduler {
   BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
                  const SchedulerOptions& o, SchedulerHooks hooks);
   void Loop(std::promise<absl::Status>* ready);
+  void FetchLoop();
   void Iteration();
   bool PrefillOne(Active& a);
   bool DecodeOne(Active& a);
@@ -197,6 +206,7 @@ class BatchScheduler {
   // Runs one deferred segment store; false when there was none.
   bool StoreOne();
   // Emits a sampled token; returns false when the request finished.
+  bool SampleAndEmit(Active& a, std::span<const float> logits);
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
   void PublishLoad();
@@ -224,6 +234,12 @@ class BatchScheduler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Active>> queue_;
+  // Waiting for remote KV (guarded by mu_): not yet fetched, and being fetched.
+  std::deque<std::unique_ptr<Active>> fetch_queue_;
+  int fetching_ = 0;
+  bool fetch_stop_ = false;
+  std::condition_variable fetch_cv_;
+  std::vector<std::thread> fetchers_;
   bool stop_ = false;
   SchedulerLoad load_;
   std::thread thread_;

@@ -25,6 +25,7 @@
 #include "common/metrics/metrics.h"
 #include "common/utf8.h"
 #include "model/model.h"
+#include "model/prompt.h"
 #include "gpu_worker/service/api_convert.h"
 #include "gpu_worker/service/event_log.h"
 #include "proto/grpc_status.h"
@@ -123,6 +124,9 @@ struct WorkerMetrics {
     iterations = &r.AddGauge("sparsex_worker_iterations", "Engine iterations run.").Get();
     pending_stores =
         &r.AddGauge("sparsex_worker_pending_stores", "Deferred segment stores waiting.").Get();
+    waiting_remote = &r.AddGauge("sparsex_worker_waiting_remote",
+                                 "Requests waiting for their cache-cluster fetch.")
+                          .Get();
     stores_dropped = &r.AddGauge("sparsex_worker_stores_dropped",
                                  "Deferred segment stores dropped (backlog full while busy).")
                           .Get();
@@ -142,7 +146,7 @@ struct WorkerMetrics {
       *new_tokens, *generated_tokens, *fetched, *fetch_bytes;
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback;
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,
-      *pending_stores, *stores_dropped;
+      *pending_stores, *stores_dropped, *waiting_remote;
   metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info;
 };
 
@@ -235,6 +239,56 @@ struct WorkerServer::State {
 
 namespace {
 
+// The cluster fetch of a request's missing segments (WorkItem::remote_fetch, on a scheduler
+// fetch thread): every rank's share, metrics, events, and a rate-limited log line on failure.
+void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, WorkItem& item) {
+  const Clock::time_point t0 = Clock::now();
+  // Tensor parallelism: every rank fetches its own share; a segment counts as fetched only
+  // when every rank has it (a partial one is dropped before the prefill).
+  const int tp = static_cast<int>(st.rank_stores.size()) + 1;
+  FetchOutcome f = st.tier->FetchMissing(refs, st.store.get(), 0, tp);
+  for (size_t r = 0; r < st.rank_stores.size(); ++r) {
+    FetchOutcome fr = st.tier->FetchMissing(refs, st.rank_stores[r].get(),
+                                             static_cast<int>(r) + 1, tp);
+    f.failures += fr.failures;
+    f.failure_reasons.insert(f.failure_reasons.end(), fr.failure_reasons.begin(),
+                             fr.failure_reasons.end());
+    std::erase_if(f.stored, [&](const SegmentRef& sr) {
+      return !st.rank_stores[r]->Contains(sr.fp);
+    });
+  }
+  if (!st.rank_stores.empty()) f.fetched = static_cast<int>(f.stored.size());
+  if (f.fetched + f.failures > 0) {
+    st.m->fetch->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  for (const SegmentRef& r : f.stored) st.events->Stored(r.fp, r.num_tokens);
+  if (!f.stored.empty()) st.events->Reconcile(*st.store);
+  st.m->fetched->Inc(f.fetched);
+  for (const std::string& why : f.failure_reasons) st.m->fetch_failures->Get({why}).Inc();
+  st.m->fetch_bytes->Inc(static_cast<double>(f.bytes));
+  if (f.failures > 0) {
+    // Say why at once (rate-limited): a fetch that cannot succeed is recomputed, and only
+    // this line and the metric tell the operator.
+    static std::atomic<int64_t> last_log_s{0};
+    const int64_t now_s = std::chrono::duration_cast<std::chrono::seconds>(
+                              Clock::now().time_since_epoch()).count();
+    int64_t prev = last_log_s.load();
+    if (now_s - prev >= 5 && last_log_s.compare_exchange_strong(prev, now_s)) {
+      std::map<std::string, int> by;
+      for (const std::string& why : f.failure_reasons) ++by[why];
+      std::string reasons;
+      for (const auto& [why, n] : by) absl::StrAppend(&reasons, reasons.empty() ? "" : ", ", n, " ", why);
+      LogLine(st.worker_id, absl::StrCat("cache cluster: ", f.failures, " of ", refs.size(),
+                                          " segments not fetched (", reasons,
+                                          "); recomputed. 'incomplete': the server holds only "
+                                          "some layers (evicted: its memory/disk capacity is "
+                                          "too small for this model's segments)"));
+    }
+  }
+  item.segments_fetched = f.fetched;
+  item.fetch_failures = f.failures;
+}
+
 class WorkerServiceImpl final : public wpb::Worker::Service {
  public:
   explicit WorkerServiceImpl(WorkerServer::State* s) : s_(s) {}
@@ -266,59 +320,25 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
     w.reuse = *reuse;
     if (absl::Status v = s_->scheduler->Validate(w); !v.ok()) return ToGrpcStatus(v);
 
-    // Segments this worker lacks: look them up in the cache cluster and fetch them first.
+    // Segments this worker lacks: looked up in the cache cluster and fetched before admission,
+    // on a scheduler fetch thread (the request waits in "waiting for remote KV"), never here.
     if (s_->tier && w.reuse.enable_reuse) {
+      const RequestFingerprints fps = FingerprintRequest(
+          s_->model->fingerprint(), w.segments, -1,
+          {.block_size = s_->opts.scheduler.engine.kv.block_size, .encoding = w.reuse.encoding});
       std::vector<SegmentRef> refs;
-      for (const auto& seg : w.segments) {
-        if (!seg.cacheable || seg.tokens.empty()) continue;
-        refs.push_back({SegmentFingerprint(s_->model->fingerprint(), seg.tokens, w.reuse.encoding),
-                        static_cast<int>(seg.tokens.size())});
+      bool missing = false;
+      for (size_t i = 0; i < w.segments.size(); ++i) {
+        if (!fps.segments[i].has_value()) continue;
+        refs.push_back({*fps.segments[i], static_cast<int>(w.segments[i].tokens.size())});
+        missing = missing || !s_->store->Contains(*fps.segments[i]);
       }
-      const Clock::time_point t0 = Clock::now();
-      // Tensor parallelism: every rank fetches its own share; a segment counts as fetched only
-      // when every rank has it (a partial one is dropped before the prefill).
-      const int tp = static_cast<int>(s_->rank_stores.size()) + 1;
-      FetchOutcome f = s_->tier->FetchMissing(refs, s_->store.get(), 0, tp);
-      for (size_t r = 0; r < s_->rank_stores.size(); ++r) {
-        FetchOutcome fr = s_->tier->FetchMissing(refs, s_->rank_stores[r].get(),
-                                                 static_cast<int>(r) + 1, tp);
-        f.failures += fr.failures;
-        f.failure_reasons.insert(f.failure_reasons.end(), fr.failure_reasons.begin(),
-                                 fr.failure_reasons.end());
-        std::erase_if(f.stored, [&](const SegmentRef& sr) {
-          return !s_->rank_stores[r]->Contains(sr.fp);
-        });
+      if (missing) {
+        WorkerServer::State* st = s_;
+        w.remote_fetch = [st, refs = std::move(refs)](WorkItem& item) {
+          FetchRemote(*st, refs, item);
+        };
       }
-      if (!s_->rank_stores.empty()) f.fetched = static_cast<int>(f.stored.size());
-      if (f.fetched + f.failures > 0) {
-        s_->m->fetch->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
-      }
-      for (const SegmentRef& r : f.stored) s_->events->Stored(r.fp, r.num_tokens);
-      if (!f.stored.empty()) s_->events->Reconcile(*s_->store);
-      s_->m->fetched->Inc(f.fetched);
-      for (const std::string& why : f.failure_reasons) s_->m->fetch_failures->Get({why}).Inc();
-      s_->m->fetch_bytes->Inc(static_cast<double>(f.bytes));
-      if (f.failures > 0) {
-        // Say why at once (rate-limited): a fetch that cannot succeed is recomputed, and only
-        // this line and the metric tell the operator.
-        static std::atomic<int64_t> last_log_s{0};
-        const int64_t now_s = std::chrono::duration_cast<std::chrono::seconds>(
-                                  Clock::now().time_since_epoch()).count();
-        int64_t prev = last_log_s.load();
-        if (now_s - prev >= 5 && last_log_s.compare_exchange_strong(prev, now_s)) {
-          std::map<std::string, int> by;
-          for (const std::string& why : f.failure_reasons) ++by[why];
-          std::string reasons;
-          for (const auto& [why, n] : by) absl::StrAppend(&reasons, reasons.empty() ? "" : ", ", n, " ", why);
-          LogLine(s_->worker_id, absl::StrCat("cache cluster: ", f.failures, " of ", refs.size(),
-                                              " segments not fetched (", reasons,
-                                              "); recomputed. 'incomplete': the server holds only "
-                                              "some layers (evicted: its memory/disk capacity is "
-                                              "too small for this model's segments)"));
-        }
-      }
-      w.segments_fetched = f.fetched;
-      w.fetch_failures = f.failures;
     }
 
     auto handle = s_->scheduler->Submit(std::move(w));
@@ -589,6 +609,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->draining->Set(sp->draining ? 1 : 0);
     sp->m->iterations->Set(static_cast<double>(l.iterations));
     sp->m->pending_stores->Set(l.pending_stores);
+    sp->m->waiting_remote->Set(l.waiting_remote);
     sp->m->stores_dropped->Set(static_cast<double>(l.stores_dropped));
   });
   if (options.metrics_port >= 0) {

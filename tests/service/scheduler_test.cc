@@ -3,6 +3,7 @@
 // cancellation frees the KV blocks; reuse counters; validation and load shedding.
 #include "gpu_worker/service/scheduler.h"
 
+#include <atomic>
 #include <mutex>
 #include <thread>
 
@@ -151,6 +152,62 @@ TEST_F(SchedulerTest, StoresWaitForIdleWithoutStoreWhileBusy) {
   // The newer of the two (kDocB) survived the backlog and was stored once idle.
   EXPECT_TRUE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none")));
   EXPECT_FALSE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none")));
+}
+
+// The cluster fetch as a scheduler state: a request whose remote fetch is slow waits in
+// "waiting for remote KV" without delaying a request that needs none, then runs with what the
+// fetch reported; stopping the scheduler fails a waiting request instead of hanging it.
+TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
+  SchedulerOptions o;
+  o.fetch_threads = 1;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  std::atomic<bool> release{false};
+  WorkItem slow = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
+  slow.remote_fetch = [&release](WorkItem& w) {
+    while (!release.load()) std::this_thread::sleep_for(1ms);
+    w.segments_fetched = 1;
+  };
+  auto h_slow = s->Submit(std::move(slow));
+  ASSERT_TRUE(h_slow.ok()) << h_slow.status();
+  for (int i = 0; i < 200 && s->load().waiting_remote == 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(s->load().waiting_remote, 1);
+  auto h_fast = s->Submit(Item({{Enc(kDocB)}}, 4));
+  ASSERT_TRUE(h_fast.ok());
+  Collected fast = Drain(**h_fast);  // finishes while the other still waits for its fetch
+  ASSERT_TRUE(fast.final.status.ok()) << fast.final.status;
+  EXPECT_EQ(s->load().waiting_remote, 1);
+  release = true;
+  Collected c = Drain(**h_slow);
+  ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+  EXPECT_EQ(c.final.usage.segments_fetched, 1);
+  EXPECT_EQ(c.ids, Reference({{Enc(kDocA)}, {Enc(kQ), false}}, 4));
+
+  // Stop with requests still waiting: the fetch in hand finishes (its request may still run),
+  // the one not yet fetched fails with UNAVAILABLE; nothing hangs.
+  std::atomic<bool> release2{false};
+  WorkItem stuck = Item({{Enc(kDocB)}}, 4);
+  stuck.remote_fetch = [&release2](WorkItem&) {
+    for (int i = 0; i < 2000 && !release2.load(); ++i) std::this_thread::sleep_for(1ms);
+  };
+  WorkItem waiting = Item({{Enc(kDocA)}}, 4);
+  waiting.remote_fetch = [](WorkItem&) {};
+  auto h1 = s->Submit(std::move(stuck));
+  ASSERT_TRUE(h1.ok());
+  for (int i = 0; i < 200 && s->load().waiting_remote == 0; ++i) std::this_thread::sleep_for(1ms);
+  auto h2 = s->Submit(std::move(waiting));  // queued behind the only fetch thread
+  ASSERT_TRUE(h2.ok());
+  std::thread stopper([&] { s->Stop(); });
+  std::this_thread::sleep_for(20ms);
+  release2 = true;
+  stopper.join();
+  Collected r1 = Drain(**h1);
+  EXPECT_TRUE(r1.final.final);
+  EXPECT_TRUE(r1.final.status.ok() || r1.final.status.code() == absl::StatusCode::kUnavailable)
+      << r1.final.status;
+  Collected r2 = Drain(**h2);
+  EXPECT_EQ(r2.final.status.code(), absl::StatusCode::kUnavailable) << r2.final.status;
+  EXPECT_EQ(s->Submit(Item({{Enc(kDocA)}}, 4)).status().code(), absl::StatusCode::kUnavailable);
 }
 
 // The pinned host tier (CPU: plain host memory) in front of the store: the second request is
