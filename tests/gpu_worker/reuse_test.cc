@@ -190,6 +190,32 @@ TEST_F(ReuseTest, ExactPrefixPlusReusedSegments) {
   EXPECT_LT(MaxDiff(Full({{a}, {c}, {b}, {Enc(kQ), false}}), r2->logits), 1e-4);
 }
 
+// A conversation: each turn re-sends the history plus a new message. The last turn's tail lies
+// past the exact prefix (its partial block); it is computed, not reused approximately, so every
+// turn's blocks stay exact and the next turn's exact prefix covers the whole history.
+TEST_F(ReuseTest, ConversationKeepsItsExactPrefixGrowing) {
+  EngineOptions eo;  // prefix caching on
+  auto e = Engine::Create(*model_, eo);
+  ASSERT_TRUE(e.ok());
+  ReuseEngine re(e->get(), store_.get(), {});
+  const std::vector<std::vector<int32_t>> turns = {Enc(kDocA), Enc(kDocB), Enc(kDocC),
+                                                   Enc(kQ + std::string(" Tom ran home."))};
+  std::vector<PromptSegment> history;
+  int prev_tokens = 0;  // prompt length of the previous turn (BOS included)
+  for (size_t t = 0; t < turns.size(); ++t) {
+    history.push_back({turns[t], true});
+    auto r = re.Prefill(history, true, nullptr);
+    ASSERT_TRUE(r.ok()) << r.status();
+    (*e)->Release(r->seq);
+    const int n = r->stats.prompt_tokens;
+    EXPECT_EQ(r->stats.exact_tokens, n) << "turn " << t;
+    EXPECT_EQ(r->stats.reused_tokens, 0) << "turn " << t;
+    // Every full block of the previous turn's prompt is an exact hit now.
+    EXPECT_EQ(r->stats.prefix_tokens, t == 0 ? 0 : (prev_tokens - 1) / 16 * 16) << "turn " << t;
+    prev_tokens = n;
+  }
+}
+
 TEST_F(ReuseTest, PerLayerRatiosAndAdaptiveBudget) {
   std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
   for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
