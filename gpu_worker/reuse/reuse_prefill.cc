@@ -1,5 +1,7 @@
 #include "gpu_worker/reuse/reuse_prefill.h"
 
+#include "gpu_worker/reuse/planner.h"
+
 #include <algorithm>
 #include <chrono>
 #include <sstream>
@@ -128,21 +130,6 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
                    CreateSelector(o.selector, o.sparsex_weights));
 
-  // ---- plan: token layout, segment of every position ----
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> group;  // segment index per position, -1 for BOS (shared sink)
-  std::vector<int32_t> seg_start(segs.size());
-  const int32_t bos = engine_->model().tokenizer().bos_id();
-  if (add_bos && bos >= 0) {
-    tokens.push_back(bos);
-    group.push_back(-1);
-  }
-  for (size_t s = 0; s < segs.size(); ++s) {
-    seg_start[s] = static_cast<int32_t>(tokens.size());
-    tokens.insert(tokens.end(), segs[s].tokens.begin(), segs[s].tokens.end());
-    group.insert(group.end(), segs[s].tokens.size(), static_cast<int32_t>(s));
-  }
-  const int N = static_cast<int>(tokens.size());
   // Phase times (ReuseOptions::profile): wait for the device, charge the time since the last mark.
   Backend& be = engine_->runner().backend();
   auto mark = std::chrono::steady_clock::now();
@@ -154,12 +141,11 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     mark = now;
     return absl::OkStatus();
   };
-  ASSIGN_OR_RETURN(Sequence seq, engine_->Admit(tokens));
+  const int32_t bos = add_bos ? engine_->model().tokenizer().bos_id() : -1;
+  ASSIGN_OR_RETURN(Sequence seq, engine_->Admit(PromptTokens(segs, bos)));
   ReusePrefillResult res;
   ReuseStats& st = res.stats;
   const int P = seq.cached_prefix;
-  st.prompt_tokens = N;
-  st.prefix_tokens = P;
 
   // On any error below the sequence's blocks go back to the pool.
   struct SeqGuard {
@@ -171,51 +157,51 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     }
   } guard{engine_, &seq};
 
-  // Segments found in the device tier, else in the host store (checksums verified on Get; a
-  // corrupt one is a miss) and then copied into backend memory.
+  // ---- plan (planner.h): layout, tier lookups in order (device, pinned host, host store; a
+  // store hit is uploaded into a tier; checksums verified on Get, a corrupt entry is a miss) ----
   std::vector<std::shared_ptr<const DeviceSegment>> found(segs.size());
   std::vector<char> from_host(segs.size(), 0);  // found in the pinned host tier
-  std::vector<char> reused(N, 0);
   const int kd = engine_->runner().kv_dim();
-  if (o.enable_reuse) {
-    const int64_t corrupt0 = store_->stats().corrupt;
-    for (size_t s = 0; s < segs.size(); ++s) {
-      const int n = static_cast<int>(segs[s].tokens.size());
-      if (n == 0 || !segs[s].cacheable || seg_start[s] + n <= P) continue;
-      // A segment the exact prefix covers in part has the rest computed, not reused, when that
-      // rest is short (the partial block after the last cached one, typically): reusing it
-      // approximately would end the exact prefix there, and every later turn of a conversation
-      // would find no exact blocks past it (measured on the H200 chat workload: exact-prefix
-      // share 0.59 without reuse, 0.29 with).
-      const int rest = seg_start[s] + n - P;
-      if (seg_start[s] < P && (rest <= 2 * engine_->blocks().block_size() || 4 * rest < n)) {
-        continue;
-      }
-      const Hash128 fp = Fingerprint(segs[s].tokens, o.encoding);
-      found[s] = tier_.Get(fp);
-      if (found[s]) {
-        ++st.segments_device_hit;
-      } else if ((found[s] = host_tier_.Get(fp))) {
-        ++st.segments_host_hit;
-        from_host[s] = 1;
-      } else {
-        auto kv = store_->Get(fp);
-        if (kv && kv->n_tokens == n && kv->n_layers == L && kv->kv_dim == kd) {
-          const bool to_host = tier_.capacity() == 0 && host_tier_.capacity() > 0;
-          ASSIGN_OR_RETURN(found[s], (to_host ? host_tier_ : tier_).Upload(fp, *kv));
-          from_host[s] = to_host;
+  const int64_t corrupt0 = store_->stats().corrupt;
+  absl::Status lookup_error;
+  const ReusePlan plan = PlanReuse(
+      segs, bos, P, engine_->blocks().block_size(), o, engine_->model().fingerprint(),
+      [&](size_t s, const Hash128& fp, int n) -> SegmentTier {
+        if ((found[s] = tier_.Get(fp))) {
+          ++st.segments_device_hit;
+          return SegmentTier::kDevice;
         }
-      }
-      if (found[s]) {
-        ++st.segments_hit;
-        for (int p = std::max(P, seg_start[s]); p < seg_start[s] + n; ++p) reused[p] = 1;
-      } else {
-        ++st.segments_missed;
-      }
-    }
-    st.segments_corrupt = static_cast<int>(store_->stats().corrupt - corrupt0);
-  }
-  reused[N - 1] = 0;  // the last token is always computed: its logits are the answer
+        if ((found[s] = host_tier_.Get(fp))) {
+          ++st.segments_host_hit;
+          from_host[s] = 1;
+          return SegmentTier::kPinnedHost;
+        }
+        auto kv = store_->Get(fp);
+        if (!kv || kv->n_tokens != n || kv->n_layers != L || kv->kv_dim != kd) {
+          return SegmentTier::kNone;
+        }
+        const bool to_host = tier_.capacity() == 0 && host_tier_.capacity() > 0;
+        auto up = (to_host ? host_tier_ : tier_).Upload(fp, *kv);
+        if (!up.ok()) {
+          if (lookup_error.ok()) lookup_error = up.status();
+          return SegmentTier::kNone;
+        }
+        found[s] = *up;
+        from_host[s] = to_host;
+        return SegmentTier::kHostStore;
+      });
+  RETURN_IF_ERROR(lookup_error);
+  st.segments_corrupt = static_cast<int>(store_->stats().corrupt - corrupt0);
+  const std::vector<int32_t>& tokens = plan.tokens;
+  const std::vector<int32_t>& group = plan.group;
+  const std::vector<char>& reused = plan.reused;
+  const int N = static_cast<int>(tokens.size());
+  st.prompt_tokens = N;
+  st.prefix_tokens = P;
+  st.segments_hit = plan.segments_hit;
+  st.segments_missed = plan.segments_missed;
+  st.reused_tokens = plan.reused_tokens;
+  st.new_tokens = plan.new_tokens;
   const int n_rows = N - P;
 
   // ---- where each reused segment's rows go (assembled layer by layer before the sparse
@@ -229,15 +215,14 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   };
   std::vector<Placement> place(segs.size());
   for (size_t s = 0; s < segs.size(); ++s) {
-    if (!found[s]) continue;
-    const int b = std::max(P, seg_start[s]);
-    const int e = seg_start[s] + static_cast<int>(segs[s].tokens.size());
-    for (int p = b; p < e; ++p) {
+    const SegmentPlan& sp = plan.segments[s];
+    if (!Reused(sp.tier)) continue;
+    for (int p = sp.reuse_begin; p < sp.end; ++p) {
       if (!reused[p]) continue;
       place[s].pos.push_back(p);
       place[s].slots.push_back(seq.Slot(p, bs));
     }
-    place[s].row0 = b - seg_start[s];
+    place[s].row0 = sp.reuse_begin - sp.begin;
   }
   // Host-tier segments: every sparse layer's K/V copied to the device on the backend's copy
   // stream, enqueued now so the copies run beside the full layers; awaited layer by layer.
@@ -271,7 +256,6 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       ASSIGN_OR_RETURN(x.tv, be.Prefetch(found[s]->v[l], x.v));
     }
   }
-  for (int p = P; p < N; ++p) (reused[p] ? st.reused_tokens : st.new_tokens)++;
 
   // ---- full layers [0, F): every non-prefix row, with the selection signal ----
   const std::vector<int32_t> ctx = engine_->CtxSlots(seq, N);
@@ -317,7 +301,7 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     for (int32_t i : reused_rows) {
       const int p = P + i;
       in.segment.push_back(group[p]);
-      in.offset.push_back(p - seg_start[group[p]]);
+      in.offset.push_back(p - plan.segments[group[p]].begin);
       in.cross_mass.push_back(stats_layers > 0 ? cross[i] / stats_layers : 0.0f);
       in.new_recv.push_back(stats_layers > 0 ? recv[p] / stats_layers : 0.0f);
     }
@@ -338,12 +322,11 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       int64_t row = 0;  // reused rows are in position order, segment by segment
       for (size_t s = 0; s < segs.size(); ++s) {
         if (!found[s]) continue;
-        const int b = std::max(P, seg_start[s]);
-        const int e = seg_start[s] + static_cast<int>(segs[s].tokens.size());
+        const SegmentPlan& sp = plan.segments[s];
         int cnt = 0;
-        for (int p = b; p < e; ++p) cnt += reused[p];
-        RETURN_IF_ERROR(be.CopyRows(found[s]->k[F], b - seg_start[s], kg.t, row, cnt));
-        RETURN_IF_ERROR(be.CopyRows(found[s]->v[F], b - seg_start[s], vg.t, row, cnt));
+        for (int p = sp.reuse_begin; p < sp.end; ++p) cnt += reused[p];
+        RETURN_IF_ERROR(be.CopyRows(found[s]->k[F], sp.reuse_begin - sp.begin, kg.t, row, cnt));
+        RETURN_IF_ERROR(be.CopyRows(found[s]->v[F], sp.reuse_begin - sp.begin, vg.t, row, cnt));
         row += cnt;
       }
       in.kv_deviation.assign(nr, 0.0f);
@@ -435,11 +418,17 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
                                       (static_cast<double>(L) * n_rows)
                                 : 0.0;
 
-  // ---- after the pass: store what was missing, register blocks for prefix reuse ----
-  if (o.enable_reuse && o.store_new_segments) {
-    for (size_t s = 0; s < segs.size(); ++s) {
-      if (found[s] || !segs[s].cacheable || segs[s].tokens.empty()) continue;
+  // ---- after the pass: store what was missing (or report it: a caller that defers stores
+  // turns store_new_segments off), register blocks for prefix reuse ----
+  for (int s : plan.missing) {
+    const SegmentPlan& sp = plan.segments[s];
+    if (store_->Contains(sp.fp)) continue;
+    const int n = sp.end - sp.begin;
+    if (o.enable_reuse && o.store_new_segments) {
       RETURN_IF_ERROR(EnsureStored(segs[s].tokens, &o));
+      if (store_->Contains(sp.fp)) res.stored.emplace_back(sp.fp, n);
+    } else if (o.enable_reuse) {
+      res.missing.emplace_back(s, sp.fp);
     }
   }
   // Exact up to the first reused token that some sparse layer did not recompute.

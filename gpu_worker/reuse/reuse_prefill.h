@@ -78,6 +78,11 @@ struct ReusePrefillResult {
   Sequence seq;  // holds KV blocks: continue decoding with Engine::Step, then Release
   std::vector<float> logits;
   ReuseStats stats;
+  // Segments this prefill encoded and stored (store_new_segments on): fingerprint, tokens.
+  std::vector<std::pair<Hash128, int>> stored;
+  // With store_new_segments off (deferred stores): cacheable segments the store lacks, for
+  // the caller to store later: index into the request's segments, fingerprint.
+  std::vector<std::pair<int, Hash128>> missing;
 };
 
 class ReuseEngine {

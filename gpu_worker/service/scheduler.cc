@@ -376,21 +376,10 @@ bool BatchScheduler::StoreOne() {
 bool BatchScheduler::PrefillOne(Active& a) {
   std::vector<float> logits;
   if (!a.plain) {
-    // Which segments the store holds before, to tell the ones this prefill stores.
     const ReuseOptions& o = a.w.reuse;
-    std::vector<Hash128> fps(a.w.segments.size());
-    std::vector<char> had(a.w.segments.size(), 1);
-    if (o.enable_reuse && o.store_new_segments) {
-      for (size_t i = 0; i < a.w.segments.size(); ++i) {
-        const auto& s = a.w.segments[i];
-        if (!s.cacheable || s.tokens.empty()) continue;
-        fps[i] = group_->reuse().Fingerprint(s.tokens, o.encoding);
-        had[i] = store_->Contains(fps[i]) ? 1 : 0;
-      }
-    }
     ReuseOptions po = a.w.reuse;
     const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
-    if (defer) po.store_new_segments = false;
+    if (defer) po.store_new_segments = false;  // the prefill reports them as missing instead
     auto r = group_->ReusePrefill(a.w.segments, a.w.add_bos, &po);
     if (!r.ok()) {
       Finish(a, "", r.status());
@@ -406,17 +395,14 @@ bool BatchScheduler::PrefillOne(Active& a) {
     a.usage.new_tokens = st.new_tokens;
     a.usage.segments_hit = st.segments_hit;
     a.usage.compute_share = st.compute_share;
-    std::vector<std::pair<Hash128, int>> stored;
-    for (size_t i = 0; i < a.w.segments.size(); ++i) {
-      if (had[i]) continue;
-      if (store_->Contains(fps[i])) {
-        stored.emplace_back(fps[i], static_cast<int>(a.w.segments[i].tokens.size()));
-      } else if (defer) {
+    if (defer) {
+      for (const auto& [i, fp] : r->missing) {
         bool queued = false;
-        for (const auto& p : pending_stores_) queued = queued || p.fp == fps[i];
-        if (!queued) pending_stores_.push_back({fps[i], a.w.segments[i].tokens, o});
+        for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
+        if (!queued) pending_stores_.push_back({fp, a.w.segments[i].tokens, o});
       }
     }
+    const std::vector<std::pair<Hash128, int>>& stored = r->stored;
     if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
     logits = std::move(r->logits);
   } else {
