@@ -356,6 +356,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
       t.added_.Add(content, id, /*parse_only=*/special);
       added_ids.emplace(content, id);
     }
+    t.added_.Finalize();
     t.ignore_merges_ = model.value("ignore_merges", false);
     if (model.contains("unk_token") && model["unk_token"].is_string()) {
       auto it = t.vocab_.find(model["unk_token"].get<std::string>());

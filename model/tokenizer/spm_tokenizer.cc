@@ -82,6 +82,7 @@ class SpmTokenizer final : public Tokenizer {
           decoded_[id] = ReplaceAll(p, kSpace, " ");
       }
     }
+    matcher_.Finalize();
   }
 
   std::vector<int32_t> Encode(std::string_view text, bool add_bos,

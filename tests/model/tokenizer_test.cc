@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -391,6 +392,35 @@ TEST(HfLoadTest, LoadsFromFile) {
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_THAT((*t)->Encode(" the", false), ElementsAre(Id(" the")));
   std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace sparsex
+
+namespace sparsex {
+namespace {
+
+// 40,000 added tokens sharing a first byte (issue 16: inserting them one by one re-sorted the
+// bucket each time, 71 s to load). Every one is found, and the longest match wins over its
+// prefixes. The load time is printed, not asserted (speed lives in benchmarks).
+TEST(HfAddedTokensTest, ManyAddedTokensLoadAndTheLongestMatchWins) {
+  nlohmann::json j = nlohmann::json::parse(MakeTokenizerJson(/*llama3=*/true));
+  constexpr int kMany = 40000;
+  for (int i = 0; i < kMany; ++i) {
+    j["added_tokens"].push_back(
+        {{"id", kTool + 1 + i}, {"content", "<extra_" + std::to_string(i) + ">"}, {"special", false}});
+  }
+  j["added_tokens"].push_back({{"id", kTool + 1 + kMany}, {"content", "<extra_1"}, {"special", false}});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto t = ParseHfTokenizer(j.dump());
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::printf("parsed %d added tokens in %.2f s\n", kMany, s);
+  const std::vector<int32_t> ids = (*t)->Encode("<extra_12345><extra_1><extra_1", false);
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(ids[0], kTool + 1 + 12345);
+  EXPECT_EQ(ids[1], kTool + 1 + 1);           // "<extra_1>" beats its prefix "<extra_1"
+  EXPECT_EQ(ids[2], kTool + 1 + kMany);       // only the prefix is there
 }
 
 }  // namespace
