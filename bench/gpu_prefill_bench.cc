@@ -140,7 +140,9 @@ int Main(const Options& o) {
     std::printf("gpu_prefill_bench: no CUDA device; nothing measured\n");
     return 0;
   }
-  auto be = Unwrap(CreateCudaBackend(0), "CreateCudaBackend");
+  // The SPX_* kernel switches (docs/operations.md), read once.
+  const CudaBackendOptions cuda_opts = CudaBackendOptionsFromEnv();
+  auto be = Unwrap(CreateCudaBackend(0, cuda_opts), "CreateCudaBackend");
   cudaStream_t stream = CudaBackendStream(*be);
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
@@ -168,9 +170,8 @@ int Main(const Options& o) {
   // Which kernel serves dense prefill attention (the backend's choice, reported with the figures).
   std::string dense_attention = "own kernel";
   {
-    const char* env = std::getenv("SPX_CUDNN_ATTENTION");
-    auto dnn = CudnnAttention::Create(stream);
-    if (env != nullptr && std::string(env) == "0") {
+    auto dnn = CudnnAttention::Create(stream, cuda_opts.cudnn_library);
+    if (cuda_opts.cudnn_attention == CudaBackendOptions::Cudnn::kOff) {
       dense_attention = "own kernel (SPX_CUDNN_ATTENTION=0)";
     } else if (dnn.ok()) {
       dense_attention = "cuDNN " + (*dnn)->version();

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 
@@ -65,6 +66,7 @@ int Main(int argc, char** argv) {
   const int total = 1 + nseg * seg_len + n_new;
   EngineOptions eo;
   eo.backend.kind = a["device"];
+  eo.backend.cuda = CudaBackendOptionsFromEnv();  // the SPX_* kernel switches
   eo.kv.enable_prefix_caching = false;  // every run is a cold prefill of the same prompt
   eo.kv.num_blocks = (total + 2 * seg_len) / eo.kv.block_size + 16;
   eo.prefill_chunk = total;

@@ -1,6 +1,41 @@
 #include "gpu_worker/backend/backend.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace sparsex {
+
+CudaBackendOptions CudaBackendOptionsFromEnv() {
+  CudaBackendOptions o;
+  const char* env = std::getenv("SPX_SMALL_N_GEMM");
+  o.small_n_gemm = env == nullptr || std::string(env) != "0";
+  if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
+  if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) o.fused_residual = std::string(f) == "1";
+  if (const char* im = std::getenv("SPX_ATTN_IMPL")) {
+    using Impl = CudaBackendOptions::AttentionImpl;
+    const std::string v = im;
+    if (v == "mma") {
+      o.attn_impl = Impl::kMma;
+    } else if (v == "wgmma") {
+      o.attn_impl = Impl::kWgmma;
+    } else if (v == "wgmma-pipe") {
+      o.attn_impl = Impl::kWgmmaPipelined;
+    } else if (!v.empty() && v != "auto") {
+      std::fprintf(stderr, "SPX_ATTN_IMPL=%s is not one of mma, wgmma, wgmma-pipe, auto: "
+                   "automatic choice used\n", im);
+    }
+  }
+  if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
+  if (const char* c = std::getenv("SPX_CUDNN_ATTENTION")) {
+    using Cudnn = CudaBackendOptions::Cudnn;
+    const std::string v = c;
+    o.cudnn_attention = v == "0" ? Cudnn::kOff : v == "require" ? Cudnn::kRequired
+                                                                : Cudnn::kWhenAvailable;
+  }
+  if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
+  if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
+  return o;
+}
 
 absl::Status Backend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
                                 int64_t n_cols, std::span<float> out) {
@@ -186,7 +221,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opt
   if (opts.kind == "cuda") {
 #if SPARSEX_WITH_CUDA
     if (!CudaAvailable()) return absl::UnavailableError("no usable CUDA device in this process");
-    return CreateCudaBackend(opts.device);
+    return CreateCudaBackend(opts.device, opts.cuda);
 #else
     return absl::UnavailableError("this build has no CUDA backend (SPARSEX_WITH_CUDA=0)");
 #endif
@@ -197,7 +232,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opt
 
 #if !SPARSEX_WITH_CUDA
 bool CudaAvailable() { return false; }
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int, const CudaBackendOptions&) {
   return absl::UnavailableError("this build has no CUDA backend (SPARSEX_WITH_CUDA=0)");
 }
 #endif

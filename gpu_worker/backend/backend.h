@@ -97,9 +97,54 @@ struct AttentionArgs {
   std::span<const SeqRows> seqs;
 };
 
+// The CUDA backend's kernel choices (docs/operations.md, "GPU kernel switches"). The backend
+// reads nothing else: a process fills one from its SPX_* environment variables, once, with
+// CudaBackendOptionsFromEnv() where it builds its BackendOptions (the worker's main, the CLI,
+// the benchmarks). Ignored by the CPU backend.
+struct CudaBackendOptions {
+  // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
+  // kAuto: wgmma when the build has sm_90a code and the GPU is compute capability 9.0, else
+  // mma.sync. Split-K (decode) always runs mma.sync.
+  enum class AttentionImpl { kAuto = 0, kMma = 1, kWgmma = 2, kWgmmaPipelined = 3 };
+  enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
+
+  // Decode-sized matmuls on the weight-streaming small-n kernel; false sends them to cuBLASLt
+  // (comparisons). SPX_SMALL_N_GEMM=0 sets false. Default: true
+  bool small_n_gemm = true;
+  // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
+  // SPX_ATTN_WARPS. Default: 0
+  int attn_warps = 0;
+  // The down projection's residual add folded into the GEMM epilogue (cuBLASLt beta = 1):
+  // ~1% faster, rounds once instead of twice. SPX_FUSED_RESIDUAL=1 sets true. Default: false
+  bool fused_residual = false;
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe. Default: kAuto
+  AttentionImpl attn_impl = AttentionImpl::kAuto;
+  // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
+  // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
+  bool cuda_graphs = true;
+  // Dense causal prefill attention through cuDNN's fused engine when libcudnn.so.9 loads
+  // (kWhenAvailable: our kernel when it does not); kRequired turns a cuDNN failure into an error
+  // instead of the fallback (tests). SPX_CUDNN_ATTENTION=0|require. Default: kWhenAvailable
+  Cudnn cudnn_attention = Cudnn::kWhenAvailable;
+  // The fewest query rows that go to cuDNN. Each new shape costs a plan build (~40-100 ms on the
+  // H200, ~1 s for the first, which compiles the kernel), repaid within one prefill only from
+  // about 16K tokens (32 layers x 1.8x faster attention). SPX_CUDNN_MIN_TOKENS. Default: 16384
+  int64_t cudnn_min_tokens = 16384;
+  // cuDNN library opened first (then libcudnn.so.9 from the loader path); empty: none.
+  // SPX_CUDNN_LIB. Default: ""
+  std::string cudnn_library;
+};
+
+// CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
+// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe or auto (the
+// removed wgmma-128 included) keeps kAuto and says so on stderr. Only parses strings: defined
+// in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
+CudaBackendOptions CudaBackendOptionsFromEnv();
+
 struct BackendOptions {
   std::string kind = "cpu";  // "cpu" or "cuda". Default: cpu
   int device = 0;            // CUDA device ordinal. Default: 0
+  CudaBackendOptions cuda = {};  // kind "cuda" only. Default: the struct's (no environment)
 };
 
 class Backend {
@@ -239,7 +284,8 @@ absl::Status AttentionBySequence(Backend& be, const Tensor& q, const KvPool& poo
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opts);
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend();
 // Defined only when SPARSEX_WITH_CUDA; CreateBackend reports Unavailable otherwise.
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device);
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,
+                                                           const CudaBackendOptions& options = {});
 // True when a CUDA device is usable in this process (false without CUDA or a driver).
 bool CudaAvailable();
 

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 
@@ -50,6 +51,7 @@ absl::Status Generate(const Args& a) {
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path));
   EngineOptions eo;
   eo.backend.kind = device;
+  eo.backend.cuda = CudaBackendOptionsFromEnv();  // the SPX_* kernel switches
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(*model, eo));
   auto print = [&](const TokenEvent& e) {
     if (!ids) {

@@ -5,7 +5,8 @@
 //                  --cache_servers 127.0.0.1:50070 --etcd 127.0.0.1:2379
 //
 // SIGTERM / SIGINT drain: deregister from etcd, refuse new requests, finish the running ones
-// (up to --drain_timeout_ms), exit 0.
+// (up to --drain_timeout_ms), exit 0. The GPU kernel switches (SPX_* environment variables,
+// docs/operations.md) are read here, once, into the backend options.
 #include <algorithm>
 #include <signal.h>
 
@@ -13,6 +14,7 @@
 
 #include "common/flags.h"
 #include "common/signals.h"
+#include "gpu_worker/backend/backend.h"
 #include "gpu_worker/service/worker_server.h"
 
 int main(int argc, char** argv) {
@@ -91,6 +93,7 @@ int main(int argc, char** argv) {
     std::cout << f.Usage();
     return 0;
   }
+  o.scheduler.engine.backend.cuda = sparsex::CudaBackendOptionsFromEnv();
   o.scheduler.engine.kv.num_blocks = kv_blocks;
   o.scheduler.engine.kv.block_size = block_size;
   o.scheduler.engine.kv.enable_prefix_caching = prefix_caching;

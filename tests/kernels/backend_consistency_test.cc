@@ -46,7 +46,9 @@ class BackendConsistency : public ::testing::Test {
     auto c = CreateCpuBackend();
     ASSERT_TRUE(c.ok()) << c.status();
     cpu_ = std::move(*c);
-    auto g = CreateBackend({.kind = "cuda"});
+    // The SPX_* kernel switches of the environment (bench/gpu/run.sh runs these tests once per
+    // attention kernel); tests that need a switch set the field.
+    auto g = CreateBackend({.kind = "cuda", .cuda = CudaBackendOptionsFromEnv()});
     ASSERT_TRUE(g.ok()) << g.status();
     gpu_ = std::move(*g);
     rng_.seed(std::random_device{}());
@@ -216,11 +218,11 @@ TEST_F(BackendConsistency, GatherScatterCopyRows) {
 }
 
 TEST_F(BackendConsistency, MatMulAddFoldsTheResidual) {
-  setenv("SPX_FUSED_RESIDUAL", "1", 1);  // read when the backend is created
-  auto fused = CreateBackend({.kind = "cuda"});
+  CudaBackendOptions o = CudaBackendOptionsFromEnv();
+  o.fused_residual = true;
+  auto fused = CreateBackend({.kind = "cuda", .cuda = o});
   ASSERT_TRUE(fused.ok());
   gpu_ = std::move(*fused);
-  unsetenv("SPX_FUSED_RESIDUAL");
   for (int n : {1, 5, 67}) {  // the small-n kernel and cuBLASLt both take beta = 1
     Pair x = MakeRand(n, 512);
     Pair w = MakeRand(384, 512, 0.05f);
@@ -465,17 +467,16 @@ TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
-// an error instead of the silent fallback to our kernel.
+// an error instead of the silent fallback to our kernel (Cudnn::kRequired).
 TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
+  CudaBackendOptions o = CudaBackendOptionsFromEnv();
   {
-    auto probe = CudnnAttention::Create(nullptr);
+    auto probe = CudnnAttention::Create(nullptr, o.cudnn_library);
     if (!probe.ok()) GTEST_SKIP() << probe.status();
   }
-  setenv("SPX_CUDNN_ATTENTION", "require", 1);
-  setenv("SPX_CUDNN_MIN_TOKENS", "64", 1);
-  auto g = CreateBackend({.kind = "cuda"});
-  unsetenv("SPX_CUDNN_ATTENTION");
-  unsetenv("SPX_CUDNN_MIN_TOKENS");
+  o.cudnn_attention = CudaBackendOptions::Cudnn::kRequired;
+  o.cudnn_min_tokens = 64;
+  auto g = CreateBackend({.kind = "cuda", .cuda = o});
   ASSERT_TRUE(g.ok()) << g.status();
   gpu_ = std::move(*g);
   Run({"cudnn dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});

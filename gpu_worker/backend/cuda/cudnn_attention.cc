@@ -284,10 +284,10 @@ bool Resolve(void* lib, const char* name, T& fn) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
+    cudaStream_t stream, const std::string& library) {
   auto api = std::make_unique<Api>();
-  const char* env = std::getenv("SPX_CUDNN_LIB");
-  for (const char* name : {env, "libcudnn.so.9", "libcudnn.so"}) {
+  for (const char* name : {library.c_str(), "libcudnn.so.9", "libcudnn.so"}) {
     if (name == nullptr || *name == 0) continue;
     api->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (api->lib) break;

@@ -40,9 +40,11 @@ struct CudnnAttentionShape {
 
 class CudnnAttention {
  public:
-  // Loads libcudnn.so.9 (or $SPX_CUDNN_LIB) and makes a handle bound to `stream`; Unavailable
-  // with the reason when that fails.
-  static absl::StatusOr<std::unique_ptr<CudnnAttention>> Create(cudaStream_t stream);
+  // Loads `library` when given and loadable (CudaBackendOptions::cudnn_library), else
+  // libcudnn.so.9, and makes a handle bound to `stream`; Unavailable with the reason when that
+  // fails.
+  static absl::StatusOr<std::unique_ptr<CudnnAttention>> Create(cudaStream_t stream,
+                                                                const std::string& library = "");
   ~CudnnAttention();
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;
