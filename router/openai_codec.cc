@@ -1,0 +1,394 @@
+#include "router/openai_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include "absl/strings/cord.h"
+#include "common/json_depth.h"
+#include "common/utf8.h"
+
+namespace sparsex::router::openai {
+namespace {
+
+using json = nlohmann::json;
+
+// The status payload that carries the field at fault (OpenAI's error.param).
+constexpr char kParamUrl[] = "type.sparsex.dev/openai.error.param";
+
+absl::Status FieldError(const std::string& param, const std::string& message) {
+  absl::Status s = absl::InvalidArgumentError(message);
+  if (!param.empty()) s.SetPayload(kParamUrl, absl::Cord(param));
+  return s;
+}
+
+// Field readers: a wrong type is INVALID_ARGUMENT naming the field.
+absl::Status TypeError(const std::string& field, const std::string& want) {
+  return FieldError(field, absl::StrCat("'", field, "' must be ", want));
+}
+
+// A JSON integer read into a field of type T: an integer literal, or a number with no fraction
+// (2.0), within [lo, hi] (by default T's whole range). Anything else is INVALID_ARGUMENT naming
+// the field: a value that does not fit is refused, never narrowed (2^32 + 403 is not token 403).
+template <typename T>
+absl::StatusOr<T> CheckedInt(const json& v, const std::string& field,
+                             T lo = std::numeric_limits<T>::min(),
+                             T hi = std::numeric_limits<T>::max()) {
+  const auto bad = [&] {
+    return TypeError(field, absl::StrCat("an integer in [", lo, ", ", hi, "]"));
+  };
+  __int128 x = 0;
+  if (v.is_number_unsigned()) {
+    x = v.get<uint64_t>();
+  } else if (v.is_number_integer()) {
+    x = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // Whole numbers within +-2^64 (beyond, no T of ours fits; the cast below stays defined).
+    if (!std::isfinite(d) || d != std::trunc(d) || std::fabs(d) >= 18446744073709551616.0) {
+      return bad();
+    }
+    x = static_cast<__int128>(d);
+  } else {
+    return bad();
+  }
+  if (x < static_cast<__int128>(lo) || x > static_cast<__int128>(hi)) return bad();
+  return static_cast<T>(x);
+}
+
+// Optional top-level fields: absent or null is nullopt.
+bool Present(const json& b, const char* f) { return b.contains(f) && !b[f].is_null(); }
+
+absl::StatusOr<std::optional<double>> OptNumber(const json& b, const char* f) {
+  if (!Present(b, f)) return std::nullopt;
+  if (!b[f].is_number()) return TypeError(f, "a number");
+  return b[f].get<double>();
+}
+
+absl::StatusOr<std::optional<int64_t>> OptInt(const json& b, const char* f, int64_t lo,
+                                              int64_t hi) {
+  if (!Present(b, f)) return std::nullopt;
+  ASSIGN_OR_RETURN(int64_t v, CheckedInt<int64_t>(b[f], f, lo, hi));
+  return v;
+}
+
+absl::StatusOr<std::optional<bool>> OptBool(const json& b, const char* f) {
+  if (!Present(b, f)) return std::nullopt;
+  if (!b[f].is_boolean()) return TypeError(f, "a boolean");
+  return b[f].get<bool>();
+}
+
+absl::Status ParseReuse(const json& ro, v1::ReuseOptions* o) {
+  if (!ro.is_object()) return TypeError("reuse", "an object");
+  // Inside "reuse", present means set: null is a type error, as for any other wrong type.
+  const auto rb = [&](const char* f, void (v1::ReuseOptions::*set)(bool)) -> absl::Status {
+    if (!ro.contains(f)) return absl::OkStatus();
+    if (!ro[f].is_boolean()) return TypeError(absl::StrCat("reuse.", f), "a boolean");
+    (o->*set)(ro[f].get<bool>());
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(rb("enable", &v1::ReuseOptions::set_enable));
+  RETURN_IF_ERROR(rb("store_new_segments", &v1::ReuseOptions::set_store_new_segments));
+  RETURN_IF_ERROR(rb("register_prefix", &v1::ReuseOptions::set_register_prefix));
+  if (ro.contains("full_layers")) {
+    ASSIGN_OR_RETURN(int32_t v, CheckedInt<int32_t>(ro["full_layers"], "reuse.full_layers"));
+    o->set_full_layers(v);
+  }
+  if (ro.contains("recompute_ratio")) {
+    if (!ro["recompute_ratio"].is_number()) {
+      return TypeError("reuse.recompute_ratio", "a number");
+    }
+    o->set_recompute_ratio(ro["recompute_ratio"].get<float>());
+  }
+  if (ro.contains("selector")) {
+    if (!ro["selector"].is_string()) return TypeError("reuse.selector", "a string");
+    o->set_selector(ro["selector"].get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+// Sampling, reuse and the SparseX extensions shared by both endpoints. The fields are checked
+// in a fixed order; the first bad one is the error.
+absl::Status ParseCommon(const json& b, Request* p, bool chat) {
+  v1::GenerateRequest& r = p->req;
+  if (b.contains("model")) {
+    if (!b["model"].is_string()) return TypeError("model", "a string");
+    r.set_model(b["model"].get<std::string>());
+  }
+  v1::SamplingParams* s = r.mutable_sampling();
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  // OpenAI defaults: temperature 1, top_p 1, max_tokens 16.
+  ASSIGN_OR_RETURN(std::optional<double> temperature, OptNumber(b, "temperature"));
+  s->set_temperature(static_cast<float>(temperature.value_or(1.0)));
+  ASSIGN_OR_RETURN(std::optional<double> top_p, OptNumber(b, "top_p"));
+  if (top_p) s->set_top_p(static_cast<float>(*top_p));
+  ASSIGN_OR_RETURN(std::optional<int64_t> top_k, OptInt(b, "top_k", 0, kInt32Max));
+  if (top_k) s->set_top_k(static_cast<int32_t>(*top_k));
+  if (Present(b, "seed")) {
+    ASSIGN_OR_RETURN(uint64_t seed, CheckedInt<uint64_t>(b["seed"], "seed"));
+    s->set_seed(seed);
+  }
+  const char* mt_field = "max_tokens";
+  if (chat && !Present(b, mt_field)) mt_field = "max_completion_tokens";
+  ASSIGN_OR_RETURN(std::optional<int64_t> max_tokens, OptInt(b, mt_field, 1, 1 << 20));
+  if (max_tokens) s->set_max_tokens(static_cast<int32_t>(*max_tokens));
+  ASSIGN_OR_RETURN(std::optional<bool> ignore_eos, OptBool(b, "ignore_eos"));
+  if (ignore_eos) s->set_ignore_eos(*ignore_eos);
+  ASSIGN_OR_RETURN(std::optional<int64_t> n,
+                   OptInt(b, "n", std::numeric_limits<int64_t>::min(),
+                          std::numeric_limits<int64_t>::max()));
+  if (n && *n != 1) return FieldError("n", "only n = 1 is supported");
+  ASSIGN_OR_RETURN(std::optional<bool> echo, OptBool(b, "echo"));
+  if (echo && *echo) return FieldError("echo", "echo is not supported");
+  ASSIGN_OR_RETURN(std::optional<bool> stream, OptBool(b, "stream"));
+  if (stream) p->stream = *stream;
+  // Lenient, as OpenAI's clients send it: anything but {"include_usage": <bool>} is ignored.
+  if (b.contains("stream_options") && b["stream_options"].is_object()) {
+    const json& so = b["stream_options"];
+    if (so.contains("include_usage") && so["include_usage"].is_boolean()) {
+      p->include_usage = so["include_usage"].get<bool>();
+    }
+  }
+  if (Present(b, "stop")) {
+    const json& st = b["stop"];
+    if (st.is_string()) {
+      p->stop.push_back(st.get<std::string>());
+    } else if (st.is_array()) {
+      for (const json& x : st) {
+        if (!x.is_string()) return TypeError("stop", "a string or an array of strings");
+        p->stop.push_back(x.get<std::string>());
+      }
+    } else {
+      return TypeError("stop", "a string or an array of strings");
+    }
+    std::erase_if(p->stop, [](const std::string& x) { return x.empty(); });
+  }
+  ASSIGN_OR_RETURN(std::optional<bool> add_bos, OptBool(b, "add_bos"));
+  if (add_bos) r.set_add_bos(*add_bos);
+  if (Present(b, "reuse")) RETURN_IF_ERROR(ParseReuse(b["reuse"], r.mutable_reuse()));
+  return absl::OkStatus();
+}
+
+absl::Status AddSegments(const json& segs, v1::GenerateRequest* r) {
+  if (!segs.is_array()) return TypeError("segments", "an array of strings or token-id arrays");
+  for (const json& s : segs) {
+    v1::Segment* seg = r->add_segments();
+    if (s.is_string()) {
+      seg->set_text(s.get<std::string>());
+    } else if (s.is_array()) {
+      for (const json& t : s) {
+        ASSIGN_OR_RETURN(int32_t id, CheckedInt<int32_t>(t, "segments[][]"));
+        seg->mutable_ids()->add_ids(id);
+      }
+    } else if (s.is_object() && s.contains("text") && s["text"].is_string()) {
+      seg->set_text(s["text"].get<std::string>());
+      if (s.contains("cacheable") && s["cacheable"].is_boolean()) {
+        seg->set_cacheable(s["cacheable"].get<bool>());
+      }
+    } else {
+      return TypeError("segments", "strings, token-id arrays or {text, cacheable} objects");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> MessageText(const json& content) {
+  if (content.is_string()) return content.get<std::string>();
+  if (content.is_null()) return std::string();
+  if (content.is_array()) {
+    std::string out;
+    for (const json& part : content) {
+      if (part.is_object() && part.contains("type") && part["type"] == "text" &&
+          part.contains("text") && part["text"].is_string()) {
+        out += part["text"].get<std::string>();
+      } else {
+        return TypeError("messages[].content", "a string or an array of text parts");
+      }
+    }
+    return out;
+  }
+  return TypeError("messages[].content", "a string or an array of text parts");
+}
+
+json ChoiceBase(const json& finish_reason) {
+  return json{{"index", 0}, {"finish_reason", finish_reason}};
+}
+
+json Envelope(const ResponseMeta& meta, const char* object, json choices) {
+  return json{{"id", meta.id},
+              {"object", object},
+              {"created", meta.created},
+              {"model", meta.model},
+              {"choices", std::move(choices)}};
+}
+
+const char* ChunkObject(const ResponseMeta& meta) {
+  return meta.chat ? "chat.completion.chunk" : "text_completion";
+}
+
+}  // namespace
+
+absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint) {
+  if (!IsValidUtf8(body)) return FieldError("", "request body is not valid UTF-8");
+  // Depth first: nesting thousands of levels deep would exhaust the stack in the parser or in
+  // any recursive walk or copy of the parsed value (the caller bounds the size).
+  if (absl::Status s = CheckJsonDepth(body, kMaxJsonDepth); !s.ok()) {
+    return FieldError("", absl::StrCat("request body: ", s.message()));
+  }
+  const json b = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (b.is_discarded()) return FieldError("", "malformed JSON in request body");
+  if (!b.is_object()) return FieldError("", "request body must be a JSON object");
+  return endpoint == Endpoint::kChat ? ParseChat(b) : ParseCompletion(b);
+}
+
+absl::StatusOr<Request> ParseCompletion(const json& b) {
+  Request p;
+  RETURN_IF_ERROR(ParseCommon(b, &p, false));
+  v1::GenerateRequest& r = p.req;
+  const bool has_prompt = Present(b, "prompt");
+  if (b.contains("segments") && has_prompt) {
+    // Never drop one of the two silently: the client would get an answer to another prompt.
+    return FieldError("prompt", "set either 'segments' or 'prompt', not both");
+  }
+  if (b.contains("segments")) {
+    RETURN_IF_ERROR(AddSegments(b["segments"], &r));
+    return p;
+  }
+  if (!b.contains("prompt")) return FieldError("prompt", "'prompt' is required");
+  const json& pr = b["prompt"];
+  const json* one = &pr;
+  if (pr.is_array() && !pr.empty() && (pr[0].is_string() || pr[0].is_array())) {
+    if (pr.size() != 1) return FieldError("prompt", "only one prompt per request is supported");
+    one = &pr[0];
+  }
+  if (one->is_string()) {
+    r.set_prompt(one->get<std::string>());
+  } else if (one->is_array()) {
+    for (const json& t : *one) {
+      ASSIGN_OR_RETURN(int32_t id, CheckedInt<int32_t>(t, "prompt[]"));
+      r.add_prompt_ids(id);
+    }
+  } else {
+    return TypeError("prompt", "a string or an array of token ids");
+  }
+  if (r.prompt().empty() && r.prompt_ids_size() == 0) {
+    return FieldError("prompt", "'prompt' is empty");
+  }
+  return p;
+}
+
+absl::StatusOr<Request> ParseChat(const json& b) {
+  Request p;
+  RETURN_IF_ERROR(ParseCommon(b, &p, true));
+  if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty()) {
+    return FieldError("messages", "'messages' must be a non-empty array");
+  }
+  // No chat template (base models): each message's content is one segment, so a message
+  // repeated in any later conversation reuses its KV.
+  for (const json& m : b["messages"]) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      return TypeError("messages[]", "objects with a string 'role'");
+    }
+    static const json kNoContent;  // a reference, not a (recursive) copy of the content
+    ASSIGN_OR_RETURN(std::string text,
+                     MessageText(m.contains("content") ? m["content"] : kNoContent));
+    if (text.empty()) continue;
+    p.req.add_segments()->set_text(text);
+  }
+  if (p.req.segments_size() == 0) return FieldError("messages", "every message is empty");
+  return p;
+}
+
+std::string ErrorParam(const absl::Status& status) {
+  const auto p = status.GetPayload(kParamUrl);  // absl::optional: not std:: in Debian's abseil
+  return p.has_value() ? std::string(*p) : std::string();
+}
+
+StopFilter::StopFilter(std::vector<std::string> stops) : stops_(std::move(stops)) {
+  for (const auto& s : stops_) hold_ = std::max(hold_, s.size() - 1);
+}
+
+std::string StopFilter::Push(const std::string& text, bool final) {
+  pending_ += text;
+  if (stopped_) return "";
+  size_t cut = std::string::npos;
+  for (const auto& s : stops_) cut = std::min(cut, pending_.find(s));
+  if (cut != std::string::npos) {
+    stopped_ = true;
+    std::string out = pending_.substr(0, cut);
+    pending_.clear();
+    return out;
+  }
+  size_t keep = final ? 0 : std::min(hold_, pending_.size());
+  size_t emit = pending_.size() - keep;
+  // Never split a UTF-8 character.
+  while (emit > 0 && emit < pending_.size() &&
+         (static_cast<unsigned char>(pending_[emit]) & 0xC0) == 0x80) {
+    --emit;
+  }
+  std::string out = pending_.substr(0, emit);
+  pending_.erase(0, emit);
+  return out;
+}
+
+json UsageJson(const v1::Usage& u, const std::string& worker) {
+  return json{{"prompt_tokens", u.prompt_tokens()},
+              {"completion_tokens", u.completion_tokens()},
+              {"total_tokens", u.prompt_tokens() + u.completion_tokens()},
+              {"prompt_tokens_details", {{"cached_tokens", u.prefix_tokens() + u.reused_tokens()}}},
+              {"sparsex",
+               {{"prefix_tokens", u.prefix_tokens()},
+                {"reused_tokens", u.reused_tokens()},
+                {"recomputed_tokens", u.recomputed_tokens()},
+                {"new_tokens", u.new_tokens()},
+                {"segments_hit", u.segments_hit()},
+                {"segments_fetched", u.segments_fetched()},
+                {"fetch_failures", u.fetch_failures()},
+                {"ttft_ms", u.ttft_ms()},
+                {"total_ms", u.total_ms()},
+                {"worker", worker}}}};
+}
+
+json StreamChunk(const ResponseMeta& meta, const std::string& delta, const json& finish_reason) {
+  json choice = ChoiceBase(finish_reason);
+  if (meta.chat) {
+    choice["delta"] = json::object();
+    if (!delta.empty()) choice["delta"]["content"] = delta;
+  } else {
+    choice["text"] = delta;
+    choice["logprobs"] = nullptr;
+  }
+  return Envelope(meta, ChunkObject(meta), json::array({choice}));
+}
+
+json StreamRoleChunk(const ResponseMeta& meta) {
+  json first = StreamChunk(meta, "", nullptr);
+  first["choices"][0]["delta"] = {{"role", "assistant"}, {"content", ""}};
+  return first;
+}
+
+json StreamUsageChunk(const ResponseMeta& meta, const v1::Usage& usage,
+                      const std::string& worker) {
+  json u = Envelope(meta, ChunkObject(meta), json::array());
+  u["usage"] = UsageJson(usage, worker);
+  return u;
+}
+
+json Response(const ResponseMeta& meta, const std::string& text,
+              const std::string& finish_reason, const v1::Usage& usage,
+              const std::string& worker) {
+  json choice = ChoiceBase(finish_reason);
+  if (meta.chat) {
+    choice["message"] = {{"role", "assistant"}, {"content", text}};
+  } else {
+    choice["text"] = text;
+  }
+  choice["logprobs"] = nullptr;
+  json resp = Envelope(meta, meta.chat ? "chat.completion" : "text_completion",
+                       json::array({choice}));
+  resp["usage"] = UsageJson(usage, worker);
+  return resp;
+}
+
+}  // namespace sparsex::router::openai

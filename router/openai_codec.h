@@ -1,0 +1,97 @@
+// The OpenAI JSON <-> SparseX proto mapping of the HTTP front end (http_frontend.cc keeps only
+// civetweb: routes, bodies, SSE framing and the Status -> HTTP status mapping). Requests to
+// POST /v1/completions and /v1/chat/completions become a v1::GenerateRequest plus what only the
+// HTTP layer acts on (stream, stream_options.include_usage, stop strings); responses and
+// streamed chunks are built from the router's v1::GenerateResponse pieces. No exceptions: a bad
+// request is INVALID_ARGUMENT, its message naming the field ('top_k' must be ...) and the field
+// also in the status (ErrorParam) for OpenAI's error.param. Body text is checked before it is
+// parsed: valid UTF-8 and at most kMaxJsonDepth levels of nesting (common/json_depth.h).
+//
+//   ASSIGN_OR_RETURN(openai::Request r, openai::ParseRequest(body, openai::Endpoint::kChat));
+//   router->Generate(r.req, sink, ctl);                    // r.stream, r.stop, r.include_usage
+//   openai::StopFilter stop(r.stop);                       // per streamed chunk: stop.Push(...)
+//   openai::ResponseMeta meta{id, created, model, /*chat=*/true};
+//   json j = openai::Response(meta, text, "stop", usage, worker);
+//   // on error: HTTP status from the code, error.param = openai::ErrorParam(status)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "proto/sparsex.pb.h"
+
+namespace sparsex::router::openai {
+
+enum class Endpoint { kCompletions, kChat };
+
+// An OpenAI request mapped onto the public API.
+struct Request {
+  v1::GenerateRequest req;
+  bool stream = false;             // "stream": server-sent events
+  bool include_usage = false;      // "stream_options": {"include_usage"}: a final usage chunk
+  std::vector<std::string> stop;   // "stop" strings (applied by StopFilter), empty ones dropped
+};
+
+// The body text of a request to `endpoint`: UTF-8, nesting depth, JSON syntax, a JSON object,
+// then the fields as ParseCompletion / ParseChat. Every error is INVALID_ARGUMENT.
+absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint);
+
+// POST /v1/completions: "prompt" (a string, token ids, or a one-element array of either) or the
+// SparseX "segments" (strings, token-id arrays or {text, cacheable} objects), never both.
+absl::StatusOr<Request> ParseCompletion(const nlohmann::json& body);
+// POST /v1/chat/completions: no chat template (base models): each non-empty message's content
+// is one segment, so a message repeated in any later conversation reuses its KV.
+absl::StatusOr<Request> ParseChat(const nlohmann::json& body);
+
+// The request field a parse error names (OpenAI's error.param, e.g. "reuse.full_layers"), ""
+// when none or for a status that did not come from this codec.
+std::string ErrorParam(const absl::Status& status);
+
+// Applies stop strings to a growing text, holding back what could start a stop string.
+//
+//   StopFilter f({"\n\n"});
+//   emit(f.Push(chunk_text, finished));  // text safe to emit; "" once stopped
+//   if (f.stopped()) ...                 // a stop string was found: end the request
+class StopFilter {
+ public:
+  explicit StopFilter(std::vector<std::string> stops);
+  // New text in; text safe to emit out. `stopped` once a stop string was found.
+  std::string Push(const std::string& text, bool final);
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::vector<std::string> stops_;
+  size_t hold_ = 0;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+// What every chunk of one response repeats.
+struct ResponseMeta {
+  std::string id;       // "cmpl-..." or "chatcmpl-..."
+  int64_t created = 0;  // Unix seconds
+  std::string model;
+  bool chat = false;    // chat.completion(.chunk) rather than text_completion
+};
+
+// OpenAI usage plus cached_tokens and the SparseX breakdown (under "sparsex").
+nlohmann::json UsageJson(const v1::Usage& usage, const std::string& worker);
+// One streamed chunk carrying `delta`; finish_reason null until the last one.
+nlohmann::json StreamChunk(const ResponseMeta& meta, const std::string& delta,
+                           const nlohmann::json& finish_reason = nullptr);
+// Chat's first streamed chunk: the assistant role with empty content.
+nlohmann::json StreamRoleChunk(const ResponseMeta& meta);
+// The final usage chunk of stream_options.include_usage (no choices).
+nlohmann::json StreamUsageChunk(const ResponseMeta& meta, const v1::Usage& usage,
+                                const std::string& worker);
+// The whole response of a request that did not stream.
+nlohmann::json Response(const ResponseMeta& meta, const std::string& text,
+                        const std::string& finish_reason, const v1::Usage& usage,
+                        const std::string& worker);
+
+}  // namespace sparsex::router::openai

@@ -1,0 +1,51 @@
+// Request preparation: a public GenerateRequest becomes the worker's request plus the routing
+// hints. Pure (no gRPC, no I/O): it validates the request (UTF-8, prompt or segments, token ids
+// within the vocabulary, the context length, sampling and reuse ranges), tokenizes text,
+// splits a plain prompt into segments by content-defined chunking, and fingerprints the
+// segments and exact-prefix blocks exactly as the workers do (model/prompt.h), once the served
+// identity is known.
+//
+//   ServedIdentity id = pool.Identity();            // learned from the workers (worker_pool.h)
+//   ASSIGN_OR_RETURN(Prepared p, PrepareRequest(req, model, ChunkingOptions{}, id));
+//   p.wreq;           // what the chosen worker gets
+//   p.fps;            // segment and prefix-block fingerprints, for ClusterIndex::ReusableTokens
+//   p.prompt_tokens;  // the prompt's length, BOS included
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/hash.h"
+#include "common/status.h"
+#include "model/chunking.h"
+#include "model/model_info.h"
+#include "proto/sparsex.pb.h"
+#include "proto/worker.pb.h"
+#include "router/cluster_index.h"
+
+namespace sparsex::router {
+
+// What the router hashes with, learned from the first worker that serves the router's model:
+// the model fingerprint (it hashes samples of the weights, which the router never reads), the
+// segment encoding and the KV block size. Workers that disagree are not routed to.
+struct ServedIdentity {
+  bool known = false;
+  Hash128 fingerprint;
+  std::string fingerprint_hex;
+  std::string encoding;
+  int block_size = 0;
+};
+
+struct Prepared {
+  worker::v1::WorkerGenerateRequest wreq;
+  std::vector<IndexEntry> fps;  // empty while the identity is unknown
+  int prompt_tokens = 0;        // BOS included
+};
+
+// INVALID_ARGUMENT naming what is wrong. An empty request_id becomes "req-" + 16 random hex
+// digits. Fingerprints only when `id.known` (and segment fingerprints only with reuse on).
+absl::StatusOr<Prepared> PrepareRequest(const v1::GenerateRequest& req, const ModelInfo& model,
+                                        const ChunkingOptions& chunking,
+                                        const ServedIdentity& id);
+
+}  // namespace sparsex::router
