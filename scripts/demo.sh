@@ -6,7 +6,9 @@
 # against full prefill on a sample), then stops the cluster.
 #
 # Knobs (environment): DEMO_REQUESTS (60), DEMO_WORKERS (1), DEMO_POOL (40 documents),
-# DEMO_ZIPF (1.1), DEMO_DOCS_PER_REQUEST (3), DEMO_MAX_TOKENS (24), DEMO_FIDELITY_EVERY (3).
+# DEMO_ZIPF (1.1), DEMO_DOCS_PER_REQUEST (3), DEMO_MAX_TOKENS (24), DEMO_FIDELITY_EVERY (3),
+# DEMO_DEVICE (cpu; cuda on a machine with a GPU and a CUDA build: the same cluster with a CUDA
+# worker; docs/operations.md "Serving on the GPU machine" for the 8B serving benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -18,8 +20,8 @@ export SPARSEX_BIN_DIR=${SPARSEX_BIN_DIR:-$PWD/build/bin}
 cleanup() { deploy/local/cluster.sh down --clean || true; }
 trap cleanup EXIT
 
-echo "== starting the local cluster (stories260K, CPU backend)"
-deploy/local/cluster.sh up --workers "${DEMO_WORKERS:-1}" --cache-servers 1 --device cpu
+echo "== starting the local cluster (stories260K, ${DEMO_DEVICE:-cpu} backend)"
+deploy/local/cluster.sh up --workers "${DEMO_WORKERS:-1}" --cache-servers 1 --device "${DEMO_DEVICE:-cpu}"
 # shellcheck disable=SC1091
 . "$SPARSEX_RUN_DIR/cluster.env"
 
