@@ -9,12 +9,18 @@ namespace sparsex {
 
 const char* SegmentTierName(SegmentTier t) {
   switch (t) {
-    case SegmentTier::kNone: return "none";
-    case SegmentTier::kInPrefix: return "prefix";
-    case SegmentTier::kShortTail: return "short_tail";
-    case SegmentTier::kDevice: return "device";
-    case SegmentTier::kPinnedHost: return "pinned_host";
-    case SegmentTier::kHostStore: return "host_store";
+    case SegmentTier::kNone:
+      return "none";
+    case SegmentTier::kInPrefix:
+      return "prefix";
+    case SegmentTier::kShortTail:
+      return "short_tail";
+    case SegmentTier::kDevice:
+      return "device";
+    case SegmentTier::kPinnedHost:
+      return "pinned_host";
+    case SegmentTier::kHostStore:
+      return "host_store";
   }
   return "?";
 }
@@ -22,7 +28,8 @@ const char* SegmentTierName(SegmentTier t) {
 std::vector<int32_t> PromptTokens(const std::vector<PromptSegment>& segments, int32_t bos_id) {
   std::vector<int32_t> tokens;
   if (bos_id >= 0) tokens.push_back(bos_id);
-  for (const PromptSegment& s : segments) tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+  for (const PromptSegment& s : segments)
+    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
   return tokens;
 }
 
@@ -58,7 +65,8 @@ ReusePlan PlanReuse(const std::vector<PromptSegment>& segs, int32_t bos_id, int 
     }
     if (sp.end <= P) {
       sp.tier = SegmentTier::kInPrefix;
-    } else if (const int rest = sp.end - P; sp.begin < P && (rest <= 2 * block_size || 4 * rest < n)) {
+    } else if (const int rest = sp.end - P;
+               sp.begin < P && (rest <= 2 * block_size || 4 * rest < n)) {
       // Reusing the short rest approximately would end the exact prefix here: every later
       // turn of a conversation would then find no exact blocks past it (measured on the H200
       // chat workload: exact-prefix share 0.59 without reuse, 0.29 with). It is computed.

@@ -33,8 +33,7 @@ enum class SegmentTier {
 };
 const char* SegmentTierName(SegmentTier t);
 inline bool Reused(SegmentTier t) {
-  return t == SegmentTier::kDevice || t == SegmentTier::kPinnedHost ||
-         t == SegmentTier::kHostStore;
+  return t == SegmentTier::kDevice || t == SegmentTier::kPinnedHost || t == SegmentTier::kHostStore;
 }
 
 struct SegmentPlan {
@@ -52,7 +51,7 @@ struct ReusePlan {
   std::vector<int32_t> group;   // segment index of every position, -1 for BOS (shared sink)
   int prefix = 0;               // exact cached prefix (from admission)
   std::vector<SegmentPlan> segments;
-  std::vector<char> reused;     // per position
+  std::vector<char> reused;               // per position
   int reused_tokens = 0, new_tokens = 0;  // over the non-prefix positions
   int segments_hit = 0, segments_missed = 0;
   // Cacheable segments not found in any tier (kNone); the executor or the caller stores them.

@@ -1,0 +1,86 @@
+// The cache-cluster tier of the worker: fetch before admission (FetchRemote, on a scheduler
+// fetch thread) and write-back after the engine stored a segment (the write-back thread).
+#include <map>
+
+#include "gpu_worker/service/worker_state.h"
+
+namespace sparsex::service {
+namespace internal {
+
+void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, WorkItem& item) {
+  const Clock::time_point t0 = Clock::now();
+  // Tensor parallelism: every rank fetches its own share; a segment counts as fetched only
+  // when every rank has it (a partial one is dropped before the prefill).
+  const int tp = static_cast<int>(st.rank_stores.size()) + 1;
+  FetchOutcome f = st.tier->FetchMissing(refs, st.store.get(), 0, tp);
+  for (size_t r = 0; r < st.rank_stores.size(); ++r) {
+    FetchOutcome fr =
+        st.tier->FetchMissing(refs, st.rank_stores[r].get(), static_cast<int>(r) + 1, tp);
+    f.failures += fr.failures;
+    f.failure_reasons.insert(f.failure_reasons.end(), fr.failure_reasons.begin(),
+                             fr.failure_reasons.end());
+    std::erase_if(f.stored,
+                  [&](const SegmentRef& sr) { return !st.rank_stores[r]->Contains(sr.fp); });
+  }
+  if (!st.rank_stores.empty()) f.fetched = static_cast<int>(f.stored.size());
+  if (f.fetched + f.failures > 0) {
+    st.m->fetch->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  for (const SegmentRef& r : f.stored) st.events->Stored(r.fp, r.num_tokens);
+  if (!f.stored.empty()) st.events->Reconcile(*st.store);
+  st.m->fetched->Inc(f.fetched);
+  for (const std::string& why : f.failure_reasons) st.m->fetch_failures->Get({why}).Inc();
+  st.m->fetch_bytes->Inc(static_cast<double>(f.bytes));
+  if (f.failures > 0) {
+    // Say why at once (rate-limited): a fetch that cannot succeed is recomputed, and only
+    // this line and the metric tell the operator.
+    static std::atomic<int64_t> last_log_s{0};
+    const int64_t now_s =
+        std::chrono::duration_cast<std::chrono::seconds>(Clock::now().time_since_epoch()).count();
+    int64_t prev = last_log_s.load();
+    if (now_s - prev >= 5 && last_log_s.compare_exchange_strong(prev, now_s)) {
+      std::map<std::string, int> by;
+      for (const std::string& why : f.failure_reasons) ++by[why];
+      std::string reasons;
+      for (const auto& [why, n] : by)
+        absl::StrAppend(&reasons, reasons.empty() ? "" : ", ", n, " ", why);
+      LogLine(st.worker_id, absl::StrCat("cache cluster: ", f.failures, " of ", refs.size(),
+                                         " segments not fetched (", reasons,
+                                         "); recomputed. 'incomplete': the server holds only "
+                                         "some layers (evicted: its memory/disk capacity is "
+                                         "too small for this model's segments)"));
+    }
+  }
+  item.segments_fetched = f.fetched;
+  item.fetch_failures = f.failures;
+}
+
+}  // namespace internal
+
+void WorkerServer::State::WriteBackLoop() {
+  std::unique_lock<std::mutex> l(wb_mu);
+  for (;;) {
+    wb_cv.wait(l, [this] { return wb_stop || !wb_queue.empty(); });
+    if (wb_queue.empty() && wb_stop) return;
+    Hash128 fp = wb_queue.front();
+    wb_queue.pop_front();
+    l.unlock();
+    // Every tensor-parallel rank writes its own share (one share without TP).
+    const int tp = static_cast<int>(rank_stores.size()) + 1;
+    for (int r = 0; r < tp; ++r) {
+      SegmentStore* st = r == 0 ? store.get() : rank_stores[r - 1].get();
+      std::shared_ptr<const SegmentKv> kv = st->Get(fp);
+      if (kv) {
+        absl::Status s = tier->Put(fp, *kv, r, tp);
+        m->writeback->Get({s.ok() ? "ok" : "error"}).Inc();
+        if (!s.ok())
+          internal::LogLine(worker_id, absl::StrCat("write-back failed: ", s.ToString()));
+      } else {
+        m->writeback->Get({"evicted"}).Inc();
+      }
+    }
+    l.lock();
+  }
+}
+
+}  // namespace sparsex::service

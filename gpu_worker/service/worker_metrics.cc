@@ -1,0 +1,111 @@
+#include <iostream>
+#include <random>
+
+#include "gpu_worker/service/worker_state.h"
+
+namespace sparsex::service {
+namespace internal {
+
+std::string RandomHex(int n) {
+  std::random_device rd;
+  std::mt19937_64 g((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                    static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
+  static const char* kHex = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < n; ++i) s += kHex[g() % 16];
+  return s;
+}
+
+wpb::CacheTier ToProtoTier(EventTier t) {
+  switch (t) {
+    case EventTier::kGpu:
+      return wpb::TIER_GPU;
+    case EventTier::kHost:
+      return wpb::TIER_HOST;
+    case EventTier::kCluster:
+      return wpb::TIER_CLUSTER;
+  }
+  return wpb::TIER_UNSPECIFIED;
+}
+
+void LogLine(const std::string& id, const std::string& msg) {
+  std::cerr << "[" << id << "] " << msg << std::endl;
+}
+
+}  // namespace internal
+
+WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
+  const auto lat = metrics::ExponentialBuckets(0.0005, 2, 16);  // 0.5 ms .. 16 s
+  ttft = &r.AddHistogram("sparsex_worker_ttft_seconds",
+                         "Time from request arrival at the worker to its first token.", {}, lat)
+              .Get();
+  inter_token = &r.AddHistogram("sparsex_worker_inter_token_seconds",
+                                "Time between consecutive tokens of a request.", {},
+                                metrics::ExponentialBuckets(0.0001, 2, 16))
+                     .Get();
+  e2e = &r.AddHistogram("sparsex_worker_e2e_seconds",
+                        "Time from request arrival to its last token.", {}, lat)
+             .Get();
+  queue = &r.AddHistogram("sparsex_worker_queue_seconds", "Time a request waited for admission.",
+                          {}, lat)
+               .Get();
+  fetch = &r.AddHistogram("sparsex_worker_fetch_seconds",
+                          "Time of the cache-cluster lookup and fetch before a prefill.", {},
+                          metrics::ExponentialBuckets(0.0001, 2, 16))
+               .Get();
+  requests =
+      &r.AddCounter("sparsex_worker_requests_total", "Requests finished, by outcome.", {"outcome"});
+  auto tok = [&r](const char* name, const char* help) { return &r.AddCounter(name, help).Get(); };
+  prompt_tokens = tok("sparsex_worker_prompt_tokens_total", "Prompt tokens of finished prefills.");
+  prefix_tokens = tok("sparsex_worker_prefix_tokens_total",
+                      "Prompt tokens served from the exact prefix cache.");
+  reused_tokens = tok("sparsex_worker_reused_tokens_total",
+                      "Prompt tokens whose KV was reused from the segment caches.");
+  recomputed_tokens = tok("sparsex_worker_recomputed_tokens_total",
+                          "Reused tokens recomputed by sparse recompute.");
+  new_tokens = tok("sparsex_worker_new_tokens_total", "Prompt tokens computed from scratch.");
+  generated_tokens = tok("sparsex_worker_generated_tokens_total", "Tokens generated.");
+  segments = &r.AddCounter("sparsex_worker_segments_total",
+                           "Cacheable segments looked up, by result (hit, miss).", {"result"});
+  fetched = tok("sparsex_worker_fetched_segments_total",
+                "Segments fetched from the cache cluster into the host store.");
+  fetch_bytes = tok("sparsex_worker_fetch_bytes_total",
+                    "Bytes of segment KV transferred from the cache cluster.");
+  fetch_failures = &r.AddCounter(
+      "sparsex_worker_fetch_failures_total",
+      "Cluster fetches that could not be used (recomputed instead), by reason.", {"reason"});
+  writeback = &r.AddCounter("sparsex_worker_writeback_total",
+                            "Segments written back to the cache cluster, by result.", {"result"});
+  queue_depth = &r.AddGauge("sparsex_worker_queue_depth", "Requests waiting for admission.").Get();
+  running = &r.AddGauge("sparsex_worker_running", "Sequences admitted (prefill or decode).").Get();
+  running_tokens =
+      &r.AddGauge("sparsex_worker_running_tokens", "Tokens held by running sequences.").Get();
+  kv_usage = &r.AddGauge("sparsex_worker_kv_usage_ratio",
+                         "Used share of each KV tier (gpu: paged KV pool, host: segment store).",
+                         {"tier"});
+  kv_bytes = &r.AddGauge("sparsex_worker_kv_bytes", "Bytes held by each KV tier.", {"tier"});
+  kv_blocks = &r.AddGauge("sparsex_worker_kv_blocks", "Paged KV blocks (total, free).", {"state"});
+  host_entries = &r.AddGauge("sparsex_worker_host_segments", "Segments in the host store.").Get();
+  draining = &r.AddGauge("sparsex_worker_draining", "1 while draining.").Get();
+  iterations = &r.AddGauge("sparsex_worker_iterations", "Engine iterations run.").Get();
+  pending_stores =
+      &r.AddGauge("sparsex_worker_pending_stores", "Deferred segment stores waiting.").Get();
+  waiting_remote = &r.AddGauge("sparsex_worker_waiting_remote",
+                               "Requests waiting for their cache-cluster fetch.")
+                        .Get();
+  stores_dropped = &r.AddGauge("sparsex_worker_stores_dropped",
+                               "Deferred segment stores dropped (backlog full while busy).")
+                        .Get();
+  info = &r.AddGauge("sparsex_worker_info", "Static worker information (value 1).",
+                     {"worker", "model", "device", "instance"});
+  // Series exist from the start (dashboards and rate() see zeros, not gaps).
+  for (const char* o :
+       {"ok", "cancelled", "invalid_argument", "resource_exhausted", "unavailable"}) {
+    requests->Get({o});
+  }
+  for (const char* why : {"transport", "corrupt", "incomplete"}) fetch_failures->Get({why});
+  for (const char* res : {"ok", "error", "evicted"}) writeback->Get({res});
+  segments->Get({"hit"});
+}
+
+}  // namespace sparsex::service
