@@ -5,6 +5,7 @@
 
 #include <set>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -20,6 +21,38 @@ namespace sparsex::cache {
 
 namespace pb = sparsex::cache::v1;
 
+namespace {
+
+// The first RPC after the server restarted finds the channel's old connection dead and fails
+// with UNAVAILABLE although the new server is up. gRPC retries it (on a new connection) for
+// every method except Commit, the one whose repetition could turn a success into an error.
+constexpr char kRetryServiceConfig[] = R"json({"methodConfig": [{
+  "name": [{"service": "sparsex.cache.v1.CacheService", "method": "Lookup"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Reserve"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Abort"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Lease"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "RenewLease"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "ReleaseLease"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Read"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Evict"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Stats"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "Health"},
+           {"service": "sparsex.cache.v1.CacheService", "method": "GetEndpoint"}],
+  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.02s", "maxBackoff": "0.2s",
+                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})json";
+
+EndpointInfo EndpointFromProto(const pb::EndpointResponse& r) {
+  EndpointInfo ep;
+  ep.transport = r.transport();
+  ep.worker_address = r.worker_address();
+  ep.rkey = r.rkey();
+  ep.base_address = r.base_address();
+  ep.arena_bytes = r.arena_bytes();
+  return ep;
+}
+
+}  // namespace
+
 struct CacheClient::Impl {
   CacheClientOptions opt;
   std::shared_ptr<grpc::Channel> channel;
@@ -30,6 +63,44 @@ struct CacheClient::Impl {
   std::mutex buffers_mu;
   std::set<void*> transport_buffers;
   uint64_t max_block_bytes = 0;
+  // Incarnation of the server the transport's endpoint and rkey came from (GetEndpoint), and
+  // whether they must be exchanged again before the next transfer: a reply carried another
+  // incarnation, or a transfer failed. Written under transport_mu.
+  std::atomic<uint64_t> instance_id{0};
+  std::atomic<bool> stale{false};
+  std::atomic<uint64_t> reconnects{0};
+
+  // A reply from incarnation `id`: when it is not the transport's, the endpoint is stale.
+  void NoteInstance(uint64_t id) {
+    if (id != 0 && id != instance_id.load()) stale.store(true);
+  }
+
+  // Makes the transport's endpoint that of incarnation `want` (0: whatever the server is now)
+  // before a transfer whose offsets came from a reply of `want`. transport_mu held. UNAVAILABLE
+  // "server_restarted" when the server is yet another incarnation (the caller starts again
+  // from Lease/Reserve); never a reason to suspect the stored blocks.
+  absl::Status EnsureEndpointLocked(uint64_t want) {
+    if (transport == nullptr) return absl::OkStatus();
+    if (!stale.load() && (want == 0 || want == instance_id.load())) return absl::OkStatus();
+    pb::EndpointRequest req;
+    pb::EndpointResponse resp;
+    RETURN_IF_ERROR(FromGrpcStatus(stub->GetEndpoint(Ctx().get(), req, &resp)));
+    if (want != 0 && resp.instance_id() != 0 && resp.instance_id() != want) {
+      stale.store(true);
+      return absl::UnavailableError(absl::StrCat(
+          "server_restarted: ", opt.address, " is incarnation ", resp.instance_id(),
+          ", the reply to use was from ", want, "; start again"));
+    }
+    if (resp.transport() != "ucx") {
+      return absl::UnavailableError(absl::StrCat("server_restarted: ", opt.address,
+                                                 " offers no UCX data plane any more"));
+    }
+    RETURN_IF_ERROR(transport->Reconnect(EndpointFromProto(resp)));
+    instance_id.store(resp.instance_id());
+    stale.store(false);
+    reconnects.fetch_add(1);
+    return absl::OkStatus();
+  }
 
   std::unique_ptr<grpc::ClientContext> Ctx() const {
     auto c = std::make_unique<grpc::ClientContext>();
@@ -56,6 +127,7 @@ absl::StatusOr<std::unique_ptr<CacheClient>> CacheClient::Connect(
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  args.SetServiceConfigJSON(kRetryServiceConfig);
   impl->channel =
       grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
   impl->stub = pb::CacheService::NewStub(impl->channel);
@@ -65,14 +137,10 @@ absl::StatusOr<std::unique_ptr<CacheClient>> CacheClient::Connect(
   RETURN_IF_ERROR(FromGrpcStatus(impl->stub->GetEndpoint(impl->Ctx().get(), req, &resp)));
   impl->server_id = resp.server_id();
   impl->max_block_bytes = resp.max_block_bytes();
+  impl->instance_id.store(resp.instance_id());
   impl->data_plane = "grpc";
   if (options.transport == "ucx") {
-    EndpointInfo ep;
-    ep.transport = resp.transport();
-    ep.worker_address = resp.worker_address();
-    ep.rkey = resp.rkey();
-    ep.base_address = resp.base_address();
-    ep.arena_bytes = resp.arena_bytes();
+    EndpointInfo ep = EndpointFromProto(resp);
     TransportOptions to;
     to.kind = "ucx";
     to.ucx_tls = options.ucx_tls;
@@ -94,6 +162,7 @@ absl::StatusOr<std::vector<LookupInfo>> CacheClient::Lookup(std::span<const Bloc
   for (const auto& k : keys) KeyToProto(k, req.add_keys());
   pb::LookupResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Lookup(impl_->Ctx().get(), req, &resp)));
+  impl_->NoteInstance(resp.instance_id());
   if (resp.results_size() != static_cast<int>(keys.size())) {
     return absl::InternalError("lookup: reply has the wrong number of results");
   }
@@ -119,7 +188,9 @@ absl::StatusOr<Reservation> CacheClient::Reserve(const BlockKey& key, uint64_t s
   req.set_cost(cost);
   pb::ReserveResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Reserve(impl_->Ctx().get(), req, &resp)));
-  return Reservation{resp.reservation_id(), resp.offset(), resp.deadline_unix_ms()};
+  impl_->NoteInstance(resp.instance_id());
+  return Reservation{resp.reservation_id(), resp.offset(), resp.deadline_unix_ms(),
+                     resp.instance_id()};
 }
 
 absl::Status CacheClient::Write(const Reservation& r, std::span<const uint8_t> bytes,
@@ -129,7 +200,10 @@ absl::Status CacheClient::Write(const Reservation& r, std::span<const uint8_t> b
   }
   RemoteOp op{r.offset + at, const_cast<uint8_t*>(bytes.data()), bytes.size()};
   std::lock_guard<std::mutex> lock(impl_->transport_mu);
-  return impl_->transport->Put({&op, 1}, impl_->TransferDeadline());
+  RETURN_IF_ERROR(impl_->EnsureEndpointLocked(r.instance_id));
+  absl::Status s = impl_->transport->Put({&op, 1}, impl_->TransferDeadline());
+  if (!s.ok()) impl_->stale.store(true);  // exchange endpoints before the next transfer
+  return s;
 }
 
 absl::Status CacheClient::Commit(const Reservation& r, uint64_t checksum,
@@ -152,14 +226,24 @@ absl::Status CacheClient::Abort(const Reservation& r) {
 }
 
 absl::Status CacheClient::Put(const BlockKey& key, std::span<const uint8_t> block, double cost) {
-  ASSIGN_OR_RETURN(Reservation r, Reserve(key, block.size(), cost));
   const uint64_t checksum = KvBlockWireChecksum(block);
-  if (impl_->transport == nullptr) return Commit(r, checksum, block);
-  if (absl::Status s = Write(r, block); !s.ok()) {
-    (void)Abort(r);
+  for (int attempt = 0;; ++attempt) {
+    ASSIGN_OR_RETURN(Reservation r, Reserve(key, block.size(), cost));
+    if (impl_->transport == nullptr) return Commit(r, checksum, block);
+    if (absl::Status s = Write(r, block); !s.ok()) {
+      (void)Abort(r);
+      return s;
+    }
+    absl::Status s = Commit(r, checksum);
+    // The checksum is of our own bytes: a mismatch after an RMA write means the write did not
+    // land in this server's arena (an endpoint of a previous incarnation that the reply could
+    // not reveal). Exchange endpoints and put once more; the failed commit freed the space.
+    if (s.code() == absl::StatusCode::kDataLoss && attempt == 0) {
+      impl_->stale.store(true);
+      continue;
+    }
     return s;
   }
-  return Commit(r, checksum);
 }
 
 absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const BlockKey> keys,
@@ -173,6 +257,7 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
   for (const auto& k : keys) KeyToProto(k, req.add_keys());
   pb::LeaseResponse lease;
   RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Lease(impl_->Ctx().get(), req, &lease)));
+  impl_->NoteInstance(lease.instance_id());
   if (lease.blocks_size() != static_cast<int>(keys.size())) {
     return absl::InternalError("lease: reply has the wrong number of blocks");
   }
@@ -196,7 +281,7 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
     ops.push_back({b.offset(), dst[i], b.size()});
   }
 
-  std::vector<BlockKey> corrupt;
+  std::vector<size_t> mismatched;  // key indices whose bytes arrived and failed the checksum
   size_t next_report = 0;  // next key index to report through on_block (key order)
   auto report_until = [&](size_t end) {
     for (; next_report < end; ++next_report) {
@@ -215,7 +300,7 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
         KvBlockWireChecksum({dst[i], static_cast<size_t>(b.size())}) != b.checksum()) {
       status[i] = absl::NotFoundError(absl::StrCat("miss: ", keys[i].ToString(),
                                                    " failed checksum verification"));
-      corrupt.push_back(keys[i]);
+      mismatched.push_back(i);
     }
     report_until(i + 1);
   };
@@ -242,16 +327,19 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
       });
       {
         std::lock_guard<std::mutex> lock(impl_->transport_mu);
-        transfer = impl_->transport->Get(
-            ops,
-            [&](size_t j) {
-              {
-                std::lock_guard<std::mutex> l(qm);
-                arrived = j + 1;
-              }
-              qcv.notify_one();
-            },
-            impl_->TransferDeadline());
+        transfer = impl_->EnsureEndpointLocked(lease.instance_id());
+        if (transfer.ok()) {
+          transfer = impl_->transport->Get(
+              ops,
+              [&](size_t j) {
+                {
+                  std::lock_guard<std::mutex> l(qm);
+                  arrived = j + 1;
+                }
+                qcv.notify_one();
+              },
+              impl_->TransferDeadline());
+        }
       }
       {
         std::lock_guard<std::mutex> l(qm);
@@ -261,7 +349,8 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
       verifier.join();
     } else if (impl_->transport != nullptr) {
       std::lock_guard<std::mutex> lock(impl_->transport_mu);
-      transfer = impl_->transport->Get(ops, landed, impl_->TransferDeadline());
+      transfer = impl_->EnsureEndpointLocked(lease.instance_id());
+      if (transfer.ok()) transfer = impl_->transport->Get(ops, landed, impl_->TransferDeadline());
     } else {
       for (size_t j = 0; j < present.size() && transfer.ok(); ++j) {
         pb::ReadRequest rr;
@@ -293,18 +382,37 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
     pb::ReleaseLeaseResponse rr;
     released = FromGrpcStatus(impl_->stub->ReleaseLease(impl_->Ctx().get(), rel, &rr));
   }
-  if (!transfer.ok()) return transfer;
+  if (!transfer.ok()) {
+    // A failed or incomplete transfer is a transport error, never evidence against the
+    // stored blocks: nothing is reported, and the endpoint is exchanged before the next one.
+    if (impl_->transport != nullptr) impl_->stale.store(true);
+    return transfer;
+  }
   if (!released.ok() && !impl_->opt.verify) {
     // Without verification an expired lease means the bytes may have been overwritten.
     return released;
   }
   report_until(keys.size());
-  if (!corrupt.empty()) {
-    pb::EvictRequest ev;
-    for (const auto& k : corrupt) KeyToProto(k, ev.add_keys());
-    ev.set_corrupt(true);
-    pb::EvictResponse er;
-    (void)impl_->stub->Evict(impl_->Ctx().get(), ev, &er);
+  if (!mismatched.empty()) {
+    if (released.ok()) {
+      // The lease held for the whole transfer, so the server's bytes could not change under
+      // us: report the blocks. A hint only: the server re-verifies its copy and drops it only
+      // when its own checksum fails (the damage may have been on the way).
+      pb::EvictRequest ev;
+      for (size_t i : mismatched) KeyToProto(keys[i], ev.add_keys());
+      ev.set_corrupt(true);
+      pb::EvictResponse er;
+      (void)impl_->stub->Evict(impl_->Ctx().get(), ev, &er);
+    } else {
+      // The lease was lost (expired, or the server restarted and no longer knows it): what
+      // was read may not be what the lease described. A transport failure, not corruption.
+      if (impl_->transport != nullptr) impl_->stale.store(true);
+      for (size_t i : mismatched) {
+        status[i] = absl::UnavailableError(absl::StrCat(
+            "transfer_unverified: ", keys[i].ToString(),
+            " did not verify and the lease was lost: ", released.message()));
+      }
+    }
   }
   return status;
 }
@@ -354,14 +462,30 @@ absl::StatusOr<CacheStats> CacheClient::Stats() {
   s.reclaimed_reservations = r.reclaimed_reservations();
   s.bytes_in = r.bytes_in();
   s.bytes_out = r.bytes_out();
+  s.disk_degraded = r.disk_degraded();
+  s.memory_only_commits = r.memory_only_commits();
+  s.corrupt_reports_refuted = r.corrupt_reports_refuted();
   return s;
 }
 
-absl::Status CacheClient::Health() {
+absl::StatusOr<ServerHealth> CacheClient::GetHealth() {
   pb::HealthRequest req;
   pb::HealthResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->Health(impl_->Ctx().get(), req, &resp)));
-  if (!resp.serving()) return absl::UnavailableError("cache server not serving");
+  impl_->NoteInstance(resp.instance_id());
+  ServerHealth h;
+  h.serving = resp.serving();
+  h.server_id = resp.server_id();
+  h.uptime_ms = resp.uptime_ms();
+  h.instance_id = resp.instance_id();
+  h.disk_degraded = resp.disk_degraded();
+  h.disk_status = resp.disk_status();
+  return h;
+}
+
+absl::Status CacheClient::Health() {
+  ASSIGN_OR_RETURN(ServerHealth h, GetHealth());
+  if (!h.serving) return absl::UnavailableError("cache server not serving");
   return absl::OkStatus();
 }
 
@@ -404,6 +528,8 @@ void CacheClient::FreeBuffer(uint8_t* p, size_t n) {
 }
 
 const std::string& CacheClient::server_id() const { return impl_->server_id; }
+uint64_t CacheClient::instance_id() const { return impl_->instance_id.load(); }
+uint64_t CacheClient::reconnects() const { return impl_->reconnects.load(); }
 const std::string& CacheClient::address() const { return impl_->opt.address; }
 const std::string& CacheClient::data_plane() const { return impl_->data_plane; }
 

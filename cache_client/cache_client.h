@@ -1,7 +1,12 @@
 // Client of one cache server, for workers: gRPC control plane + UCX data plane. Blocks are
 // encoded KV blocks (common/kv_block.h); every fetched block is checksum-verified before it is
-// handed out, and a block that fails is reported to the server (dropped there) and returned as
-// a miss. No gRPC or UCX header leaks from here.
+// handed out, and a block that fails is returned as a miss and reported to the server, which
+// re-verifies its own copy and drops it only if that fails too. Only a block whose bytes
+// arrived under a lease that held is reported; a failed transfer or a lost lease is a
+// transport error. The client follows server restarts: replies carry the server's
+// incarnation (instance_id), and before moving bytes the client exchanges endpoints again
+// (GetEndpoint + reconnect) when its endpoint came from another incarnation or a transfer
+// failed. No gRPC or UCX header leaks from here.
 //
 //   CacheClientOptions o;
 //   o.address = "127.0.0.1:50070";
@@ -95,8 +100,9 @@ class CacheClient {
       std::function<void(size_t index, const absl::Status& status, std::span<const uint8_t>)>;
 
   // Leases `keys` (layer order), fetches the present ones in one batch of RMA gets, verifies
-  // them, releases the lease. Per-key status: OK or NOT_FOUND (absent, other model, corrupt).
-  // The call fails as a whole only on RPC/transport errors.
+  // them, releases the lease. Per-key status: OK or NOT_FOUND (absent, other model, corrupt);
+  // UNAVAILABLE "transfer_unverified" for a block that did not verify after the lease was lost
+  // (not reported as corrupt). The call fails as a whole only on RPC/transport errors.
   absl::StatusOr<std::vector<absl::Status>> FetchInto(std::span<const BlockKey> keys,
                                                       const Allocator& alloc,
                                                       const OnBlock& on_block = {});
@@ -105,7 +111,10 @@ class CacheClient {
 
   absl::StatusOr<uint32_t> Evict(std::span<const BlockKey> keys, bool all = false);
   absl::StatusOr<CacheStats> Stats();
+  // OK while the server is serving (UNAVAILABLE otherwise).
   absl::Status Health();
+  // The whole Health reply: incarnation, disk tier state.
+  absl::StatusOr<ServerHealth> GetHealth();
 
   // Registers local memory used as a fetch destination / put source (zero-copy with RDMA).
   absl::Status RegisterMemory(void* p, size_t n);
@@ -116,6 +125,10 @@ class CacheClient {
   void FreeBuffer(uint8_t* p, size_t n);
 
   const std::string& server_id() const;
+  // Incarnation of the server the data-plane endpoint was obtained from (0: not reported).
+  uint64_t instance_id() const;
+  // Times the data-plane endpoint was exchanged again (server restart, failed transfer).
+  uint64_t reconnects() const;
   const std::string& address() const;
   // "ucx" or "grpc".
   const std::string& data_plane() const;

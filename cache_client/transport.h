@@ -88,6 +88,11 @@ class ClientTransport {
                            const std::function<void(size_t)>& on_done, Deadline deadline) = 0;
   // Writes every op and returns once they are remotely complete (visible to the server).
   virtual absl::Status Put(std::span<const RemoteOp> ops, Deadline deadline) = 0;
+  // Drops the connection to the old endpoint (its remote key too) and connects to `ep`, e.g.
+  // the same server after a restart (a new process: new worker address, new arena, new
+  // rkey). Local registrations and memory from AllocateMemory stay valid. Also clears the
+  // broken state an earlier timeout left.
+  virtual absl::Status Reconnect(const EndpointInfo& ep) = 0;
   // Registers local memory used for transfers (zero-copy on RDMA NICs). Optional.
   virtual absl::Status RegisterMemory(void* p, size_t n) { return absl::OkStatus(); }
   virtual void UnregisterMemory(void* p) {}

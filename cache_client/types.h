@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/status.h"
 
@@ -22,6 +23,8 @@ struct Reservation {
   uint64_t id = 0;
   uint64_t offset = 0;
   uint64_t deadline_unix_ms = 0;
+  // Server incarnation whose arena `offset` refers to (0: unknown / not reported).
+  uint64_t instance_id = 0;
 };
 
 struct CacheStats {
@@ -31,6 +34,20 @@ struct CacheStats {
   uint64_t evictions = 0, corrupt_blocks = 0;
   uint64_t active_leases = 0, active_reservations = 0, reclaimed_reservations = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
+  // Disk tier not written (full below its reserve, or failing): commits stay in memory only.
+  bool disk_degraded = false;
+  uint64_t memory_only_commits = 0;      // commits kept in memory only while degraded
+  uint64_t corrupt_reports_refuted = 0;  // client corruption reports whose block verified
+};
+
+// What Health reports about one server (CacheClient::GetHealth).
+struct ServerHealth {
+  bool serving = false;
+  std::string server_id;
+  uint64_t uptime_ms = 0;
+  uint64_t instance_id = 0;  // changes on every restart of the server process
+  bool disk_degraded = false;
+  std::string disk_status;  // why the disk tier is degraded ("" when it is not)
 };
 
 }  // namespace sparsex::cache

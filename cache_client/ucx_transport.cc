@@ -224,37 +224,26 @@ class UcxClientTransport final : public ClientTransport {
     t->ctx_ = SharedClientContext(o.ucx_tls, &st);
     if (t->ctx_ == nullptr) return st;
     ASSIGN_OR_RETURN(t->worker_, NewWorker(t->ctx_->get(), UCS_THREAD_MODE_SERIALIZED));
-    ucp_ep_params_t epp{};
-    epp.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    epp.address = reinterpret_cast<const ucp_address_t*>(ep.worker_address.data());
-    epp.err_mode = UCP_ERR_HANDLING_MODE_NONE;  // PEER mode would drop shm transports
-    ucs_status_t s = ucp_ep_create(t->worker_, &epp, &t->ep_);
-    if (s != UCS_OK) return UcsError(s, "ep_create");
-    s = ucp_ep_rkey_unpack(t->ep_, ep.rkey.data(), &t->rkey_);
-    if (s != UCS_OK) return UcsError(s, "rkey_unpack");
-    t->base_ = ep.base_address;
-    t->arena_bytes_ = ep.arena_bytes;
+    RETURN_IF_ERROR(t->Connect(ep));
     return std::unique_ptr<ClientTransport>(std::move(t));
   }
 
   ~UcxClientTransport() override {
+    CloseEndpoint(/*force=*/broken_);
     for (auto& [p, m] : memh_) ucp_mem_unmap(ctx_->get(), m.second);
-    if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
-    if (ep_ != nullptr) {
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      prm.flags = broken_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      void* req = ucp_ep_close_nbx(ep_, &prm);
-      if (UCS_PTR_IS_PTR(req)) {
-        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-        while (ucp_request_check_status(req) == UCS_INPROGRESS &&
-               std::chrono::steady_clock::now() < until) {
-          ucp_worker_progress(worker_);
-        }
-        ucp_request_free(req);
-      }
-    }
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  }
+
+  absl::Status Reconnect(const EndpointInfo& ep) override {
+    // The old peer is usually gone (a restarted server): do not wait for it to flush.
+    CloseEndpoint(/*force=*/true);
+    broken_ = false;
+    absl::Status s = Connect(ep);
+    if (!s.ok()) {
+      CloseEndpoint(/*force=*/true);
+      broken_ = true;  // no usable endpoint until the next successful Reconnect
+    }
+    return s;
   }
 
   std::string name() const override { return "ucx"; }
@@ -350,8 +339,53 @@ class UcxClientTransport final : public ClientTransport {
  private:
   UcxClientTransport() = default;
 
+  // An endpoint to the server's worker and its arena's remote key (unpacked on that endpoint:
+  // on one host this maps the server's shared-memory segment).
+  absl::Status Connect(const EndpointInfo& ep) {
+    ucp_ep_params_t epp{};
+    epp.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    epp.address = reinterpret_cast<const ucp_address_t*>(ep.worker_address.data());
+    epp.err_mode = UCP_ERR_HANDLING_MODE_NONE;  // PEER mode would drop shm transports
+    ucs_status_t s = ucp_ep_create(worker_, &epp, &ep_);
+    if (s != UCS_OK) {
+      ep_ = nullptr;
+      return UcsError(s, "ep_create");
+    }
+    s = ucp_ep_rkey_unpack(ep_, ep.rkey.data(), &rkey_);
+    if (s != UCS_OK) {
+      rkey_ = nullptr;
+      return UcsError(s, "rkey_unpack");
+    }
+    base_ = ep.base_address;
+    arena_bytes_ = ep.arena_bytes;
+    return absl::OkStatus();
+  }
+
+  // Destroys the remote key (unmapping the peer's segment) and closes the endpoint; `force`
+  // does not flush outstanding operations to the peer (it may be dead).
+  void CloseEndpoint(bool force) {
+    if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
+    rkey_ = nullptr;
+    if (ep_ == nullptr) return;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* req = ucp_ep_close_nbx(ep_, &prm);
+    if (UCS_PTR_IS_PTR(req)) {
+      auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (ucp_request_check_status(req) == UCS_INPROGRESS &&
+             std::chrono::steady_clock::now() < until) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(req);
+    }
+    ep_ = nullptr;
+  }
+
   absl::Status Usable(std::span<const RemoteOp> ops) const {
-    if (broken_) return absl::UnavailableError("ucx connection broken by an earlier timeout");
+    if (broken_ || ep_ == nullptr || rkey_ == nullptr) {
+      return absl::UnavailableError("ucx connection broken by an earlier error; reconnect");
+    }
     for (const auto& op : ops) {
       if (op.remote_offset + op.size > arena_bytes_ || op.remote_offset + op.size < op.size) {
         return absl::InvalidArgumentError("remote range outside the arena");

@@ -67,6 +67,8 @@ absl::StatusOr<uint32_t> BlockCache::Evict(std::span<const BlockKey> keys, bool 
   return impl_->Evict(keys, all, corrupt);
 }
 CacheStats BlockCache::Stats() const { return impl_->Stats(); }
+DiskHealth BlockCache::disk_health() const { return impl_->disk_health(); }
+void BlockCache::RecheckDisk() { impl_->RecheckDisk(); }
 void BlockCache::Sweep() { impl_->Sweep(); }
 bool BlockCache::WarmLoadDone() const { return impl_->WarmLoadDone(); }
 

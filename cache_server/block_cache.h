@@ -10,6 +10,8 @@
 //   Memory eviction (LRU or cost-aware) drops the memory copy (spilling to disk first in
 //   write-back mode); a disk block failing its checksum is reported as a miss, dropped and
 //   counted in sparsex_cache_corrupt_blocks_total.
+//   Disk full or failing: the disk tier is degraded, commits are kept in memory only (they
+//   still succeed) until the disk has room again (CacheOptions::disk_reserve_bytes).
 //
 //   ASSIGN_OR_RETURN(auto cache, BlockCache::Open(opts, arena, arena_bytes, &registry));
 //   ASSIGN_OR_RETURN(Reservation r, cache->Reserve(model, kKvLayoutVersion, key, size, 0));
@@ -44,6 +46,12 @@ struct LeasedBlock {
   uint64_t size = 0;
   uint64_t checksum = 0;
   Tier tier = Tier::kNone;  // where it was found
+};
+
+// State of the disk tier (Health.disk_degraded / disk_status).
+struct DiskHealth {
+  bool degraded = false;  // not written: commits stay in memory only
+  std::string status;     // why ("" when not degraded)
 };
 
 struct LeaseGrant {
@@ -86,11 +94,19 @@ class BlockCache {
   absl::StatusOr<std::string> Read(uint64_t lease_id, uint32_t index);
 
   // Removes blocks from every tier; leased ones become invisible at once and go when
-  // released. `corrupt`: the caller found them corrupt (counted). NOT_FOUND if keys were
-  // given and none exists.
+  // released. NOT_FOUND if keys were given and none exists.
+  // `corrupt`: the caller found them corrupt. A hint, not an order: each block's memory copy
+  // is verified here (XXH3 against the commit checksum) and only a block that fails is
+  // dropped and counted as corrupt; one that verifies stays (the damage was on the caller's
+  // side or on the way), and so does a block no longer in memory (every disk read is
+  // verified anyway). Returns the number dropped.
   absl::StatusOr<uint32_t> Evict(std::span<const BlockKey> keys, bool all, bool corrupt);
 
   CacheStats Stats() const;
+  DiskHealth disk_health() const;
+  // Checks now whether a degraded disk tier can be written again (the sweeper does this every
+  // disk_recheck_ms).
+  void RecheckDisk();
   // Reclaims expired reservations and leases now (the sweeper does this periodically).
   void Sweep();
   // True once the post-restart warm load has finished.

@@ -185,7 +185,9 @@ int Main(int argc, char** argv) {
                 << ",\"reclaimed_reservations\":" << s->reclaimed_reservations
                 << ",\"hits_memory\":" << s->hits_memory << ",\"hits_disk\":" << s->hits_disk
                 << ",\"misses\":" << s->misses << ",\"corrupt_blocks\":" << s->corrupt_blocks
-                << "}" << std::endl;
+                << ",\"corrupt_reports_refuted\":" << s->corrupt_reports_refuted
+                << ",\"disk_degraded\":" << (s->disk_degraded ? 1 : 0)
+                << ",\"memory_only_commits\":" << s->memory_only_commits << "}" << std::endl;
       return 0;
     }
     if (cmd == "evict") {

@@ -42,6 +42,14 @@ struct DiskStoreOptions {
   std::string path;
   // fsync the WAL on every write. Default: false.
   bool sync = false;
+  // RocksDB memtable size (and so the WAL between flushes, and the blob bytes one flush
+  // writes). Keep it well below the free space the cache keeps in reserve, so that a flush
+  // always finds room. Default: 128 MiB.
+  uint64_t write_buffer_bytes = 128ull << 20;
+  // Free bytes the filesystem must keep beyond what opening for writing uses (RocksDB replays
+  // its WAL into new files): with less, an existing store is opened read-only (its blocks are
+  // served) until Recover() finds the room. Default: 0.
+  uint64_t reserve_bytes = 0;
 };
 
 class DiskStore {
@@ -59,6 +67,16 @@ class DiskStore {
   // Visits every stored meta (order unspecified). Malformed meta records are deleted.
   virtual absl::Status ForEachMeta(
       const std::function<void(const BlockKey&, const DiskMeta&)>& fn) = 0;
+
+  // Bytes an unprivileged writer can still use on the store's filesystem (statvfs);
+  // UINT64_MAX for stores without a filesystem.
+  virtual absl::StatusOr<uint64_t> FreeBytes() { return UINT64_MAX; }
+  // Makes the store writable again after write errors (RocksDB: clears a background error
+  // such as "no space", or reopens read-write a store that had to be opened read-only). OK
+  // when it already is; an error (e.g. BUSY while RocksDB recovers by itself) to retry later.
+  virtual absl::Status Recover() { return absl::OkStatus(); }
+  // Opened read-only (the disk was too full to open it for writing); Recover() reopens it.
+  virtual bool read_only() const { return false; }
 };
 
 // nullptr (and OK) for backend "none"; INVALID_ARGUMENT for an unknown backend;

@@ -6,7 +6,7 @@
 //
 // SIGTERM/SIGINT shut down cleanly (in-flight RPCs finish; in write-back mode memory blocks
 // are written to disk). With --ready_file=PATH the server writes
-//   {"grpc_port":N,"metrics_port":M,"pid":P,"server_id":"..."}
+//   {"grpc_port":N,"metrics_port":M,"pid":P,"server_id":"...","instance_id":I}
 // to PATH (atomically) once it serves, which is how tests find ports chosen with port 0.
 #include <signal.h>
 #include <unistd.h>
@@ -118,6 +118,10 @@ std::map<std::string, Flag> Flags(ServerOptions* o, std::string* ready_file) {
   f["disk_path"] = {"RocksDB directory (required for rocksdb)", str(&c.disk_path)};
   f["disk_capacity"] = {"disk bytes before LRU removal, 0 = unbounded (default 0)",
                         size(&c.disk_capacity_bytes)};
+  f["disk_reserve"] = {"free disk bytes kept, min 4M; below it: memory-only (default 512M)",
+                       size(&c.disk_reserve_bytes)};
+  f["disk_recheck_ms"] = {"how often a degraded disk tier is re-checked (default 1000)",
+                          u32(&c.disk_recheck_ms)};
   f["write_through"] = {"persist on commit (default true)", boolean(&c.write_through), true};
   f["sync_writes"] = {"fsync the WAL per commit (default false)", boolean(&c.sync_writes), true};
   f["warm_load_bytes"] = {"bytes reloaded into memory after a restart (default 256M)",
@@ -150,7 +154,8 @@ absl::Status WriteReadyFile(const std::string& path, const sparsex::cache::Cache
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << "{\"grpc_port\":" << s.grpc_port() << ",\"metrics_port\":" << s.metrics_port()
-        << ",\"pid\":" << getpid() << ",\"server_id\":\"" << s.server_id() << "\"}\n";
+        << ",\"pid\":" << getpid() << ",\"server_id\":\"" << s.server_id()
+        << "\",\"instance_id\":" << s.instance_id() << "}\n";
     if (!out) return absl::UnavailableError("cannot write " + tmp);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -215,7 +220,7 @@ int main(int argc, char** argv) {
   }
   std::cerr << "sparsex-cache-server: serving " << (*server)->server_id() << " grpc port "
             << (*server)->grpc_port() << " metrics port " << (*server)->metrics_port()
-            << " transport " << options.transport.kind
+            << " transport " << options.transport.kind << " instance " << (*server)->instance_id()
             << ((*server)->cuda_pinned() ? " arena cuda-pinned" : "") << "\n";
   if (!ready_file.empty()) {
     if (absl::Status s = WriteReadyFile(ready_file, **server); !s.ok()) {

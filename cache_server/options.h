@@ -15,6 +15,10 @@ enum class EvictionPolicyKind {
   kCostAware,  // GreedyDual-Size: evict the lowest (inflation + recompute cost / bytes) first
 };
 
+// Smallest CacheOptions::disk_reserve_bytes: room for RocksDB's smallest memtable (1 MiB)
+// four times over.
+inline constexpr uint64_t kMinDiskReserveBytes = 4ull << 20;
+
 struct CacheOptions {
   // Bytes of the host-memory arena (registered with the data plane; pinned on GPU hosts).
   // Default: 1 GiB.
@@ -36,6 +40,17 @@ struct CacheOptions {
   // Disk bytes kept before the least recently used disk blocks are dropped; 0 = unbounded.
   // Default: 0.
   uint64_t disk_capacity_bytes = 0;
+  // Free bytes kept on the disk tier's filesystem. A disk write that would leave less is not
+  // attempted: the server degrades to memory-only (commits still succeed, kept in memory;
+  // sparsex_cache_disk_degraded 1, Health.disk_degraded) and goes back to the disk once the
+  // free space is above the reserve again (checked every disk_recheck_ms). A disk write that
+  // fails (ENOSPC, I/O error) degrades the same way. RocksDB's memtable is a quarter of this
+  // (at most 128 MiB), so its flushes always find room and RocksDB itself never hits a full
+  // disk through the cache's writes (a failed WAL append is fatal to the packaged RocksDB).
+  // At least kMinDiskReserveBytes: smaller values are raised to it. Default: 512 MiB.
+  uint64_t disk_reserve_bytes = 512ull << 20;
+  // Period of the check that leaves the degraded state. Default: 1000 ms.
+  uint32_t disk_recheck_ms = 1000;
   // true: a commit writes the block to disk before it returns, so every committed block
   // survives kill -9 of the server; memory eviction then only drops the memory copy.
   // false: blocks reach disk when evicted from memory (spill) or at clean shutdown.

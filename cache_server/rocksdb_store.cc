@@ -1,14 +1,40 @@
 // RocksDB backend of the disk tier. Two column families: "default" holds the encoded blocks
 // (integrated BlobDB: large values live in blob files, the LSM holds small indexes) and "meta"
 // holds a DiskMeta per key, written in the same WriteBatch.
+//
+// A full disk (issue 16): "no space" is RESOURCE_EXHAUSTED "disk_full:" (the cache then stops
+// writing and serves from memory; it keeps a reserve of free space so that RocksDB normally
+// never meets a full disk). Opening for writing replays the WAL into new files, so a database
+// is opened for writing only when the filesystem has room for its WAL files plus the reserve;
+// otherwise it is opened read-only (nothing written: its blocks are still served) and
+// Recover() reopens it read-write once there is room. Recover() also clears RocksDB's
+// background error of a failed flush (DB::Resume).
+//
+// One error is not recoverable in-process: a failed WAL append. RocksDB 7.x (as packaged, with
+// assertions on) aborts on any later use of that WAL writer (WritableFileWriter::
+// AssertFalseAndGetStatusForPrevError: "sync_without_flush_called_"), and its own automatic
+// recovery, a Resume, a later write and even DB::Close flush it: that was the exit 134. So
+// after a WAL write error the store is never written, resumed or closed again (the process
+// leaks it at exit; the WAL up to the failed record is on disk and replays at the next open),
+// RocksDB's automatic recovery is turned off (we recover only what is safe), and the disk
+// tier stays off until the server restarts. Reads keep working.
 #include "cache_server/disk_store.h"
 
 #if SPARSEX_WITH_ROCKSDB
 #include <rocksdb/db.h>
+#include <rocksdb/listener.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 namespace sparsex::cache::internal {
@@ -16,6 +42,10 @@ namespace {
 
 absl::Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   if (s.ok()) return absl::OkStatus();
+  if (s.IsNoSpace()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "disk_full: rocksdb ", absl::string_view(what.data(), what.size()), ": ", s.ToString()));
+  }
   absl::StatusCode code = absl::StatusCode::kInternal;
   if (s.IsNotFound()) code = absl::StatusCode::kNotFound;
   else if (s.IsCorruption()) code = absl::StatusCode::kDataLoss;
@@ -24,42 +54,125 @@ absl::Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   return absl::Status(code, absl::StrCat("rocksdb ", absl::string_view(what.data(), what.size()), ": ", s.ToString()));
 }
 
+// Notes a failed WAL write (see the top of this file) and keeps RocksDB from recovering by
+// itself: RocksDbStore::Recover decides.
+class ErrorListener final : public rocksdb::EventListener {
+ public:
+  void OnBackgroundError(rocksdb::BackgroundErrorReason reason, rocksdb::Status* s) override {
+    if (s != nullptr && !s->ok() &&
+        (reason == rocksdb::BackgroundErrorReason::kWriteCallback ||
+         reason == rocksdb::BackgroundErrorReason::kMemTable)) {
+      wal_failed.store(true);
+    }
+  }
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status bg_error,
+                            bool* auto_recovery) override {
+    bg_error.PermitUncheckedError();
+    if (auto_recovery != nullptr) *auto_recovery = false;
+  }
+  std::atomic<bool> wal_failed{false};
+};
+
 class RocksDbStore final : public DiskStore {
  public:
   ~RocksDbStore() override {
-    if (db_ != nullptr) {
-      for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
-      db_->Close();
-      delete db_;
+    if (listener_->wal_failed.load()) {
+      // Closing would flush the failed WAL writer, which aborts: leave it to process exit.
+      db_ = nullptr;
+      handles_.clear();
+      return;
     }
+    CloseLocked();
   }
 
   static absl::StatusOr<std::unique_ptr<DiskStore>> Open(const DiskStoreOptions& o) {
     if (o.path.empty()) return absl::InvalidArgumentError("rocksdb: disk_path is empty");
-    rocksdb::DBOptions dbo;
-    dbo.create_if_missing = true;
-    dbo.create_missing_column_families = true;
-    dbo.max_background_jobs = 2;
+    auto store = std::unique_ptr<RocksDbStore>(new RocksDbStore());
+    store->path_ = o.path;
+    store->dbo_.create_if_missing = true;
+    store->dbo_.create_missing_column_families = true;
+    store->dbo_.max_background_jobs = 2;
+    store->dbo_.listeners.push_back(store->listener_);
+    const uint64_t write_buffer = std::max<uint64_t>(o.write_buffer_bytes, 1ull << 20);
+    // Every batch writes both column families, and a WAL file goes only once both have
+    // flushed past it. The small "meta" family would otherwise reach its memtable limit only
+    // after millions of blocks, so every block would stay on disk twice (WAL and blob file)
+    // up to RocksDB's default WAL cap of 4 x the write buffers: flush it along.
+    store->dbo_.max_total_wal_size = 2 * write_buffer;
     rocksdb::ColumnFamilyOptions data;
     data.enable_blob_files = true;
     data.min_blob_size = 4096;
     data.blob_file_size = 256ull << 20;
     data.enable_blob_garbage_collection = true;
-    data.write_buffer_size = 128ull << 20;
+    data.write_buffer_size = write_buffer;
     rocksdb::ColumnFamilyOptions meta;
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
-        {rocksdb::kDefaultColumnFamilyName, data}, {"meta", meta}};
-    auto store = std::unique_ptr<RocksDbStore>(new RocksDbStore());
-    rocksdb::Status s = rocksdb::DB::Open(dbo, o.path, cfs, &store->handles_, &store->db_);
-    if (!s.ok()) return FromRocks(s, "open " + o.path);
+    store->cfs_ = {{rocksdb::kDefaultColumnFamilyName, data}, {"meta", meta}};
     store->write_.sync = o.sync;
+    store->reserve_ = o.reserve_bytes;
+    std::error_code ec;
+    const bool exists = std::filesystem::exists(o.path + "/CURRENT", ec);
+    const uint64_t free = store->FreeBytes().value_or(UINT64_MAX);
+    if (!exists && free < kMinFreeToCreate) {
+      // Even a new, empty database writes a few files; on a full disk RocksDB may abort.
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "disk_full: ", free, " bytes free in ", o.path, ", too little to create the disk tier"));
+    }
+    if (exists && !store->RoomToOpenWritable()) {
+      // The blocks are there: serve them read-only until Recover() finds the room.
+      rocksdb::Status ro = store->OpenLocked(/*read_only=*/true);
+      if (!ro.ok()) return FromRocks(ro, "open read-only " + o.path);
+      return std::unique_ptr<DiskStore>(std::move(store));
+    }
+    rocksdb::Status s = store->OpenLocked(/*read_only=*/false);
+    if (s.IsNoSpace() && !store->listener_->wal_failed.load()) {
+      rocksdb::Status ro = store->OpenLocked(/*read_only=*/true);
+      if (ro.ok()) return std::unique_ptr<DiskStore>(std::move(store));
+    }
+    if (!s.ok()) return FromRocks(s, "open " + o.path);
     return std::unique_ptr<DiskStore>(std::move(store));
   }
 
   std::string name() const override { return "rocksdb"; }
 
+  bool read_only() const override {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    return read_only_;
+  }
+
+  absl::StatusOr<uint64_t> FreeBytes() override {
+    struct statvfs v{};
+    if (statvfs(path_.c_str(), &v) != 0) {
+      return absl::UnavailableError(absl::StrCat("statvfs ", path_, ": ", strerror(errno)));
+    }
+    return static_cast<uint64_t>(v.f_bavail) * v.f_frsize;
+  }
+
+  absl::Status Recover() override {
+    RETURN_IF_ERROR(NotPoisoned());
+    {
+      std::shared_lock<std::shared_mutex> lock(mu_);
+      if (db_ != nullptr && !read_only_) return FromRocks(db_->Resume(), "resume");
+    }
+    // Read-only (or closed): reopen for writing once there is room to replay the WAL; back to
+    // read-only if that still fails.
+    if (!RoomToOpenWritable()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "disk_full: opened read-only; reopening for writing needs ", WalBytes(), " + ",
+          reserve_, " bytes free"));
+    }
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    if (db_ != nullptr && !read_only_) return absl::OkStatus();
+    CloseLocked();
+    rocksdb::Status s = OpenLocked(/*read_only=*/false);
+    if (s.ok()) return absl::OkStatus();
+    (void)OpenLocked(/*read_only=*/true);
+    return FromRocks(s, "reopen " + path_);
+  }
+
   absl::Status Put(const BlockKey& k, const DiskMeta& m,
                    std::span<const uint8_t> value) override {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    RETURN_IF_ERROR(Writable());
     const std::string key = EncodeStoreKey(k);
     rocksdb::WriteBatch batch;
     batch.Put(handles_[0], key,
@@ -69,6 +182,8 @@ class RocksDbStore final : public DiskStore {
   }
 
   absl::Status Read(const BlockKey& k, std::span<uint8_t> dst) override {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (db_ == nullptr) return absl::UnavailableError("rocksdb: database closed");
     rocksdb::PinnableSlice v;
     rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), handles_[0], EncodeStoreKey(k), &v);
     if (s.IsNotFound()) return absl::NotFoundError("not on disk");
@@ -82,6 +197,8 @@ class RocksDbStore final : public DiskStore {
   }
 
   absl::Status Delete(const BlockKey& k) override {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    RETURN_IF_ERROR(Writable());
     const std::string key = EncodeStoreKey(k);
     rocksdb::WriteBatch batch;
     batch.Delete(handles_[0], key);
@@ -91,6 +208,8 @@ class RocksDbStore final : public DiskStore {
 
   absl::Status ForEachMeta(
       const std::function<void(const BlockKey&, const DiskMeta&)>& fn) override {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (db_ == nullptr) return absl::UnavailableError("rocksdb: database closed");
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), handles_[1]));
     std::vector<std::string> bad;
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
@@ -103,6 +222,7 @@ class RocksDbStore final : public DiskStore {
       fn(*key, *meta);
     }
     RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
+    if (read_only_ || listener_->wal_failed.load()) return absl::OkStatus();
     for (const auto& k : bad) {
       rocksdb::WriteBatch batch;
       batch.Delete(handles_[0], k);
@@ -114,7 +234,74 @@ class RocksDbStore final : public DiskStore {
 
  private:
   RocksDbStore() = default;
+
+  absl::Status NotPoisoned() const {
+    if (listener_->wal_failed.load()) {
+      return absl::FailedPreconditionError(
+          "disk_failed: a RocksDB WAL write failed (disk full); this RocksDB cannot be written, "
+          "resumed or closed safely any more: the disk tier stays off until the server restarts");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Writable() const {
+    RETURN_IF_ERROR(NotPoisoned());
+    if (db_ == nullptr) return absl::UnavailableError("rocksdb: database closed");
+    if (read_only_) {
+      return absl::ResourceExhaustedError(
+          "disk_full: rocksdb was opened read-only (disk full at open); not writable yet");
+    }
+    return absl::OkStatus();
+  }
+
+  static constexpr uint64_t kMinFreeToCreate = 1ull << 20;
+
+  // Bytes of WAL files, which opening for writing replays into new files.
+  uint64_t WalBytes() const {
+    uint64_t n = 0;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(path_, ec)) {
+      if (e.path().extension() == ".log") n += e.file_size(ec);
+    }
+    return n;
+  }
+  bool RoomToOpenWritable() {
+    auto free = FreeBytes();
+    return !free.ok() || *free >= WalBytes() + reserve_;
+  }
+
+  // mu_ held exclusively (or not shared yet).
+  rocksdb::Status OpenLocked(bool read_only) {
+    handles_.clear();
+    rocksdb::Status s =
+        read_only ? rocksdb::DB::OpenForReadOnly(dbo_, path_, cfs_, &handles_, &db_)
+                  : rocksdb::DB::Open(dbo_, path_, cfs_, &handles_, &db_);
+    if (!s.ok()) {
+      db_ = nullptr;
+      handles_.clear();
+      return s;
+    }
+    read_only_ = read_only;
+    return s;
+  }
+
+  void CloseLocked() {
+    if (db_ == nullptr) return;
+    for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
+    handles_.clear();
+    db_->Close();
+    delete db_;
+    db_ = nullptr;
+  }
+
+  std::shared_ptr<ErrorListener> listener_ = std::make_shared<ErrorListener>();
+  mutable std::shared_mutex mu_;  // shared: every operation; exclusive: (re)open and close
+  std::string path_;
+  uint64_t reserve_ = 0;
+  rocksdb::DBOptions dbo_;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs_;
   rocksdb::DB* db_ = nullptr;
+  bool read_only_ = false;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
   rocksdb::WriteOptions write_;
 };

@@ -2,8 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <random>
 
 #include "cache_server/service.h"
 #include "cache_client/transport.h"
@@ -22,10 +24,22 @@ struct CacheServer::State {
   std::unique_ptr<metrics::HttpServer> http;
   int grpc_port = 0;
   std::string server_id;
+  uint64_t instance_id = 0;
   std::mutex mu;
   std::condition_variable cv;
   bool shut_down = false;
 };
+
+namespace {
+// Random and non-zero, so that two starts (even within one process, as in tests) differ.
+uint64_t NewInstanceId() {
+  std::random_device rd;
+  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+               static_cast<uint64_t>(
+                   std::chrono::steady_clock::now().time_since_epoch().count());
+  return v == 0 ? 1 : v;
+}
+}  // namespace
 
 CacheServer::CacheServer() : s_(std::make_unique<State>()) {}
 
@@ -35,6 +49,7 @@ absl::StatusOr<std::unique_ptr<CacheServer>> CacheServer::Start(const ServerOpti
   std::unique_ptr<CacheServer> server(new CacheServer());
   State& s = *server->s_;
   s.options = options;
+  s.instance_id = NewInstanceId();
   const CacheOptions& co = options.cache;
   if (co.memory_capacity_bytes == 0) {
     return absl::InvalidArgumentError("memory_capacity_bytes must be positive");
@@ -51,7 +66,7 @@ absl::StatusOr<std::unique_ptr<CacheServer>> CacheServer::Start(const ServerOpti
   // The id defaults to address:port, known only once the port is bound (SetServerId below).
   s.service = std::make_unique<CacheServiceImpl>(
       s.cache.get(), s.transport->endpoint(), options.server_id, co.layout_version,
-      std::min(co.max_block_bytes, co.memory_capacity_bytes), &s.registry);
+      std::min(co.max_block_bytes, co.memory_capacity_bytes), s.instance_id, &s.registry);
   builder.RegisterService(s.service.get());
   s.grpc = builder.BuildAndStart();
   if (s.grpc == nullptr || s.grpc_port == 0) {
@@ -100,6 +115,7 @@ std::string CacheServer::grpc_address() const {
   return absl::StrCat(s_->options.address, ":", s_->grpc_port);
 }
 const std::string& CacheServer::server_id() const { return s_->server_id; }
+uint64_t CacheServer::instance_id() const { return s_->instance_id; }
 bool CacheServer::cuda_pinned() const { return s_->transport && s_->transport->cuda_pinned(); }
 BlockCache* CacheServer::cache() { return s_->cache.get(); }
 metrics::Registry* CacheServer::registry() { return &s_->registry; }

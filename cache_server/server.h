@@ -39,6 +39,8 @@ class CacheServer {
   int metrics_port() const;  // -1 when disabled
   std::string grpc_address() const;  // "address:port"
   const std::string& server_id() const;
+  // This process's incarnation: random, non-zero, new on every start (proto/cache.proto).
+  uint64_t instance_id() const;
   bool cuda_pinned() const;  // arena page-locked for CUDA
   BlockCache* cache();
   metrics::Registry* registry();

@@ -71,12 +71,14 @@ struct CacheServiceImpl::Metrics {
 
 CacheServiceImpl::CacheServiceImpl(BlockCache* cache, EndpointInfo endpoint,
                                    std::string server_id, uint32_t layout_version,
-                                   uint64_t max_block_bytes, metrics::Registry* registry)
+                                   uint64_t max_block_bytes, uint64_t instance_id,
+                                   metrics::Registry* registry)
     : cache_(cache),
       endpoint_(std::move(endpoint)),
       server_id_(std::move(server_id)),
       layout_version_(layout_version),
       max_block_bytes_(max_block_bytes),
+      instance_id_(instance_id),
       start_(std::chrono::steady_clock::now()),
       m_(std::make_unique<Metrics>()) {
   if (registry != nullptr) {
@@ -122,6 +124,7 @@ grpc::Status CacheServiceImpl::Lookup(Ctx*, const pb::LookupRequest* req,
     ASSIGN_OR_RETURN(Hash128 model, DecodeFingerprint(req->model_fp()));
     ASSIGN_OR_RETURN(std::vector<BlockKey> keys, KeysFromProto(req->keys()));
     ASSIGN_OR_RETURN(auto results, cache_->Lookup(model, req->layout_version(), keys));
+    resp->set_instance_id(instance_id_);
     for (const auto& r : results) {
       auto* out = resp->add_results();
       out->set_present(r.code == absl::StatusCode::kOk);
@@ -145,6 +148,7 @@ grpc::Status CacheServiceImpl::Reserve(Ctx*, const pb::ReserveRequest* req,
     resp->set_reservation_id(r.id);
     resp->set_offset(r.offset);
     resp->set_deadline_unix_ms(r.deadline_unix_ms);
+    resp->set_instance_id(instance_id_);
     return absl::OkStatus();
   });
 }
@@ -170,6 +174,7 @@ grpc::Status CacheServiceImpl::Lease(Ctx*, const pb::LeaseRequest* req,
                                                  req->ttl_ms(), req->partial()));
     resp->set_lease_id(g.id);
     resp->set_expires_unix_ms(g.expires_unix_ms);
+    resp->set_instance_id(instance_id_);
     for (const auto& b : g.blocks) {
       auto* out = resp->add_blocks();
       out->set_code(static_cast<int32_t>(b.code));
@@ -234,6 +239,9 @@ grpc::Status CacheServiceImpl::Stats(Ctx*, const pb::StatsRequest*, pb::StatsRes
     resp->set_reclaimed_reservations(s.reclaimed_reservations);
     resp->set_bytes_in(s.bytes_in);
     resp->set_bytes_out(s.bytes_out);
+    resp->set_disk_degraded(s.disk_degraded);
+    resp->set_memory_only_commits(s.memory_only_commits);
+    resp->set_corrupt_reports_refuted(s.corrupt_reports_refuted);
     return absl::OkStatus();
   });
 }
@@ -248,6 +256,10 @@ grpc::Status CacheServiceImpl::Health(Ctx*, const pb::HealthRequest*, pb::Health
     resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                             std::chrono::steady_clock::now() - start_)
                             .count());
+    resp->set_instance_id(instance_id_);
+    DiskHealth d = cache_->disk_health();
+    resp->set_disk_degraded(d.degraded);
+    resp->set_disk_status(d.status);
     return absl::OkStatus();
   });
 }
@@ -266,6 +278,7 @@ grpc::Status CacheServiceImpl::GetEndpoint(Ctx*, const pb::EndpointRequest*,
     }
     resp->set_layout_version(layout_version_);
     resp->set_max_block_bytes(max_block_bytes_);
+    resp->set_instance_id(instance_id_);
     return absl::OkStatus();
   });
 }

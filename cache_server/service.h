@@ -19,8 +19,10 @@ namespace sparsex::cache {
 
 class CacheServiceImpl final : public sparsex::cache::v1::CacheService::Service {
  public:
+  // `instance_id`: this process's incarnation (non-zero), returned by GetEndpoint, Health,
+  // Lookup, Reserve and Lease so that clients notice a restart (proto/cache.proto).
   CacheServiceImpl(BlockCache* cache, EndpointInfo endpoint, std::string server_id,
-                   uint32_t layout_version, uint64_t max_block_bytes,
+                   uint32_t layout_version, uint64_t max_block_bytes, uint64_t instance_id,
                    metrics::Registry* registry);
   ~CacheServiceImpl() override;
 
@@ -55,6 +57,7 @@ class CacheServiceImpl final : public sparsex::cache::v1::CacheService::Service 
   std::string server_id_;
   uint32_t layout_version_;
   uint64_t max_block_bytes_;
+  uint64_t instance_id_;
   std::chrono::steady_clock::time_point start_;
   std::unique_ptr<Metrics> m_;
   std::atomic<bool> serving_{true};

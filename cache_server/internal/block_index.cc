@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "cache_server/internal/block_index.h"
+#include "common/kv_block.h"
 
 namespace sparsex::cache::internal {
 
@@ -55,9 +56,24 @@ absl::StatusOr<uint32_t> CacheCore::Evict(std::span<const BlockKey> keys, bool a
   bool any = false;
   for (const auto& k : keys) {
     RETURN_IF_ERROR(ValidateBlockKey(k));
-    if (Visible(k) == nullptr) continue;
+    const Entry* e = Visible(k);
+    if (e == nullptr) continue;
     any = true;
-    if (corrupt) Inc(m_.corrupt_memory);
+    if (corrupt) {
+      // A client's report is a hint: only the server's own check drops a block. The memory
+      // copy is what a client reads; committed bytes do not change under mu_ (a pinned block
+      // is as stable as an unpinned one). A block no longer in memory is verified when it is
+      // read from disk again.
+      const bool bad = e->in_memory &&
+                       KvBlockWireChecksum({arena_ + e->offset, static_cast<size_t>(e->size)}) !=
+                           e->checksum;
+      if (!bad) {
+        Inc(m_.corrupt_reports_refuted);
+        continue;
+      }
+      Inc(m_.corrupt_reports_confirmed);
+      Inc(m_.corrupt_memory);
+    }
     n += DoomLocked(k) ? 1 : 0;
   }
   UpdateGauges();
@@ -129,7 +145,7 @@ void CacheCore::RemoveEntryLocked(const BlockKey& k) {
     memory_policy_->Erase(k, false);
   }
   if (e.on_disk) {
-    if (disk_) (void)disk_->Delete(k);
+    DeleteFromDiskLocked(k);
     disk_policy_->Erase(k, false);
     disk_used_ -= e.size;
   }

@@ -16,7 +16,8 @@
 //   leases.cc         Lease (with disk -> memory promotion), RenewLease, ReleaseLease, Read
 //   tiering.cc        opening the disk tier (index rebuild) and shutdown (write-back flush);
 //                     arena allocation with memory eviction and spill; disk capacity; disk
-//                     reads; the warm loader and the sweeper threads
+//                     reads; the warm loader and the sweeper threads; the disk tier's health
+//                     (degraded to memory-only when full or failing, and back)
 //   cache_metrics.cc  metric registration, gauges, Stats (CacheMetrics: cache_metrics.h)
 //
 // Entry state machine (BlockKey -> Entry in entries_):
@@ -128,6 +129,8 @@ class CacheCore {
   // tiering.cc
   void Sweep();
   bool WarmLoadDone() const { return warm_done_.load(); }
+  DiskHealth disk_health() const;
+  void RecheckDisk();
   // cache_metrics.cc
   CacheStats Stats() const;
 
@@ -158,6 +161,17 @@ class CacheCore {
   void EnforceDiskCapacityLocked();
   absl::Status ReadFromDisk(const BlockKey& k, uint64_t offset, uint64_t size,
                             uint64_t checksum);
+  // Disk health. DiskWritable: whether a write of `bytes` may go to disk now (not degraded,
+  // and the filesystem keeps disk_reserve_bytes free after it and the other writes in
+  // flight); degrades when it would not. When true, the write counts as in flight until
+  // DiskWriteDone. Neither takes mu_ (Commit writes outside it, a spill inside it).
+  bool DiskWritable(uint64_t bytes);
+  void DiskWriteDone(uint64_t bytes) { disk_inflight_.fetch_sub(bytes); }
+  // `bytes`: the write that did not go to disk (recovery waits for room for it too).
+  void DegradeDisk(const std::string& why, uint64_t bytes = 0);
+  // Deletes from the disk tier; a delete that fails (store not writable) is retried when the
+  // disk recovers.
+  void DeleteFromDiskLocked(const BlockKey& k);
   void WarmLoad();
   void SweepLocked();
   void SweepLoop();
@@ -187,6 +201,14 @@ class CacheCore {
   uint64_t next_id_ = 1;
   std::vector<BlockKey> warm_order_;  // most recent first
   std::atomic<bool> warm_done_{false};
+  // Disk tier health: degraded = not written (full below the reserve, or failing).
+  std::atomic<bool> disk_degraded_{false};
+  mutable std::mutex disk_mu_;  // guards disk_status_; taken after mu_, never before it
+  std::string disk_status_;
+  uint64_t disk_refused_bytes_ = 0;  // largest write refused while degraded (disk_mu_)
+  std::atomic<uint64_t> disk_inflight_{0};  // bytes admitted by DiskWritable, not yet written
+  Clock::time_point next_disk_check_{};
+  std::vector<BlockKey> pending_deletes_;  // under mu_
   std::thread sweeper_, warm_;
 };
 

@@ -73,6 +73,29 @@ void CacheCore::RegisterMetrics(metrics::Registry* reg) {
   m_.pinned_bytes = &reg->AddGauge("sparsex_cache_pinned_bytes",
                                    "Bytes of memory blocks pinned by leases.")
                          .Get();
+  m_.disk_degraded = &reg->AddGauge("sparsex_cache_disk_degraded",
+                                    "1 while the disk tier is not written (disk full below "
+                                    "its reserve, or write errors): commits stay in memory "
+                                    "only.")
+                          .Get();
+  m_.disk_free_bytes = &reg->AddGauge("sparsex_cache_disk_free_bytes",
+                                      "Free bytes on the disk tier's filesystem, as last "
+                                      "checked.")
+                            .Get();
+  m_.memory_only_commits = &reg->AddCounter("sparsex_cache_memory_only_commits_total",
+                                            "Commits kept in memory only because the disk "
+                                            "tier was degraded.")
+                                .Get();
+  m_.disk_degradations = &reg->AddCounter("sparsex_cache_disk_degradations_total",
+                                          "Times the disk tier was degraded to memory-only.")
+                              .Get();
+  auto& reports = reg->AddCounter("sparsex_cache_corrupt_reports_total",
+                                  "Client reports of a corrupt block, by the server's own "
+                                  "verdict (confirmed: dropped; refuted: the block verified "
+                                  "and stays).",
+                                  {"verdict"});
+  m_.corrupt_reports_confirmed = &reports.Get({"confirmed"});
+  m_.corrupt_reports_refuted = &reports.Get({"refuted"});
   auto b = metrics::ExponentialBuckets(1e-5, 4, 10);
   m_.disk_read_seconds = &reg->AddHistogram("sparsex_cache_disk_read_seconds",
                                             "Latency of one disk-tier block read.", {}, b)
@@ -117,6 +140,9 @@ CacheStats CacheCore::Stats() const {
   s.reclaimed_reservations = v(m_.reclaimed);
   s.bytes_in = v(m_.bytes_in);
   s.bytes_out = v(m_.bytes_out);
+  s.disk_degraded = disk_degraded_.load();
+  s.memory_only_commits = v(m_.memory_only_commits);
+  s.corrupt_reports_refuted = v(m_.corrupt_reports_refuted);
   return s;
 }
 

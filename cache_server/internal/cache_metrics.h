@@ -38,12 +38,21 @@ struct CacheMetrics {
   metrics::Gauge* leases = nullptr;
   metrics::Gauge* reservations = nullptr;
   metrics::Gauge* pinned_bytes = nullptr;
+  metrics::Gauge* disk_degraded = nullptr;
+  metrics::Gauge* disk_free_bytes = nullptr;
+  metrics::Counter* memory_only_commits = nullptr;
+  metrics::Counter* disk_degradations = nullptr;
+  metrics::Counter* corrupt_reports_confirmed = nullptr;
+  metrics::Counter* corrupt_reports_refuted = nullptr;
   metrics::Histogram* disk_read_seconds = nullptr;
   metrics::Histogram* disk_write_seconds = nullptr;
 };
 
 inline void Inc(metrics::Counter* c, double v = 1) {
   if (c != nullptr) c->Inc(v);
+}
+inline void Set(metrics::Gauge* g, double v) {
+  if (g != nullptr) g->Set(v);
 }
 inline void Observe(metrics::Histogram* h, std::chrono::steady_clock::time_point since) {
   if (h != nullptr) {

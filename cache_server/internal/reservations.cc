@@ -82,14 +82,26 @@ absl::Status CacheCore::Commit(uint64_t id, uint64_t checksum, std::span<const u
                                           " do not match the commit checksum"));
   }
   if (st.ok()) st = CheckBlock(key, snapshot, bytes, &cost);
+  // Write-through. A disk that is full or failing never fails the commit: the block is good
+  // and in memory, so it is kept there only (the disk tier degrades until it recovers).
+  bool on_disk = false;
   if (st.ok() && disk_ && opt_.write_through) {
-    auto t0 = Clock::now();
-    DiskMeta meta = MetaOf(snapshot);
-    meta.checksum = checksum;
-    meta.cost = cost;
-    meta.commit_unix_ms = UnixMs();
-    st = disk_->Put(key, meta, bytes);
-    Observe(m_.disk_write_seconds, t0);
+    if (DiskWritable(snapshot.size)) {
+      auto t0 = Clock::now();
+      DiskMeta meta = MetaOf(snapshot);
+      meta.checksum = checksum;
+      meta.cost = cost;
+      meta.commit_unix_ms = UnixMs();
+      absl::Status ds = disk_->Put(key, meta, bytes);
+      DiskWriteDone(snapshot.size);
+      Observe(m_.disk_write_seconds, t0);
+      if (ds.ok()) {
+        on_disk = true;
+      } else {
+        DegradeDisk(std::string(ds.message()), snapshot.size);
+      }
+    }
+    if (!on_disk) Inc(m_.memory_only_commits);
   }
   std::lock_guard<std::mutex> lock(mu_);
   reservations_.erase(id);
@@ -107,7 +119,7 @@ absl::Status CacheCore::Commit(uint64_t id, uint64_t checksum, std::span<const u
   e.in_memory = true;
   e.commit_unix_ms = UnixMs();
   memory_policy_->Insert(key, e.size, e.cost);
-  if (disk_ && opt_.write_through) {
+  if (on_disk) {
     e.on_disk = true;
     disk_used_ += e.size;
     disk_policy_->Insert(key, e.size, 1);

@@ -1,8 +1,18 @@
 // The tiers and the background work: opening the disk tier (rebuilding the index from it) and
 // shutting down (write-back flush), arena allocation with memory eviction and spill, disk
-// capacity, verified disk reads, the post-restart warm loader, and the sweeper that reclaims
-// expired reservations and leases.
+// capacity, verified disk reads, the post-restart warm loader, the sweeper that reclaims
+// expired reservations and leases, and the disk tier's health.
+//
+// Disk health (issue 16): before each disk write the free space of the disk's filesystem is
+// checked against disk_reserve_bytes; a write that would go below it, or a write that fails,
+// degrades the disk tier: nothing more is written to it, commits keep their blocks in memory
+// only (and succeed), evicting such a block drops it, deletes that fail are queued. The
+// sweeper re-checks every disk_recheck_ms; once the free space is back above the reserve
+// (+1/8) and the store is writable again (DiskStore::Recover), the queued deletes run and the
+// tier is written again. Blocks committed while degraded reach the disk when they are
+// evicted (spill) or at a clean shutdown.
 #include <algorithm>
+#include <cstdio>
 
 #include "cache_server/internal/block_index.h"
 #include "common/kv_block.h"
@@ -15,7 +25,18 @@ absl::Status CacheCore::Init(metrics::Registry* reg) {
   dso.backend = opt_.disk_backend;
   dso.path = opt_.disk_path;
   dso.sync = opt_.sync_writes;
+  // RocksDB must never meet a full disk itself (a failed WAL append is fatal to it, see
+  // rocksdb_store.cc): the reserve has a floor, and the memtable (so the WAL between flushes,
+  // and what one flush writes) stays a quarter of it.
+  opt_.disk_reserve_bytes = std::max(opt_.disk_reserve_bytes, kMinDiskReserveBytes);
+  dso.write_buffer_bytes =
+      std::clamp<uint64_t>(opt_.disk_reserve_bytes / 4, uint64_t{1} << 20, uint64_t{128} << 20);
+  dso.reserve_bytes = opt_.disk_reserve_bytes;
   ASSIGN_OR_RETURN(disk_, OpenDiskStore(dso));
+  if (disk_ && disk_->read_only()) {
+    DegradeDisk("disk_full: the disk tier was too full to open for writing; serving its blocks "
+                "read-only");
+  }
   if (disk_) {
     std::vector<std::pair<uint64_t, BlockKey>> order;
     std::vector<BlockKey> stale;
@@ -38,7 +59,7 @@ absl::Status CacheCore::Init(metrics::Registry* reg) {
       disk_used_ += m.size;
       order.emplace_back(m.commit_unix_ms, k);
     }));
-    for (const auto& k : stale) (void)disk_->Delete(k);
+    for (const auto& k : stale) DeleteFromDiskLocked(k);
     std::sort(order.begin(), order.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
     for (const auto& [t, k] : order) disk_policy_->Insert(k, entries_[k].size, 1);
@@ -59,11 +80,19 @@ CacheCore::~CacheCore() {
   stop_cv_.notify_all();
   if (sweeper_.joinable()) sweeper_.join();
   if (warm_.joinable()) warm_.join();
-  if (disk_ && !opt_.write_through) {
+  // Write-back mode, and blocks committed while the disk tier was degraded: persist what is
+  // only in memory, as long as the disk takes it.
+  if (disk_) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [k, e] : entries_) {
       if (e.state == Entry::State::kCommitted && e.in_memory && !e.on_disk && !e.doomed) {
-        (void)disk_->Put(k, MetaOf(e), {arena_ + e.offset, e.size});
+        if (!DiskWritable(e.size)) break;
+        absl::Status s = disk_->Put(k, MetaOf(e), {arena_ + e.offset, e.size});
+        DiskWriteDone(e.size);
+        if (!s.ok()) {
+          DegradeDisk(std::string(s.message()), e.size);
+          break;
+        }
       }
     }
   }
@@ -98,16 +127,19 @@ absl::StatusOr<uint64_t> CacheCore::AllocateLocked(uint64_t size) {
 // disk yet (write-back), or forgets it when there is no disk tier.
 void CacheCore::EvictFromMemoryLocked(const BlockKey& k) {
   Entry& e = entries_.at(k);
-  if (!e.on_disk && disk_) {
+  if (!e.on_disk && disk_ && DiskWritable(e.size)) {
     auto t0 = Clock::now();
     DiskMeta meta = MetaOf(e);
     absl::Status s = disk_->Put(k, meta, {arena_ + e.offset, e.size});
+    DiskWriteDone(e.size);
     Observe(m_.disk_write_seconds, t0);
     if (s.ok()) {
       e.on_disk = true;
       disk_used_ += e.size;
       disk_policy_->Insert(k, e.size, 1);
       Inc(m_.spills);
+    } else {
+      DegradeDisk(std::string(s.message()), e.size);
     }
   }
   Inc(m_.evictions_memory);
@@ -130,7 +162,7 @@ void CacheCore::EnforceDiskCapacityLocked() {
       if (it == entries_.end()) return false;
       Entry& e = it->second;
       if (e.pins > 0 || e.promoting || !e.on_disk) return false;
-      (void)disk_->Delete(k);
+      DeleteFromDiskLocked(k);
       disk_policy_->Erase(k, true);
       disk_used_ -= e.size;
       e.on_disk = false;
@@ -240,7 +272,110 @@ void CacheCore::SweepLoop() {
                       std::chrono::milliseconds(std::max<uint32_t>(1, opt_.sweep_interval_ms)));
     if (stop_) break;
     SweepLocked();
+    if (disk_ && disk_degraded_.load() && Clock::now() >= next_disk_check_) {
+      next_disk_check_ =
+          Clock::now() + std::chrono::milliseconds(std::max<uint32_t>(1, opt_.disk_recheck_ms));
+      lock.unlock();  // statvfs, RocksDB recovery and deletes: not under mu_
+      RecheckDisk();
+      lock.lock();
+    }
   }
+}
+
+bool CacheCore::DiskWritable(uint64_t bytes) {
+  if (!disk_ || disk_degraded_.load()) return false;
+  auto free = disk_->FreeBytes();
+  if (free.ok() && *free != UINT64_MAX) Set(m_.disk_free_bytes, static_cast<double>(*free));
+  // Admitted writes in flight are not in the free space yet: count them as used.
+  const uint64_t inflight = disk_inflight_.fetch_add(bytes) + bytes;
+  if (!free.ok()) return true;  // cannot tell: let the write itself decide
+  if (*free < opt_.disk_reserve_bytes || *free - opt_.disk_reserve_bytes < inflight) {
+    disk_inflight_.fetch_sub(bytes);
+    DegradeDisk(absl::StrCat("disk_full: ", *free, " bytes free on the disk tier's filesystem, ",
+                             inflight, " to write, ", opt_.disk_reserve_bytes,
+                             " kept in reserve"),
+                bytes);
+    return false;
+  }
+  return true;
+}
+
+void CacheCore::DegradeDisk(const std::string& why, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(disk_mu_);
+  disk_status_ = why;
+  disk_refused_bytes_ = std::max(disk_refused_bytes_, bytes);
+  if (disk_degraded_.exchange(true)) return;
+  Set(m_.disk_degraded, 1);
+  Inc(m_.disk_degradations);
+  std::fprintf(stderr, "sparsex-cache-server: disk tier degraded to memory-only: %s\n",
+               why.c_str());
+}
+
+void CacheCore::DeleteFromDiskLocked(const BlockKey& k) {
+  if (!disk_) return;
+  absl::Status s = disk_->Delete(k);
+  if (s.ok()) return;
+  // Bounded: a delete that is lost leaves a valid block on disk, which at worst comes back
+  // after a restart (and is verified when read).
+  if (pending_deletes_.size() < 100000) pending_deletes_.push_back(k);
+  DegradeDisk(std::string(s.message()));
+}
+
+DiskHealth CacheCore::disk_health() const {
+  std::lock_guard<std::mutex> lock(disk_mu_);
+  DiskHealth h;
+  h.degraded = disk_degraded_.load();
+  if (h.degraded) h.status = disk_status_;
+  return h;
+}
+
+void CacheCore::RecheckDisk() {
+  if (!disk_ || !disk_degraded_.load()) return;
+  auto free = disk_->FreeBytes();
+  if (!free.ok()) return;
+  if (*free != UINT64_MAX) Set(m_.disk_free_bytes, static_cast<double>(*free));
+  // Room for the reserve, 1/8 more (no flapping at the edge) and the largest write refused.
+  uint64_t want = 0;
+  {
+    std::lock_guard<std::mutex> lock(disk_mu_);
+    want = opt_.disk_reserve_bytes + opt_.disk_reserve_bytes / 8 + disk_refused_bytes_;
+  }
+  if (*free < want) {
+    std::lock_guard<std::mutex> lock(disk_mu_);
+    disk_status_ = absl::StrCat("disk_full: ", *free,
+                                " bytes free on the disk tier's filesystem, waiting for ", want);
+    return;
+  }
+  if (absl::Status s = disk_->Recover(); !s.ok()) {
+    std::lock_guard<std::mutex> lock(disk_mu_);
+    disk_status_ = absl::StrCat("disk_recovering: ", s.message());
+    return;
+  }
+  std::vector<BlockKey> deletes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    deletes.swap(pending_deletes_);
+  }
+  for (size_t i = 0; i < deletes.size(); ++i) {
+    if (absl::Status s = disk_->Delete(deletes[i]); !s.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        pending_deletes_.insert(pending_deletes_.end(), deletes.begin() + i, deletes.end());
+      }
+      std::lock_guard<std::mutex> lock(disk_mu_);
+      disk_status_ = absl::StrCat("disk_recovering: ", s.message());
+      return;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(disk_mu_);
+    disk_status_.clear();
+    disk_refused_bytes_ = 0;
+    disk_degraded_.store(false);
+    Set(m_.disk_degraded, 0);
+  }
+  std::fprintf(stderr, "sparsex-cache-server: disk tier writable again (%llu bytes free)\n",
+               static_cast<unsigned long long>(*free));
 }
 
 }  // namespace sparsex::cache::internal

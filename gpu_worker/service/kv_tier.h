@@ -1,7 +1,9 @@
 // The cache-cluster tier of a worker: segments missing from the local store are looked up in
 // the cache servers (rendezvous-placed), fetched over UCX, verified and put into the local
 // store before prefill; segments the worker computes are written back. A failed, partial or
-// corrupt fetch is never used: the segment is recomputed and the failure counted.
+// corrupt fetch is never used: the segment is recomputed and the failure counted. A transfer
+// that fails (e.g. the cache server restarted under the worker) is a "transport" failure and
+// evicts nothing; the cache client re-exchanges endpoints with a restarted server by itself.
 //
 // A segment's KV travels as one KV block per layer (common/kv_block.h, fp32, K before RoPE
 // then V, [n_tokens][kv_dim] each), keyed by the segment fingerprint and the layer. Under tensor
@@ -80,10 +82,12 @@ class ClusterKvTier {
                                                                 int n_layers, int kv_dim);
   ~ClusterKvTier();
 
-  // Fetches the segments the local store lacks and puts them there. Blocks that do not verify
-  // (checksum, model, segment, layer, shape) are not used and are evicted from the cache
-  // servers, so a later write-back replaces them. With tp_size > 1, fetches rank tp_rank's
-  // share (kv_dim / tp_size columns) into that rank's store. Thread-safe.
+  // Fetches the segments the local store lacks and puts them there. A block whose bytes
+  // arrive intact (the cache client verified their checksum) but that is not the segment's
+  // layer (model, segment, layer, shape) is not used and is evicted from the cache servers, so
+  // a later write-back replaces it; a block that fails its checksum is a miss the cache client
+  // reports (the server re-verifies before dropping anything). With tp_size > 1, fetches rank
+  // tp_rank's share (kv_dim / tp_size columns) into that rank's store. Thread-safe.
   FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store,
                             int tp_rank = 0, int tp_size = 1);
   // Writes a segment's KV (or a rank's share of it) to its owners (ALREADY_EXISTS counts as

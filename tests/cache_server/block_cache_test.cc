@@ -6,8 +6,16 @@
 #include <rocksdb/db.h>
 #endif
 
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 #include <vector>
 
@@ -444,6 +452,211 @@ TEST_F(BlockCacheTest, CorruptMemoryCopyDetectedOnInlineRead) {
   EXPECT_EQ(Metric("sparsex_cache_corrupt_blocks_total{tier=\"memory\"}"), 1);
   EXPECT_EQ(cache_->Stats().memory_used_bytes, 0u);
 }
+
+// Issue 16 (2): a client's corruption report (Evict with corrupt=true) is a hint. The cache
+// verifies its own copy: one that verifies stays (the damage was the client's, or on the
+// way, e.g. a stale data-plane endpoint); one that does not is dropped and counted.
+TEST_F(BlockCacheTest, CorruptionReportIsAHintVerifiedAgainstTheStoredCopy) {
+  Open();
+  ASSERT_TRUE(Put(12, 0).ok());
+  ASSERT_TRUE(Put(12, 1).ok());
+  std::vector<BlockKey> keys = {SyntheticKey(kSeed, 12, 0), SyntheticKey(kSeed, 12, 1)};
+  // Both intact: reports refuted, nothing dropped, nothing counted as corrupt.
+  auto n = cache_->Evict(keys, false, /*corrupt=*/true);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 0u);
+  auto look = cache_->Lookup(model_, kKvLayoutVersion, keys);
+  EXPECT_EQ((*look)[0].code, StatusCode::kOk);
+  EXPECT_EQ((*look)[1].code, StatusCode::kOk);
+  EXPECT_EQ(cache_->Stats().corrupt_blocks, 0u);
+  EXPECT_EQ(cache_->Stats().corrupt_reports_refuted, 2u);
+  EXPECT_EQ(Metric("sparsex_cache_corrupt_reports_total{verdict=\"refuted\"}"), 2);
+  // Layer 1's memory copy really is damaged (held by a lease, as when a reader reports it).
+  auto g = cache_->Lease(model_, kKvLayoutVersion, std::span(keys).subspan(1, 1), 0, false);
+  ASSERT_TRUE(g.ok());
+  arena_[g->blocks[0].offset + 300] ^= 0x10;
+  n = cache_->Evict(keys, false, /*corrupt=*/true);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 1u);
+  EXPECT_TRUE(cache_->ReleaseLease(g->id).ok());
+  look = cache_->Lookup(model_, kKvLayoutVersion, keys);
+  EXPECT_EQ((*look)[0].code, StatusCode::kOk);
+  EXPECT_EQ((*look)[1].code, StatusCode::kNotFound);
+  EXPECT_EQ(cache_->Stats().corrupt_blocks, 1u);
+  EXPECT_EQ(Metric("sparsex_cache_corrupt_blocks_total{tier=\"memory\"}"), 1);
+  EXPECT_EQ(Metric("sparsex_cache_corrupt_reports_total{verdict=\"confirmed\"}"), 1);
+  EXPECT_EQ(cache_->Stats().disk_blocks, 1u);
+}
+
+// Issue 16 (3), in-process: a disk tier whose filesystem has less free space than the
+// reserve (here: a reserve larger than any disk) is not written; commits succeed in memory
+// only, the state is reported, nothing aborts. (The full-disk-and-back cycle on a real small
+// filesystem: ServerE2ETest.FullDiskDegradesToMemoryOnlyAndRecovers.)
+TEST_F(BlockCacheTest, DiskBelowTheReserveKeepsCommitsInMemoryOnly) {
+  opt_.disk_reserve_bytes = uint64_t{1} << 62;
+  opt_.disk_recheck_ms = 10;
+  Open();
+  EXPECT_FALSE(cache_->disk_health().degraded);
+  for (uint32_t l = 0; l < 3; ++l) ASSERT_TRUE(Put(13, l).ok()) << l;
+  DiskHealth h = cache_->disk_health();
+  EXPECT_TRUE(h.degraded);
+  EXPECT_EQ(h.status.rfind("disk_full: ", 0), 0u) << h.status;
+  CacheStats st = cache_->Stats();
+  EXPECT_TRUE(st.disk_degraded);
+  EXPECT_EQ(st.memory_only_commits, 3u);
+  EXPECT_EQ(st.disk_blocks, 0u);
+  EXPECT_EQ(st.memory_blocks, 3u);
+  EXPECT_EQ(Metric("sparsex_cache_disk_degraded"), 1);
+  EXPECT_GT(Metric("sparsex_cache_disk_free_bytes"), 0);
+  cache_->RecheckDisk();  // still no room: stays degraded
+  EXPECT_TRUE(cache_->disk_health().degraded);
+  std::vector<BlockKey> keys = {SyntheticKey(kSeed, 13, 0), SyntheticKey(kSeed, 13, 1),
+                                SyntheticKey(kSeed, 13, 2)};
+  auto g = cache_->Lease(model_, kKvLayoutVersion, keys, 0, false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectLeasedBytes(*g, {{13, 0}, {13, 1}, {13, 2}});
+  EXPECT_TRUE(cache_->ReleaseLease(g->id).ok());
+  // Deleting while degraded is fine too.
+  auto n = cache_->Evict(keys, false, false);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 3u);
+}
+
+#if SPARSEX_WITH_ROCKSDB
+// Issue 16 (3): a server restarting on a full disk. Opening RocksDB for writing replays its WAL
+// into new files, which on a full disk ends in the packaged RocksDB's abort; the store is
+// opened read-only instead (its blocks are served, commits stay in memory) and reopened for
+// writing once there is room. On a real small filesystem without root: the body runs in a
+// fresh process (death-test child) in user + mount namespaces of its own, with a 32 MiB tmpfs.
+namespace disk_full {
+
+#define DF_CHECK(cond)                                                            \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      std::fprintf(stderr, "check failed at line %d: %s\n", __LINE__, #cond);    \
+      return 1;                                                                   \
+    }                                                                             \
+  } while (0)
+
+bool WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  f.close();
+  return static_cast<bool>(f);
+}
+
+// unshare + uid/gid maps + a tmpfs of `size` on `dir`; only in a single-threaded process.
+bool MountSmallDisk(const std::string& dir, const std::string& size) {
+  const uid_t uid = getuid();
+  const gid_t gid = getgid();
+  if (unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return false;
+  if (!WriteFile("/proc/self/setgroups", "deny") ||
+      !WriteFile("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1") ||
+      !WriteFile("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1")) {
+    return false;
+  }
+  return mount("sparsex-test-disk", dir.c_str(), "tmpfs", 0, ("size=" + size).c_str()) == 0;
+}
+
+void FillUp(const std::string& path) {
+  int fd = open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644);
+  std::string chunk(1 << 20, 'f');
+  for (size_t n = chunk.size(); fd >= 0 && n >= 4096;) {
+    if (write(fd, chunk.data(), n) <= 0) n /= 2;
+  }
+  if (fd >= 0) close(fd);
+}
+
+int RestartOnFullDisk(const std::string& dir) {
+  const std::string disk = dir + "/disk";
+  DF_CHECK(MountSmallDisk(disk, "32m"));
+  CacheOptions opt;
+  opt.memory_capacity_bytes = 16 << 20;
+  opt.max_block_bytes = 2 << 20;
+  opt.disk_backend = "rocksdb";
+  opt.disk_path = disk + "/db";
+  opt.disk_reserve_bytes = 4 << 20;
+  opt.disk_recheck_ms = 10;
+  opt.warm_load_bytes = 0;
+  std::vector<uint8_t> arena(opt.memory_capacity_bytes);
+  const Hash128 model = SyntheticModel(kSeed);
+  SyntheticShape shape{256, 1024, KvDtype::kBF16};  // 1 MiB blocks
+  auto open = [&](metrics::Registry* reg) {
+    return BlockCache::Open(opt, arena.data(), arena.size(), reg);
+  };
+  auto put = [&](BlockCache& c, uint64_t seg) {
+    std::string b = SyntheticBlock(model, kSeed, seg, 0, shape);
+    auto r = c.Reserve(model, kKvLayoutVersion, SyntheticKey(kSeed, seg, 0), b.size(), 0);
+    if (!r.ok()) return r.status();
+    return c.Commit(r->id, KvBlockWireChecksum(KvBlockBytes(b)), KvBlockBytes(b), true);
+  };
+  {
+    metrics::Registry reg;
+    auto c = open(&reg);
+    DF_CHECK(c.ok());
+    for (uint64_t seg = 0; seg < 6; ++seg) DF_CHECK(put(**c, seg).ok());
+    DF_CHECK((*c)->Stats().disk_blocks == 6);
+  }
+  FillUp(disk + "/filler");  // the server is down; the disk fills up
+  metrics::Registry reg;
+  auto c = open(&reg);  // the restart
+  if (!c.ok()) std::fprintf(stderr, "open: %s\n", c.status().ToString().c_str());
+  DF_CHECK(c.ok());
+  DiskHealth h = (*c)->disk_health();
+  DF_CHECK(h.degraded);
+  DF_CHECK(h.status.find("read-only") != std::string::npos);
+  std::vector<BlockKey> keys;
+  for (uint64_t seg = 0; seg < 6; ++seg) keys.push_back(SyntheticKey(kSeed, seg, 0));
+  auto g = (*c)->Lease(model, kKvLayoutVersion, keys, 0, false);  // served from disk
+  DF_CHECK(g.ok());
+  for (uint64_t seg = 0; seg < 6; ++seg) {
+    std::string want = SyntheticBlock(model, kSeed, seg, 0, shape);
+    DF_CHECK(g->blocks[seg].size == want.size());
+    DF_CHECK(std::memcmp(arena.data() + g->blocks[seg].offset, want.data(), want.size()) == 0);
+  }
+  DF_CHECK((*c)->ReleaseLease(g->id).ok());
+  for (uint64_t seg = 6; seg < 8; ++seg) DF_CHECK(put(**c, seg).ok());  // memory only
+  DF_CHECK((*c)->Stats().memory_only_commits == 2);
+  DF_CHECK((*c)->Stats().disk_blocks == 6);
+  // Room again: reopened for writing, written to again.
+  DF_CHECK(std::remove((disk + "/filler").c_str()) == 0);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((*c)->disk_health().degraded && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  DF_CHECK(!(*c)->disk_health().degraded);
+  for (uint64_t seg = 8; seg < 10; ++seg) DF_CHECK(put(**c, seg).ok());
+  DF_CHECK((*c)->Stats().disk_blocks == 8);
+  c->reset();  // clean shutdown writes the two memory-only blocks
+  metrics::Registry reg2;
+  auto c2 = open(&reg2);
+  DF_CHECK(c2.ok());
+  DF_CHECK(!(*c2)->disk_health().degraded);
+  DF_CHECK((*c2)->Stats().disk_blocks == 10);
+  std::fprintf(stderr, "RESTART_ON_FULL_DISK_PASSED\n");
+  return 0;
+}
+
+}  // namespace disk_full
+
+TEST(BlockCacheDiskFullTest, RestartOnAFullDiskServesReadOnlyAndRecovers) {
+  const std::string dir = testing::MakeTempDir("sparsex-disk-full-");
+  ASSERT_FALSE(dir.empty());
+  std::filesystem::create_directories(dir + "/disk");
+  auto probe = testing::RunCommand(
+      "unshare -rm sh -c 'mount -t tmpfs -o size=1m none " + dir + "/disk' 2>&1",
+      std::chrono::seconds(20));
+  if (!probe.ok() || probe->first != 0) {
+    testing::RemoveTree(dir);
+    GTEST_SKIP() << "needs unprivileged user + mount namespaces for a small tmpfs";
+  }
+  // A fresh process: unshare needs a single thread (RocksDB's pools may run here already).
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(disk_full::RestartOnFullDisk(dir)), ::testing::ExitedWithCode(0),
+              "RESTART_ON_FULL_DISK_PASSED");
+  testing::RemoveTree(dir);
+}
+#endif  // SPARSEX_WITH_ROCKSDB
 
 TEST_F(BlockCacheTest, EvictRemovesFromAllTiersAndDefersLeased) {
   Open();

@@ -3,10 +3,13 @@
 // segment's (wrong shape) or is corrupt is never used, and the failure is reported.
 #include "gpu_worker/service/kv_tier.h"
 
+#include <tuple>
+
 #include "cache_client/cache_client.h"
 #include "cache_server/server.h"
 #include "common/kv_block.h"
 #include "gtest/gtest.h"
+#include "testing/server_process.h"
 #include "tests/service/test_util.h"
 
 namespace sparsex::service {
@@ -240,6 +243,78 @@ TEST(KvTierLargeSegmentTest, PartlyEvictedSegmentCostsNoTransfer) {
   EXPECT_EQ(f.failure_reasons[0], "incomplete");
   EXPECT_EQ(f.bytes, 0u);  // found out by lookup, before any transfer
   EXPECT_FALSE(store.Contains(fp));
+}
+
+// Issue 16 (2): the cache server restarts (same port, same RocksDB directory) under a running
+// worker. The worker's tier, the same object, must notice the new incarnation and exchange
+// endpoints again: its fetch gets the restarted server's disk blocks intact, nothing is
+// reported or dropped as corrupt, and its write-back succeeds.
+TEST(KvTierRestartTest, RestartedServerServesItsDiskBlocksToTheRunningWorker) {
+  const std::string dir = cache::testing::MakeTempDir("sparsex-kv-tier-restart-");
+  ASSERT_FALSE(dir.empty());
+  auto start = [&](int port) {
+    cache::ServerOptions o;
+    o.grpc_port = port;
+    o.metrics_port = -1;
+    o.cache.memory_capacity_bytes = 16 << 20;
+    o.cache.disk_backend = SPARSEX_WITH_ROCKSDB ? "rocksdb" : "memory";
+    o.cache.disk_path = dir + "/db";
+    o.cache.disk_reserve_bytes = 4 << 20;
+    return cache::CacheServer::Start(o);
+  };
+  auto server = start(0);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->grpc_port();
+  const uint64_t first = (*server)->instance_id();
+  const Hash128 model{31, 32};
+  ClusterTierOptions t;
+  t.servers = {(*server)->grpc_address()};
+  auto tier = ClusterKvTier::Connect(t, model, kLayers, kDim);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  const Hash128 a{400, 1}, b{400, 2};
+  ASSERT_TRUE((*tier)->Put(a, MakeKv(64, 1.0f)).ok());
+  ASSERT_TRUE((*tier)->Put(b, MakeKv(32, 2.0f)).ok());
+  {
+    SegmentStore warm(SegmentStoreOptions{});
+    SegmentRef ref{a, 64};
+    ASSERT_EQ((*tier)->FetchMissing({&ref, 1}, &warm).fetched, 1);
+  }
+  if (!SPARSEX_WITH_ROCKSDB) GTEST_SKIP() << "needs RocksDB: the blocks must outlive the server";
+  (*server)->Shutdown();
+  server->reset();
+  server = start(port);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_EQ((*server)->grpc_port(), port);
+  ASSERT_NE((*server)->instance_id(), first);
+
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<SegmentRef> refs = {{a, 64}, {b, 32}};
+  FetchOutcome f = (*tier)->FetchMissing(refs, &store);
+  EXPECT_EQ(f.fetched, 2) << (f.failure_reasons.empty() ? "" : f.failure_reasons[0]);
+  EXPECT_EQ(f.failures, 0);
+  for (const auto& [fp, base, n] : {std::tuple{a, 1.0f, 64}, std::tuple{b, 2.0f, 32}}) {
+    auto got = store.Get(fp);
+    ASSERT_NE(got, nullptr);
+    SegmentKv want = MakeKv(n, base);
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(got->k[l], want.k[l]);
+      EXPECT_EQ(got->v[l], want.v[l]);
+    }
+  }
+  cache::CacheStats st = (*server)->cache()->Stats();
+  EXPECT_EQ(st.corrupt_blocks, 0u);
+  EXPECT_EQ(st.corrupt_reports_refuted, 0u);
+  EXPECT_EQ(st.disk_blocks, 2u * kLayers);
+  // Write-back from the same worker works.
+  const Hash128 c{400, 3};
+  absl::Status put = (*tier)->Put(c, MakeKv(16, 3.0f));
+  EXPECT_TRUE(put.ok()) << put;
+  SegmentStore again(SegmentStoreOptions{});
+  SegmentRef ref{c, 16};
+  EXPECT_EQ((*tier)->FetchMissing({&ref, 1}, &again).fetched, 1);
+  EXPECT_EQ((*server)->cache()->Stats().disk_blocks, 3u * kLayers);
+  server->reset();
+  cache::testing::RemoveTree(dir);
 }
 
 }  // namespace
