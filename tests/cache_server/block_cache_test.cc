@@ -652,8 +652,14 @@ TEST(BlockCacheDiskFullTest, RestartOnAFullDiskServesReadOnlyAndRecovers) {
   }
   // A fresh process: unshare needs a single thread (RocksDB's pools may run here already).
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(std::exit(disk_full::RestartOnFullDisk(dir)), ::testing::ExitedWithCode(0),
-              "RESTART_ON_FULL_DISK_PASSED");
+  // (The child re-runs this function, so `dir` there is the child's own: it cleans it up.)
+  auto child = [&] {
+    const int rc = disk_full::RestartOnFullDisk(dir);
+    umount2((dir + "/disk").c_str(), MNT_DETACH);
+    testing::RemoveTree(dir);
+    std::exit(rc);
+  };
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "RESTART_ON_FULL_DISK_PASSED");
   testing::RemoveTree(dir);
 }
 #endif  // SPARSEX_WITH_ROCKSDB
