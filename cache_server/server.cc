@@ -1,11 +1,12 @@
 #include "cache_server/server.h"
 
+#include "common/random.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
-#include <random>
 
 #include "cache_server/service.h"
 #include "cache_client/transport.h"
@@ -33,10 +34,7 @@ struct CacheServer::State {
 namespace {
 // Random and non-zero, so that two starts (even within one process, as in tests) differ.
 uint64_t NewInstanceId() {
-  std::random_device rd;
-  uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-               static_cast<uint64_t>(
-                   std::chrono::steady_clock::now().time_since_epoch().count());
+  const uint64_t v = RandomU64();
   return v == 0 ? 1 : v;
 }
 }  // namespace

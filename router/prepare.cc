@@ -1,9 +1,6 @@
 #include "router/prepare.h"
 
-#include <chrono>
-#include <mutex>
-#include <random>
-
+#include "common/random.h"
 #include "common/utf8.h"
 #include "model/prompt.h"
 #include "proto/request_check.h"
@@ -12,18 +9,6 @@ namespace sparsex::router {
 namespace {
 
 namespace wpb = sparsex::worker::v1;
-
-std::string RandomHex(int n) {
-  static std::mutex mu;
-  static std::mt19937_64 g(
-      std::random_device{}() ^
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
-  std::lock_guard<std::mutex> l(mu);
-  static const char* kHex = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < n; ++i) s += kHex[g() % 16];
-  return s;
-}
 
 }  // namespace
 

@@ -1,20 +1,9 @@
 #include <iostream>
-#include <random>
 
 #include "gpu_worker/service/worker_state.h"
 
 namespace sparsex::service {
 namespace internal {
-
-std::string RandomHex(int n) {
-  std::random_device rd;
-  std::mt19937_64 g((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-                    static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
-  static const char* kHex = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < n; ++i) s += kHex[g() % 16];
-  return s;
-}
 
 wpb::CacheTier ToProtoTier(EventTier t) {
   switch (t) {

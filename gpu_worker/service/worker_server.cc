@@ -2,6 +2,8 @@
 
 #include "gpu_worker/service/worker_state.h"
 
+#include "common/random.h"
+
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -37,7 +39,6 @@ namespace sparsex::service {
 
 using internal::Clock;
 using internal::LogLine;
-using internal::RandomHex;
 namespace wpb = sparsex::worker::v1;
 
 WorkerServer::WorkerServer() : s_(std::make_unique<State>()) {}

@@ -33,7 +33,6 @@ namespace internal {
 using Clock = std::chrono::steady_clock;
 namespace wpb = sparsex::worker::v1;
 
-std::string RandomHex(int n);
 wpb::CacheTier ToProtoTier(EventTier t);
 void LogLine(const std::string& id, const std::string& msg);
 
