@@ -425,7 +425,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     if (store_->Contains(sp.fp)) continue;
     const int n = sp.end - sp.begin;
     if (o.enable_reuse && o.store_new_segments) {
-      RETURN_IF_ERROR(EnsureStored(segs[s].tokens, &o));
+      ASSIGN_OR_RETURN(SegmentKv kv, Encode(segs[s].tokens, o.encoding));
+      RETURN_IF_ERROR(store_->Put(sp.fp, std::move(kv)));
       if (store_->Contains(sp.fp)) res.stored.emplace_back(sp.fp, n);
     } else if (o.enable_reuse) {
       res.missing.emplace_back(s, sp.fp);

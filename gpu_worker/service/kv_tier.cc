@@ -122,13 +122,15 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     return out;
   }
   std::vector<SegmentRef> present;
-  std::vector<uint64_t> layer_bytes;  // per present segment and layer, in fetch order
+  std::vector<cache::BlockKey> keys;  // every layer of the present segments, in fetch order
+  std::vector<uint64_t> layer_bytes;  // and their sizes
   for (size_t i = 0; i < want.size(); ++i) {
     int have = 0;
     for (int layer = 0; layer < n_layers_; ++layer) have += (*look)[i * n_layers_ + layer].present;
     if (have == n_layers_) {
       present.push_back(want[i]);
       for (int layer = 0; layer < n_layers_; ++layer) {
+        keys.push_back(probe[i * n_layers_ + layer]);
         layer_bytes.push_back((*look)[i * n_layers_ + layer].size);
       }
     } else if (have == 0) {
@@ -139,12 +141,6 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     }
   }
   if (present.empty()) return out;
-  std::vector<cache::BlockKey> keys;
-  for (const SegmentRef& s : present) {
-    for (int layer = 0; layer < n_layers_; ++layer) {
-      keys.push_back({key(s.fp), static_cast<uint32_t>(layer), static_cast<uint32_t>(layer + 1)});
-    }
-  }
   // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each).
   std::vector<std::string> bufs(keys.size());
   std::vector<absl::Status> status(keys.size());

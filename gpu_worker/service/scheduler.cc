@@ -213,13 +213,12 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> BatchScheduler::Submit(WorkItem w
     }
     if (a->w.remote_fetch && !fetch_stop_) {
       fetch_queue_.push_back(std::move(a));
-      load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
+      PublishWaitingLocked();
       fetch_cv_.notify_one();
       return h;
     }
     queue_.push_back(std::move(a));
-    load_.queue_depth = static_cast<int>(queue_.size());
-  load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
+    PublishWaitingLocked();
   }
   cv_.notify_all();
   return h;
@@ -533,6 +532,11 @@ void BatchScheduler::Finish(Active& a, const std::string& reason, absl::Status s
   if (hooks_.on_finished) hooks_.on_finished(a.usage, reason, status);
 }
 
+void BatchScheduler::PublishWaitingLocked() {
+  load_.queue_depth = static_cast<int>(queue_.size());
+  load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
+}
+
 void BatchScheduler::PublishLoad() {
   int64_t tokens = 0;
   for (const auto& a : active_) {
@@ -540,8 +544,7 @@ void BatchScheduler::PublishLoad() {
                          : static_cast<int64_t>(a->prompt.size());
   }
   std::lock_guard<std::mutex> l(mu_);
-  load_.queue_depth = static_cast<int>(queue_.size());
-  load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
+  PublishWaitingLocked();
   load_.running = static_cast<int>(active_.size());
   load_.running_tokens = tokens;
   load_.pending_stores = static_cast<int>(pending_stores_.size());

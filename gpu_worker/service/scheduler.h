@@ -210,6 +210,9 @@ class BatchScheduler {
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
   void PublishLoad();
+  // Queue depth and waiting-for-remote-KV count into load_ (mu_ held): Submit updates them at
+  // once, the engine thread each iteration.
+  void PublishWaitingLocked();
 
   const Model& model_;
   std::vector<SegmentStore*> stores_;  // one per tensor-parallel rank
