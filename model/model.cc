@@ -236,12 +236,7 @@ absl::Status FinalizeModel(Model& m) {
     RETURN_IF_ERROR(CheckTensor(l.w_up, "w_up", {c.ffn_dim, c.dim}));
     RETURN_IF_ERROR(CheckTensor(l.w_down, "w_down", {c.dim, c.ffn_dim}));
   }
-  // A tokenizer id past the embedding table would read out of bounds; padded tables are fine.
-  if (m.tokenizer_ != nullptr && m.tokenizer_->vocab_size() > c.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", m.tokenizer_->vocab_size(),
-                                                   " tokens, the model's vocab_size is only ",
-                                                   c.vocab_size));
-  }
+  RETURN_IF_ERROR(CheckTokenizerFits(m.tokenizer_.get(), c));
 
   // NaN or infinite weights would turn every logit into NaN (and every sampled token into 0):
   // refuse them at load, naming the tensor. Synthetic models have no weight data.
@@ -286,53 +281,74 @@ absl::Status FinalizeModel(Model& m) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
-  if (absl::StartsWith(path, "synthetic:")) return MakeSyntheticModel(path.substr(10));
+namespace {
+
+enum class ModelFormat { kSynthetic, kHfDirectory, kGguf };
+
+// What LoadModel and LoadModelInfo read at `path`.
+absl::StatusOr<ModelFormat> DetectFormat(const std::string& path) {
+  if (absl::StartsWith(path, "synthetic:")) return ModelFormat::kSynthetic;
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     return absl::NotFoundError(absl::StrCat("model path ", path, " does not exist"));
   }
   if (S_ISDIR(st.st_mode)) {
     struct stat cfg {};
-    if (::stat((path + "/config.json").c_str(), &cfg) == 0) return LoadHfDirectory(path);
+    if (::stat((path + "/config.json").c_str(), &cfg) == 0) return ModelFormat::kHfDirectory;
     return absl::InvalidArgumentError(
         absl::StrCat("model directory ", path, " has no config.json (not a Hugging Face model)"));
   }
-  if (absl::EndsWith(path, ".gguf")) return LoadGguf(path);
+  if (absl::EndsWith(path, ".gguf")) return ModelFormat::kGguf;
   return absl::InvalidArgumentError(
       absl::StrCat("cannot tell the format of ", path,
                    ": expected a *.gguf file or a directory with config.json"));
 }
 
+}  // namespace
+
+absl::Status CheckTokenizerFits(const Tokenizer* tokenizer, const ModelConfig& c) {
+  // A tokenizer id past the embedding table would read out of bounds; padded tables are fine.
+  if (tokenizer != nullptr && tokenizer->vocab_size() > c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", tokenizer->vocab_size(),
+                                                   " tokens, the model's vocab_size is only ",
+                                                   c.vocab_size));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
+  ASSIGN_OR_RETURN(ModelFormat format, DetectFormat(path));
+  switch (format) {
+    case ModelFormat::kSynthetic: return MakeSyntheticModel(path.substr(10));
+    case ModelFormat::kHfDirectory: return LoadHfDirectory(path);
+    case ModelFormat::kGguf: return LoadGguf(path);
+  }
+  return absl::InternalError("unknown model format");
+}
+
 absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path) {
+  ASSIGN_OR_RETURN(ModelFormat format, DetectFormat(path));
   ModelInfo info;
-  if (absl::StartsWith(path, "synthetic:")) {
-    // Synthetic models carry shapes and a tokenizer but no weights: nothing is mapped.
-    ASSIGN_OR_RETURN(std::unique_ptr<Model> m, MakeSyntheticModel(path.substr(10)));
-    info.config = m->config_;
-    info.tokenizer = std::move(m->tokenizer_);
-    info.source = path;
-    return info;
-  }
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat("model path ", path, " does not exist"));
-  }
-  if (S_ISDIR(st.st_mode)) {
-    ASSIGN_OR_RETURN(info, LoadHfInfo(path));
-  } else if (absl::EndsWith(path, ".gguf")) {
-    ASSIGN_OR_RETURN(info, LoadGgufInfo(path));
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot tell the format of ", path,
-                     ": expected a *.gguf file or a directory with config.json"));
+  switch (format) {
+    case ModelFormat::kSynthetic: {
+      // Synthetic models carry shapes and a tokenizer but no weights: nothing is mapped.
+      ASSIGN_OR_RETURN(std::unique_ptr<Model> m, MakeSyntheticModel(path.substr(10)));
+      info.config = m->config_;
+      info.tokenizer = std::move(m->tokenizer_);
+      info.source = path;
+      return info;
+    }
+    case ModelFormat::kHfDirectory: {
+      ASSIGN_OR_RETURN(info, LoadHfInfo(path));
+      break;
+    }
+    case ModelFormat::kGguf: {
+      ASSIGN_OR_RETURN(info, LoadGgufInfo(path));
+      break;
+    }
   }
   RETURN_IF_ERROR(ValidateConfig(info.config));
-  if (info.tokenizer != nullptr && info.tokenizer->vocab_size() > info.config.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", info.tokenizer->vocab_size(),
-                                                   " tokens, the model's vocab_size is only ",
-                                                   info.config.vocab_size));
-  }
+  RETURN_IF_ERROR(CheckTokenizerFits(info.tokenizer.get(), info.config));
   return info;
 }
 

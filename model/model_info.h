@@ -61,5 +61,7 @@ absl::StatusOr<ModelInfo> LoadHfInfo(const std::string& dir);
 // The configuration checks every loader applies (positive sizes, head divisibility, finite
 // eps and theta).
 absl::Status ValidateConfig(const ModelConfig& c);
+// INVALID_ARGUMENT when the tokenizer has more tokens than the embedding table (null: OK).
+absl::Status CheckTokenizerFits(const Tokenizer* tokenizer, const ModelConfig& c);
 
 }  // namespace sparsex
