@@ -336,7 +336,7 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
     }
     // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
-    ranked = ApplyBudget(selector->Score(in), o.budget);
+    ranked = selector->Rank(in, o.budget);
   }
   RETURN_IF_ERROR(phase(&st.select_ms));
 

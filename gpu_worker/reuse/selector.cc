@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
 
@@ -72,16 +73,171 @@ class RandomSelector final : public Selector {
   }
 };
 
+// How many tokens the budget keeps for these scores (fixed: the ratio; adaptive: the smallest
+// set holding the target mass, within the cap).
+size_t BudgetCount(const std::vector<float>& score, const BudgetOptions& b) {
+  if (b.mode == BudgetOptions::Mode::kFixed) {
+    const int n = static_cast<int>(score.size());
+    return static_cast<size_t>(
+        std::min(n, static_cast<int>(std::lround(std::clamp(b.ratio, 0.0f, 1.0f) * n))));
+  }
+  return ApplyBudget(score, b).size();
+}
+
+// Indices sorted by score, best first; ties by index (deterministic).
+std::vector<int32_t> ByScore(const std::vector<float>& score, std::vector<int32_t> idx) {
+  std::stable_sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) {
+    return score[x] > score[y] || (score[x] == score[y] && x < y);
+  });
+  return idx;
+}
+
+// A³-style (Zhou et al., arXiv 2511.17560): the reused tokens the question attends to most are
+// recomputed, ranked over all segments together. Signal: attention the new tokens (the
+// question) pay to each reused token in the full layers, averaged over layers and heads.
+class A3Selector final : public Selector {
+ public:
+  std::string name() const override { return "a3"; }
+  bool needs_attention_stats() const override { return true; }
+  std::vector<float> Score(const SelectionInput& in) const override { return in.new_recv; }
+};
+
+// ProphetKV-style (Wang et al., ICML 2026, arXiv 2602.02579): the user query's attention in the
+// full layers decides both how the budget is split over the reused segments (each gets a share
+// proportional to the query attention mass it receives, largest remainder, at most its size)
+// and which tokens inside a segment are recomputed (its top tokens by query attention), so
+// globally salient tokens of one segment cannot crowd out the query-relevant tokens of others.
+class ProphetKvSelector final : public Selector {
+ public:
+  std::string name() const override { return "prophetkv"; }
+  bool needs_attention_stats() const override { return true; }
+  std::vector<float> Score(const SelectionInput& in) const override { return in.new_recv; }
+  std::vector<int32_t> Rank(const SelectionInput& in, const BudgetOptions& b) const override {
+    const std::vector<float>& q = in.new_recv;
+    const size_t keep = BudgetCount(q, b);
+    std::map<int32_t, std::vector<int32_t>> members;  // segment -> its tokens
+    std::map<int32_t, double> mass;
+    double total = 0;
+    for (size_t i = 0; i < q.size(); ++i) {
+      members[in.segment[i]].push_back(static_cast<int32_t>(i));
+      mass[in.segment[i]] += std::max(0.0f, q[i]);
+      total += std::max(0.0f, q[i]);
+    }
+    // Quotas: floor of the proportional share, then the remaining tokens one at a time to the
+    // segments with the largest remainders that still have room.
+    std::map<int32_t, size_t> quota;
+    std::vector<std::pair<double, int32_t>> rem;
+    size_t given = 0;
+    for (const auto& [s, toks] : members) {
+      const double share = total > 0 ? mass[s] / total : 1.0 / members.size();
+      const double want = share * static_cast<double>(keep);
+      quota[s] = std::min(toks.size(), static_cast<size_t>(std::floor(want)));
+      given += quota[s];
+      rem.push_back({want - std::floor(want), s});
+    }
+    std::sort(rem.begin(), rem.end(), [](const auto& x, const auto& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    });
+    while (given < keep) {
+      bool any = false;
+      for (const auto& [r, s] : rem) {
+        if (given == keep) break;
+        if (quota[s] < members[s].size()) {
+          ++quota[s];
+          ++given;
+          any = true;
+        }
+      }
+      if (!any) break;
+    }
+    std::vector<int32_t> kept;
+    for (const auto& [s, toks] : members) {
+      std::vector<int32_t> ranked = ByScore(q, toks);
+      kept.insert(kept.end(), ranked.begin(), ranked.begin() + quota[s]);
+    }
+    return ByScore(q, kept);  // best first, for per-layer ratios
+  }
+};
+
+// Whole 16-token blocks of each segment (aligned to the segment start): blocks ranked by the
+// mean score of their tokens, taken in that order while they fit in the token budget (a block
+// that does not fit is skipped for a smaller one further down).
+class BlockSelector final : public Selector {
+ public:
+  static constexpr int kBlock = 16;
+  explicit BlockSelector(std::unique_ptr<Selector> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name() + ":block"; }
+  bool needs_attention_stats() const override { return inner_->needs_attention_stats(); }
+  bool needs_kv_deviation() const override { return inner_->needs_kv_deviation(); }
+  std::vector<float> Score(const SelectionInput& in) const override {
+    std::vector<float> s = inner_->Score(in);
+    std::vector<float> out(s.size());
+    for (const Block& bl : Blocks(in, s)) {
+      for (int32_t i : bl.tokens) out[i] = bl.mean;
+    }
+    return out;
+  }
+  std::vector<int32_t> Rank(const SelectionInput& in, const BudgetOptions& b) const override {
+    const std::vector<float> s = inner_->Score(in);
+    const size_t keep = BudgetCount(s, b);
+    std::vector<Block> blocks = Blocks(in, s);
+    std::stable_sort(blocks.begin(), blocks.end(),
+                     [](const Block& x, const Block& y) { return x.mean > y.mean; });
+    std::vector<int32_t> kept;
+    for (const Block& bl : blocks) {
+      if (kept.size() + bl.tokens.size() > keep) continue;
+      kept.insert(kept.end(), bl.tokens.begin(), bl.tokens.end());
+      if (kept.size() == keep) break;
+    }
+    return kept;
+  }
+
+ private:
+  struct Block {
+    std::vector<int32_t> tokens;
+    float mean = 0;
+  };
+  // Blocks in token order (reused tokens of one segment are contiguous and in offset order).
+  static std::vector<Block> Blocks(const SelectionInput& in, const std::vector<float>& s) {
+    std::vector<Block> out;
+    std::pair<int32_t, int32_t> cur{-1, -1};
+    for (size_t i = 0; i < s.size(); ++i) {
+      const std::pair<int32_t, int32_t> key{in.segment[i], in.offset[i] / kBlock};
+      if (out.empty() || key != cur) out.emplace_back();
+      cur = key;
+      out.back().tokens.push_back(static_cast<int32_t>(i));
+    }
+    for (Block& bl : out) {
+      double sum = 0;
+      for (int32_t i : bl.tokens) sum += s[i];
+      bl.mean = static_cast<float>(sum / bl.tokens.size());
+    }
+    return out;
+  }
+  std::unique_ptr<Selector> inner_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name,
                                                           const SparsexWeights& w) {
+  const std::string kBlockSuffix = ":block";
+  if (name.size() > kBlockSuffix.size() &&
+      name.compare(name.size() - kBlockSuffix.size(), kBlockSuffix.size(), kBlockSuffix) == 0) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Selector> inner,
+                     CreateSelector(name.substr(0, name.size() - kBlockSuffix.size()), w));
+    return std::unique_ptr<Selector>(new BlockSelector(std::move(inner)));
+  }
   if (name == "sparsex") return std::unique_ptr<Selector>(new SparsexSelector(w));
   if (name == "cacheblend") return std::unique_ptr<Selector>(new CacheBlendSelector());
   if (name == "epic") return std::unique_ptr<Selector>(new EpicSelector());
   if (name == "random") return std::unique_ptr<Selector>(new RandomSelector());
+  if (name == "prophetkv") return std::unique_ptr<Selector>(new ProphetKvSelector());
+  if (name == "a3") return std::unique_ptr<Selector>(new A3Selector());
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown selector '", name, "' (expected sparsex, cacheblend, epic or random)"));
+      "unknown selector '", name,
+      "' (expected sparsex, cacheblend, epic, random, prophetkv or a3, optionally with "
+      "':block')"));
 }
 
 std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b) {

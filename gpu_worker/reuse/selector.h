@@ -4,6 +4,7 @@
 //
 //   auto sel = CreateSelector("sparsex");
 //   std::vector<float> score = sel->Score(input);
+//   std::vector<int32_t> kept = (*sel)->Rank(input, budget);  // what the executor recomputes
 #pragma once
 
 #include <cstdint>
@@ -33,22 +34,6 @@ struct SparsexWeights {
   float deviation = 1.0f;  // KV deviation at the first sparse layer. Default: 1
 };
 
-class Selector {
- public:
-  virtual ~Selector() = default;
-  virtual std::string name() const = 0;
-  // Non-negative importance per reused token; higher is recomputed first.
-  virtual std::vector<float> Score(const SelectionInput& in) const = 0;
-  // What the executor must measure for this selector.
-  virtual bool needs_attention_stats() const { return false; }
-  virtual bool needs_kv_deviation() const { return false; }
-};
-
-// "sparsex" (cross-segment mass + new-token attention), "cacheblend" (KV deviation),
-// "epic" (first tokens of each segment), "random" (control).
-absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name,
-                                                          const SparsexWeights& w = {});
-
 // Budget: how many of the ranked tokens to keep.
 struct BudgetOptions {
   enum class Mode { kFixed, kAdaptive } mode = Mode::kFixed;  // Default: fixed
@@ -60,5 +45,33 @@ struct BudgetOptions {
 
 // Indices (into the reused tokens) of the selected set, sorted by importance.
 std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b);
+
+class Selector {
+ public:
+  virtual ~Selector() = default;
+  virtual std::string name() const = 0;
+  // Non-negative importance per reused token; higher is recomputed first.
+  virtual std::vector<float> Score(const SelectionInput& in) const = 0;
+  // The kept tokens (indices into the reused tokens), most important first: by default the
+  // budget applied to Score. Selectors whose unit is not the single token (whole KV blocks) or
+  // that split the budget per segment (prophetkv) override it.
+  virtual std::vector<int32_t> Rank(const SelectionInput& in, const BudgetOptions& b) const {
+    return ApplyBudget(Score(in), b);
+  }
+  // What the executor must measure for this selector.
+  virtual bool needs_attention_stats() const { return false; }
+  virtual bool needs_kv_deviation() const { return false; }
+};
+
+// "sparsex" (cross-segment mass + new-token attention + KV deviation), "cacheblend" (KV
+// deviation), "epic" (first tokens of each segment), "random" (control), and the query-aware
+// baselines of docs/fidelity.md: "prophetkv" (the new tokens' attention splits the budget
+// over segments in proportion to each segment's share of it, then ranks tokens inside each
+// segment) and "a3" (the new tokens' attention ranks all reused tokens together).
+// "<name>:block" selects whole 16-token blocks of each segment (aligned to the segment start,
+// the unit the segment store keeps) ranked by the mean score of their tokens, as many as fit
+// in the same token budget.
+absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name,
+                                                          const SparsexWeights& w = {});
 
 }  // namespace sparsex

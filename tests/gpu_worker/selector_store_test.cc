@@ -85,6 +85,64 @@ TEST(Selectors, EachRanksByItsOwnSignal) {
   EXPECT_FALSE(CreateSelector("bogus").ok());
 }
 
+// ProphetKV-style: the budget is split over segments by their share of the new tokens'
+// attention, then each segment keeps its own top tokens; A³-style ranks all tokens together.
+TEST(Selectors, QueryAwareBaselines) {
+  SelectionInput in;
+  // Segment 0 holds 75% of the query attention (one dominant token), segment 1 25%.
+  in.segment = {0, 0, 0, 0, 1, 1, 1, 1};
+  in.offset = {0, 1, 2, 3, 0, 1, 2, 3};
+  in.new_recv = {0.60f, 0.10f, 0.04f, 0.01f, 0.09f, 0.08f, 0.05f, 0.03f};
+  in.cross_mass.assign(8, 0.0f);
+  BudgetOptions b;
+  b.ratio = 0.5f;  // 4 tokens: 3 to segment 0, 1 to segment 1
+  auto pk = CreateSelector("prophetkv");
+  ASSERT_TRUE(pk.ok());
+  EXPECT_EQ((*pk)->Rank(in, b), (std::vector<int32_t>{0, 1, 4, 2}));
+  auto a3 = CreateSelector("a3");
+  ASSERT_TRUE(a3.ok());
+  EXPECT_EQ((*a3)->Rank(in, b), (std::vector<int32_t>{0, 1, 4, 5}));
+  // A segment never gets more than it has; the rest goes to the others.
+  b.ratio = 1.0f;
+  EXPECT_EQ((*pk)->Rank(in, b).size(), 8u);
+  b.ratio = 0.0f;
+  EXPECT_TRUE((*pk)->Rank(in, b).empty());
+}
+
+// Block granularity: whole 16-token blocks of a segment (aligned to its start), by mean score,
+// as many as fit in the token budget.
+TEST(Selectors, BlockGranularKeepsWholeBlocks) {
+  SelectionInput in;
+  // Segment 0: 40 tokens (blocks of 16, 16, 8); segment 1: 20 tokens (16, 4).
+  for (int i = 0; i < 40; ++i) {
+    in.segment.push_back(0);
+    in.offset.push_back(i);
+  }
+  for (int i = 0; i < 20; ++i) {
+    in.segment.push_back(1);
+    in.offset.push_back(i);
+  }
+  in.new_recv.assign(60, 0.0f);
+  in.new_recv[20] = 1.0f;  // segment 0, block 1 (tokens 16-31)
+  in.new_recv[58] = 0.5f;  // segment 1, block 1 (tokens 56-59, 4 tokens)
+  in.new_recv[45] = 0.4f;  // segment 1, block 0 (tokens 40-55): mean 0.025
+  in.cross_mass.assign(60, 0.0f);
+  auto sel = CreateSelector("a3:block");
+  ASSERT_TRUE(sel.ok());
+  EXPECT_EQ((*sel)->name(), "a3:block");
+  BudgetOptions b;
+  // 21 tokens: block (1,1) first (mean 0.125 over 4 tokens), then (0,1) (mean 0.0625 over 16);
+  // no other block fits in the last token.
+  b.ratio = 0.35f;
+  std::vector<int32_t> kept = (*sel)->Rank(in, b);
+  std::vector<int32_t> want;
+  for (int i = 56; i < 60; ++i) want.push_back(i);
+  for (int i = 16; i < 32; ++i) want.push_back(i);
+  EXPECT_EQ(kept, want);
+  EXPECT_FALSE(CreateSelector("bogus:block").ok());
+  EXPECT_FALSE(CreateSelector(":block").ok());
+}
+
 SegmentKv MakeKv(int n, int layers, int dim, float v) {
   SegmentKv kv;
   kv.n_tokens = n;
