@@ -23,8 +23,10 @@ void Usage() {
                "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
                "                   [--device cpu|cuda] [--ids] [--segments FILE [--runs N]]\n"
                "  sparsex fidelity --model PATH --docs FILE --json OUT [--prompts N]\n"
-               "                   [--seed S] [--full-layers F,...] [--encodings none,bos]\n"
+               "                   [--seeds S,...] [--full-layers F,...] [--encodings none,bos]\n"
                "                   [--selectors a,b] [--ratios r,...] [--sparsex-weights c,r,d]\n"
+               "                   [--context N] [--max-len N] [--continuation N]\n"
+               "                   [--bootstrap N] [--bootstrap-seed S] [--threads N]\n"
                "  sparsex info --model PATH\n");
 }
 
