@@ -1,9 +1,14 @@
 // The router's two front ends over Router (router.h):
 //   GrpcFrontend  the public gRPC API (proto/sparsex.proto: Generate, Tokenize, ListModels,
 //                 Health), deadlines and cancellation propagated to the worker call.
-//   HttpFrontend  OpenAI-compatible HTTP (civetweb): POST /v1/completions and
-//                 /v1/chat/completions (SSE with "stream": true; each chat message becomes a
-//                 segment), GET /v1/models, /healthz and the Prometheus /metrics. docs/api.md.
+//   HttpFrontend  OpenAI-compatible HTTP: POST /v1/completions and /v1/chat/completions (SSE
+//                 with "stream": true; each chat message becomes a segment), GET /v1/models,
+//                 /healthz and the Prometheus /metrics. docs/api.md. Its own HTTP/1.1 server
+//                 (one request per connection): one epoll thread reads every request whole,
+//                 under idle and read timeouts and a connection limit, and answers /healthz,
+//                 /metrics and /v1/models itself, so they never wait for a generation thread;
+//                 completions go to `threads` generation threads. A client that closes its
+//                 connection cancels its request, streaming or not.
 //
 //   ASSIGN_OR_RETURN(auto g, GrpcFrontend::Start(router.get(), "127.0.0.1:50051"));
 //   ASSIGN_OR_RETURN(auto h, HttpFrontend::Start(router.get(), "127.0.0.1:8000", 64));
@@ -36,6 +41,8 @@ class GrpcFrontend {
 
 class HttpFrontend {
  public:
+  // `threads` generation threads; the other limits come from router->options() (http_*,
+  // max_body_bytes).
   static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(Router* router,
                                                              const std::string& address,
                                                              int threads);

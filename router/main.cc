@@ -23,7 +23,21 @@ int main(int argc, char** argv) {
   f.Add("model_name", &o.model_name, "model name in the API (default: file name stem)");
   f.Add("grpc_address", &o.grpc_address, "public gRPC API host:port (\"\" = off)");
   f.Add("http_address", &o.http_address, "OpenAI HTTP API + /metrics host:port (\"\" = off)");
-  f.Add("http_threads", &o.http_threads, "concurrent HTTP requests");
+  f.Add("http_threads", &o.http_threads,
+        "HTTP completions served at once (a stream holds one; more wait, read in full)");
+  f.Add("http_max_connections", &o.http_max_connections,
+        "open HTTP connections; one more is answered 503 and closed at once");
+  f.Add("http_idle_timeout_ms", &o.http_idle_timeout_ms,
+        "HTTP: silence allowed while a request is read, then 408 and close");
+  f.Add("http_read_timeout_ms", &o.http_read_timeout_ms,
+        "HTTP: time to receive a whole request (head and body), then 408 and close");
+  f.Add("http_write_timeout_ms", &o.http_write_timeout_ms,
+        "HTTP: a response write blocked this long (client not reading) cancels the request");
+  f.Add("worker_keepalive_ms", &o.worker_keepalive_ms,
+        "keepalive ping period on the router->worker channels");
+  f.Add("worker_keepalive_timeout_ms", &o.worker_keepalive_timeout_ms,
+        "a worker that leaves a ping unanswered this long (frozen) is disconnected: marked "
+        "unhealthy, its requests without a token yet retried elsewhere");
   f.Add("workers", &o.workers, "static worker addresses host:port (comma-separated)");
   f.Add("etcd", &o.etcd_endpoints, "etcd client URLs host:port (comma-separated)");
   f.Add("etcd_prefix", &o.etcd_prefix, "etcd key prefix (workers under <prefix>/workers/)");

@@ -112,6 +112,7 @@ struct Router::Impl {
     absl::Status last = absl::UnavailableError("no worker is serving " + model_name);
     bool saw_saturated = false;
     for (int attempt = 0; attempt < std::max(1, opts.max_attempts); ++attempt) {
+      if (ctl.cancel && ctl.cancel->cancelled()) return absl::CancelledError("client went away");
       Pick pick = Route(p, excluded);
       if (!pick.conn) {
         if (pick.all_saturated || saw_saturated) {
@@ -146,6 +147,18 @@ struct Router::Impl {
         }
       } release{c, p.prompt_tokens};
 
+      // The front end may cancel from another thread (the client's connection closed) until
+      // the attempt ends; CallCancel::Set(nullptr) below waits out a concurrent cancel.
+      struct CancelHook {
+        CallCancel* cc;
+        ~CancelHook() {
+          if (cc) cc->Set(nullptr);
+        }
+      } hook{ctl.cancel.get()};
+      if (hook.cc) {
+        grpc::ClientContext* raw = ctx.get();
+        hook.cc->Set([raw] { raw->TryCancel(); });
+      }
       auto reader = c.stub->Generate(ctx.get(), p.wreq);
       v1::GenerateResponse msg;
       bool sent_any = false, client_gone = false;
@@ -178,6 +191,11 @@ struct Router::Impl {
         }
       }
       grpc::Status gs = reader->Finish();
+      if (hook.cc) {
+        hook.cc->Set(nullptr);
+        hook.cc = nullptr;
+        client_gone = client_gone || (ctl.cancel->cancelled() && !gs.ok());
+      }
       if (client_gone) return absl::CancelledError("client went away");
       if (gs.ok()) return absl::OkStatus();
       if (gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -45,8 +46,23 @@ struct RouterOptions {
   std::string model_name;   // API name. Default: the file name without extension
   std::string grpc_address = "127.0.0.1:50051";  // public gRPC API; "" disables. Default
   std::string http_address = "127.0.0.1:8000";   // OpenAI HTTP + /metrics; "" disables. Default
-  int http_threads = 64;    // concurrent HTTP requests (each stream holds one). Default: 64
+  // HTTP front end (frontends.h, docs/operations.md "HTTP front end limits").
+  int http_threads = 64;    // completions served at once (each stream holds one); more wait
+                            // in a queue, read in full. Default: 64
   size_t max_body_bytes = size_t{16} << 20;  // largest HTTP request body. Default: 16 MiB
+  int http_max_connections = 1000;  // open connections; one more is answered 503 and closed
+                                    // at once. Default: 1000
+  int http_idle_timeout_ms = 10000;  // silence allowed while a request is read (the first byte
+                                     // included); then 408 and close. Default: 10 s
+  int http_read_timeout_ms = 30000;  // the whole request (head + body); then 408. Default: 30 s
+  int http_write_timeout_ms = 30000;  // a response write blocked this long (the client stopped
+                                      // reading): the request is cancelled. Default: 30 s
+  // Router -> worker channels: HTTP/2 keepalive pings every worker_keepalive_ms; a worker that
+  // does not answer one within worker_keepalive_timeout_ms (a frozen process: SIGSTOP, a hung
+  // host) loses its connection: it is marked unhealthy, and its requests that have not sent a
+  // token yet are retried on another worker. Default: 500 ms, 1000 ms
+  int worker_keepalive_ms = 500;
+  int worker_keepalive_timeout_ms = 1000;
   std::vector<std::string> workers;          // static members (host:port). Default: none
   std::vector<std::string> etcd_endpoints;   // etcd membership. Default: none
   std::string etcd_prefix = "/sparsex";      // workers under <prefix>/workers/. Default
@@ -62,12 +78,43 @@ struct RouterOptions {
   std::string ready_file;        // JSON with the ports, written once serving. Default: none
 };
 
+// Cancels a Generate call from another thread: the HTTP front end calls Cancel() when the
+// client's connection closes (a non-streaming request writes nothing until the end, so only the
+// connection tells). The attempt in flight is cancelled at the worker (which frees the
+// sequence) and no further attempt starts; Generate returns CANCELLED.
+class CallCancel {
+ public:
+  void Cancel() {
+    std::lock_guard<std::mutex> l(mu_);
+    cancelled_ = true;
+    if (fn_) fn_();
+  }
+  bool cancelled() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return cancelled_;
+  }
+  // Router: what cancels the attempt in flight (nullptr: none). Runs `fn` at once when already
+  // cancelled. Once Set(nullptr) returns, `fn` is never called again.
+  void Set(std::function<void()> fn) {
+    std::lock_guard<std::mutex> l(mu_);
+    fn_ = std::move(fn);
+    if (cancelled_ && fn_) fn_();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  bool cancelled_ = false;
+  std::function<void()> fn_;
+};
+
 struct CallControl {
   // Absolute deadline of the whole request. Default: none
   std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
   // gRPC front end: the server call; cancellation and deadline propagate to the worker call.
   grpc::ServerContext* grpc_parent = nullptr;
   std::string api = "grpc";  // metrics label. Default: grpc
+  // Cancellation from another thread (the HTTP front end). Default: none
+  std::shared_ptr<CallCancel> cancel;
 };
 
 using GenerateSink = std::function<bool(const v1::GenerateResponse&)>;  // false: client gone

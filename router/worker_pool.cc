@@ -1,5 +1,6 @@
 #include "router/worker_pool.h"
 
+#include <algorithm>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
@@ -114,8 +115,16 @@ void WorkerPool::SetMembers(
       args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
       args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
       args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-      args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-      args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+      // Keepalive is how a frozen worker (SIGSTOP, a hung host: the kernel still ACKs, so
+      // TCP sees nothing) is found: an unanswered ping closes the connection, which fails the
+      // Subscribe stream (the worker is marked unhealthy) and every call in flight with
+      // UNAVAILABLE (retried elsewhere before the first token). Pings go out whether or not
+      // the router sends data (the event stream only receives). Workers accept them
+      // (worker_server.cc).
+      args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, std::max(100, opts_.worker_keepalive_ms));
+      args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, std::max(100, opts_.worker_keepalive_timeout_ms));
+      args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+      args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
       args.SetMaxReceiveMessageSize(64 << 20);
       c->channel = grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
       c->stub = wpb::Worker::NewStub(c->channel);

@@ -138,6 +138,12 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
                      grpc::InsecureServerCredentials(), &s.port);
   b.RegisterService(s.service.get());
   b.SetMaxReceiveMessageSize(64 << 20);
+  // The router pings every worker often (its keepalive finds a frozen worker within about a
+  // second, router/worker_pool.cc): accept frequent pings, with or without calls, rather than
+  // answering them with GOAWAY "too_many_pings".
+  b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 50);
+  b.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  b.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   s.server = b.BuildAndStart();
   if (!s.server || s.port == 0) {
     return absl::UnavailableError(
@@ -168,6 +174,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->draining->Set(sp->draining ? 1 : 0);
     sp->m->iterations->Set(static_cast<double>(l.iterations));
     sp->m->pending_stores->Set(l.pending_stores);
+    sp->m->unspilled_segments->Set(l.unspilled_segments);
     sp->m->waiting_remote->Set(l.waiting_remote);
     sp->m->stores_dropped->Set(static_cast<double>(l.stores_dropped));
   });
