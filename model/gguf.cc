@@ -563,6 +563,22 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> GgufTokenizer(const GgufReader& r) {
   return MakeSpmTokenizer(std::move(v));
 }
 
+// tokenizer.chat_template and the text of the BOS / EOS tokens it is rendered with.
+absl::Status GgufChatTemplate(const GgufReader& r, ModelInfo* info) {
+  if (r.Find("tokenizer.chat_template") == nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(absl::string_view t, r.GetString("tokenizer.chat_template"));
+  info->chat_template = std::string(t);
+  ASSIGN_OR_RETURN(std::vector<std::string> tokens, r.GetStringArray("tokenizer.ggml.tokens"));
+  const auto text = [&](const char* key, std::string* out) -> absl::Status {
+    if (r.Find(key) == nullptr) return absl::OkStatus();
+    ASSIGN_OR_RETURN(uint64_t id, r.GetUInt(key));
+    if (id < tokens.size()) *out = tokens[id];
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(text("tokenizer.ggml.bos_token_id", &info->bos_token));
+  return text("tokenizer.ggml.eos_token_id", &info->eos_token);
+}
+
 // An f64 value beyond float's range becomes inf (the conversion itself would be undefined);
 // ValidateConfig then refuses it.
 float ToF32Checked(double d) {
@@ -725,6 +741,7 @@ absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path) {
     ModelInfo info;
     RETURN_IF_ERROR(GgufConfig(r, info.config));
     ASSIGN_OR_RETURN(info.tokenizer, GgufTokenizer(r));
+    RETURN_IF_ERROR(GgufChatTemplate(r, &info));
     info.source = path;
     return info;
   }

@@ -51,6 +51,13 @@ struct ModelInfo {
   ModelConfig config;
   std::unique_ptr<Tokenizer> tokenizer;
   std::string source;  // the path it was read from
+  // The chat template (model/chat_template.h) as shipped: tokenizer_config.json "chat_template"
+  // (a string, or the named-list form's "default"; else chat_template.jinja beside it) or GGUF
+  // "tokenizer.chat_template". "" when the model has none (base models). Parsed by its user
+  // (the router), so a template this renderer cannot handle never stops a model from loading.
+  std::string chat_template;
+  // The text of the BOS / EOS tokens, the template's bos_token / eos_token ("" when unknown).
+  std::string bos_token, eos_token;
 };
 
 // Dispatches on the path like LoadModel; the same validation of the configuration.

@@ -380,6 +380,54 @@ absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir) {
   return m;
 }
 
+namespace {
+
+// A special token in tokenizer_config.json: a string, or an AddedToken object {"content": ...}.
+std::string TokenText(const json& j) {
+  if (j.is_string()) return j.get<std::string>();
+  if (j.is_object() && j.contains("content") && j["content"].is_string()) {
+    return j["content"].get<std::string>();
+  }
+  return "";
+}
+
+}  // namespace
+
+// tokenizer_config.json's chat template and BOS/EOS text, or chat_template.jinja; none is fine.
+absl::Status ReadHfChatTemplate(const std::string& dir, ModelInfo* info) {
+  const std::string cfg_path = dir + "/tokenizer_config.json";
+  if (PathExists(cfg_path)) {
+    ASSIGN_OR_RETURN(json cfg, ReadJsonFile(cfg_path, kMaxConfigJsonBytes));
+    if (!cfg.is_object()) return absl::InvalidArgumentError(cfg_path + ": not a JSON object");
+    const json& t = cfg.contains("chat_template") ? cfg["chat_template"] : json();
+    if (t.is_string()) {
+      info->chat_template = t.get<std::string>();
+    } else if (t.is_array()) {  // [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+      for (const json& e : t) {
+        if (e.is_object() && e.value("name", json()) == "default" && e.contains("template") &&
+            e["template"].is_string()) {
+          info->chat_template = e["template"].get<std::string>();
+        }
+      }
+    } else if (!t.is_null()) {
+      return absl::InvalidArgumentError(cfg_path + ": chat_template must be a string or a list");
+    }
+    if (cfg.contains("bos_token")) info->bos_token = TokenText(cfg["bos_token"]);
+    if (cfg.contains("eos_token")) info->eos_token = TokenText(cfg["eos_token"]);
+  }
+  // Newer checkpoints keep the template in a file of its own.
+  const std::string jinja_path = dir + "/chat_template.jinja";
+  if (info->chat_template.empty() && PathExists(jinja_path)) {
+    ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> f, MappedFile::Open(jinja_path));
+    if (f->size() > kMaxConfigJsonBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(jinja_path, " is larger than ",
+                                                     kMaxConfigJsonBytes, " bytes"));
+    }
+    info->chat_template.assign(reinterpret_cast<const char*>(f->data()), f->size());
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelInfo> LoadHfInfo(const std::string& dir) {
   ModelInfo info;
   ASSIGN_OR_RETURN(json config, ReadJsonFile(dir + "/config.json", kMaxConfigJsonBytes));
@@ -391,6 +439,7 @@ absl::StatusOr<ModelInfo> LoadHfInfo(const std::string& dir) {
     return absl::NotFoundError(absl::StrCat(tok_path, " not found: a tokenizer is required"));
   }
   ASSIGN_OR_RETURN(info.tokenizer, LoadHfTokenizer(tok_path));
+  RETURN_IF_ERROR(ReadHfChatTemplate(dir, &info));
   info.source = dir;
   return info;
 }

@@ -315,6 +315,7 @@ struct SynthGgufOptions {
   bool duplicate_key = false;     // llama.block_count written twice (2, then 3)
   std::string nan_tensor;         // tensor whose element 3 is NaN (in its own dtype)
   float rope_theta = 50000.0f;    // llama.rope.freq_base
+  std::string chat_template;      // tokenizer.chat_template when non-empty
 };
 
 constexpr int kGDim = 8, kGFfn = 12, kGHeads = 2, kGKv = 1, kGLayers = 2;
@@ -369,6 +370,7 @@ std::map<std::string, std::vector<float>> WriteSynthGguf(const std::string& path
   if (o.duplicate_key) w.Kv<uint32_t>(a + ".block_count", 4, kGLayers + 1);
   w.Kv<float>(a + ".attention.layer_norm_rms_epsilon", 6, 1e-6f);
   if (o.pad_metadata_bytes > 0) w.KvStr("general.description", std::string(o.pad_metadata_bytes, 'x'));
+  if (!o.chat_template.empty()) w.KvStr("tokenizer.chat_template", o.chat_template);
   if (o.all_kv_types) {
     w.Kv<uint8_t>("test.u8", 0, 1);
     w.Kv<int8_t>("test.i8", 1, -1);
@@ -1064,6 +1066,54 @@ TEST_F(ModelLoaderTest, ModelInfoOfAnHfDirectoryNeedsNoWeights) {
   auto info = LoadModelInfo(Path("hf"));
   ASSERT_TRUE(info.ok()) << info.status();
   ExpectSameConfig((*m)->config(), info->config);
+}
+
+// The chat template (model/chat_template.h) and the BOS/EOS text it is rendered with.
+TEST_F(ModelLoaderTest, ModelInfoCarriesTheChatTemplate) {
+  SynthGgufOptions o;
+  o.chat_template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}";
+  WriteSynthGguf(Path("chat.gguf"), o);
+  auto g = LoadModelInfo(Path("chat.gguf"));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->chat_template, o.chat_template);
+  EXPECT_EQ(g->bos_token, "<s>");
+  EXPECT_EQ(g->eos_token, "</s>");
+  WriteSynthGguf(Path("plain.gguf"), {});
+  auto plain = LoadModelInfo(Path("plain.gguf"));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->chat_template, "");
+
+  WriteHfModel(Path("hf"), {});
+  auto none = LoadModelInfo(Path("hf"));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->chat_template, "");
+  // A string, with AddedToken-style special tokens.
+  WriteBytes(Path("hf/tokenizer_config.json"),
+             R"({"chat_template": "T1", "bos_token": {"content": "<|begin|>", "lstrip": false},
+                 "eos_token": "<|end|>"})");
+  auto s = LoadModelInfo(Path("hf"));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->chat_template, "T1");
+  EXPECT_EQ(s->bos_token, "<|begin|>");
+  EXPECT_EQ(s->eos_token, "<|end|>");
+  // The named-list form: "default" is the chat template.
+  WriteBytes(Path("hf/tokenizer_config.json"),
+             R"({"chat_template": [{"name": "tool_use", "template": "T2"},
+                                   {"name": "default", "template": "T3"}]})");
+  auto l = LoadModelInfo(Path("hf"));
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->chat_template, "T3");
+  // chat_template.jinja when tokenizer_config.json has none.
+  WriteBytes(Path("hf/tokenizer_config.json"), R"({"eos_token": "</s>"})");
+  WriteBytes(Path("hf/chat_template.jinja"), "T4\n");
+  auto j = LoadModelInfo(Path("hf"));
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->chat_template, "T4\n");
+  // A malformed field is an error naming the file.
+  WriteBytes(Path("hf/tokenizer_config.json"), R"({"chat_template": 7})");
+  auto bad = LoadModelInfo(Path("hf"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("tokenizer_config.json"), std::string::npos);
 }
 
 TEST_F(ModelLoaderTest, ModelInfoOfSyntheticModels) {
