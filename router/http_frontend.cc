@@ -315,7 +315,8 @@ struct HttpFrontend::Impl {
     absl::StatusOr<openai::Request> parsed;
     try {
       parsed = openai::ParseRequest(
-          rq.body, chat ? openai::Endpoint::kChat : openai::Endpoint::kCompletions);
+          rq.body, chat ? openai::Endpoint::kChat : openai::Endpoint::kCompletions,
+          &router->chat_format());
     } catch (const json::exception& x) {
       // The codec makes no throwing nlohmann call; should one slip in, the client gets a 400.
       out.Send(ErrorResponse(Error(400, std::string("bad request: ") + x.what())));

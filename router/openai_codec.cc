@@ -229,7 +229,23 @@ const char* ChunkObject(const ResponseMeta& meta) {
 
 }  // namespace
 
-absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint) {
+ChatFormat MakeChatFormat(const ModelInfo& model) {
+  ChatFormat f;
+  f.vars.bos_token = model.bos_token;
+  f.vars.eos_token = model.eos_token;
+  f.tokenizer = model.tokenizer.get();
+  if (model.chat_template.empty()) return f;
+  absl::StatusOr<std::shared_ptr<const ChatTemplate>> t = ChatTemplate::Parse(model.chat_template);
+  if (t.ok()) {
+    f.tmpl = *std::move(t);
+  } else {
+    f.template_error = t.status();
+  }
+  return f;
+}
+
+absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint,
+                                     const ChatFormat* chat) {
   if (!IsValidUtf8(body)) return FieldError("", "request body is not valid UTF-8");
   // Depth first: nesting thousands of levels deep would exhaust the stack in the parser or in
   // any recursive walk or copy of the parsed value (the caller bounds the size).
@@ -239,7 +255,7 @@ absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint) {
   const json b = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (b.is_discarded()) return FieldError("", "malformed JSON in request body");
   if (!b.is_object()) return FieldError("", "request body must be a JSON object");
-  return endpoint == Endpoint::kChat ? ParseChat(b) : ParseCompletion(b);
+  return endpoint == Endpoint::kChat ? ParseChat(b, chat) : ParseCompletion(b);
 }
 
 absl::StatusOr<Request> ParseCompletion(const json& b) {
@@ -278,25 +294,93 @@ absl::StatusOr<Request> ParseCompletion(const json& b) {
   return p;
 }
 
-absl::StatusOr<Request> ParseChat(const json& b) {
+absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat) {
   Request p;
   RETURN_IF_ERROR(ParseCommon(b, &p, true));
   if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty()) {
     return FieldError("messages", "'messages' must be a non-empty array");
   }
-  // No chat template (base models): each message's content is one segment, so a message
-  // repeated in any later conversation reuses its KV.
-  for (const json& m : b["messages"]) {
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < b["messages"].size(); ++i) {
+    const json& m = b["messages"][i];
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
       return TypeError("messages[]", "objects with a string 'role'");
+    }
+    // A role the model was never trained on would be rendered (or, without a template, served)
+    // as if it meant something: refused, naming it.
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool" &&
+        role != "developer") {
+      const std::string field = absl::StrCat("messages[", i, "].role");
+      return FieldError(field, absl::StrCat("'", field, "': unknown role '", role,
+                                            "' (system, user, assistant, tool or developer)"));
     }
     static const json kNoContent;  // a reference, not a (recursive) copy of the content
     ASSIGN_OR_RETURN(std::string text,
                      MessageText(m.contains("content") ? m["content"] : kNoContent));
-    if (text.empty()) continue;
-    p.req.add_segments()->set_text(text);
+    messages.push_back({role, std::move(text)});
   }
-  if (p.req.segments_size() == 0) return FieldError("messages", "every message is empty");
+  if (chat != nullptr && !chat->template_error.ok()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "this model's chat template cannot be rendered (", chat->template_error.message(),
+        "); send a rendered prompt to /v1/completions"));
+  }
+  if (chat == nullptr || chat->tmpl == nullptr) {
+    // No chat template (base models): each message's content is one segment, so a message
+    // repeated in any later conversation reuses its KV.
+    for (const ChatMessage& m : messages) {
+      if (!m.content.empty()) p.req.add_segments()->set_text(m.content);
+    }
+    if (p.req.segments_size() == 0) return FieldError("messages", "every message is empty");
+    return p;
+  }
+  ChatTemplateVars vars = chat->vars;
+  vars.add_generation_prompt = true;
+  absl::StatusOr<ChatSpans> spans = RenderChatSpans(*chat->tmpl, messages, vars);
+  if (!spans.ok()) return FieldError("messages", std::string(spans.status().message()));
+  // The pieces of the prompt, in order; the last is the generation prompt when per_message.
+  std::vector<std::string> pieces;
+  if (spans->per_message) {
+    pieces = std::move(spans->spans);
+    pieces.push_back(std::move(spans->suffix));
+  } else {
+    // Not prefix-stable (e.g. Mistral v0.3 moves the system prompt into the last user turn):
+    // the whole rendering is one plain prompt, which content-defined chunking still splits so
+    // that repeated stretches are found again.
+    pieces.push_back(std::move(spans->text));
+  }
+  // The BOS the template writes is the shared attention sink (add_bos), not text of the first
+  // message's segment: so that segment's fingerprint does not depend on being first, and the
+  // BOS is never doubled.
+  bool template_bos = false;
+  const std::string& bos = chat->vars.bos_token;
+  for (std::string& piece : pieces) {
+    if (piece.empty()) continue;
+    if (!bos.empty() && piece.compare(0, bos.size(), bos) == 0) {
+      piece.erase(0, bos.size());
+      template_bos = true;
+    }
+    break;
+  }
+  if (!p.req.has_add_bos()) p.req.set_add_bos(template_bos);
+  const Tokenizer& tok = *chat->tokenizer;
+  if (!spans->per_message) {
+    std::vector<int32_t> ids = tok.Encode(pieces[0], /*add_bos=*/false, /*parse_special=*/true);
+    if (ids.empty()) return FieldError("messages", "the rendered prompt is empty");
+    p.req.mutable_prompt_ids()->Add(ids.begin(), ids.end());
+    return p;
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    // Special tokens in the rendering (<|im_start|>, [INST]...) are their ids, as when
+    // transformers tokenizes a rendered chat.
+    std::vector<int32_t> ids = tok.Encode(pieces[i], /*add_bos=*/false, /*parse_special=*/true);
+    if (ids.empty()) continue;
+    v1::Segment* seg = p.req.add_segments();
+    seg->mutable_ids()->mutable_ids()->Add(ids.begin(), ids.end());
+    // The generation prompt: a few tokens, cheaper to compute than to look up and store.
+    if (i + 1 == pieces.size()) seg->set_cacheable(false);
+  }
+  if (p.req.segments_size() == 0) return FieldError("messages", "the rendered prompt is empty");
   return p;
 }
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,11 +24,24 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
+#include "model/chat_template.h"
+#include "model/model_info.h"
 #include "proto/sparsex.pb.h"
 
 namespace sparsex::router::openai {
 
 enum class Endpoint { kCompletions, kChat };
+
+// How /v1/chat/completions turns messages into a prompt: the model's chat template, parsed once.
+struct ChatFormat {
+  std::shared_ptr<const ChatTemplate> tmpl;  // null: no template (or one that did not parse)
+  absl::Status template_error;               // the model's template did not parse: why
+  ChatTemplateVars vars;                     // bos_token / eos_token text
+  const Tokenizer* tokenizer = nullptr;      // encodes the rendered spans, special tokens parsed
+};
+// A template that does not parse is kept as template_error: chat requests then fail saying why
+// (UNIMPLEMENTED), never served without the template; /v1/completions is unaffected.
+ChatFormat MakeChatFormat(const ModelInfo& model);
 
 // An OpenAI request mapped onto the public API.
 struct Request {
@@ -38,15 +52,23 @@ struct Request {
 };
 
 // The body text of a request to `endpoint`: UTF-8, nesting depth, JSON syntax, a JSON object,
-// then the fields as ParseCompletion / ParseChat. Every error is INVALID_ARGUMENT.
-absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint);
+// then the fields as ParseCompletion / ParseChat. Every error is INVALID_ARGUMENT (but see
+// ChatFormat). `chat` null: as a model without a chat template.
+absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint,
+                                     const ChatFormat* chat = nullptr);
 
 // POST /v1/completions: "prompt" (a string, token ids, or a one-element array of either) or the
 // SparseX "segments" (strings, token-id arrays or {text, cacheable} objects), never both.
 absl::StatusOr<Request> ParseCompletion(const nlohmann::json& body);
-// POST /v1/chat/completions: no chat template (base models): each non-empty message's content
-// is one segment, so a message repeated in any later conversation reuses its KV.
-absl::StatusOr<Request> ParseChat(const nlohmann::json& body);
+// POST /v1/chat/completions. Roles must be system, user, assistant, tool or developer.
+// With a chat template: the prompt is the rendered conversation (generation prompt included),
+// one token segment per message's rendered span (role header included) and the generation
+// prompt last (not cacheable), so a re-sent turn or a repeated system prompt keeps its segment
+// fingerprint; a template whose renderings are not prefix-stable gives the whole rendering as
+// one plain prompt (chunked like /v1/completions). A BOS the template emits becomes add_bos
+// (the shared sink), never a doubled token; add_bos defaults to whether the template emits it.
+// Without a template (base models): each non-empty message's content is one segment.
+absl::StatusOr<Request> ParseChat(const nlohmann::json& body, const ChatFormat* chat = nullptr);
 
 // The request field a parse error names (OpenAI's error.param, e.g. "reuse.full_layers"), ""
 // when none or for a status that did not come from this codec.

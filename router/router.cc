@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iostream>
 
 #include "absl/strings/ascii.h"
 #include "common/metrics/metrics.h"
@@ -11,6 +12,7 @@
 #include "model/model_info.h"
 #include "proto/grpc_status.h"
 #include "proto/worker.grpc.pb.h"
+#include "router/openai_codec.h"
 #include "router/prepare.h"
 #include "router/router_metrics.h"
 #include "router/worker_pool.h"
@@ -36,6 +38,7 @@ bool Retryable(grpc::StatusCode c) {
 struct Router::Impl {
   RouterOptions opts;
   ModelInfo model;
+  openai::ChatFormat chat;
   std::string model_name;
   ClusterIndex index;  // declared before `pool`, whose threads feed it, so it outlives them
   metrics::Registry registry;
@@ -265,6 +268,11 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(const RouterOptions& opti
   if (options.model_path.empty()) return absl::InvalidArgumentError("router: --model is required");
   // Config and tokenizer only: the router never maps weight files.
   ASSIGN_OR_RETURN(s.model, LoadModelInfo(options.model_path));
+  s.chat = openai::MakeChatFormat(s.model);
+  if (!s.chat.template_error.ok()) {
+    std::cerr << "[router] the model's chat template cannot be rendered; chat requests will be "
+                 "refused: " << s.chat.template_error.message() << "\n";
+  }
   s.model_name = options.model_name.empty()
                      ? std::filesystem::path(options.model_path).stem().string()
                      : options.model_name;
@@ -336,6 +344,7 @@ absl::Status Router::CheckModel(const std::string& model) const {
 }
 
 const std::string& Router::model_name() const { return impl_->model_name; }
+const openai::ChatFormat& Router::chat_format() const { return impl_->chat; }
 metrics::Registry& Router::registry() { return impl_->registry; }
 const RouterOptions& Router::options() const { return impl_->opts; }
 void Router::Shutdown() { impl_->Stop(); }

@@ -38,6 +38,9 @@ class Registry;
 }  // namespace sparsex
 
 namespace sparsex::router {
+namespace openai {
+struct ChatFormat;
+}
 
 struct RouterOptions {
   // The served model: config and tokenizer only (a *.gguf, a directory with config.json and
@@ -134,6 +137,8 @@ class Router {
   absl::Status CheckModel(const std::string& model) const;
 
   const std::string& model_name() const;
+  // How the OpenAI chat endpoint renders messages: the model's chat template (openai_codec.h).
+  const openai::ChatFormat& chat_format() const;
   metrics::Registry& registry();
   const RouterOptions& options() const;
   void Shutdown();
