@@ -12,7 +12,10 @@ STAGE=$ROOT/.stage
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$TMP/spx/bin" "$TMP/spx/lib" "$STAGE"
-BINS="sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen sparsex-rag"
+# The GPU tests, benchmarks and CLI travel too (bench/gpu/checks.sh runs them there), with the
+# small test models (stories260K, TinyStories text) from $SPARSEX_MODELS.
+BINS="sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen sparsex-rag sparsex \
+  backend_consistency_test cuda_engine_test reuse_prefill_bench gpu_prefill_bench"
 for b in $BINS; do
   [ -x "$BIN/$b" ] || { echo "stage_serve: $BIN/$b missing (build first)" >&2; exit 1; }
   cp "$BIN/$b" "$TMP/spx/bin/"
@@ -28,6 +31,9 @@ done
 cp -r /usr/lib/x86_64-linux-gnu/ucx "$TMP/spx/lib/ucx"
 cp /usr/bin/etcd "$TMP/spx/bin/"
 cp "$ROOT/deploy/local/cluster.sh" "$TMP/spx/"
+MODELS=${SPARSEX_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
+mkdir -p "$TMP/spx/models"
+cp -r "$MODELS/stories260K" "$MODELS/tinystories-text" "$TMP/spx/models/"
 strip --strip-unneeded "$TMP/spx/lib/"*.so* 2>/dev/null || true
 tar -C "$TMP" -czf "$STAGE/serve.tar.gz" spx
 ls -la "$STAGE/serve.tar.gz"

@@ -258,6 +258,10 @@ class Backend {
   // Copies rows [src_row, src_row + n) of src to rows [dst_row, ...) of dst (same cols).
   virtual absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
                                 int64_t n) = 0;
+  // Copies columns [src_col, src_col + n_cols) of every row of src to columns [dst_col, ...) of
+  // dst (same rows): the pre-RoPE K and V of a projection kept in backend memory for storage.
+  virtual absl::Status CopyCols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                                int64_t n_cols) = 0;
 };
 
 // Weights of cfg's shapes, in the order tok_embeddings, final_norm, output, then per layer

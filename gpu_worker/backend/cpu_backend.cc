@@ -368,6 +368,17 @@ class CpuBackend final : public Backend {
     std::memcpy(F(dst) + dst_row * dst.cols, F(src) + src_row * src.cols, n * src.cols * 4);
     return absl::OkStatus();
   }
+  absl::Status CopyCols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                        int64_t n_cols) override {
+    if (src.rows != dst.rows || src_col < 0 || dst_col < 0 || n_cols < 0 ||
+        src_col + n_cols > src.cols || dst_col + n_cols > dst.cols) {
+      return absl::OutOfRangeError("CopyCols: range outside tensors");
+    }
+    for (int64_t r = 0; r < src.rows; ++r) {
+      std::memcpy(F(dst) + r * dst.cols + dst_col, F(src) + r * src.cols + src_col, n_cols * 4);
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace

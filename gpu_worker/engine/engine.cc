@@ -92,7 +92,7 @@ Engine::~Engine() {
   backend_.reset();
 }
 
-absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt) {
+absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt, bool allow_approximate) {
   const ModelConfig& c = model_->config();
   if (prompt.empty()) return absl::InvalidArgumentError("empty prompt");
   if (static_cast<int>(prompt.size()) > c.max_seq_len) {
@@ -110,9 +110,10 @@ absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt) {
   seq.tokens = std::move(prompt);
   const int bs = blocks_->block_size();
   std::span<const int32_t> matchable(seq.tokens.data(), seq.tokens.size() - 1);
-  PrefixMatch m = blocks_->MatchPrefix(matchable);
+  PrefixMatch m = blocks_->MatchPrefix(matchable, allow_approximate);
   seq.blocks = std::move(m.blocks);
   seq.computed = seq.cached_prefix = static_cast<int>(seq.blocks.size()) * bs;
+  seq.exact_prefix = m.exact_blocks * bs;
   absl::Status s = EnsureCapacity(seq, static_cast<int>(seq.tokens.size()));
   if (!s.ok()) {
     Release(seq);
@@ -218,12 +219,14 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
   return out;
 }
 
-void Engine::RegisterPrefix(const Sequence& seq, int exact_upto) {
+void Engine::RegisterPrefix(const Sequence& seq, int exact_upto, bool approximate_rest) {
   const int bs = blocks_->block_size();
   const int upto = exact_upto < 0 ? seq.computed : std::min(exact_upto, seq.computed);
-  const int full = upto / bs;
+  const int exact_full = upto / bs;
+  const int full = approximate_rest ? seq.computed / bs : exact_full;
   std::span<const int32_t> toks(seq.tokens.data(), static_cast<size_t>(full) * bs);
-  std::vector<Hash128> hashes = blocks_->BlockHashes(toks);
+  std::vector<Hash128> hashes =
+      blocks_->BlockHashes(toks, approximate_rest ? exact_full : -1);
   for (int i = 0; i < full; ++i) blocks_->Register(seq.blocks[i], hashes[i]);
 }
 

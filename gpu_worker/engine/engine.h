@@ -37,6 +37,8 @@ struct Sequence {
   std::vector<int32_t> blocks;  // block table: block of positions [i*bs, (i+1)*bs)
   int computed = 0;             // leading tokens whose KV is in the cache
   int cached_prefix = 0;        // leading tokens found in the prefix cache at admission
+  int exact_prefix = 0;         // of those, the leading ones whose KV is exact (the rest came
+                                // from the approximate namespace, see BlockManager)
   int32_t Slot(int pos, int bs) const { return blocks[pos / bs] * bs + pos % bs; }
 };
 
@@ -76,7 +78,8 @@ class Engine {
   // ---- building blocks (used by Generate and the segment-reuse prefill) ----
   // Admits a prompt: matches the cached prefix (never the last token, whose logits are needed)
   // and allocates blocks for the rest. Clear error when the prompt exceeds the context length.
-  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt);
+  // allow_approximate: the match may continue into reuse-computed (approximate) blocks.
+  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt, bool allow_approximate = false);
   // Makes room for positions up to n_tokens (allocating blocks).
   absl::Status EnsureCapacity(Sequence& seq, int n_tokens);
   // Dense forward over tokens [seq.computed, size); returns the last row's logits.
@@ -89,8 +92,9 @@ class Engine {
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
   // Registers the sequence's full, computed blocks for exact-prefix reuse; only blocks that end
-  // at or before `exact_upto` tokens (default: all computed tokens) are registered.
-  void RegisterPrefix(const Sequence& seq, int exact_upto = -1);
+  // at or before `exact_upto` tokens (default: all computed tokens) are registered, unless
+  // approximate_rest registers the later ones too, in the approximate namespace.
+  void RegisterPrefix(const Sequence& seq, int exact_upto = -1, bool approximate_rest = false);
   void Release(Sequence& seq);
   // Samples from `logits` (the prefill's), streams tokens through cb and steps the sequence
   // until a stop token, max_tokens, the context length or cancellation; fills res (tokens, text,

@@ -276,9 +276,11 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
   return std::move(res[0]);
 }
 
-void EngineGroup::RegisterPrefix(const Sequence& seq, int exact_upto) {
-  if (size() == 1) return ranks_[0]->engine->RegisterPrefix(seq, exact_upto);
-  RunOnAll([&](int r) { ranks_[r]->engine->RegisterPrefix(seq, exact_upto); });  // reads only
+void EngineGroup::RegisterPrefix(const Sequence& seq, int exact_upto, bool approximate_rest) {
+  if (size() == 1) return ranks_[0]->engine->RegisterPrefix(seq, exact_upto, approximate_rest);
+  RunOnAll([&](int r) {  // reads only
+    ranks_[r]->engine->RegisterPrefix(seq, exact_upto, approximate_rest);
+  });
 }
 
 void EngineGroup::Release(Sequence& seq) {
@@ -364,5 +366,44 @@ absl::Status EngineGroup::EnsureStored(const std::vector<int32_t>& tokens,
   }
   return st[0];
 }
+
+absl::StatusOr<StoreProgress> EngineGroup::StoreStep(const std::vector<int32_t>& tokens,
+                                                     const ReuseOptions* override_opts,
+                                                     int max_layers) {
+  if (!has_reuse()) return absl::FailedPreconditionError("engine group has no segment stores");
+  if (size() == 1) return ranks_[0]->reuse->StoreStep(tokens, override_opts, max_layers);
+  std::vector<absl::StatusOr<StoreProgress>> res(size(), StoreProgress::kHeld);
+  RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->StoreStep(tokens, override_opts, max_layers); });
+  for (int r = 1; r < size(); ++r) {
+    if (res[r].status().code() != res[0].status().code() ||
+        (res[r].ok() && *res[r] != *res[0])) {
+      return absl::InternalError(absl::StrCat("tensor-parallel rank ", r,
+                                              " diverged storing a segment: ",
+                                              res[r].status().ToString()));
+    }
+  }
+  return res[0];
+}
+
+absl::StatusOr<std::optional<std::pair<Hash128, int>>> EngineGroup::SpillOne(int max_layers) {
+  if (!has_reuse()) return std::optional<std::pair<Hash128, int>>();
+  if (size() == 1) return ranks_[0]->reuse->SpillOne(max_layers);
+  std::vector<absl::StatusOr<std::optional<std::pair<Hash128, int>>>> res(size());
+  RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->SpillOne(max_layers); });
+  for (int r = 1; r < size(); ++r) {
+    if (res[r].status().code() != res[0].status().code()) {
+      return absl::InternalError(absl::StrCat("tensor-parallel rank ", r,
+                                              " diverged spilling a segment: ",
+                                              res[r].status().ToString()));
+    }
+  }
+  return std::move(res[0]);
+}
+
+bool EngineGroup::Holds(const Hash128& fp) {
+  return has_reuse() && ranks_[0]->reuse->Holds(fp);
+}
+
+size_t EngineGroup::unspilled() { return has_reuse() ? ranks_[0]->reuse->unspilled() : 0; }
 
 }  // namespace sparsex

@@ -59,7 +59,7 @@ class EngineGroup {
   absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
-  void RegisterPrefix(const Sequence& seq, int exact_upto = -1);
+  void RegisterPrefix(const Sequence& seq, int exact_upto = -1, bool approximate_rest = false);
   void Release(Sequence& seq);
   // ReuseEngine's, run on every rank over its own store (see ReuseEngine). Before a prefill,
   // a segment present in some rank stores but not all is erased from all, so every rank makes
@@ -69,6 +69,14 @@ class EngineGroup {
                                                   const ReuseOptions* override_opts = nullptr);
   absl::Status EnsureStored(const std::vector<int32_t>& tokens,
                             const ReuseOptions* override_opts = nullptr);
+  // ReuseEngine::StoreStep on every rank (rank 0's answer).
+  absl::StatusOr<StoreProgress> StoreStep(const std::vector<int32_t>& tokens,
+                                          const ReuseOptions* override_opts, int max_layers);
+  // ReuseEngine::SpillOne on every rank (rank 0's answer; the ranks spill alike), and
+  // ReuseEngine::Holds / unspilled on rank 0.
+  absl::StatusOr<std::optional<std::pair<Hash128, int>>> SpillOne(int max_layers = 1 << 30);
+  bool Holds(const Hash128& fp);
+  size_t unspilled();
 
   // Calls fn(rank) on every rank at once (rank 0 on the caller's thread) and waits for all.
   void RunOnAll(const std::function<void(int rank)>& fn);

@@ -92,7 +92,16 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
   ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
   RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
-  if (capture != nullptr) {
+  if (capture != nullptr && capture->on_backend) {
+    // K before RoPE and V are what a segment stores: position-independent.
+    const int64_t kd = kv_dim(), qd = static_cast<int64_t>(H) * hd;
+    ASSIGN_OR_RETURN(Tensor k, be_->Alloc(n, kd));
+    capture->dk.push_back(k);
+    ASSIGN_OR_RETURN(Tensor v, be_->Alloc(n, kd));
+    capture->dv.push_back(v);
+    RETURN_IF_ERROR(be_->CopyCols(*qkv, qd, capture->dk.back(), 0, kd));
+    RETURN_IF_ERROR(be_->CopyCols(*qkv, qd + kd, capture->dv.back(), 0, kd));
+  } else if (capture != nullptr) {
     // K before RoPE and V are what a segment stores: position-independent.
     std::vector<float> all(static_cast<size_t>(qkv->rows * qkv->cols));
     RETURN_IF_ERROR(be_->Download(*qkv, all));

@@ -31,9 +31,13 @@ struct LayerRows {
   std::span<const RowGroup> groups = {};  // several sequences (ctx_slots unused); no statistics
 };
 
-// Host copies of pre-RoPE K and V of the processed rows, per layer (segment storage).
+// Copies of the pre-RoPE K and V of the processed rows, per layer (segment storage): on the
+// host in fp32, or with on_backend in backend memory in the compute dtype (the caller frees
+// dk/dv), which spares a GPU the download of the whole projection.
 struct KvCapture {
-  std::vector<std::vector<float>> k, v;  // [n_layers][rows * kv_dim]
+  bool on_backend = false;
+  std::vector<std::vector<float>> k, v;  // host: [n_layers][rows * kv_dim]
+  std::vector<Tensor> dk, dv;            // on_backend: [n_layers] of [rows, kv_dim]
 };
 
 class ModelRunner {

@@ -10,27 +10,59 @@ BlockManager::BlockManager(const KvCacheOptions& opts, const Hash128& model_fp)
   for (int32_t b = opts.num_blocks - 1; b >= 0; --b) free_.push_back(b);
 }
 
-std::vector<Hash128> BlockManager::BlockHashes(std::span<const int32_t> tokens) const {
+namespace {
+
+// The parent an approximate chain starts from: a different parent makes every later hash of the
+// chain differ from the exact chain's, so exact lookups can never match approximate KV.
+Hash128 ApproximateParent(const Hash128& parent) {
+  return Hash128{parent.hi ^ 0x6170707278696d61ULL, parent.lo ^ 0x7465206b76206e73ULL};
+}
+
+}  // namespace
+
+std::vector<Hash128> BlockManager::BlockHashes(std::span<const int32_t> tokens,
+                                               int approx_from) const {
   std::vector<Hash128> out;
   Hash128 parent;
   const size_t bs = opts_.block_size;
   for (size_t i = 0; i + bs <= tokens.size(); i += bs) {
+    if (approx_from >= 0 && static_cast<int>(i / bs) == approx_from) {
+      parent = ApproximateParent(parent);
+    }
     parent = PrefixBlockHash(model_fp_, parent, tokens.subspan(i, bs));
     out.push_back(parent);
   }
   return out;
 }
 
-PrefixMatch BlockManager::MatchPrefix(std::span<const int32_t> tokens) {
+PrefixMatch BlockManager::MatchPrefix(std::span<const int32_t> tokens, bool allow_approximate) {
   PrefixMatch m;
   m.hashes = BlockHashes(tokens);
   if (!opts_.enable_prefix_caching) return m;
-  for (const Hash128& h : m.hashes) {
-    auto it = by_hash_.find(h);
+  const size_t bs = opts_.block_size;
+  Hash128 parent;
+  bool approximate = false;
+  for (size_t i = 0; i < m.hashes.size(); ++i) {
+    if (!approximate) {
+      auto it = by_hash_.find(m.hashes[i]);
+      if (it != by_hash_.end()) {
+        Ref(it->second);
+        m.blocks.push_back(it->second);
+        parent = m.hashes[i];
+        continue;
+      }
+      if (!allow_approximate) break;
+      approximate = true;
+      m.exact_blocks = static_cast<int>(m.blocks.size());
+      parent = ApproximateParent(parent);
+    }
+    parent = PrefixBlockHash(model_fp_, parent, tokens.subspan(i * bs, bs));
+    auto it = by_hash_.find(parent);
     if (it == by_hash_.end()) break;
     Ref(it->second);
     m.blocks.push_back(it->second);
   }
+  if (!approximate) m.exact_blocks = static_cast<int>(m.blocks.size());
   stats_.prefix_queried_blocks += static_cast<int64_t>(m.hashes.size());
   stats_.prefix_hit_blocks += static_cast<int64_t>(m.blocks.size());
   return m;

@@ -30,7 +30,8 @@ struct KvCacheOptions {
 
 struct PrefixMatch {
   std::vector<int32_t> blocks;  // referenced; caller releases them
-  std::vector<Hash128> hashes;  // hash of every full block of the query (matched or not)
+  std::vector<Hash128> hashes;  // exact hash of every full block of the query (matched or not)
+  int exact_blocks = 0;         // leading matched blocks that are exact (the rest approximate)
   int matched_tokens() const { return static_cast<int>(blocks.size()); }  // in blocks
 };
 
@@ -49,10 +50,14 @@ class BlockManager {
   int cached() const { return static_cast<int>(lru_.size()); }
   const BlockStats& stats() const { return stats_; }
 
-  // Hashes of the full blocks of tokens (chained, salted with the model fingerprint).
-  std::vector<Hash128> BlockHashes(std::span<const int32_t> tokens) const;
-  // Longest run of leading full blocks already cached; each returned block is referenced.
-  PrefixMatch MatchPrefix(std::span<const int32_t> tokens);
+  // Hashes of the full blocks of tokens (chained, salted with the model fingerprint). Blocks
+  // from index approx_from on (>= 0) are hashed in the approximate namespace: KV computed with
+  // segment reuse, which only a request that accepts approximate KV may match.
+  std::vector<Hash128> BlockHashes(std::span<const int32_t> tokens, int approx_from = -1) const;
+  // Longest run of leading full blocks already cached; each returned block is referenced. With
+  // allow_approximate the run may continue into approximate blocks after its exact ones (a
+  // chat turn continuing the previous turn's reuse-computed KV); without it, never.
+  PrefixMatch MatchPrefix(std::span<const int32_t> tokens, bool allow_approximate = false);
   // A fresh block with refcount 1, evicting the least recently used cached block if needed.
   absl::StatusOr<int32_t> Allocate();
   // Allocates n blocks, all or nothing.

@@ -10,43 +10,67 @@ std::shared_ptr<const DeviceSegment> DeviceSegmentTier::Get(const Hash128& fp) {
   return it->second.seg;
 }
 
-absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
-    const Hash128& fp, const SegmentKv& kv) {
+std::shared_ptr<const DeviceSegment> DeviceSegmentTier::Peek(const Hash128& fp) const {
+  auto it = map_.find(fp);
+  return it == map_.end() ? nullptr : it->second.seg;
+}
+
+std::shared_ptr<DeviceSegment> DeviceSegmentTier::NewSegment() const {
   Backend* be = be_;
   // Frees the backend tensors when the last user (tier or request) lets go.
-  std::shared_ptr<DeviceSegment> seg(new DeviceSegment(), [be](DeviceSegment* s) {
+  return std::shared_ptr<DeviceSegment>(new DeviceSegment(), [be](DeviceSegment* s) {
     for (Tensor& t : s->k) be->Free(t);
     for (Tensor& t : s->v) be->Free(t);
     delete s;
   });
+}
+
+bool DeviceSegmentTier::Insert(const Hash128& fp, const std::shared_ptr<DeviceSegment>& seg) {
+  if (seg->bytes > capacity_) return false;
+  while (bytes_ + seg->bytes > capacity_ && !lru_.empty()) {
+    auto it = map_.find(lru_.front());
+    bytes_ -= it->second.seg->bytes;
+    map_.erase(it);
+    lru_.pop_front();
+  }
+  auto [it, inserted] = map_.try_emplace(fp);
+  if (inserted) {
+    it->second.seg = seg;
+    it->second.lru = lru_.insert(lru_.end(), fp);
+    bytes_ += seg->bytes;
+  }
+  return true;
+}
+
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
+    const Hash128& fp, const SegmentKv& kv) {
+  std::shared_ptr<DeviceSegment> seg = NewSegment();
   seg->n_tokens = kv.n_tokens;
   auto alloc = [&](int64_t rows, int64_t cols) {
-    return host_ ? be->AllocHost(rows, cols) : be->Alloc(rows, cols);
+    return host_ ? be_->AllocHost(rows, cols) : be_->Alloc(rows, cols);
   };
   for (int l = 0; l < kv.n_layers; ++l) {
     ASSIGN_OR_RETURN(Tensor k, alloc(kv.n_tokens, kv.kv_dim));
     seg->k.push_back(k);
     ASSIGN_OR_RETURN(Tensor v, alloc(kv.n_tokens, kv.kv_dim));
     seg->v.push_back(v);
-    RETURN_IF_ERROR(be->Upload(kv.k[l], seg->k.back()));
-    RETURN_IF_ERROR(be->Upload(kv.v[l], seg->v.back()));
+    RETURN_IF_ERROR(be_->Upload(kv.k[l], seg->k.back()));
+    RETURN_IF_ERROR(be_->Upload(kv.v[l], seg->v.back()));
     seg->bytes += k.bytes() + v.bytes();
   }
-  if (seg->bytes <= capacity_) {
-    while (bytes_ + seg->bytes > capacity_ && !lru_.empty()) {
-      auto it = map_.find(lru_.front());
-      bytes_ -= it->second.seg->bytes;
-      map_.erase(it);
-      lru_.pop_front();
-    }
-    auto [it, inserted] = map_.try_emplace(fp);
-    if (inserted) {
-      it->second.seg = seg;
-      it->second.lru = lru_.insert(lru_.end(), fp);
-      bytes_ += seg->bytes;
-    }
-  }
+  Insert(fp, seg);
   return std::shared_ptr<const DeviceSegment>(seg);
+}
+
+bool DeviceSegmentTier::Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k,
+                              std::vector<Tensor> v) {
+  std::shared_ptr<DeviceSegment> seg = NewSegment();
+  seg->n_tokens = n_tokens;
+  seg->k = std::move(k);
+  seg->v = std::move(v);
+  for (const Tensor& t : seg->k) seg->bytes += t.bytes();
+  for (const Tensor& t : seg->v) seg->bytes += t.bytes();
+  return Insert(fp, seg);  // not kept: seg's deleter frees the tensors now
 }
 
 }  // namespace sparsex

@@ -31,12 +31,20 @@ class DeviceSegmentTier {
   // Copies a host segment into backend memory, caching it when capacity allows.
   absl::StatusOr<std::shared_ptr<const DeviceSegment>> Upload(const Hash128& fp,
                                                               const SegmentKv& kv);
+  // Takes backend tensors already holding a segment's KV (an encoding pass captured them; the
+  // tier frees them); false when the segment exceeds the capacity (then nothing is kept).
+  bool Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k, std::vector<Tensor> v);
+  // Get without counting a hit or touching the LRU order.
+  std::shared_ptr<const DeviceSegment> Peek(const Hash128& fp) const;
   size_t bytes() const { return bytes_; }
   size_t capacity() const { return capacity_; }
   bool host_memory() const { return host_; }
   int64_t hits() const { return hits_; }
 
  private:
+  std::shared_ptr<DeviceSegment> NewSegment() const;
+  // Caches seg when it fits, evicting least recently used entries; false when it cannot fit.
+  bool Insert(const Hash128& fp, const std::shared_ptr<DeviceSegment>& seg);
   struct Entry {
     std::shared_ptr<const DeviceSegment> seg;
     std::list<Hash128>::iterator lru;

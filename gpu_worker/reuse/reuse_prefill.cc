@@ -63,51 +63,162 @@ Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens,
   return SegmentFingerprint(engine_->model().fingerprint(), tokens, encoding);
 }
 
-absl::StatusOr<SegmentKv> ReuseEngine::Encode(const std::vector<int32_t>& tokens,
-                                              const std::string& encoding) {
+ReuseEngine::~ReuseEngine() { EndEncoding(); }
+
+absl::Status ReuseEngine::BeginEncoding(const Hash128& fp, const std::vector<int32_t>& tokens,
+                                        const std::string& encoding) {
+  EndEncoding();
   ASSIGN_OR_RETURN(std::vector<int32_t> ctx,
                    EncodingContext(encoding, engine_->model().tokenizer().bos_id()));
-  const int c = static_cast<int>(ctx.size());
   std::vector<int32_t> all = ctx;
   all.insert(all.end(), tokens.begin(), tokens.end());
   if (static_cast<int>(all.size()) > engine_->model().config().max_seq_len) {
     return absl::InvalidArgumentError("segment longer than the context length");
   }
+  auto j = std::make_unique<EncodeJob>();
+  j->fp = fp;
+  j->n_tokens = static_cast<int>(tokens.size());
+  j->ctx = static_cast<int>(ctx.size());
+  // With a device tier the K/V stay in backend memory (the compute dtype): no host round trip.
+  j->cap.on_backend = tier_.capacity() > 0;
   // Fresh blocks, no prefix matching: every row must pass through every layer to be captured.
-  Sequence seq;
-  seq.tokens = all;
-  RETURN_IF_ERROR(engine_->EnsureCapacity(seq, static_cast<int>(all.size())));
-  ModelRunner& r = engine_->runner();
+  j->seq.tokens = all;
   const int n = static_cast<int>(all.size());
-  std::vector<int32_t> pos(n);
-  for (int i = 0; i < n; ++i) pos[i] = i;
-  const std::vector<int32_t> slots = engine_->CtxSlots(seq, n);
-  KvCapture cap;
-  absl::Status st;
-  auto x = r.Embed(all);
-  if (!x.ok()) st = x.status();
-  if (st.ok()) {
-    TensorGuard g{&r.backend(), *x};
-    LayerRows rows{pos, slots, slots};
-    for (int l = 0; l < r.config().n_layers && st.ok(); ++l) st = r.Layer(l, g.t, rows, nullptr, &cap);
+  RETURN_IF_ERROR(engine_->EnsureCapacity(j->seq, n));
+  job_ = std::move(j);
+  job_->pos.resize(n);
+  for (int i = 0; i < n; ++i) job_->pos[i] = i;
+  job_->slots = engine_->CtxSlots(job_->seq, n);
+  auto x = engine_->runner().Embed(all);
+  if (!x.ok()) {
+    EndEncoding();
+    return x.status();
   }
-  engine_->Release(seq);
-  RETURN_IF_ERROR(st);
-  SegmentKv kv;
-  kv.n_tokens = static_cast<int>(tokens.size());
-  kv.n_layers = r.config().n_layers;
-  kv.kv_dim = r.kv_dim();
-  const size_t kd = kv.kv_dim;
-  for (int l = 0; l < kv.n_layers; ++l) {
-    if (c == 0) {  // no encoding context: the captured rows are the segment's (no copy)
-      kv.k.push_back(std::move(cap.k[l]));
-      kv.v.push_back(std::move(cap.v[l]));
-    } else {
-      kv.k.emplace_back(cap.k[l].begin() + c * kd, cap.k[l].end());
-      kv.v.emplace_back(cap.v[l].begin() + c * kd, cap.v[l].end());
+  job_->x = *x;
+  job_->has_x = true;
+  return absl::OkStatus();
+}
+
+absl::Status ReuseEngine::StepEncoding(int max_layers) {
+  ModelRunner& r = engine_->runner();
+  EncodeJob& j = *job_;
+  LayerRows rows{j.pos, j.slots, j.slots};
+  for (int k = 0; k < max_layers && j.next_layer < r.config().n_layers; ++k, ++j.next_layer) {
+    absl::Status st = r.Layer(j.next_layer, j.x, rows, nullptr, &j.cap);
+    if (!st.ok()) {
+      EndEncoding();
+      return st;
     }
   }
-  return kv;
+  return absl::OkStatus();
+}
+
+void ReuseEngine::EndEncoding() {
+  if (!job_) return;
+  Backend& be = engine_->runner().backend();
+  if (job_->has_x) be.Free(job_->x);
+  engine_->Release(job_->seq);
+  for (Tensor& t : job_->cap.dk) be.Free(t);
+  for (Tensor& t : job_->cap.dv) be.Free(t);
+  job_.reset();
+}
+
+absl::StatusOr<bool> ReuseEngine::FinishEncoding() {
+  Backend& be = engine_->runner().backend();
+  EncodeJob& j = *job_;
+  // The pass's activations and KV blocks go first; only the captured K/V remain.
+  be.Free(j.x);
+  j.has_x = false;
+  engine_->Release(j.seq);
+  const int n = j.n_tokens, c = j.ctx, L = engine_->model().config().n_layers;
+  const int kd = engine_->runner().kv_dim();
+  const Hash128 fp = j.fp;
+  SegmentKv kv;
+  kv.n_tokens = n;
+  kv.n_layers = L;
+  kv.kv_dim = kd;
+  if (j.cap.on_backend) {
+    if (c > 0) {  // drop the encoding context's rows
+      for (std::vector<Tensor>* side : {&j.cap.dk, &j.cap.dv}) {
+        for (Tensor& t : *side) {
+          auto part = be.Alloc(n, t.cols);
+          absl::Status st = part.ok() ? be.CopyRows(t, c, *part, 0, n) : part.status();
+          be.Free(t);
+          if (part.ok()) t = *part;
+          if (!st.ok()) {
+            EndEncoding();
+            return st;
+          }
+        }
+      }
+    }
+    size_t bytes = 0;
+    for (const Tensor& t : j.cap.dk) bytes += t.bytes();
+    for (const Tensor& t : j.cap.dv) bytes += t.bytes();
+    if (bytes <= tier_.capacity()) {
+      tier_.Adopt(fp, n, std::move(j.cap.dk), std::move(j.cap.dv));
+      j.cap.dk.clear();
+      j.cap.dv.clear();
+      EndEncoding();
+      unspilled_.emplace_back(fp, n);
+      return false;
+    }
+    // Larger than the whole tier: to the host store from the captured tensors.
+    for (int l = 0; l < L; ++l) {
+      kv.k.emplace_back(static_cast<size_t>(n) * kd);
+      kv.v.emplace_back(static_cast<size_t>(n) * kd);
+      absl::Status st = be.Download(j.cap.dk[l], kv.k.back());
+      if (st.ok()) st = be.Download(j.cap.dv[l], kv.v.back());
+      if (!st.ok()) {
+        EndEncoding();
+        return st;
+      }
+    }
+  } else {
+    for (int l = 0; l < L; ++l) {
+      if (c == 0) {  // no encoding context: the captured rows are the segment's (no copy)
+        kv.k.push_back(std::move(j.cap.k[l]));
+        kv.v.push_back(std::move(j.cap.v[l]));
+      } else {
+        kv.k.emplace_back(j.cap.k[l].begin() + static_cast<size_t>(c) * kd, j.cap.k[l].end());
+        kv.v.emplace_back(j.cap.v[l].begin() + static_cast<size_t>(c) * kd, j.cap.v[l].end());
+      }
+    }
+  }
+  EndEncoding();
+  RETURN_IF_ERROR(store_->Put(fp, std::move(kv)));
+  return store_->Contains(fp);
+}
+
+absl::StatusOr<bool> ReuseEngine::StoreSegment(const Hash128& fp,
+                                               const std::vector<int32_t>& tokens,
+                                               const std::string& encoding) {
+  RETURN_IF_ERROR(BeginEncoding(fp, tokens, encoding));
+  RETURN_IF_ERROR(StepEncoding(engine_->model().config().n_layers));
+  return FinishEncoding();
+}
+
+absl::StatusOr<StoreProgress> ReuseEngine::StoreStep(const std::vector<int32_t>& tokens,
+                                                     const ReuseOptions* override_opts,
+                                                     int max_layers) {
+  const ReuseOptions& o = override_opts ? *override_opts : opts_;
+  if (tokens.empty()) return StoreProgress::kHeld;
+  const Hash128 fp = Fingerprint(tokens, o.encoding);
+  if (!job_ || job_->fp != fp) {
+    if (Holds(fp)) {
+      EndEncoding();
+      return StoreProgress::kHeld;
+    }
+    RETURN_IF_ERROR(BeginEncoding(fp, tokens, o.encoding));
+  }
+  RETURN_IF_ERROR(StepEncoding(max_layers));
+  if (job_->next_layer < engine_->model().config().n_layers) return StoreProgress::kRunning;
+  ASSIGN_OR_RETURN(const bool in_store, FinishEncoding());
+  return in_store ? StoreProgress::kInStore : StoreProgress::kInTier;
+}
+
+bool ReuseEngine::Holds(const Hash128& fp) const {
+  return tier_.Peek(fp) != nullptr || host_tier_.Peek(fp) != nullptr || store_->Contains(fp);
 }
 
 absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,
@@ -115,9 +226,49 @@ absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,
   const ReuseOptions& o = override_opts ? *override_opts : opts_;
   if (tokens.empty()) return absl::OkStatus();
   const Hash128 fp = Fingerprint(tokens, o.encoding);
-  if (store_->Contains(fp)) return absl::OkStatus();
-  ASSIGN_OR_RETURN(SegmentKv kv, Encode(tokens, o.encoding));
-  return store_->Put(fp, std::move(kv));
+  if (Holds(fp)) return absl::OkStatus();
+  return StoreSegment(fp, tokens, o.encoding).status();
+}
+
+absl::StatusOr<std::optional<std::pair<Hash128, int>>> ReuseEngine::SpillOne(int max_layers) {
+  using Done = std::optional<std::pair<Hash128, int>>;
+  Backend& be = engine_->runner().backend();
+  const int L = engine_->model().config().n_layers;
+  const int kd = engine_->runner().kv_dim();
+  while (!spill_ && !unspilled_.empty()) {
+    const auto [fp, n] = unspilled_.front();
+    unspilled_.pop_front();
+    std::shared_ptr<const DeviceSegment> seg = tier_.Peek(fp);
+    if (seg == nullptr || store_->Contains(fp)) continue;  // evicted meanwhile, or stored
+    spill_.emplace();
+    spill_->fp = fp;
+    spill_->seg = std::move(seg);
+    spill_->kv.n_tokens = spill_->seg->n_tokens;
+    spill_->kv.n_layers = L;
+    spill_->kv.kv_dim = kd;
+  }
+  if (!spill_) return Done();
+  SpillJob& j = *spill_;
+  // The job holds the segment (shared ownership), so a tier eviction meanwhile is harmless.
+  for (int done = 0; done < max_layers && j.next_layer < L; ++done, ++j.next_layer) {
+    const int l = j.next_layer;
+    j.kv.k.emplace_back(static_cast<size_t>(j.kv.n_tokens) * kd);
+    j.kv.v.emplace_back(static_cast<size_t>(j.kv.n_tokens) * kd);
+    absl::Status st = be.Download(j.seg->k[l], j.kv.k.back());
+    if (st.ok()) st = be.Download(j.seg->v[l], j.kv.v.back());
+    if (!st.ok()) {
+      spill_.reset();
+      return st;
+    }
+  }
+  if (j.next_layer < L) return Done();
+  const Hash128 fp = j.fp;
+  const int n = j.kv.n_tokens;
+  absl::Status st = store_->Put(fp, std::move(j.kv));
+  spill_.reset();
+  RETURN_IF_ERROR(st);
+  if (!store_->Contains(fp)) return Done();
+  return Done({fp, n});
 }
 
 absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<PromptSegment>& segs,
@@ -142,7 +293,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     return absl::OkStatus();
   };
   const int32_t bos = add_bos ? engine_->model().tokenizer().bos_id() : -1;
-  ASSIGN_OR_RETURN(Sequence seq, engine_->Admit(PromptTokens(segs, bos)));
+  ASSIGN_OR_RETURN(Sequence seq,
+                   engine_->Admit(PromptTokens(segs, bos), o.register_approximate_prefix));
   ReusePrefillResult res;
   ReuseStats& st = res.stats;
   const int P = seq.cached_prefix;
@@ -422,12 +574,12 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   // turns store_new_segments off), register blocks for prefix reuse ----
   for (int s : plan.missing) {
     const SegmentPlan& sp = plan.segments[s];
-    if (store_->Contains(sp.fp)) continue;
+    if (Holds(sp.fp)) continue;
     const int n = sp.end - sp.begin;
     if (o.enable_reuse && o.store_new_segments) {
-      ASSIGN_OR_RETURN(SegmentKv kv, Encode(segs[s].tokens, o.encoding));
-      RETURN_IF_ERROR(store_->Put(sp.fp, std::move(kv)));
-      if (store_->Contains(sp.fp)) res.stored.emplace_back(sp.fp, n);
+      // In the device tier the segment is reported once SpillOne copied it to the host store.
+      ASSIGN_OR_RETURN(const bool in_store, StoreSegment(sp.fp, segs[s].tokens, o.encoding));
+      if (in_store) res.stored.emplace_back(sp.fp, n);
     } else if (o.enable_reuse) {
       res.missing.emplace_back(s, sp.fp);
     }
@@ -444,8 +596,10 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       }
     }
   }
+  // A prefix matched in the approximate namespace ends the exact KV where it starts.
+  if (seq.exact_prefix < P) st.exact_tokens = std::min(st.exact_tokens, seq.exact_prefix);
   if (o.register_prefix) {
-    engine_->RegisterPrefix(seq, o.register_approximate_prefix ? -1 : st.exact_tokens);
+    engine_->RegisterPrefix(seq, st.exact_tokens, o.register_approximate_prefix);
   }
   guard.armed = false;
   res.seq = std::move(seq);

@@ -13,7 +13,11 @@
 //   // r.logits: next-token logits; r.seq: the request's KV (continue with engine->Step).
 #pragma once
 
+#include <deque>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_worker/engine/engine.h"
@@ -45,8 +49,11 @@ struct ReuseOptions {
   bool store_new_segments = true;    // encode and store missing segments. Default: true
   // Register the request's blocks for exact-prefix reuse. Only blocks before the first token
   // whose KV is approximate (a reused token not recomputed in every layer) are exact; later
-  // blocks are registered only with register_approximate_prefix, which lets a follow-up see
-  // exactly the KV this request used instead of re-running reuse. Default: true / false
+  // blocks are registered only with register_approximate_prefix, in a separate (approximate)
+  // namespace which this option also lets the request match: a follow-up that extends this
+  // prompt (the next chat turn) continues on exactly the KV this request used instead of
+  // re-running reuse over its whole history. Requests with reuse off never match those blocks.
+  // Default: true / false (the worker turns it on: --approximate_prefix)
   bool register_prefix = true;
   bool register_approximate_prefix = false;
   uint64_t seed = 0;                 // random selector seed. Default: 0
@@ -85,6 +92,10 @@ struct ReusePrefillResult {
   std::vector<std::pair<int, Hash128>> missing;
 };
 
+// Where a sliced store (ReuseEngine::StoreStep) stands: still encoding; done, in the device
+// tier (reported once SpillOne copied it); done, in the host store; already held (no work).
+enum class StoreProgress { kRunning, kInTier, kInStore, kHeld };
+
 class ReuseEngine {
  public:
   // device_tier_bytes: backend memory kept for segment KV across requests (the GPU tier).
@@ -99,6 +110,9 @@ class ReuseEngine {
         opts_(std::move(opts)),
         tier_(&engine->runner().backend(), device_tier_bytes),
         host_tier_(&engine->runner().backend(), host_tier_bytes, /*host_memory=*/true) {}
+  ~ReuseEngine();  // ends a store in progress (its KV blocks go back to the engine)
+  ReuseEngine(const ReuseEngine&) = delete;
+  ReuseEngine& operator=(const ReuseEngine&) = delete;
   DeviceSegmentTier& device_tier() { return tier_; }
   DeviceSegmentTier& host_tier() { return host_tier_; }
   const ReuseOptions& options() const { return opts_; }
@@ -108,9 +122,29 @@ class ReuseEngine {
   absl::StatusOr<ReusePrefillResult> Prefill(const std::vector<PromptSegment>& segments,
                                              bool add_bos = true,
                                              const ReuseOptions* override_opts = nullptr);
-  // Encodes one segment in the configured context and stores its KV (idempotent).
+  // Encodes one segment in the configured context and stores its KV (idempotent). With a
+  // device tier (capacity > 0) the KV goes there straight from the encoding pass, in the
+  // compute dtype, and reaches the host store only through SpillOne: on a GPU a store then
+  // costs the encoding pass alone instead of downloading and checksumming fp32 KV (measured on
+  // the H200: ~0.45 s per 2000-token segment of an 8B model, docs/benchmarks.md).
   absl::Status EnsureStored(const std::vector<int32_t>& tokens,
                             const ReuseOptions* override_opts = nullptr);
+  // EnsureStored in slices of at most max_layers layers, for a caller that interleaves it with
+  // other work (the scheduler between decode steps): starts the segment's encoding (ending
+  // one of another segment in progress) or continues it. kRunning until the last slice.
+  absl::StatusOr<StoreProgress> StoreStep(const std::vector<int32_t>& tokens,
+                                          const ReuseOptions* override_opts, int max_layers);
+  // Copies the oldest segment stored only in the device tier into the host store (where the
+  // cluster write-back and the router's events take it from), at most max_layers layers per
+  // call so that a caller between requests never holds the engine long (on the H200 a
+  // 2000-token segment of an 8B model is ~0.4 s of download and checksums in all). Returns its
+  // fingerprint and tokens once the copy is complete; nullopt when it is not yet, or none
+  // waits (a segment evicted from the tier before its copy started is skipped).
+  absl::StatusOr<std::optional<std::pair<Hash128, int>>> SpillOne(int max_layers = 1 << 30);
+  // Segments stored in the device tier whose host copy is not complete.
+  size_t unspilled() const { return unspilled_.size() + (spill_ ? 1 : 0); }
+  // In any tier or the host store.
+  bool Holds(const Hash128& fp) const;
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
   // Prefill + decode; stats of the prefill are returned through stats when non-null.
   absl::StatusOr<GenerateResult> Generate(const std::vector<PromptSegment>& segments,
@@ -118,8 +152,36 @@ class ReuseEngine {
                                           ReuseStats* stats = nullptr);
 
  private:
-  absl::StatusOr<SegmentKv> Encode(const std::vector<int32_t>& tokens,
-                                   const std::string& encoding);
+  // A segment's encoding pass (after its encoding context), run layer by layer.
+  struct EncodeJob {
+    Hash128 fp;
+    int n_tokens = 0, ctx = 0;  // the segment's tokens; encoding-context rows before them
+    Sequence seq;               // KV blocks of the pass (released when it ends)
+    std::vector<int32_t> pos, slots;
+    Tensor x;  // residual stream
+    bool has_x = false;
+    KvCapture cap;  // on_backend with a device tier
+    int next_layer = 0;
+  };
+  // Starts job_ (ending any other): blocks, embedding.
+  absl::Status BeginEncoding(const Hash128& fp, const std::vector<int32_t>& tokens,
+                             const std::string& encoding);
+  absl::Status StepEncoding(int max_layers);  // ends the job on an error
+  // Stores the finished job's KV: the device tier when it fits (false: waits for SpillOne),
+  // else the host store (true when it is there now, reportable). Ends the job.
+  absl::StatusOr<bool> FinishEncoding();
+  void EndEncoding();  // frees what the job holds
+  absl::StatusOr<bool> StoreSegment(const Hash128& fp, const std::vector<int32_t>& tokens,
+                                    const std::string& encoding);
+  std::unique_ptr<EncodeJob> job_;
+  std::deque<std::pair<Hash128, int>> unspilled_;
+  struct SpillJob {  // the host copy in progress
+    Hash128 fp;
+    std::shared_ptr<const DeviceSegment> seg;
+    SegmentKv kv;
+    int next_layer = 0;
+  };
+  std::optional<SpillJob> spill_;
   Engine* engine_;
   SegmentStore* store_;
   ReuseOptions opts_;

@@ -25,7 +25,8 @@ int main(int argc, char** argv) {
   bool prefix_caching = o.scheduler.engine.kv.enable_prefix_caching;
   int64_t host_store_mb = -1;  // per device below
   int prefill_chunk = -1;      // per device below
-  int store_while_busy = -1;   // per device below
+  int store_while_busy = 1;
+  int approximate_prefix = -1;  // per device below
   int64_t device_tier_mb = -1;
   int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
@@ -57,11 +58,17 @@ int main(int argc, char** argv) {
         "store missing segments after the first token (off the TTFT path)");
   f.Add("store_while_busy", &store_while_busy,
         "1: deferred segment stores also run while sequences decode; 0: only when idle, an "
-        "overflowing backlog is dropped (default -1: 1 on cpu, 0 on cuda)");
+        "overflowing backlog is dropped (default 1; with a device tier a store costs one "
+        "encoding pass)");
   f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
+  f.Add("approximate_prefix", &approximate_prefix,
+        "reuse: register a reuse request's blocks past its exact KV (generated ones too) in an "
+        "approximate prefix namespace that later reuse requests match, so a chat turn continues "
+        "on the previous turn's KV; requests with reuse off never match them (default -1: 1 "
+        "with --device cuda, else 0)");
   f.Add("host_store_mb", &host_store_mb,
         "host segment store capacity in MiB (with --tp N: split evenly over the ranks; default "
         "-1: 1024 on cpu, 8192 on cuda, where one 2000-token segment of an 8B model is 512 MiB "
@@ -103,8 +110,9 @@ int main(int argc, char** argv) {
   if (host_store_mb < 0) host_store_mb = cuda ? 8192 : static_cast<int64_t>(o.host_store_bytes >> 20);
   if (prefill_chunk < 0) prefill_chunk = cuda ? 2048 : o.scheduler.prefill_chunk;
   o.scheduler.prefill_chunk = prefill_chunk;
-  if (store_while_busy < 0) store_while_busy = cuda ? 0 : 1;
   o.scheduler.store_while_busy = store_while_busy != 0;
+  if (approximate_prefix < 0) approximate_prefix = cuda ? 1 : 0;
+  o.scheduler.reuse.register_approximate_prefix = approximate_prefix != 0;
   o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;
   if (device_tier_mb < 0) device_tier_mb = cuda ? 8192 : 0;
   o.scheduler.device_tier_bytes = static_cast<size_t>(device_tier_mb) << 20;

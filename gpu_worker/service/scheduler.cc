@@ -54,6 +54,7 @@ struct BatchScheduler::Active {
   RequestUsage usage;
   Clock::time_point t_last;
   bool first_done = false;
+  int exact_tokens = 0;  // reuse: leading prompt tokens whose KV is exact
 };
 
 BatchScheduler::BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
@@ -255,7 +256,8 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
     {
       std::unique_lock<std::mutex> l(mu_);
       cv_.wait(l, [this] {
-        return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty();
+        return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty() ||
+               group_->unspilled() > 0;
       });
       if (stop_) break;
     }
@@ -348,28 +350,60 @@ void BatchScheduler::Iteration() {
   // Without store_while_busy: only when idle, and an overflowing backlog loses its oldest.
   if (!opts_.store_while_busy) {
     while (static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
-      pending_stores_.pop_front();
-      ++stores_dropped_;
+      DropOldestStore();
     }
     if (!prefilled && decoding.empty() && active_.empty()) StoreOne();
   } else if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
     StoreOne();
   }
+  // 6. Idle: copy one segment the device tier holds alone to the host store (download and
+  // checksums: too slow for an iteration that decodes), then report it (write-back, events).
+  if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty()) SpillOne();
+}
+
+void BatchScheduler::SpillOne() {
+  // A couple of layers per iteration: a request arriving meanwhile waits for those only.
+  auto r = group_->SpillOne(/*max_layers=*/2);
+  if (r.ok() && r->has_value() && hooks_.on_segments_stored) {
+    hooks_.on_segments_stored({**r});
+  }
 }
 
 bool BatchScheduler::StoreOne() {
   while (!pending_stores_.empty()) {
-    PendingStore p = std::move(pending_stores_.front());
+    PendingStore& p = pending_stores_.front();
+    if (!p.started) {
+      if (group_->Holds(p.fp)) {  // stored meanwhile (another request)
+        pending_stores_.pop_front();
+        continue;
+      }
+      // The encoding pass holds KV blocks across iterations: admission counts them.
+      p.started = true;
+      p.reserve = static_cast<int>(p.tokens.size()) / block_size_ + 2;
+      reserved_blocks_ += p.reserve;
+    }
+    auto r = group_->StoreStep(p.tokens, &p.opts,
+                               opts_.store_slice_layers > 0 ? opts_.store_slice_layers : 1 << 30);
+    if (r.ok() && *r == StoreProgress::kRunning) return true;
+    // Done, or failed (e.g. no free KV blocks for the encoding pass: only the store is lost).
+    // A segment in the device tier is reported once SpillOne copied it to the host store.
+    const Hash128 fp = p.fp;
+    const int n = static_cast<int>(p.tokens.size());
+    reserved_blocks_ -= p.reserve;
     pending_stores_.pop_front();
-    if (store_->Contains(p.fp)) continue;  // stored meanwhile (another request)
-    // A failure (e.g. no free KV blocks for the encoding pass) only loses the store.
-    if (group_->EnsureStored(p.tokens, &p.opts).ok() && store_->Contains(p.fp) &&
-        hooks_.on_segments_stored) {
-      hooks_.on_segments_stored({{p.fp, static_cast<int>(p.tokens.size())}});
+    if (r.ok() && *r == StoreProgress::kInStore && hooks_.on_segments_stored) {
+      hooks_.on_segments_stored({{fp, n}});
     }
     return true;
   }
   return false;
+}
+
+void BatchScheduler::DropOldestStore() {
+  PendingStore& p = pending_stores_.front();
+  if (p.started) reserved_blocks_ -= p.reserve;  // its pass ends with the next store's start
+  pending_stores_.pop_front();
+  ++stores_dropped_;
 }
 
 bool BatchScheduler::PrefillOne(Active& a) {
@@ -394,6 +428,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     a.usage.new_tokens = st.new_tokens;
     a.usage.segments_hit = st.segments_hit;
     a.usage.compute_share = st.compute_share;
+    a.exact_tokens = st.exact_tokens;
     if (defer) {
       for (const auto& [i, fp] : r->missing) {
         bool queued = false;
@@ -510,8 +545,14 @@ void BatchScheduler::Finish(Active& a, const std::string& reason, absl::Status s
   if (a.state == Active::State::kDone) return;
   if (a.has_seq) {
     // A plain prefill is exact: its blocks (generated ones too) serve later exact prefixes.
-    if (a.plain && status.ok() && a.state == Active::State::kDecode && a.w.reuse.register_prefix) {
-      group_->RegisterPrefix(a.seq);
+    // After a reuse prefill the blocks past its exact tokens (generated ones too) go to the
+    // approximate namespace when the request allows it: the next chat turn continues on them.
+    if (status.ok() && a.state == Active::State::kDecode && a.w.reuse.register_prefix) {
+      if (a.plain || a.exact_tokens >= a.usage.prompt_tokens) {
+        group_->RegisterPrefix(a.seq);
+      } else if (a.w.reuse.register_approximate_prefix) {
+        group_->RegisterPrefix(a.seq, a.exact_tokens, /*approximate_rest=*/true);
+      }
     }
     group_->Release(a.seq);
     a.has_seq = false;
@@ -549,6 +590,7 @@ void BatchScheduler::PublishLoad() {
   load_.running_tokens = tokens;
   load_.pending_stores = static_cast<int>(pending_stores_.size());
   load_.stores_dropped = stores_dropped_;
+  if (group_) load_.unspilled_segments = static_cast<int>(group_->unspilled());
   if (group_) {
     load_.kv_blocks_total = group_->engine().blocks().num_blocks();
     load_.kv_blocks_free = group_->engine().blocks().available();

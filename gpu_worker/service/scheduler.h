@@ -55,18 +55,22 @@ struct SchedulerOptions {
   // (they run as deferred engine work, one per iteration), so storing never adds to TTFT.
   // Default: true
   bool defer_segment_stores = true;
+  // Layers of a deferred store's encoding pass run per iteration (the rest in later ones), so
+  // a store delays the decoding sequences by a slice, not a whole pass; 0: the whole pass.
+  // On the H200 an 8B model's 2000-token segment is ~2 ms per layer. Default: 8
+  int store_slice_layers = 8;
   // Threads that run WorkItem::remote_fetch (the "waiting for remote KV" state). Default: 2
   int fetch_threads = 2;
   // Deferred stores waiting beyond this many run even in iterations that prefill (or, without
   // store_while_busy, are dropped oldest first). Default: 16
   int max_pending_stores = 16;
-  // Run deferred stores in iterations that decode. A store encodes the segment alone and copies
-  // its KV to the host store: on an H200 with an 8B model that is hundreds of milliseconds per
-  // 2000-token segment, which every decoding sequence would wait for (measured: chat p50 TPOT
-  // 585 ms vs 7.5 ms without reuse; docs/benchmarks.md). false: stores run only when nothing
-  // decodes or prefills, and a backlog beyond max_pending_stores is dropped (counted in
-  // SchedulerLoad::stores_dropped; the segment is computed again when it recurs).
-  // Default: true (the worker sets false on a GPU)
+  // Run deferred stores in iterations that decode. A store encodes the segment alone; with a
+  // device tier its KV stays in backend memory (the host copy waits for an idle iteration), so
+  // on an H200 a 2000-token segment of an 8B model costs one ~70 ms encoding pass; without
+  // one it also downloads fp32 KV (~0.45 s there: chat p50 TPOT 585 ms vs 7.5 ms without
+  // reuse, docs/benchmarks.md). false: stores run only when nothing decodes or prefills, and a
+  // backlog beyond max_pending_stores is dropped (counted in SchedulerLoad::stores_dropped;
+  // the segment is computed again when it recurs). Default: true
   bool store_while_busy = true;
   // Backend memory kept for segment KV across requests (ReuseEngine's device tier: assembly
   // without a host round trip on a GPU); 0 copies from the host store per request. Default: 0
@@ -139,6 +143,7 @@ struct SchedulerLoad {
   int64_t iterations = 0;
   int pending_stores = 0;  // deferred segment stores not yet run
   int64_t stores_dropped = 0;  // deferred stores dropped (store_while_busy off, backlog full)
+  int unspilled_segments = 0;  // stored in the device tier, not yet in the host store
 };
 
 // Observer hooks, called on the engine thread (keep them short).
@@ -203,8 +208,10 @@ class BatchScheduler {
   // One decode step for all of them in one batched forward pass (StepBatch); on an error, one
   // at a time so that only the failing request fails.
   void DecodeAll(const std::vector<Active*>& step);
-  // Runs one deferred segment store; false when there was none.
+  // Runs one slice of the oldest deferred segment store; false when there was none.
   bool StoreOne();
+  // Copies one device-tier-only segment to the host store and reports it (idle iterations).
+  void SpillOne();
   // Emits a sampled token; returns false when the request finished.
   bool SampleAndEmit(Active& a, std::span<const float> logits);
   bool Emit(Active& a, int32_t token);
@@ -230,7 +237,10 @@ class BatchScheduler {
     Hash128 fp;
     std::vector<int32_t> tokens;
     ReuseOptions opts;
+    bool started = false;  // its encoding pass is in progress (holds KV blocks)
+    int reserve = 0;       // blocks counted in reserved_blocks_ while started
   };
+  void DropOldestStore();
   std::deque<PendingStore> pending_stores_;
   int64_t stores_dropped_ = 0;
 

@@ -79,6 +79,9 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   iterations = &r.AddGauge("sparsex_worker_iterations", "Engine iterations run.").Get();
   pending_stores =
       &r.AddGauge("sparsex_worker_pending_stores", "Deferred segment stores waiting.").Get();
+  unspilled_segments = &r.AddGauge("sparsex_worker_unspilled_segments",
+                                   "Segments stored in the device tier only (host copy waits "
+                                   "for an idle iteration).").Get();
   waiting_remote = &r.AddGauge("sparsex_worker_waiting_remote",
                                "Requests waiting for their cache-cluster fetch.")
                         .Get();

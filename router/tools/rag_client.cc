@@ -102,7 +102,7 @@ double Mean(const std::vector<double>& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string target = "127.0.0.1:50051", docs_path, json_path, model;
+  std::string target = "127.0.0.1:50051", docs_path, json_path, ids_path, model;
   int requests = 60, pool = 40, per_request = 3, max_tokens = 24, fidelity_every = 3;
   int doc_chars = 500, timeout_ms = 60000, wait_ready_s = 60;
   uint64_t seed = 1;
@@ -123,6 +123,9 @@ int main(int argc, char** argv) {
   f.Add("timeout_ms", &timeout_ms, "per-request deadline");
   f.Add("wait_ready_s", &wait_ready_s, "wait this long for a healthy cluster");
   f.Add("json", &json_path, "also write the summary as JSON here");
+  f.Add("ids_out", &ids_path,
+        "also write every request's greedy token ids here, one line each: <index> reuse|base "
+        "<ids...> (compares clusters, e.g. the GPU's full prefill with the CPU's)");
   f.Add("progress", &progress, "show a progress line on stderr");
   if (auto s = f.Parse(argc, argv); !s.ok() || docs_path.empty()) {
     std::cerr << "sparsex-rag: " << (s.ok() ? "--docs is required" : std::string(s.message()))
@@ -170,6 +173,14 @@ int main(int argc, char** argv) {
   int ok = 0, failed = 0, samples = 0, exact = 0, first_agree = 0;
   double agree_sum = 0, position_sum = 0;
   std::string last_error;
+  std::ofstream ids_out;
+  if (!ids_path.empty()) ids_out.open(ids_path);
+  auto write_ids = [&](int i, const char* kind, const std::vector<int32_t>& ids) {
+    if (!ids_out.is_open()) return;
+    ids_out << i << ' ' << kind;
+    for (int32_t t : ids) ids_out << ' ' << t;
+    ids_out << '\n';
+  };
   for (int i = 0; i < requests; ++i) {
     std::vector<int> chosen;
     while (static_cast<int>(chosen.size()) < per_request) {
@@ -193,6 +204,7 @@ int main(int argc, char** argv) {
       last_error = r.error;
     } else {
       ++ok;
+      write_ids(i, "reuse", r.ids);
       ttft_reuse.push_back(r.ttft_ms);
       reused += r.usage.reused_tokens();
       recomputed += r.usage.recomputed_tokens();
@@ -209,6 +221,7 @@ int main(int argc, char** argv) {
         Result b = Run(stub.get(), base, timeout_ms);
         if (b.ok) {
           ++samples;
+          write_ids(i, "base", b.ids);
           ttft_base.push_back(b.ttft_ms);
           worker_ttft_base.push_back(b.usage.ttft_ms());
           ttft_reuse_sampled.push_back(r.ttft_ms);

@@ -54,6 +54,34 @@ TEST(BlockManager, PrefixReuseAndRefcounts) {
   bm.ReleaseAll(m2.blocks);
 }
 
+// Reuse-computed KV lives in its own namespace: exact lookups never match it, approximate ones
+// continue into it after the exact blocks (and never back out of it).
+TEST(BlockManager, ApproximateBlocksAreOnlyMatchedWhenAllowed) {
+  BlockManager bm({.block_size = 4, .num_blocks = 8}, Fp());
+  auto t = Tokens(16);
+  auto exact = bm.BlockHashes(t);
+  auto approx = bm.BlockHashes(t, /*approx_from=*/1);
+  ASSERT_EQ(approx.size(), 4u);
+  EXPECT_EQ(approx[0], exact[0]);
+  for (int i = 1; i < 4; ++i) EXPECT_NE(approx[i], exact[i]) << i;
+  auto blocks = bm.AllocateN(3);
+  ASSERT_TRUE(blocks.ok());
+  for (int i = 0; i < 3; ++i) bm.Register((*blocks)[i], approx[i]);
+  PrefixMatch plain = bm.MatchPrefix(t);
+  EXPECT_EQ(plain.blocks.size(), 1u);  // the exact block only
+  EXPECT_EQ(plain.exact_blocks, 1);
+  bm.ReleaseAll(plain.blocks);
+  PrefixMatch m = bm.MatchPrefix(t, /*allow_approximate=*/true);
+  EXPECT_EQ(m.blocks, *blocks);
+  EXPECT_EQ(m.exact_blocks, 1);
+  bm.ReleaseAll(m.blocks);
+  // A chain that is approximate from block 0 on.
+  auto t2 = Tokens(8, 100);
+  auto a2 = bm.BlockHashes(t2, 0);
+  EXPECT_NE(a2[0], bm.BlockHashes(t2)[0]);
+  bm.ReleaseAll(*blocks);
+}
+
 TEST(BlockManager, LruEvictionOfUnreferencedCachedBlocks) {
   BlockManager bm({.block_size = 2, .num_blocks = 3}, Fp());
   auto t = Tokens(6);

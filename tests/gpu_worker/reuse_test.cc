@@ -216,6 +216,102 @@ TEST_F(ReuseTest, ConversationKeepsItsExactPrefixGrowing) {
   }
 }
 
+// With register_approximate_prefix a reuse request's blocks past its exact KV go to the
+// approximate namespace: the next turn (same prompt + more) continues on them instead of running
+// reuse over its whole history again, while a request with reuse off never sees them.
+TEST_F(ReuseTest, ApproximatePrefixServesTheNextTurnButNeverAPlainRequest) {
+  EngineOptions eo;  // prefix caching on
+  auto e = Engine::Create(*model_, eo);
+  ASSERT_TRUE(e.ok());
+  std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB), c = Enc(kDocC), q = Enc(kQ);
+  for (const auto& s : {a, b}) ASSERT_TRUE(reuse_->EnsureStored(s).ok());
+  ReuseEngine re(e->get(), store_.get(), {});
+  ReuseOptions o;
+  o.register_approximate_prefix = true;
+  std::vector<PromptSegment> turn1 = {{b}, {a}, {c}};
+  auto r1 = re.Prefill(turn1, true, &o);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  ASSERT_LT(r1->stats.exact_tokens, r1->stats.prompt_tokens);  // b, a reused approximately
+  const std::vector<float> turn1_logits = r1->logits;
+  (*e)->Release(r1->seq);
+  std::vector<PromptSegment> turn2 = turn1;
+  turn2.push_back({q, false});
+  auto r2 = re.Prefill(turn2, true, &o);
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  (*e)->Release(r2->seq);
+  // Every full block of turn 1's prompt is a prefix hit; nothing before it is recomputed.
+  EXPECT_EQ(r2->stats.prefix_tokens, (r1->stats.prompt_tokens - 1) / 16 * 16);
+  EXPECT_LE(r2->stats.exact_tokens, r1->stats.exact_tokens);
+  EXPECT_EQ(r2->stats.reused_tokens, 0);
+  // Reuse off: only exact blocks match, so the answer equals a cold full prefill.
+  ReuseOptions off;
+  off.enable_reuse = false;
+  off.register_prefix = false;  // leaves no exact blocks for the check below
+  auto r3 = re.Prefill(turn2, true, &off);
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  (*e)->Release(r3->seq);
+  EXPECT_LE(r3->stats.prefix_tokens, r1->stats.exact_tokens);
+  EXPECT_LT(MaxDiff(Full(turn2), r3->logits), 1e-4);
+  // Without the option the same reuse request does not match the approximate blocks.
+  ReuseOptions strict;
+  auto r4 = re.Prefill(turn2, true, &strict);
+  ASSERT_TRUE(r4.ok()) << r4.status();
+  (*e)->Release(r4->seq);
+  EXPECT_LE(r4->stats.prefix_tokens, r1->stats.exact_tokens);
+  EXPECT_GT(r4->stats.reused_tokens, 0);
+  (void)turn1_logits;
+}
+
+// With a device tier a store keeps the KV in backend memory (no host copy on the request's
+// path); SpillOne later copies it to the host store, equal to a direct host store's copy.
+TEST_F(ReuseTest, DeviceTierStoreSpillsToTheHostStoreUnchanged) {
+  std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB);
+  SegmentStore host(SegmentStoreOptions{});
+  ReuseEngine tiered(engine_.get(), &host, {}, size_t{64} << 20);
+  ASSERT_TRUE(tiered.EnsureStored(a).ok());
+  ASSERT_TRUE(tiered.EnsureStored(b).ok());
+  const Hash128 fa = tiered.Fingerprint(a, "none"), fb = tiered.Fingerprint(b, "none");
+  EXPECT_FALSE(host.Contains(fa));  // in the device tier only
+  EXPECT_TRUE(tiered.Holds(fa));
+  EXPECT_EQ(tiered.unspilled(), 2u);
+  // Served from the device tier before any spill.
+  auto r = tiered.Prefill({{b}, {a}, {Enc(kQ), false}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  engine_->Release(r->seq);
+  EXPECT_EQ(r->stats.segments_device_hit, 2);
+  EXPECT_TRUE(r->missing.empty());
+  // Spill both, oldest first; then nothing is left.
+  auto s1 = tiered.SpillOne();
+  ASSERT_TRUE(s1.ok() && s1->has_value());
+  EXPECT_EQ((*s1)->first, fa);
+  EXPECT_EQ((*s1)->second, static_cast<int>(a.size()));
+  auto s2 = tiered.SpillOne();
+  ASSERT_TRUE(s2.ok() && s2->has_value());
+  EXPECT_EQ((*s2)->first, fb);
+  auto s3 = tiered.SpillOne();
+  ASSERT_TRUE(s3.ok());
+  EXPECT_FALSE(s3->has_value());
+  // The spilled KV equals the host path's encoding of the same segment.
+  ASSERT_TRUE(reuse_->EnsureStored(a).ok());
+  auto direct = store_->Get(fa);
+  auto spilled = host.Get(fa);
+  ASSERT_NE(direct, nullptr);
+  ASSERT_NE(spilled, nullptr);
+  ASSERT_EQ(direct->n_layers, spilled->n_layers);
+  float m = 0;
+  for (int l = 0; l < direct->n_layers; ++l) {
+    m = std::max(m, MaxDiff(direct->k[l], spilled->k[l]));
+    m = std::max(m, MaxDiff(direct->v[l], spilled->v[l]));
+  }
+  EXPECT_LT(m, 1e-6);
+  // A segment too large for the tier goes straight to the host store.
+  SegmentStore host2(SegmentStoreOptions{});
+  ReuseEngine tiny(engine_.get(), &host2, {}, 16);
+  ASSERT_TRUE(tiny.EnsureStored(a).ok());
+  EXPECT_TRUE(host2.Contains(fa));
+  EXPECT_EQ(tiny.unspilled(), 0u);
+}
+
 TEST_F(ReuseTest, PerLayerRatiosAndAdaptiveBudget) {
   std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
   for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());

@@ -212,6 +212,14 @@ TEST_F(BackendConsistency, GatherScatterCopyRows) {
   ASSERT_TRUE(gpu_->CopyRows(src.g, 10, dst.g, 30, 15).ok());
   EXPECT_EQ(Compare(dst), 0.0);
   EXPECT_FALSE(gpu_->CopyRows(src.g, 40, dst.g, 0, 15).ok());
+  // CopyCols: a column band of every row (the pre-RoPE K of a QKV projection), odd offsets.
+  Pair band = MakeRand(R, 40);
+  ASSERT_TRUE(cpu_->CopyCols(src.c, 67, band.c, 3, 33).ok());
+  ASSERT_TRUE(gpu_->CopyCols(src.g, 67, band.g, 3, 33).ok());
+  EXPECT_EQ(Compare(band), 0.0);
+  EXPECT_FALSE(gpu_->CopyCols(src.g, 120, band.g, 0, 33).ok());
+  EXPECT_FALSE(gpu_->CopyCols(g.g, 0, band.g, 0, 8).ok());  // rows differ
+  Free(band);
   Free(src);
   Free(g);
   Free(dst);

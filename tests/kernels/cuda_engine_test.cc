@@ -136,7 +136,8 @@ TEST(CudaEngine, ReuseFromPinnedHostTierEqualsDeviceTier) {
       {enc(" What did they do next? They"), false}};
   ReuseEngine dev(gpu->get(), &store, {}, size_t{64} << 20, 0);
   ReuseEngine host(gpu->get(), &store, {}, 0, size_t{64} << 20);
-  for (auto& s : segs) ASSERT_TRUE(dev.EnsureStored(s.tokens).ok());
+  // Stored through the engine without a device tier: into the host store both engines read.
+  for (auto& s : segs) ASSERT_TRUE(host.EnsureStored(s.tokens).ok());
   std::vector<float> ref;
   for (int round = 0; round < 2; ++round) {
     auto a = dev.Prefill(segs);
@@ -149,6 +150,32 @@ TEST(CudaEngine, ReuseFromPinnedHostTierEqualsDeviceTier) {
     EXPECT_EQ(a->logits, b->logits) << "round " << round;
   }
   EXPECT_GT(host.host_tier().bytes(), 0u);
+  // A store with a device tier keeps the bf16 KV captured on the GPU (no fp32 round trip, which
+  // is lossless for bf16): the same logits, and the spilled host copy equals the host path's.
+  SegmentStore store2({});
+  ReuseEngine captured(gpu->get(), &store2, {}, size_t{64} << 20, 0);
+  for (auto& s : segs) ASSERT_TRUE(captured.EnsureStored(s.tokens).ok());
+  EXPECT_EQ(captured.unspilled(), 2u);
+  auto c = captured.Prefill(segs);
+  ASSERT_TRUE(c.ok()) << c.status();
+  (*gpu)->Release(c->seq);
+  EXPECT_EQ(c->stats.segments_device_hit, 2);
+  auto d = dev.Prefill(segs);
+  ASSERT_TRUE(d.ok()) << d.status();
+  (*gpu)->Release(d->seq);
+  EXPECT_EQ(c->logits, d->logits);
+  while (true) {
+    auto sp = captured.SpillOne();
+    ASSERT_TRUE(sp.ok()) << sp.status();
+    if (!sp->has_value()) break;
+    auto x = store.Get((*sp)->first), y = store2.Get((*sp)->first);
+    ASSERT_NE(x, nullptr);
+    ASSERT_NE(y, nullptr);
+    for (int l = 0; l < x->n_layers; ++l) {
+      EXPECT_EQ(x->k[l], y->k[l]) << "layer " << l;
+      EXPECT_EQ(x->v[l], y->v[l]) << "layer " << l;
+    }
+  }
 }
 
 // ---- decode graphs (Backend::BeginGraph) on the tensor-core attention shapes ----

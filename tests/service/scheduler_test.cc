@@ -124,7 +124,54 @@ TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
   EXPECT_EQ(n_stored(), 2u);  // nothing new stored
 }
 
-// store_while_busy = false (the GPU default): deferred stores wait while a sequence decodes,
+// With a device tier (the GPU's setup) a deferred store runs in slices of store_slice_layers
+// layers between decode steps and keeps the KV in backend memory; the host copy (where the
+// write-back and the router's events take it from) is made once the engine is idle, and only
+// then is the segment reported. The answers equal those of a worker without the tier.
+TEST_F(SchedulerTest, SlicedStoresFillTheDeviceTierAndSpillWhenIdle) {
+  std::mutex mu;
+  std::vector<std::pair<Hash128, int>> stored;
+  hooks_.on_segments_stored = [&](const std::vector<std::pair<Hash128, int>>& st) {
+    std::lock_guard<std::mutex> l(mu);
+    stored.insert(stored.end(), st.begin(), st.end());
+  };
+  std::vector<std::vector<int32_t>> answers[2];
+  for (int tiered = 1; tiered >= 0; --tiered) {
+    store_ = std::make_unique<SegmentStore>(SegmentStoreOptions{});
+    SchedulerOptions o;
+    o.device_tier_bytes = tiered ? size_t{64} << 20 : 0;
+    o.store_slice_layers = 1;  // stories260K's 5 layers: 5 iterations per store
+    auto s = Start(o);
+    ASSERT_NE(s, nullptr);
+    auto h1 = s->Submit(Item({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}}, 8));
+    ASSERT_TRUE(h1.ok());
+    Collected c1 = Drain(**h1);
+    ASSERT_TRUE(c1.final.status.ok()) << c1.final.status;
+    for (int i = 0; i < 400 && (s->load().pending_stores > 0 || s->load().unspilled_segments > 0);
+         ++i) {
+      std::this_thread::sleep_for(5ms);
+    }
+    EXPECT_EQ(s->load().pending_stores, 0);
+    EXPECT_EQ(s->load().unspilled_segments, 0);
+    {
+      std::lock_guard<std::mutex> l(mu);
+      EXPECT_EQ(stored.size(), 2u) << "tiered " << tiered;
+      stored.clear();
+    }
+    EXPECT_TRUE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none")));
+    EXPECT_TRUE(store_->Contains(SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none")));
+    auto h2 = s->Submit(Item({{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}}, 8));
+    ASSERT_TRUE(h2.ok());
+    Collected c2 = Drain(**h2);
+    ASSERT_TRUE(c2.final.status.ok()) << c2.final.status;
+    EXPECT_EQ(c2.final.usage.segments_hit, 2);
+    answers[tiered] = {c1.ids, c2.ids};
+    s->Stop();
+  }
+  EXPECT_EQ(answers[0], answers[1]);
+}
+
+// store_while_busy = false: deferred stores wait while a sequence decodes,
 // run once the engine is idle, and a backlog beyond max_pending_stores is dropped and counted.
 TEST_F(SchedulerTest, StoresWaitForIdleWithoutStoreWhileBusy) {
   SchedulerOptions o;

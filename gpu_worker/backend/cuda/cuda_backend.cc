@@ -672,6 +672,26 @@ absl::Status CudaBackend::CopyRows(const Tensor& src, int64_t src_row, Tensor& d
   }, to, from, bytes);
 }
 
+absl::Status CudaBackend::CopyCols(const Tensor& src, int64_t src_col, Tensor& dst,
+                                   int64_t dst_col, int64_t n_cols) {
+  RETURN_IF_ERROR(CheckBf16(src, "CopyCols src"));
+  RETURN_IF_ERROR(CheckBf16(dst, "CopyCols dst"));
+  if (src.rows != dst.rows || src_col < 0 || dst_col < 0 || n_cols < 0 ||
+      src_col + n_cols > src.cols || dst_col + n_cols > dst.cols) {
+    return absl::OutOfRangeError("CopyCols: range outside tensors");
+  }
+  if (src.rows == 0 || n_cols == 0) return absl::OkStatus();
+  if (src.host || dst.host) RETURN_IF_ERROR(FlushGraph());  // host memory: never recorded
+  void* to = B(dst) + dst_col;
+  const void* from = B(src) + src_col;
+  const size_t dpitch = static_cast<size_t>(dst.cols) * 2, spitch = static_cast<size_t>(src.cols) * 2;
+  const size_t width = static_cast<size_t>(n_cols) * 2, height = static_cast<size_t>(src.rows);
+  // One strided copy (no kernel): rows of n_cols bf16 out of rows of src.cols.
+  return Run("CopyCols", [=, this] {
+    return cudaMemcpy2DAsync(to, dpitch, from, spitch, width, height, cudaMemcpyDefault, stream_);
+  }, to, from, dpitch, spitch, width, height);
+}
+
 absl::StatusOr<const float*> CudaBackend::RopeTable(const RopeParams& p) {
   const auto key = std::make_tuple(p.head_dim, p.theta, static_cast<int>(p.scaling.type),
                                    p.scaling.factor, p.scaling.low_freq_factor,

@@ -116,6 +116,8 @@ class CudaBackend final : public Backend {
                            Tensor& dst) override;
   absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
                         int64_t n) override;
+  absl::Status CopyCols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                        int64_t n_cols) override;
 
  private:
   // ---- weights (cuda_backend.cc) ----
