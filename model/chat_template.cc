@@ -36,6 +36,10 @@ struct TemplateError {
 
 struct Value;
 using ValueList = std::vector<Value>;
+
+// Lists and dicts nest at most this deep: printing, comparing, serializing and destroying a
+// value recurse through it (a template could otherwise build [[[...]]] a million deep).
+constexpr int kMaxValueDepth = 256;
 struct ValueDict;
 struct Func;
 
@@ -49,6 +53,7 @@ struct Value {
   std::shared_ptr<const ValueList> list;
   std::shared_ptr<ValueDict> dict;  // shared: namespace() objects are mutated through it
   std::shared_ptr<const Func> fn;
+  int depth = 0;  // lists and dicts: 1 + their deepest element (a namespace counts as 1)
 
   static Value Undefined(std::string what) {
     Value v;
@@ -63,6 +68,9 @@ struct Value {
   static Value List(ValueList x) {
     Value v;
     v.k = K::kList;
+    v.depth = 1;
+    for (const Value& e : x) v.depth = std::max(v.depth, e.depth + 1);
+    if (v.depth > kMaxValueDepth) Fail(0, "a list nested deeper than 256 levels");
     v.list = std::make_shared<const ValueList>(std::move(x));
     return v;
   }
@@ -97,6 +105,10 @@ struct ValueDict {
 Value MakeDict(std::vector<std::pair<std::string, Value>> items, bool ns = false) {
   Value v;
   v.k = Value::K::kDict;
+  v.depth = 1;
+  for (const auto& [k, e] : items) v.depth = std::max(v.depth, e.depth + 1);
+  if (ns) v.depth = 1;  // opaque: nothing recurses into a namespace
+  if (v.depth > kMaxValueDepth) Fail(0, "a dict nested deeper than 256 levels");
   v.dict = std::make_shared<ValueDict>();
   v.dict->items = std::move(items);
   v.dict->ns = ns;
@@ -407,6 +419,7 @@ void ToJson(const Value& v, int indent, int level, std::string* o, int line) {
       return;
     }
     case Value::K::kDict: {
+      if (v.dict->ns) Fail(line, "tojson: object of type Namespace is not JSON serializable");
       if (v.dict->items.empty()) {
         *o += "{}";
         return;
@@ -2240,14 +2253,13 @@ class Interp {
         return Value::List(std::move(o));
       }
       case Expr::kDict: {
-        std::vector<std::pair<std::string, Value>> items;
-        Value d = MakeDict({});
+        ValueDict d;  // a later duplicate key replaces the value, in the first one's place
         for (size_t k = 0; k + 1 < e.kids.size(); k += 2) {
           const Value key = Eval(*e.kids[k]);
           if (!key.is_str()) Fail(e.line, "dict keys must be strings");
-          d.dict->Set(key.s, Eval(*e.kids[k + 1]));
+          d.Set(key.s, Eval(*e.kids[k + 1]));
         }
-        return d;
+        return MakeDict(std::move(d.items));
       }
     }
     Fail(e.line, "unknown expression");
@@ -2294,6 +2306,17 @@ struct ChatTemplate::Impl {
   Body body;
 
   absl::StatusOr<std::string> Run(const std::vector<std::pair<std::string, Value>>& vars) const {
+    // A namespace can hold itself (ns.me = ns): its attributes are cleared after the render so
+    // the reference cycle does not outlive it.
+    std::vector<std::weak_ptr<ValueDict>> namespaces;
+    struct ClearNamespaces {
+      std::vector<std::weak_ptr<ValueDict>>* ns;
+      ~ClearNamespaces() {
+        for (auto& w : *ns) {
+          if (auto d = w.lock()) d->items.clear();
+        }
+      }
+    } clear{&namespaces};
     try {
       Interp in(limits);
       in.PushFrame();  // globals
@@ -2301,8 +2324,9 @@ struct ChatTemplate::Impl {
                const std::optional<Value> m = a.Get(0, "message");
                throw TemplateError{"chat template: " + (m ? ToStr(*m) : std::string("error"))};
              }));
-      in.Set("namespace", MakeFunc("namespace", [](const CallArgs& a) {
+      in.Set("namespace", MakeFunc("namespace", [&namespaces](const CallArgs& a) {
                Value ns = MakeDict({}, /*ns=*/true);
+               namespaces.push_back(ns.dict);
                if (!a.pos.empty() && a.pos[0].k == Value::K::kDict) {
                  for (const auto& [k, v] : a.pos[0].dict->items) ns.dict->Set(k, v);
                }
@@ -2330,9 +2354,9 @@ struct ChatTemplate::Impl {
                return Value::List(std::move(o));
              }));
       in.Set("dict", MakeFunc("dict", [](const CallArgs& a) {
-               Value d = MakeDict({});
-               for (const auto& [k, v] : a.kw) d.dict->Set(k, v);
-               return d;
+               ValueDict d;
+               for (const auto& [k, v] : a.kw) d.Set(k, v);
+               return MakeDict(std::move(d.items));
              }));
       for (const auto& [k, v] : vars) in.Set(k, v);
       in.PushFrame();  // the template's own top-level assignments
@@ -2394,16 +2418,30 @@ absl::StatusOr<std::string> ChatTemplate::RenderJson(std::string_view context_js
   return impl_->Run(vars);
 }
 
+constexpr size_t kMaxSpanMessages = 256;
+constexpr size_t kMaxSpanRenderBytes = size_t{256} << 20;
+
 absl::StatusOr<ChatSpans> RenderChatSpans(const ChatTemplate& t,
                                           std::span<const ChatMessage> messages,
                                           const ChatTemplateVars& vars) {
   ChatSpans out;
   ASSIGN_OR_RETURN(out.text, t.Render(messages, vars));
+  // The spans cost one rendering per message, quadratic in the conversation: bounded.
+  if (messages.size() > kMaxSpanMessages) {
+    out.fallback_reason = absl::StrCat("more than ", kMaxSpanMessages, " messages");
+    return out;
+  }
   ChatTemplateVars partial = vars;
   partial.add_generation_prompt = false;
   std::vector<std::string> renders;
+  size_t total = 0;
   for (size_t i = 1; i <= messages.size(); ++i) {
+    if (total > kMaxSpanRenderBytes) {
+      out.fallback_reason = absl::StrCat("the renderings exceed ", kMaxSpanRenderBytes, " bytes");
+      return out;
+    }
     absl::StatusOr<std::string> r = t.Render(messages.subspan(0, i), partial);
+    if (r.ok()) total += r->size();
     if (!r.ok()) {
       // E.g. a template that insists on a user turn last: the whole prompt is still valid.
       out.fallback_reason = absl::StrCat("rendering the first ", i, " messages failed: ",

@@ -76,7 +76,9 @@ class ChatTemplate {
 // request. Spans are the differences of renderings of messages[0..i] (without the generation
 // prompt); they need each rendering to be a prefix of the next. Templates that end a
 // conversation with EOS when no generation prompt is asked (Phi-3) are tried again with that
-// trailing EOS cut. When neither holds, `per_message` is false and `text` is the only span.
+// trailing EOS cut. When neither holds, `per_message` is false and `text` is the only span; so
+// too past 256 messages or 256 MiB of renderings (the spans cost a rendering per message, so
+// they grow with the square of the conversation).
 struct ChatSpans {
   std::string text;                // the whole prompt (vars.add_generation_prompt as given)
   bool per_message = false;

@@ -231,6 +231,16 @@ TEST(ChatTemplateTest, LimitsAreErrorsNotCrashes) {
   ExpectError("{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
               "{% set ns.s = ns.s + ns.s %}{% endfor %}",
               "exceeds the output limit", lim);
+  // Values nested without end, and a namespace holding itself.
+  ExpectError("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}"
+              "{% endfor %}",
+              "nested deeper than 256");
+  auto cyc = RenderSource("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns.me.me is defined }}",
+                          json::object());
+  ASSERT_TRUE(cyc.ok()) << cyc.status();
+  EXPECT_EQ(*cyc, "True");
+  ExpectError("{% set ns = namespace() %}{% set ns.me = [ns] %}{{ ns | tojson }}",
+              "Namespace is not JSON serializable");
   lim = ChatTemplateLimits{};
   lim.max_source_bytes = 10;
   auto big = ChatTemplate::Parse(std::string(11, 'x'), lim);
@@ -290,6 +300,21 @@ TEST(ChatTemplateTest, SpansOnePerMessage) {
   ASSERT_TRUE(s.ok() && s->per_message);
   EXPECT_EQ(s->spans[1], "<|user|>\nHi<|end|>\n");
   EXPECT_EQ(s->suffix, "<|assistant|>\n");
+}
+
+TEST(ChatTemplateTest, SpansOfVeryLongConversationsFallBack) {
+  auto t = Load("chatml.jinja");
+  ASSERT_NE(t, nullptr);
+  ChatTemplateVars vars;
+  vars.add_generation_prompt = true;
+  std::vector<ChatMessage> msgs(257, ChatMessage{"user", "x"});
+  auto s = RenderChatSpans(*t, msgs, vars);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->per_message);
+  EXPECT_NE(s->fallback_reason.find("more than 256 messages"), std::string::npos);
+  msgs.resize(256);
+  s = RenderChatSpans(*t, msgs, vars);
+  ASSERT_TRUE(s.ok() && s->per_message);
 }
 
 TEST(ChatTemplateTest, SpansFallBackWhenNotPrefixStable) {
