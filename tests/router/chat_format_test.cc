@@ -3,13 +3,24 @@
 // headers as numbers): one segment per message's rendered span plus the generation prompt, the
 // same segment fingerprints when a history is re-sent or a system prompt repeated (through
 // PrepareRequest, as the router routes), BOS never doubled, unknown roles refused with 400,
-// template errors, and the fallback for templates that are not prefix-stable.
+// template errors, and the fallback for templates that are not prefix-stable. Then through the
+// HTTP front end, with a Hugging Face directory whose tokenizer_config.json carries a Llama-3
+// template and whose tokenizer has the header tokens as special tokens.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "router/frontends.h"
 #include "router/openai_codec.h"
 #include "router/prepare.h"
+#include "router/router.h"
 
 namespace sparsex::router::openai {
 namespace {
@@ -174,6 +185,194 @@ TEST_F(ChatFormatTest, NotPrefixStableTemplatesGiveOnePlainPrompt) {
   EXPECT_EQ(std::vector<int32_t>(r->req.prompt_ids().begin(), r->req.prompt_ids().end()),
             (std::vector<int32_t>{901, 20, 903, 901, 30, 903, 900, 10, 901, 40, 903}));
   EXPECT_TRUE(r->req.add_bos());
+}
+
+// ---- A byte-level BPE model directory with a Llama-3 chat template, served over HTTP.
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// GPT-2's byte-to-unicode map: printable bytes are themselves, the others U+0100 onwards.
+std::string ByteChar(int b) {
+  const auto printable = [](int x) {
+    return (x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255);
+  };
+  int cp = b;
+  if (!printable(b)) {
+    cp = 256;
+    for (int x = 0; x < b; ++x) cp += !printable(x);
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+constexpr int kBos = 256, kStartHeader = 257, kEndHeader = 258, kEot = 259;
+
+void WriteLlama3Dir(const fs::path& dir, const std::string& chat_template) {
+  fs::create_directories(dir);
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[ByteChar(b)] = b;
+  json added = json::array();
+  int id = kBos;
+  for (const char* t : {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                        "<|eot_id|>"}) {
+    added.push_back({{"id", id++}, {"content", t}, {"special", true}, {"single_word", false},
+                     {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  }
+  const json tok = {
+      {"version", "1.0"}, {"added_tokens", added}, {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                         {"trim_offsets", true}, {"use_regex", true}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()},
+                 {"byte_fallback", false}, {"ignore_merges", false}}}};
+  const json config = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},
+                       {"hidden_size", 16}, {"intermediate_size", 24},
+                       {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                       {"num_key_value_heads", 2}, {"vocab_size", 264},
+                       {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-5},
+                       {"rope_theta", 500000.0}};
+  json tc = {{"bos_token", "<|begin_of_text|>"}, {"eos_token", "<|eot_id|>"}};
+  if (!chat_template.empty()) tc["chat_template"] = chat_template;
+  std::ofstream(dir / "tokenizer.json") << tok.dump();
+  std::ofstream(dir / "config.json") << config.dump();
+  std::ofstream(dir / "tokenizer_config.json") << tc.dump();
+}
+
+constexpr char kLlama3[] =
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ "
+    "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}";
+
+TEST(ChatFormatModelTest, Llama3TemplateFromTokenizerConfig) {
+  const fs::path dir = fs::temp_directory_path() / ("chat_fmt_" + std::to_string(::getpid()));
+  WriteLlama3Dir(dir, kLlama3);
+  auto model = LoadModelInfo(dir.string());
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ChatFormat f = MakeChatFormat(*model);
+  ASSERT_NE(f.tmpl, nullptr) << f.template_error;
+  auto r = ParseRequest(R"({"messages": [{"role": "system", "content": "Hi"},
+                                          {"role": "user", "content": "ok"}]})",
+                        Endpoint::kChat, &f);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->req.segments_size(), 3);
+  const auto ids = [&](int i) {
+    return std::vector<int32_t>(r->req.segments(i).ids().ids().begin(),
+                                r->req.segments(i).ids().ids().end());
+  };
+  // The special tokens are their ids; the template's BOS is add_bos, not a token of segment 0.
+  EXPECT_EQ(ids(0), (std::vector<int32_t>{kStartHeader, 's', 'y', 's', 't', 'e', 'm', kEndHeader,
+                                          '\n', '\n', 'H', 'i', kEot}));
+  EXPECT_EQ(ids(1), (std::vector<int32_t>{kStartHeader, 'u', 's', 'e', 'r', kEndHeader, '\n',
+                                          '\n', 'o', 'k', kEot}));
+  EXPECT_EQ(ids(2), (std::vector<int32_t>{kStartHeader, 'a', 's', 's', 'i', 's', 't', 'a', 'n',
+                                          't', kEndHeader, '\n', '\n'}));
+  EXPECT_TRUE(r->req.add_bos());
+  EXPECT_EQ(model->tokenizer->bos_id(), kBos);
+  fs::remove_all(dir);
+}
+
+struct HttpReply {
+  int status = 0;
+  json body;
+};
+
+HttpReply PostJson(int port, const std::string& path, const std::string& body) {
+  HttpReply r;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return r;
+  timeval tv{30, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return r;
+  }
+  const std::string req = "POST " + path +
+                          " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                          "Content-Type: application/json\r\nContent-Length: " +
+                          std::to_string(body.size()) + "\r\n\r\n" + body;
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  std::string resp;
+  char buf[8192];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) resp.append(buf, n);
+  ::close(fd);
+  const size_t sp = resp.find(' '), hdr = resp.find("\r\n\r\n");
+  if (sp == std::string::npos || hdr == std::string::npos) return r;
+  r.status = std::atoi(resp.c_str() + sp + 1);
+  r.body = json::parse(resp.substr(hdr + 4), nullptr, false);
+  return r;
+}
+
+// The router and its HTTP front end over a model directory; no worker is healthy, so a request
+// that passes the codec ends in 503, one it refuses ends in 400/501.
+class ChatHttpTest : public ::testing::Test {
+ protected:
+  void Serve(const std::string& chat_template) {
+    dir_ = fs::temp_directory_path() / ("chat_http_" + std::to_string(::getpid()));
+    WriteLlama3Dir(dir_, chat_template);
+    RouterOptions o;
+    o.model_path = dir_.string();
+    o.model_name = "llama3-chat";
+    o.workers = {"127.0.0.1:1"};  // nothing listens there
+    auto r = Router::Create(o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    router_ = std::move(*r);
+    auto h = HttpFrontend::Start(router_.get(), "127.0.0.1:0", 2);
+    ASSERT_TRUE(h.ok()) << h.status();
+    http_ = std::move(*h);
+  }
+  void TearDown() override {
+    http_.reset();
+    router_.reset();
+    fs::remove_all(dir_);
+  }
+  HttpReply Chat(const std::string& messages) {
+    return PostJson(http_->port(), "/v1/chat/completions",
+                    R"({"max_tokens": 2, "messages": )" + messages + "}");
+  }
+  fs::path dir_;
+  std::unique_ptr<Router> router_;
+  std::unique_ptr<HttpFrontend> http_;
+};
+
+TEST_F(ChatHttpTest, RolesAndTemplateErrorsOverHttp) {
+  Serve(std::string(kLlama3) +
+        "{% if messages[-1].role == 'assistant' %}{{ raise_exception('end with a user turn') }}"
+        "{% endif %}");
+  HttpReply ok = Chat(R"([{"role": "user", "content": "hi"}])");
+  EXPECT_EQ(ok.status, 503) << ok.body.dump();  // rendered and prepared; no worker to serve it
+  HttpReply wizard = Chat(R"([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}])");
+  EXPECT_EQ(wizard.status, 400) << wizard.body.dump();
+  EXPECT_EQ(wizard.body["error"]["param"], "messages[1].role") << wizard.body.dump();
+  EXPECT_NE(wizard.body["error"]["message"].get<std::string>().find("'wizard'"),
+            std::string::npos);
+  HttpReply raised = Chat(R"([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}])");
+  EXPECT_EQ(raised.status, 400) << raised.body.dump();
+  EXPECT_NE(raised.body.dump().find("end with a user turn"), std::string::npos) << raised.body.dump();
+}
+
+TEST_F(ChatHttpTest, AnUnparsableTemplateRefusesChatOnly) {
+  Serve("{% macro m() %}{% endmacro %}");
+  HttpReply chat = Chat(R"([{"role": "user", "content": "hi"}])");
+  EXPECT_EQ(chat.status, 501) << chat.body.dump();
+  EXPECT_NE(chat.body.dump().find("macro"), std::string::npos) << chat.body.dump();
+  HttpReply completion = PostJson(http_->port(), "/v1/completions",
+                                  R"({"prompt": "hi", "max_tokens": 2})");
+  EXPECT_EQ(completion.status, 503) << completion.body.dump();  // served as before
 }
 
 }  // namespace
