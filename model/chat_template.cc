@@ -49,7 +49,7 @@ struct Value {
   bool b = false;
   int64_t i = 0;
   double f = 0;
-  std::string s;  // kString; kUndefined: what was looked up, for the error message
+  std::string s;  // kString; kUndefined: why it is undefined, the error message if it is used
   std::shared_ptr<const ValueList> list;
   std::shared_ptr<ValueDict> dict;  // shared: namespace() objects are mutated through it
   std::shared_ptr<const Func> fn;
@@ -157,7 +157,7 @@ const char* TypeName(const Value& v) {
 }
 
 [[noreturn]] void FailUndefined(const Value& v, int line) {
-  Fail(line, v.s.empty() ? "undefined value used" : absl::StrCat("'", v.s, "' is undefined"));
+  Fail(line, v.s.empty() ? "undefined value used" : v.s);
 }
 
 bool Truthy(const Value& v) {
@@ -185,8 +185,7 @@ size_t CharLen(unsigned char c) {
 std::vector<size_t> CharOffsets(const std::string& s) {
   std::vector<size_t> o;
   for (size_t p = 0; p < s.size(); p += CharLen(static_cast<unsigned char>(s[p]))) o.push_back(p);
-  o.push_back(s.size());
-  if (o.back() < o[o.size() - 2]) o.back() = s.size();
+  o.push_back(s.size());  // a truncated last character ends at the end of the string
   return o;
 }
 
@@ -1465,7 +1464,7 @@ Value StrMethod(const std::string& self, const std::string& name, size_t limit) 
       }
       return Value::Bool(false);
     }
-    if (name == "split" || name == "rsplit") {
+    if (name == "split") {
       const std::optional<Value> m = a.Get(1, "maxsplit");
       return Split(self, OptStr(a.Get(0, "sep"), line, "split: sep"),
                    m ? ToIndex(*m, line, "split: maxsplit") : -1, line);
@@ -1518,7 +1517,7 @@ Value StrMethod(const std::string& self, const std::string& name, size_t limit) 
 
 bool IsStrMethod(const std::string& n) {
   static const char* kNames[] = {"strip", "lstrip", "rstrip", "upper", "lower", "title",
-                                 "capitalize", "startswith", "endswith", "split", "rsplit",
+                                 "capitalize", "startswith", "endswith", "split",
                                  "replace", "join", "find", "count", "isdigit", "isspace",
                                  "isalpha", "isalnum"};
   return std::find(std::begin(kNames), std::end(kNames), n) != std::end(kNames);
@@ -1555,13 +1554,15 @@ Value GetAttr(const Value& obj, const std::string& name, size_t limit, int line)
     case Value::K::kDict:
       if (!obj.dict->ns && IsDictMethod(name)) return DictMethod(obj, name);
       if (const Value* v = obj.dict->Find(name)) return *v;
-      return Value::Undefined(absl::StrCat(TypeName(obj), " object has no attribute ", name));
+      return Value::Undefined(
+          absl::StrCat("'", TypeName(obj), " object' has no attribute '", name, "'"));
     case Value::K::kString:
       if (IsStrMethod(name)) return StrMethod(obj.s, name, limit);
       break;
     default: break;
   }
-  return Value::Undefined(absl::StrCat(TypeName(obj), " object has no attribute ", name));
+  return Value::Undefined(
+      absl::StrCat("'", TypeName(obj), " object' has no attribute '", name, "'"));
 }
 
 Value GetItem(const Value& obj, const Value& key, size_t limit, int line) {
@@ -1571,7 +1572,7 @@ Value GetItem(const Value& obj, const Value& key, size_t limit, int line) {
       if (const Value* v = obj.dict->Find(key.s)) return *v;
       return GetAttr(obj, key.s, limit, line);
     }
-    return Value::Undefined("dict key " + Repr(key));
+    return Value::Undefined("'dict object' has no key " + Repr(key));
   }
   if ((obj.k == Value::K::kList || obj.k == Value::K::kString) &&
       (key.k == Value::K::kInt || key.k == Value::K::kBool)) {
@@ -1580,12 +1581,12 @@ Value GetItem(const Value& obj, const Value& key, size_t limit, int line) {
                                                : static_cast<int64_t>((o = CharOffsets(obj.s)).size() - 1);
     int64_t k = key.integer();
     if (k < 0) k += n;
-    if (k < 0 || k >= n) return Value::Undefined(absl::StrCat("index ", key.integer(), " out of range"));
+    if (k < 0 || k >= n) return Value::Undefined(absl::StrCat(TypeName(obj), " index ", key.integer(), " out of range"));
     if (obj.k == Value::K::kList) return (*obj.list)[k];
     return Value::Str(obj.s.substr(o[k], o[k + 1] - o[k]));
   }
   if (key.is_str()) return GetAttr(obj, key.s, limit, line);
-  return Value::Undefined(absl::StrCat(TypeName(obj), " object has no item ", Repr(key)));
+  return Value::Undefined(absl::StrCat("'", TypeName(obj), " object' has no item ", Repr(key)));
 }
 
 // Python slice semantics: obj[start:stop:step].
@@ -1731,7 +1732,7 @@ Value SelectFilter(const Value& in, const CallArgs& a, bool attr, bool keep) {
     Value subject = x;
     if (attr) {
       subject = x.k == Value::K::kDict ? GetAttr(x, attribute, SIZE_MAX, a.line)
-                                       : Value::Undefined(attribute);
+                                       : Value::Undefined("'" + attribute + "' is undefined");
     }
     const bool pass = test.empty() ? Truthy(subject) : RunTest(test, subject, rest);
     if (pass == keep) out.push_back(x);
@@ -1803,11 +1804,11 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
     };
     f["first"] = [](const Value& v, const CallArgs& a) {
       ValueList items = Items(v, a.line);
-      return items.empty() ? Value::Undefined("first of an empty sequence") : items.front();
+      return items.empty() ? Value::Undefined("first of an empty sequence is undefined") : items.front();
     };
     f["last"] = [](const Value& v, const CallArgs& a) {
       ValueList items = Items(v, a.line);
-      return items.empty() ? Value::Undefined("last of an empty sequence") : items.back();
+      return items.empty() ? Value::Undefined("last of an empty sequence is undefined") : items.back();
     };
     f["list"] = [](const Value& v, const CallArgs& a) { return Value::List(Items(v, a.line)); };
     f["reverse"] = [](const Value& v, const CallArgs& a) {
@@ -1937,7 +1938,7 @@ class Interp {
       auto f = it->find(name);
       if (f != it->end()) return f->second;
     }
-    return Value::Undefined(name);
+    return Value::Undefined("'" + name + "' is undefined");
   }
 
   Flow ExecNode(const Node& n, std::string* out) {
@@ -2033,8 +2034,8 @@ class Interp {
                             {"length", Value::Int(len)},
                             {"depth", Value::Int(1)},
                             {"depth0", Value::Int(0)},
-                            {"previtem", k > 0 ? items[k - 1] : Value::Undefined("loop.previtem")},
-                            {"nextitem", k + 1 < len ? items[k + 1] : Value::Undefined("loop.nextitem")}}));
+                            {"previtem", k > 0 ? items[k - 1] : Value::Undefined("'loop.previtem' is undefined")},
+                            {"nextitem", k + 1 < len ? items[k + 1] : Value::Undefined("'loop.nextitem' is undefined")}}));
       const Flow f = Exec(n.bodies[0], out);
       PopFrame();
       if (f == Flow::kBreak) break;
@@ -2246,7 +2247,7 @@ class Interp {
       }
       case Expr::kCond:
         if (Truthy(Eval(*e.kids[0]))) return Eval(*e.kids[1]);
-        return e.kids[2] ? Eval(*e.kids[2]) : Value::Undefined("conditional without else");
+        return e.kids[2] ? Eval(*e.kids[2]) : Value::Undefined("a conditional without else is undefined");
       case Expr::kList: {
         ValueList o;
         for (const ExprP& k : e.kids) o.push_back(Eval(*k));
