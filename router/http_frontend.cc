@@ -558,6 +558,13 @@ struct HttpFrontend::Impl {
       }
       const int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      // TCP keepalive: a client that vanished without a FIN (host gone, network cut) shows as
+      // a socket error after ~1 min, which cancels its completion like a close.
+      const int idle_s = 30, intvl_s = 10, cnt = 3;
+      ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof idle_s);
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl_s, sizeof intvl_s);
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
       auto c = std::make_unique<Conn>();
       c->id = next_id++;
       c->fd = fd;
