@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   int prefill_chunk = -1;      // per device below
   int store_while_busy = 1;
   int approximate_prefix = -1;  // per device below
+  int store_after_misses = -1;  // per device below
   int64_t device_tier_mb = -1;
   int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
@@ -64,6 +65,9 @@ int main(int argc, char** argv) {
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
+  f.Add("store_after_misses", &store_after_misses,
+        "store a missing segment the n-th time a request misses it (1: at once; content seen "
+        "once never repays its encoding pass) (default -1: 2 with --device cuda, else 1)");
   f.Add("approximate_prefix", &approximate_prefix,
         "reuse: register a reuse request's blocks past its exact KV (generated ones too) in an "
         "approximate prefix namespace that later reuse requests match, so a chat turn continues "
@@ -111,6 +115,8 @@ int main(int argc, char** argv) {
   if (prefill_chunk < 0) prefill_chunk = cuda ? 2048 : o.scheduler.prefill_chunk;
   o.scheduler.prefill_chunk = prefill_chunk;
   o.scheduler.store_while_busy = store_while_busy != 0;
+  if (store_after_misses < 0) store_after_misses = cuda ? 2 : 1;
+  o.scheduler.store_after_misses = store_after_misses;
   if (approximate_prefix < 0) approximate_prefix = cuda ? 1 : 0;
   o.scheduler.reuse.register_approximate_prefix = approximate_prefix != 0;
   o.host_store_bytes = static_cast<size_t>(host_store_mb) << 20;

@@ -278,6 +278,16 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
 }
 
 void BatchScheduler::Iteration() {
+  // Engine time per phase (SchedulerLoad::phase_seconds): where the time goes at saturation.
+  Clock::time_point mark = Clock::now();
+  auto charge = [&](EnginePhase p) {
+    const Clock::time_point now = Clock::now();
+    const double s = std::chrono::duration<double>(now - mark).count();
+    phase_seconds_[static_cast<int>(p)] += s;
+    double& longest = phase_longest_[static_cast<int>(p)];
+    longest = std::max(longest, s);
+    mark = now;
+  };
   // 1. Cancelled requests free their KV now.
   for (auto& a : active_) {
     if (a->state != Active::State::kDone && a->h->cancelled()) Finish(*a, "cancelled");
@@ -336,6 +346,7 @@ void BatchScheduler::Iteration() {
   for (auto& a : active_) {
     if (a->state == Active::State::kDecode) decoding.push_back(a.get());
   }
+  charge(EnginePhase::kAdmission);
   bool prefilled = false;
   for (auto& a : active_) {
     if (a->state == Active::State::kPrefill) {
@@ -343,9 +354,11 @@ void BatchScheduler::Iteration() {
       break;
     }
   }
+  if (prefilled) charge(EnginePhase::kPrefill);
   std::erase_if(decoding, [](Active* a) { return a->state != Active::State::kDecode; });
   DecodeAll(decoding);
   std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
+  charge(EnginePhase::kDecode);
   // 5. One deferred segment store, unless a prefill already ran (then only when many wait).
   // Without store_while_busy: only when idle, and an overflowing backlog loses its oldest.
   if (!opts_.store_while_busy) {
@@ -356,9 +369,13 @@ void BatchScheduler::Iteration() {
   } else if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
     StoreOne();
   }
+  charge(EnginePhase::kStore);
   // 6. Idle: copy one segment the device tier holds alone to the host store (download and
   // checksums: too slow for an iteration that decodes), then report it (write-back, events).
-  if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty()) SpillOne();
+  if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty()) {
+    SpillOne();
+    charge(EnginePhase::kSpill);
+  }
 }
 
 void BatchScheduler::SpillOne() {
@@ -399,6 +416,22 @@ bool BatchScheduler::StoreOne() {
   return false;
 }
 
+bool BatchScheduler::AdmitStore(const Hash128& fp) {
+  if (opts_.store_after_misses <= 1) return true;
+  auto [it, inserted] = miss_counts_.try_emplace(fp, 0);
+  if (inserted) {
+    miss_order_.push_back(fp);
+    // Bounded memory: the oldest counts are forgotten (such a segment starts over).
+    while (miss_order_.size() > 65536) {
+      miss_counts_.erase(miss_order_.front());
+      miss_order_.pop_front();
+    }
+  }
+  if (++it->second < opts_.store_after_misses) return false;
+  miss_counts_.erase(fp);  // its entry in miss_order_ ages out harmlessly
+  return true;
+}
+
 void BatchScheduler::DropOldestStore() {
   PendingStore& p = pending_stores_.front();
   if (p.started) reserved_blocks_ -= p.reserve;  // its pass ends with the next store's start
@@ -431,6 +464,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     a.exact_tokens = st.exact_tokens;
     if (defer) {
       for (const auto& [i, fp] : r->missing) {
+        if (!AdmitStore(fp)) continue;
         bool queued = false;
         for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
         if (!queued) pending_stores_.push_back({fp, a.w.segments[i].tokens, o});
@@ -591,6 +625,10 @@ void BatchScheduler::PublishLoad() {
   load_.pending_stores = static_cast<int>(pending_stores_.size());
   load_.stores_dropped = stores_dropped_;
   if (group_) load_.unspilled_segments = static_cast<int>(group_->unspilled());
+  for (int p = 0; p < kEnginePhases; ++p) {
+    load_.phase_seconds[p] = phase_seconds_[p];
+    load_.phase_longest_s[p] = phase_longest_[p];
+  }
   if (group_) {
     load_.kv_blocks_total = group_->engine().blocks().num_blocks();
     load_.kv_blocks_free = group_->engine().blocks().available();

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "common/hash.h"
 #include "common/status.h"
 #include "gpu_worker/engine/engine.h"
@@ -55,6 +56,12 @@ struct SchedulerOptions {
   // (they run as deferred engine work, one per iteration), so storing never adds to TTFT.
   // Default: true
   bool defer_segment_stores = true;
+  // A missing segment is stored the n-th time a request misses it (1: at once). A store costs
+  // an encoding pass of the segment (and on a GPU its host copy), which content seen once never
+  // repays: a chat turn is missed when it is new and is then served as an exact prefix (on the
+  // H200, storing every turn made chat TTFT p50 0.3-1 s instead of 45 ms; docs/benchmarks.md).
+  // Recurring documents are stored on their second sighting. Default: 1 (the worker: 2 on a GPU)
+  int store_after_misses = 1;
   // Layers of a deferred store's encoding pass run per iteration (the rest in later ones), so
   // a store delays the decoding sequences by a slice, not a whole pass; 0: the whole pass.
   // On the H200 an 8B model's 2000-token segment is ~2 ms per layer. Default: 8
@@ -134,6 +141,12 @@ class RequestHandle {
   std::deque<StreamChunk> q_;
 };
 
+// The parts of an engine iteration, timed separately (SchedulerLoad::phase_seconds).
+enum class EnginePhase { kAdmission, kPrefill, kDecode, kStore, kSpill };
+inline constexpr int kEnginePhases = 5;
+inline constexpr const char* kEnginePhaseNames[kEnginePhases] = {"admission", "prefill", "decode",
+                                                                 "store", "spill"};
+
 // A snapshot of the scheduler's load (updated by the engine thread every iteration).
 struct SchedulerLoad {
   int queue_depth = 0, running = 0;
@@ -144,6 +157,9 @@ struct SchedulerLoad {
   int pending_stores = 0;  // deferred segment stores not yet run
   int64_t stores_dropped = 0;  // deferred stores dropped (store_while_busy off, backlog full)
   int unspilled_segments = 0;  // stored in the device tier, not yet in the host store
+  // Engine-thread seconds per EnginePhase since start, and the longest single phase run.
+  double phase_seconds[kEnginePhases] = {};
+  double phase_longest_s[kEnginePhases] = {};
 };
 
 // Observer hooks, called on the engine thread (keep them short).
@@ -241,8 +257,15 @@ class BatchScheduler {
     int reserve = 0;       // blocks counted in reserved_blocks_ while started
   };
   void DropOldestStore();
+  // Counts a miss of a cacheable segment; true when it should be stored now
+  // (SchedulerOptions::store_after_misses).
+  bool AdmitStore(const Hash128& fp);
+  absl::flat_hash_map<Hash128, int> miss_counts_;
+  std::deque<Hash128> miss_order_;
   std::deque<PendingStore> pending_stores_;
   int64_t stores_dropped_ = 0;
+  double phase_seconds_[kEnginePhases] = {};
+  double phase_longest_[kEnginePhases] = {};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -79,6 +79,13 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   iterations = &r.AddGauge("sparsex_worker_iterations", "Engine iterations run.").Get();
   pending_stores =
       &r.AddGauge("sparsex_worker_pending_stores", "Deferred segment stores waiting.").Get();
+  engine_seconds = &r.AddGauge("sparsex_worker_engine_seconds",
+                              "Engine-thread seconds per iteration phase since start "
+                              "(admission, prefill, decode, store, spill).",
+                              {"phase"});
+  engine_longest = &r.AddGauge("sparsex_worker_engine_longest_seconds",
+                              "Longest single run of each iteration phase since start.",
+                              {"phase"});
   unspilled_segments = &r.AddGauge("sparsex_worker_unspilled_segments",
                                    "Segments stored in the device tier only (host copy waits "
                                    "for an idle iteration).").Get();

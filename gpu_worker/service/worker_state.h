@@ -48,7 +48,8 @@ struct WorkerMetrics {
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback;
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,
       *pending_stores, *stores_dropped, *waiting_remote, *unspilled_segments;
-  metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info;
+  metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info, *engine_seconds,
+      *engine_longest;
 };
 
 struct WorkerServer::State {

@@ -171,6 +171,35 @@ TEST_F(SchedulerTest, SlicedStoresFillTheDeviceTierAndSpillWhenIdle) {
   EXPECT_EQ(answers[0], answers[1]);
 }
 
+// store_after_misses = 2 (the GPU default): content seen once is never stored; a segment is
+// stored the second time a request misses it and reused from the third.
+TEST_F(SchedulerTest, SegmentsAreStoredOnTheirSecondMiss) {
+  SchedulerOptions o;
+  o.store_after_misses = 2;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  const Hash128 fa = SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none");
+  const Hash128 fb = SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none");
+  auto run = [&](std::vector<PromptSegment> segs) {
+    auto h = s->Submit(Item(std::move(segs), 4));
+    EXPECT_TRUE(h.ok());
+    Collected c = Drain(**h);
+    EXPECT_TRUE(c.final.status.ok()) << c.final.status;
+    for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+    return c.final.usage;
+  };
+  RequestUsage u1 = run({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}});
+  EXPECT_EQ(u1.segments_hit, 0);
+  EXPECT_FALSE(store_->Contains(fa));  // missed once: not stored
+  RequestUsage u2 = run({{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}});
+  EXPECT_EQ(u2.segments_hit, 0);
+  EXPECT_TRUE(store_->Contains(fa));  // missed twice: stored
+  EXPECT_TRUE(store_->Contains(fb));
+  RequestUsage u3 = run({{Enc(kDocA)}, {Enc(kQ), false}, {Enc(kDocB)}});
+  EXPECT_GE(u3.segments_hit, 1);
+  EXPECT_GT(u3.reused_tokens, 0);
+}
+
 // store_while_busy = false: deferred stores wait while a sequence decodes,
 // run once the engine is idle, and a backlog beyond max_pending_stores is dropped and counted.
 TEST_F(SchedulerTest, StoresWaitForIdleWithoutStoreWhileBusy) {
