@@ -193,7 +193,7 @@ uint32_t DecodeAt(const std::string& s, size_t p, size_t* len) {
   const unsigned char c = s[p];
   size_t n = std::min(CharLen(c), s.size() - p);
   *len = n;
-  if (n == 1) return c;
+  if (n == 1) return c < 0x80 ? c : 0xFFFD;  // a stray byte of invalid UTF-8
   uint32_t cp = c & (0xFF >> (n + 1));
   for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[p + k]) & 0x3F);
   return cp;
@@ -216,12 +216,17 @@ std::string Strip(const std::string& s, const std::optional<std::string>& chars,
   auto strip_it = [&](uint32_t c) {
     return chars ? std::find(set.begin(), set.end(), c) != set.end() : PySpace(c);
   };
-  const std::vector<size_t> o = CharOffsets(s);
-  size_t a = 0, b = o.size() - 1;  // code point range [a, b)
-  size_t n = 0;
-  while (left && a < b && strip_it(DecodeAt(s, o[a], &n))) ++a;
-  while (right && b > a && strip_it(DecodeAt(s, o[b - 1], &n))) --b;
-  return s.substr(o[a], o[b] - o[a]);
+  // Scans inward from both ends (no offsets table: trim runs on every message's content).
+  size_t a = 0, b = s.size(), n = 0;
+  while (left && a < b && strip_it(DecodeAt(s, a, &n))) a += n;
+  while (right && b > a) {
+    size_t k = b - 1;
+    while (k > a && b - k < 4 && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    const uint32_t c = DecodeAt(s, k, &n);
+    if (k + n != b || !strip_it(c)) break;  // (an invalid sequence is not whitespace)
+    b = k;
+  }
+  return s.substr(a, b - a);
 }
 
 // One code point's upper / lower case for Latin-1, Latin Extended-A, Greek and Cyrillic (the
@@ -1909,9 +1914,25 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
 
 enum class Flow { kNormal, kBreak, kContinue };
 
+// Where RenderChatSpans' prefix renderings go: compared with the whole prompt as they are
+// produced instead of stored (each is nearly the whole prompt, and there is one per message).
+struct PrefixSink {
+  const std::string* ref = nullptr;  // the whole prompt
+  size_t max_tail = 0;               // bytes allowed after the output leaves `ref` (an EOS)
+  size_t pos = 0;                    // bytes written that equal ref[0, pos)
+  bool diverged = false;
+  std::string tail;                  // what was written after diverging
+};
+struct Diverged {};  // thrown when more than max_tail bytes follow the divergence
+
 class Interp {
  public:
   Interp(const ChatTemplateLimits& lim) : lim_(lim) {}
+  // The render's own output (not a block set's capture) goes to `sink`.
+  void SetSink(PrefixSink* sink, const std::string* top) {
+    sink_ = sink;
+    top_ = top;
+  }
 
   void PushFrame() { frames_.emplace_back(); }
   void PopFrame() { frames_.pop_back(); }
@@ -1927,6 +1948,26 @@ class Interp {
 
  private:
   void Emit(std::string* out, const std::string& s, int line) {
+    if (sink_ != nullptr && out == top_) {
+      PrefixSink& k = *sink_;
+      if (!k.diverged) {
+        const size_t m = std::min(s.size(), k.ref->size() - k.pos);
+        const size_t same = std::mismatch(s.begin(), s.begin() + m, k.ref->begin() + k.pos).first -
+                            s.begin();
+        k.pos += same;
+        if (same < s.size()) {
+          k.diverged = true;
+          k.tail.assign(s, same);
+        }
+      } else {
+        k.tail += s;
+      }
+      if (k.tail.size() > k.max_tail) throw Diverged{};
+      if (k.pos + k.tail.size() > lim_.max_output_bytes) {
+        Fail(line, absl::StrCat("output exceeds the limit of ", lim_.max_output_bytes, " bytes"));
+      }
+      return;
+    }
     out->append(s);
     if (out->size() > lim_.max_output_bytes) {
       Fail(line, absl::StrCat("output exceeds the limit of ", lim_.max_output_bytes, " bytes"));
@@ -1944,7 +1985,11 @@ class Interp {
   Flow ExecNode(const Node& n, std::string* out) {
     switch (n.k) {
       case Node::kText: Emit(out, n.text, n.line); return Flow::kNormal;
-      case Node::kOutput: Emit(out, ToStr(Eval(*n.expr)), n.line); return Flow::kNormal;
+      case Node::kOutput: {
+        const Value v = Eval(*n.expr);
+        Emit(out, v.is_str() ? v.s : ToStr(v), n.line);  // a string is written without a copy
+        return Flow::kNormal;
+      }
       case Node::kIf:
         for (size_t b = 0; b < n.conds.size(); ++b) {
           if (n.conds[b] == nullptr || Truthy(Eval(*n.conds[b]))) return Exec(n.bodies[b], out);
@@ -2059,7 +2104,8 @@ class Interp {
     return a;
   }
 
-  Value Arith(const std::string& op, const Value& a, const Value& b, int line) {
+  // By value: a + b + c appends to the left operand in place instead of copying it each time.
+  Value Arith(const std::string& op, Value a, const Value& b, int line) {
     if (a.undefined()) FailUndefined(a, line);
     if (b.undefined()) FailUndefined(b, line);
     const auto bad = [&]() -> Value {
@@ -2069,7 +2115,8 @@ class Interp {
     if (op == "+") {
       if (a.is_str() && b.is_str()) {
         CheckSize(a.s.size() + b.s.size(), lim_.max_output_bytes, line);
-        return Value::Str(a.s + b.s);
+        a.s += b.s;
+        return a;
       }
       if (a.k == Value::K::kList && b.k == Value::K::kList) {
         ValueList o = *a.list;
@@ -2268,6 +2315,8 @@ class Interp {
 
  private:
   const ChatTemplateLimits& lim_;
+  PrefixSink* sink_ = nullptr;
+  const std::string* top_ = nullptr;
   std::vector<std::unordered_map<std::string, Value>> frames_;
   int64_t iterations_ = 0;
   int loop_depth_ = 0;
@@ -2306,7 +2355,10 @@ struct ChatTemplate::Impl {
   ChatTemplateLimits limits;
   Body body;
 
-  absl::StatusOr<std::string> Run(const std::vector<std::pair<std::string, Value>>& vars) const {
+  // With a sink the output goes there (the returned string is empty); a divergence beyond the
+  // sink's max_tail is ABORTED.
+  absl::StatusOr<std::string> Run(const std::vector<std::pair<std::string, Value>>& vars,
+                                  PrefixSink* sink = nullptr) const {
     // A namespace can hold itself (ns.me = ns): its attributes are cleared after the render so
     // the reference cycle does not outlive it.
     std::vector<std::weak_ptr<ValueDict>> namespaces;
@@ -2362,8 +2414,11 @@ struct ChatTemplate::Impl {
       for (const auto& [k, v] : vars) in.Set(k, v);
       in.PushFrame();  // the template's own top-level assignments
       std::string out;
+      in.SetSink(sink, &out);
       in.Exec(body, &out);
       return out;
+    } catch (const Diverged&) {
+      return absl::AbortedError("the rendering left the reference text");
     } catch (const TemplateError& e) {
       return absl::InvalidArgumentError(e.message);
     } catch (const std::bad_alloc&) {
@@ -2393,16 +2448,25 @@ absl::StatusOr<std::shared_ptr<const ChatTemplate>> ChatTemplate::Parse(
   return std::shared_ptr<const ChatTemplate>(new ChatTemplate(std::move(impl)));
 }
 
-absl::StatusOr<std::string> ChatTemplate::Render(std::span<const ChatMessage> messages,
-                                                 const ChatTemplateVars& vars) const {
+namespace {
+
+std::vector<std::pair<std::string, Value>> ChatVars(std::span<const ChatMessage> messages,
+                                                    const ChatTemplateVars& vars) {
   ValueList msgs;
   for (const ChatMessage& m : messages) {
     msgs.push_back(MakeDict({{"role", Value::Str(m.role)}, {"content", Value::Str(m.content)}}));
   }
-  return impl_->Run({{"messages", Value::List(std::move(msgs))},
-                     {"add_generation_prompt", Value::Bool(vars.add_generation_prompt)},
-                     {"bos_token", Value::Str(vars.bos_token)},
-                     {"eos_token", Value::Str(vars.eos_token)}});
+  return {{"messages", Value::List(std::move(msgs))},
+          {"add_generation_prompt", Value::Bool(vars.add_generation_prompt)},
+          {"bos_token", Value::Str(vars.bos_token)},
+          {"eos_token", Value::Str(vars.eos_token)}};
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ChatTemplate::Render(std::span<const ChatMessage> messages,
+                                                 const ChatTemplateVars& vars) const {
+  return impl_->Run(ChatVars(messages, vars));
 }
 
 absl::StatusOr<std::string> ChatTemplate::RenderJson(std::string_view context_json) const {
@@ -2420,7 +2484,6 @@ absl::StatusOr<std::string> ChatTemplate::RenderJson(std::string_view context_js
 }
 
 constexpr size_t kMaxSpanMessages = 256;
-constexpr size_t kMaxSpanRenderBytes = size_t{256} << 20;
 
 absl::StatusOr<ChatSpans> RenderChatSpans(const ChatTemplate& t,
                                           std::span<const ChatMessage> messages,
@@ -2434,57 +2497,57 @@ absl::StatusOr<ChatSpans> RenderChatSpans(const ChatTemplate& t,
   }
   ChatTemplateVars partial = vars;
   partial.add_generation_prompt = false;
-  std::vector<std::string> renders;
-  size_t total = 0;
-  for (size_t i = 1; i <= messages.size(); ++i) {
-    if (total > kMaxSpanRenderBytes) {
-      out.fallback_reason = absl::StrCat("the renderings exceed ", kMaxSpanRenderBytes, " bytes");
-      return out;
+  // Every rendering of messages[0..i] must be a prefix of the whole prompt, at a position that
+  // never goes back; then span i lies between the ends of renderings i-1 and i. Two candidates
+  // are checked in one pass: as rendered, and without a closing EOS (Phi-3 ends a conversation
+  // without a generation prompt with EOS). Renderings are compared as they are produced, never
+  // stored, and one that leaves the prompt by more than an EOS stops at once.
+  const std::string& eos = vars.eos_token;
+  const std::string& text = out.text;
+  std::vector<size_t> ends[2];
+  bool ok[2] = {true, !eos.empty()};
+  if (messages.empty()) ok[0] = ok[1] = false;
+  for (size_t i = 1; i <= messages.size() && (ok[0] || ok[1]); ++i) {
+    PrefixSink sink;
+    sink.ref = &text;
+    sink.max_tail = ok[1] ? eos.size() : 0;
+    absl::StatusOr<std::string> r = t.impl_->Run(ChatVars(messages.subspan(0, i), partial), &sink);
+    if (r.status().code() == absl::StatusCode::kAborted) {  // not a prefix: fall back
+      ok[0] = ok[1] = false;
+      break;
     }
-    absl::StatusOr<std::string> r = t.Render(messages.subspan(0, i), partial);
-    if (r.ok()) total += r->size();
     if (!r.ok()) {
       // E.g. a template that insists on a user turn last: the whole prompt is still valid.
       out.fallback_reason = absl::StrCat("rendering the first ", i, " messages failed: ",
                                          r.status().message());
       return out;
     }
-    renders.push_back(*std::move(r));
+    const size_t len = sink.pos + sink.tail.size();
+    // As rendered: the whole rendering is a prefix of the prompt.
+    ok[0] = ok[0] && !sink.diverged && (ends[0].empty() || ends[0].back() <= len);
+    ends[0].push_back(len);
+    // Without a closing EOS: text[0, len - |eos|) + eos, the first part within the prefix.
+    if (ok[1]) {
+      const size_t cut = len - std::min(len, eos.size());
+      std::string last = sink.tail;
+      if (last.size() < eos.size()) {
+        const size_t need = std::min(eos.size() - last.size(), sink.pos);
+        last = text.substr(sink.pos - need, need) + last;
+      }
+      ok[1] = len >= eos.size() && cut <= sink.pos && last == eos &&
+              (ends[1].empty() || ends[1].back() <= cut);
+      ends[1].push_back(cut);
+    }
   }
-  // Prefix property, as rendered; then without a closing EOS (Phi-3 ends a conversation
-  // without a generation prompt with EOS).
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    std::vector<std::string> rs = renders;
-    if (attempt == 1) {
-      const std::string& eos = vars.eos_token;
-      if (eos.empty()) break;
-      bool all = true;
-      for (std::string& r : rs) {
-        if (r.size() < eos.size() || r.compare(r.size() - eos.size(), eos.size(), eos) != 0) {
-          all = false;
-          break;
-        }
-        r.resize(r.size() - eos.size());
-      }
-      if (!all) break;
-    }
-    bool ok = true;
-    std::vector<std::string> spans;
-    std::string_view prev;
-    for (const std::string& r : rs) {
-      if (r.compare(0, prev.size(), prev) != 0 || r.size() < prev.size()) {
-        ok = false;
-        break;
-      }
-      spans.push_back(r.substr(prev.size()));
-      prev = r;
-    }
-    if (!ok || out.text.size() < prev.size() || out.text.compare(0, prev.size(), prev) != 0) {
-      continue;
-    }
+  for (int c = 0; c < 2; ++c) {
+    if (!ok[c]) continue;
     out.per_message = true;
-    out.spans = std::move(spans);
-    out.suffix = out.text.substr(prev.size());
+    size_t prev = 0;
+    for (size_t e : ends[c]) {
+      out.spans.push_back(text.substr(prev, e - prev));
+      prev = e;
+    }
+    out.suffix = text.substr(prev);
     return out;
   }
   out.fallback_reason =

@@ -51,6 +51,12 @@ struct ChatTemplateVars {
   std::string eos_token;
 };
 
+struct ChatSpans;
+class ChatTemplate;
+absl::StatusOr<ChatSpans> RenderChatSpans(const ChatTemplate& t,
+                                          std::span<const ChatMessage> messages,
+                                          const ChatTemplateVars& vars);
+
 class ChatTemplate {
  public:
   // A parse error (syntax, unknown tag, filter or test) is INVALID_ARGUMENT naming the line.
@@ -67,6 +73,9 @@ class ChatTemplate {
   struct Impl;
 
  private:
+  friend absl::StatusOr<ChatSpans> RenderChatSpans(const ChatTemplate&,
+                                                   std::span<const ChatMessage>,
+                                                   const ChatTemplateVars&);
   explicit ChatTemplate(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
@@ -77,8 +86,8 @@ class ChatTemplate {
 // prompt); they need each rendering to be a prefix of the next. Templates that end a
 // conversation with EOS when no generation prompt is asked (Phi-3) are tried again with that
 // trailing EOS cut. When neither holds, `per_message` is false and `text` is the only span; so
-// too past 256 messages or 256 MiB of renderings (the spans cost a rendering per message, so
-// they grow with the square of the conversation).
+// too past 256 messages (the spans cost a rendering per message, so they grow with the square
+// of the conversation).
 struct ChatSpans {
   std::string text;                // the whole prompt (vars.add_generation_prompt as given)
   bool per_message = false;
