@@ -348,6 +348,17 @@ struct HttpFrontend::Impl {
     v1::Usage usage;
     bool headers_sent = false, client_gone = false;
 
+    // A worker that fails mid-generation before anything reached the client (always, for a
+    // non-streaming request): drop what was buffered and let the router start over elsewhere.
+    ctl.restart = [&]() -> bool {
+      if (headers_sent) return false;
+      text.clear();
+      finish_reason.clear();
+      worker.clear();
+      usage.Clear();
+      stop = openai::StopFilter(p.stop);
+      return true;
+    };
     auto chunk = [&](const std::string& data) {
       return out.Send(absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n"));
     };

@@ -207,6 +207,16 @@ struct Router::Impl {
       if (gs.error_code() == grpc::StatusCode::CANCELLED) {
         return absl::CancelledError(absl::StrCat("cancelled: ", gs.error_message()));
       }
+      if (sent_any && gs.error_code() == grpc::StatusCode::UNAVAILABLE && ctl.restart &&
+          ctl.restart()) {
+        // Nothing reached the client: start over on another worker, as before a first token.
+        c.healthy = false;
+        m->restarts->Inc();
+        last = absl::UnavailableError(absl::StrCat("worker ", c.Name(), " failed after ", chunks,
+                                                   " chunk(s): ", gs.error_message()));
+        excluded.push_back(c.address);
+        continue;
+      }
       if (sent_any) {
         c.healthy = gs.error_code() != grpc::StatusCode::UNAVAILABLE ? c.healthy.load() : false;
         return absl::Status(

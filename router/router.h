@@ -63,8 +63,8 @@ struct RouterOptions {
   // Router -> worker channels: HTTP/2 keepalive pings every worker_keepalive_ms; a worker that
   // does not answer one within worker_keepalive_timeout_ms (a frozen process: SIGSTOP, a hung
   // host) loses its connection: it is marked unhealthy, and its requests that have not sent a
-  // token yet are retried on another worker. Default: 500 ms, 1000 ms
-  int worker_keepalive_ms = 500;
+  // token yet are retried on another worker. Default: 250 ms, 1000 ms
+  int worker_keepalive_ms = 250;
   int worker_keepalive_timeout_ms = 1000;
   std::vector<std::string> workers;          // static members (host:port). Default: none
   std::vector<std::string> etcd_endpoints;   // etcd membership. Default: none
@@ -118,6 +118,11 @@ struct CallControl {
   std::string api = "grpc";  // metrics label. Default: grpc
   // Cancellation from another thread (the HTTP front end). Default: none
   std::shared_ptr<CallCancel> cancel;
+  // Called when a worker fails (UNAVAILABLE: died, frozen) after it streamed tokens: true when
+  // nothing has reached the client yet (a non-streaming HTTP request buffers the whole answer)
+  // and the front end has dropped what it buffered; the request then starts over on another
+  // worker. Unset or false: the client gets UNAVAILABLE "failed after streaming". Default: none
+  std::function<bool()> restart;
 };
 
 using GenerateSink = std::function<bool(const v1::GenerateResponse&)>;  // false: client gone

@@ -37,6 +37,11 @@ struct RouterMetrics {
     retries = &r.AddCounter("sparsex_router_retries_total",
                             "Requests retried on another worker before the first token, by code.",
                             {"code"});
+    restarts = &r.AddCounter("sparsex_router_restarts_total",
+                             "Requests started over on another worker after theirs failed "
+                             "mid-generation with nothing sent to the client yet "
+                             "(non-streaming HTTP).")
+                   .Get();
     shed = &r.AddCounter("sparsex_router_shed_total",
                          "Requests refused with RESOURCE_EXHAUSTED (every worker saturated).")
                 .Get();
@@ -73,7 +78,7 @@ struct RouterMetrics {
   }
   metrics::Family<metrics::Counter>*requests, *decisions, *retries;
   metrics::Histogram *ttft, *inter_token, *e2e;
-  metrics::Counter *predicted_reuse, *shed, *prompt_tokens, *prefix_tokens, *reused_tokens,
+  metrics::Counter *predicted_reuse, *restarts, *shed, *prompt_tokens, *prefix_tokens, *reused_tokens,
       *recomputed_tokens, *new_tokens, *generated_tokens, *fetch_failures;
   metrics::Family<metrics::Gauge>*workers, *w_inflight, *w_queue, *w_running, *w_kv, *w_segments;
 };

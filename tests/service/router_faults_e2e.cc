@@ -13,6 +13,9 @@
 //   - FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried (defect 6): one worker SIGSTOPped;
 //     every request succeeds within a bound, the router marks it unhealthy within ~2 s;
 //     SIGCONT at the end and it serves again.
+//   - FrozenWorkerMidGenerationNonStreamingRequestsStartOver (defect 6): a non-streaming
+//     request whose worker freezes mid-generation (nothing sent to the client yet) starts over
+//     on the other worker and succeeds.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
@@ -525,17 +528,27 @@ TEST_F(RouterFaults, FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried) {
       last_error = s.error_message() + " worker " + worker;
     }
   };
+  // When /healthz first shows one healthy worker (polled every 50 ms).
+  std::atomic<double> unhealthy_at{-1};
+  std::thread watcher([&] {
+    while (Clock::now() - frozen < 6s) {
+      if (HealthyWorkers() == 1) {
+        unhealthy_at = Ms(Clock::now() - frozen);
+        return;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+  });
   std::vector<std::thread> burst;
   for (int i = 0; i < 16; ++i) burst.emplace_back(one, 100 + i);
-  double unhealthy_ms = -1;
   int sequential = 0;
   while (Clock::now() - frozen < 3s) {
     one(200 + sequential++);
-    if (unhealthy_ms < 0 && HealthyWorkers() == 1) unhealthy_ms = Ms(Clock::now() - frozen);
     std::this_thread::sleep_for(100ms);
   }
   for (std::thread& t : burst) t.join();
-  if (unhealthy_ms < 0 && HealthyWorkers() == 1) unhealthy_ms = Ms(Clock::now() - frozen);
+  watcher.join();
+  const double unhealthy_ms = unhealthy_at.load();
   const std::string m = RouterMetrics();
   EXPECT_EQ(failed.load(), 0) << last_error;
   EXPECT_LT(worst.load(), 5000.0) << "a request took too long";
@@ -548,6 +561,73 @@ TEST_F(RouterFaults, FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried) {
   // Thawed, it comes back and serves again.
   workers_[1].proc->Signal(SIGCONT);
   EXPECT_TRUE(WaitHealthy(2, 15s));
+}
+
+// Defect 6, the rest of "retry what has not started": a non-streaming HTTP request sends the
+// client nothing until the end, so one whose worker freezes mid-generation starts over on the
+// other worker instead of failing with "failed after streaming".
+TEST_F(RouterFaults, FrozenWorkerMidGenerationNonStreamingRequestsStartOver) {
+  StartWorkers(2, {"--max_running", "1"});  // one sequence at a time: the rest queue
+  StartRouter();
+  constexpr int kRequests = 6, kTokens = 1500;  // ~0.5 s of decoding each, one at a time
+  std::vector<Timed> results(kRequests);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kRequests; ++i) {
+    clients.emplace_back([&, i] {
+      results[i] = Exchange(http_port_, Request("POST", "/v1/completions", Completion(kTokens, false)),
+                            60000ms);
+    });
+  }
+  // Freeze worker-1 while a request is mid-generation: it has its first token (more first
+  // tokens than finished requests), and 60 ms later the same is true of the same request, so
+  // its tokens have reached the router (the worker sends every 20 ms).
+  auto state = [&] {
+    const std::string wm = workers_[1].Metrics();
+    double finished = 0;
+    for (const char* o : {"ok", "cancelled"}) {
+      const double v = MetricValue(wm, std::string("sparsex_worker_requests_total{outcome=\"") + o + "\"}");
+      if (!std::isnan(v)) finished += v;
+    }
+    return std::make_pair(MetricValue(wm, "sparsex_worker_ttft_seconds_count"), finished);
+  };
+  bool frozen = false;
+  const Clock::time_point end = Clock::now() + 20s;
+  while (!frozen && Clock::now() < end) {
+    const auto a = state();
+    if (a.first > a.second) {
+      std::this_thread::sleep_for(60ms);
+      if (state() == a) {
+        workers_[1].proc->Signal(SIGSTOP);
+        frozen = true;
+        continue;
+      }
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  for (std::thread& t : clients) t.join();
+  ASSERT_TRUE(frozen) << "worker-1 never generated";
+  const std::string m = RouterMetrics();
+  int ok = 0;
+  double worst = 0;
+  for (const Timed& r : results) {
+    worst = std::max(worst, r.ms);
+    json j = json::parse(r.body, nullptr, false);
+    if (r.status != 200 || j.is_discarded()) {
+      ADD_FAILURE() << r.status << " " << r.body.substr(0, 300);
+      continue;
+    }
+    EXPECT_EQ(j["usage"]["completion_tokens"], kTokens);
+    EXPECT_EQ(j["usage"]["sparsex"]["worker"], "worker-0") << r.body.substr(0, 300);
+    ++ok;
+  }
+  EXPECT_EQ(ok, kRequests);
+  EXPECT_LT(worst, 30000.0);
+  EXPECT_GE(MetricValue(m, "sparsex_router_restarts_total"), 1) << "no request was mid-generation";
+  std::cerr << "restarted " << MetricValue(m, "sparsex_router_restarts_total")
+            << ", retried before a token "
+            << MetricValue(m, "sparsex_router_retries_total{code=\"unavailable\"}")
+            << "; slowest " << worst << " ms\n";
+  workers_[1].proc->Signal(SIGCONT);
 }
 
 }  // namespace
