@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -54,6 +55,7 @@ struct Value {
   std::shared_ptr<ValueDict> dict;  // shared: namespace() objects are mutated through it
   std::shared_ptr<const Func> fn;
   int depth = 0;  // lists and dicts: 1 + their deepest element (a namespace counts as 1)
+  bool tuple = false;  // kList: a Python tuple (dict items, (a, b)): printed "(a, b)"
 
   static Value Undefined(std::string what) {
     Value v;
@@ -72,6 +74,11 @@ struct Value {
     for (const Value& e : x) v.depth = std::max(v.depth, e.depth + 1);
     if (v.depth > kMaxValueDepth) Fail(0, "a list nested deeper than 256 levels");
     v.list = std::make_shared<const ValueList>(std::move(x));
+    return v;
+  }
+  static Value Tuple(ValueList x) {
+    Value v = List(std::move(x));
+    v.tuple = true;
     return v;
   }
   bool undefined() const { return k == K::kUndefined; }
@@ -323,9 +330,10 @@ std::string ToStr(const Value& v) {
     case Value::K::kFloat: return PyFloat(v.f);
     case Value::K::kString: return v.s;
     case Value::K::kList: {
-      std::string o = "[";
+      std::string o = v.tuple ? "(" : "[";
       for (size_t k = 0; k < v.list->size(); ++k) o += (k ? ", " : "") + Repr((*v.list)[k]);
-      return o + "]";
+      if (v.tuple && v.list->size() == 1) o += ",";
+      return o + (v.tuple ? ")" : "]");
     }
     case Value::K::kDict: {
       if (v.dict->ns) return "<Namespace>";
@@ -458,7 +466,7 @@ bool Equal(const Value& a, const Value& b) {
     case Value::K::kNone: return true;
     case Value::K::kString: return a.s == b.s;
     case Value::K::kList:
-      if (a.list->size() != b.list->size()) return false;
+      if (a.tuple != b.tuple || a.list->size() != b.list->size()) return false;
       for (size_t k = 0; k < a.list->size(); ++k) {
         if (!Equal((*a.list)[k], (*b.list)[k])) return false;
       }
@@ -483,7 +491,7 @@ bool Less(const Value& a, const Value& b, int line) {
     return a.integer() < b.integer();
   }
   if (a.is_str() && b.is_str()) return a.s < b.s;  // UTF-8 byte order is code point order
-  if (a.k == Value::K::kList && b.k == Value::K::kList) {
+  if (a.k == Value::K::kList && b.k == Value::K::kList && a.tuple == b.tuple) {
     for (size_t k = 0; k < std::min(a.list->size(), b.list->size()); ++k) {
       if (!Equal((*a.list)[k], (*b.list)[k])) return Less((*a.list)[k], (*b.list)[k], line);
     }
@@ -758,6 +766,7 @@ struct Expr {
   Value lit;
   std::string name;                 // kName/kAttr: the name; kFilter/kTest: which; kBin: op
   bool negate = false;              // kTest: "is not"
+  bool tuple = false;               // kList: a tuple literal
   std::vector<ExprP> kids;          // operands; kCall/kFilter/kTest: [subject, args..., kwargs...]
   std::vector<std::string> kw;      // names of the trailing keyword arguments in kids
   std::vector<std::string> ops;     // kCompare: the operators between kids
@@ -949,6 +958,7 @@ class Parser {
         n->expr = ParseExpression();
         if (IsOp(",")) {  // set a = x, y: a tuple
           auto lst = Make(Expr::kList, line);
+          lst->tuple = true;
           lst->kids.push_back(std::move(n->expr));
           while (SkipOp(",")) lst->kids.push_back(ParseExpression());
           Redepth(lst.get());
@@ -1153,7 +1163,11 @@ class Parser {
       return e;
     }
     if (SkipOp("(")) {
-      if (SkipOp(")")) return Make(Expr::kList, line);  // ()
+      if (SkipOp(")")) {  // ()
+        ExprP e = Make(Expr::kList, line);
+        e->tuple = true;
+        return e;
+      }
       ExprP e = ParseExpression();
       if (IsOp(",")) {  // a tuple: a list here
         std::vector<ExprP> items;
@@ -1163,6 +1177,7 @@ class Parser {
           items.push_back(ParseExpression());
         }
         e = Make(Expr::kList, line, std::move(items));
+        e->tuple = true;
       }
       ExpectOp(")");
       return e;
@@ -1543,7 +1558,7 @@ Value DictMethod(const Value& self, const std::string& name) {
       return a.Get(1, "default").value_or(Value::None());
     }
     for (const auto& [k, v] : self.dict->items) {
-      if (name == "items") out.push_back(Value::List({Value::Str(k), v}));
+      if (name == "items") out.push_back(Value::Tuple({Value::Str(k), v}));
       if (name == "keys") out.push_back(Value::Str(k));
       if (name == "values") out.push_back(v);
     }
@@ -1883,6 +1898,121 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
     f["reject"] = [](const Value& v, const CallArgs& a) { return SelectFilter(v, a, false, false); };
     f["selectattr"] = [](const Value& v, const CallArgs& a) { return SelectFilter(v, a, true, true); };
     f["rejectattr"] = [](const Value& v, const CallArgs& a) { return SelectFilter(v, a, true, false); };
+    // sort / unique / min / max compare strings case-insensitively unless case_sensitive, as
+    // jinja2 does; `attribute` picks what is compared.
+    const auto sort_key = [](const Value& x, const CallArgs& a, size_t attr_pos) {
+      const std::optional<Value> attr = a.Get(attr_pos, "attribute");
+      Value k = attr ? GetItem(x, *attr, SIZE_MAX, a.line) : x;
+      const std::optional<Value> cs = a.Get(SIZE_MAX, "case_sensitive");
+      if (k.is_str() && !(cs && Truthy(*cs))) k.s = CaseMap(k.s, false);
+      return k;
+    };
+    f["sort"] = [sort_key](const Value& v, const CallArgs& a) {
+      ValueList items = Items(v, a.line);
+      std::vector<std::pair<Value, size_t>> keys;
+      for (size_t k = 0; k < items.size(); ++k) keys.emplace_back(sort_key(items[k], a, 2), k);
+      const std::optional<Value> rev = a.Get(0, "reverse");
+      const bool reverse = rev && Truthy(*rev);
+      std::stable_sort(keys.begin(), keys.end(), [&](const auto& x, const auto& y) {
+        return reverse ? Less(y.first, x.first, a.line) : Less(x.first, y.first, a.line);
+      });
+      ValueList out;
+      for (const auto& [key, k] : keys) out.push_back(items[k]);
+      return Value::List(std::move(out));
+    };
+    f["unique"] = [sort_key](const Value& v, const CallArgs& a) {
+      ValueList out, seen;
+      for (const Value& x : Items(v, a.line)) {
+        Value key = sort_key(x, a, 1);
+        if (std::none_of(seen.begin(), seen.end(), [&](const Value& y) { return Equal(y, key); })) {
+          seen.push_back(std::move(key));
+          out.push_back(x);
+        }
+      }
+      return Value::List(std::move(out));
+    };
+    const auto extreme = [sort_key](bool want_max) {
+      return [sort_key, want_max](const Value& v, const CallArgs& a) {
+        ValueList items = Items(v, a.line);
+        if (items.empty()) return Value::Undefined("min/max of an empty sequence is undefined");
+        size_t best = 0;
+        Value best_key = sort_key(items[0], a, 1);
+        for (size_t k = 1; k < items.size(); ++k) {
+          Value key = sort_key(items[k], a, 1);
+          if (want_max ? Less(best_key, key, a.line) : Less(key, best_key, a.line)) {
+            best = k;
+            best_key = std::move(key);
+          }
+        }
+        return items[best];
+      };
+    };
+    f["min"] = extreme(false);
+    f["max"] = extreme(true);
+    f["sum"] = [](const Value& v, const CallArgs& a) {
+      const std::optional<Value> attr = a.Get(0, "attribute");
+      Value total = a.Get(1, "start").value_or(Value::Int(0));
+      for (const Value& x : Items(v, a.line)) {
+        const Value y = attr ? GetItem(x, *attr, SIZE_MAX, a.line) : x;
+        if (!total.numeric() || !y.numeric()) Fail(a.line, "sum: numbers are required");
+        if (total.k == Value::K::kFloat || y.k == Value::K::kFloat) {
+          total = Value::Float(total.num() + y.num());
+        } else if (int64_t r; __builtin_add_overflow(total.integer(), y.integer(), &r)) {
+          Fail(a.line, "integer overflow");
+        } else {
+          total = Value::Int(r);
+        }
+      }
+      return total;
+    };
+    f["dictsort"] = [](const Value& v, const CallArgs& a) {
+      if (v.k != Value::K::kDict || v.dict->ns) Fail(a.line, "dictsort: a mapping is required");
+      const std::optional<Value> cs = a.Get(0, "case_sensitive");
+      const std::optional<Value> by = a.Get(1, "by");
+      const std::optional<Value> rev = a.Get(2, "reverse");
+      const int pos = by && by->is_str() && by->s == "value" ? 1 : 0;
+      std::vector<std::pair<Value, Value>> rows;  // (key to sort by, [k, v])
+      for (const auto& [k, x] : v.dict->items) {
+        Value key = pos == 0 ? Value::Str(k) : x;
+        if (key.is_str() && !(cs && Truthy(*cs))) key.s = CaseMap(key.s, false);
+        rows.emplace_back(std::move(key), Value::Tuple({Value::Str(k), x}));
+      }
+      const bool reverse = rev && Truthy(*rev);
+      std::stable_sort(rows.begin(), rows.end(), [&](const auto& x, const auto& y) {
+        return reverse ? Less(y.first, x.first, a.line) : Less(x.first, y.first, a.line);
+      });
+      ValueList out;
+      for (auto& r : rows) out.push_back(std::move(r.second));
+      return Value::List(std::move(out));
+    };
+    f["indent"] = [need_str](const Value& v, const CallArgs& a) {
+      const std::optional<Value> w = a.Get(0, "width");
+      const std::string ind =
+          w && w->is_str() ? w->s
+                           : std::string(w ? static_cast<size_t>(std::clamp<int64_t>(
+                                                 ToIndex(*w, a.line, "indent: width"), 0, 1024))
+                                           : 4,
+                                         ' ');
+      const std::optional<Value> first = a.Get(1, "first");
+      const std::optional<Value> blank = a.Get(2, "blank");
+      // jinja2: (s + "\n").splitlines(), every line but the first indented (blank ones only
+      // with blank=True), joined with "\n".
+      std::vector<std::string> lines;
+      const std::string text = need_str(v, a.line, "indent") + "\n";
+      for (size_t p = 0; p < text.size();) {
+        size_t q = text.find_first_of("\r\n", p);
+        lines.push_back(text.substr(p, q - p));
+        p = q + ((text[q] == '\r' && q + 1 < text.size() && text[q + 1] == '\n') ? 2 : 1);
+      }
+      std::string out = lines.empty() ? "" : lines[0];
+      for (size_t k = 1; k < lines.size(); ++k) {
+        out += "\n";
+        if (!lines[k].empty() || (blank && Truthy(*blank))) out += ind;
+        out += lines[k];
+      }
+      if (first && Truthy(*first)) out = ind + out;
+      return Value::Str(std::move(out));
+    };
     f["map"] = [](const Value& v, const CallArgs& a) {
       ValueList out;
       const std::optional<Value> attribute = a.Get(SIZE_MAX, "attribute");
@@ -2298,7 +2428,7 @@ class Interp {
       case Expr::kList: {
         ValueList o;
         for (const ExprP& k : e.kids) o.push_back(Eval(*k));
-        return Value::List(std::move(o));
+        return e.tuple ? Value::Tuple(std::move(o)) : Value::List(std::move(o));
       }
       case Expr::kDict: {
         ValueDict d;  // a later duplicate key replaces the value, in the first one's place
@@ -2405,6 +2535,17 @@ struct ChatTemplate::Impl {
                  o.push_back(Value::Int(k));
                }
                return Value::List(std::move(o));
+             }));
+      // transformers' strftime_now: the local time, formatted (templates put today's date into
+      // the system prompt with it).
+      in.Set("strftime_now", MakeFunc("strftime_now", [](const CallArgs& a) {
+               const std::string fmt = StrArg(a.Get(0, "format"), a.line, "strftime_now: format");
+               const std::time_t now = std::time(nullptr);
+               std::tm tm{};
+               localtime_r(&now, &tm);
+               char buf[256];
+               const size_t n = std::strftime(buf, sizeof(buf), fmt.c_str(), &tm);
+               return Value::Str(std::string(buf, n));
              }));
       in.Set("dict", MakeFunc("dict", [](const CallArgs& a) {
                ValueDict d;
