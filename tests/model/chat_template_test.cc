@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -17,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gtest/gtest.h"
+#include "testing/models_dir.h"
 
 namespace sparsex {
 namespace {
@@ -147,6 +149,58 @@ TEST(ChatTemplateTest, WhitespaceControlMatchesJinja2) {
       EXPECT_EQ(json(*got).dump(), want[k]["text"].dump());
     }
   }
+}
+
+// The string value of `key` in a GGUF file's metadata (type 8: u64 length, bytes), found by
+// its key bytes; "" when absent. Enough for the vocabulary-only files of llama.cpp's tests.
+std::string GgufString(const std::string& bytes, const std::string& key) {
+  const size_t k = bytes.find(key);
+  if (k == std::string::npos || k + key.size() + 12 > bytes.size()) return "";
+  const size_t p = k + key.size();
+  uint32_t type;
+  uint64_t n;
+  std::memcpy(&type, bytes.data() + p, 4);
+  std::memcpy(&n, bytes.data() + p + 4, 8);
+  if (type != 8 || n > bytes.size() - p - 12) return "";
+  return bytes.substr(p + 12, n);
+}
+
+TEST(ChatTemplateTest, PublishedPhi3TemplateFromAGguf) {
+  // llama.cpp's Phi-3 vocabulary GGUF carries the template as Microsoft published it.
+  const fs::path gguf =
+      fs::path(sparsex::testing::ModelsDir()) / "tokenizer-vectors" / "ggml-vocab-phi-3.gguf";
+  ASSERT_TRUE(fs::exists(gguf)) << gguf << " is missing; set $SPARSEX_MODELS";
+  const std::string src = GgufString(ReadFile(gguf), "tokenizer.chat_template");
+  ASSERT_FALSE(src.empty());
+  auto t = ChatTemplate::Parse(src);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const json manifest = json::parse(ReadFile(kDir / "cases.json"));
+  json cases = json::array();
+  for (const json& c : manifest["conversations"]) {
+    json ctx = c;
+    ctx.erase("name");
+    ctx["bos_token"] = "<s>";
+    ctx["eos_token"] = "<|endoftext|>";
+    cases.push_back({{"template", src}, {"context", ctx}});
+  }
+  const json want = RunJinja2(cases);
+  ASSERT_EQ(want.size(), cases.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    auto got = (*t)->RenderJson(cases[k]["context"].dump());
+    ASSERT_EQ(got.ok(), want[k]["ok"].get<bool>()) << k << " " << got.status();
+    if (got.ok()) {
+      EXPECT_EQ(*got, want[k]["text"].get<std::string>()) << k;
+    }
+  }
+  // Per-message spans: the user turn carries the assistant header that follows it.
+  const std::vector<ChatMessage> msgs = {{"user", "Hi"}, {"assistant", "Hello."}, {"user", "Bye"}};
+  auto s = RenderChatSpans(**t, msgs, {.add_generation_prompt = true, .bos_token = "<s>",
+                                       .eos_token = "<|endoftext|>"});
+  ASSERT_TRUE(s.ok() && s->per_message) << (s.ok() ? s->fallback_reason : s.status().ToString());
+  EXPECT_EQ(s->spans[0], "<s><|user|>\nHi<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(s->spans[1], "Hello.<|end|>\n");
+  EXPECT_EQ(s->spans[2], "<|user|>\nBye<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(s->suffix, "");
 }
 
 TEST(ChatTemplateTest, RenderTakesMessagesAndVariables) {
