@@ -413,6 +413,19 @@ TEST(ChatTemplateTest, SpansFallBackWhenNotPrefixStable) {
   EXPECT_FALSE(s->per_message);
   EXPECT_FALSE(s->fallback_reason.empty());
   EXPECT_EQ(s->text, "<s>[INST] Hi[/INST] Hello.</s>[INST] Sys\n\nBye[/INST]");
+  // Qwen3 renders the assistant turn that ends a conversation with an (empty) <think> block,
+  // which it drops once a user turn follows: not prefix-stable past the first assistant turn.
+  auto q3 = Load("qwen3.jinja");
+  ASSERT_NE(q3, nullptr);
+  const std::vector<ChatMessage> turns = {{"user", "Hi"}, {"assistant", "Hello."}, {"user", "Bye"}};
+  auto s3 = RenderChatSpans(*q3, turns, {.add_generation_prompt = true, .bos_token = "",
+                                         .eos_token = "<|im_end|>"});
+  ASSERT_TRUE(s3.ok()) << s3.status();
+  EXPECT_FALSE(s3->per_message);
+  const std::vector<ChatMessage> first_turn = {{"system", "Sys"}, {"user", "Hi"}};
+  s3 = RenderChatSpans(*q3, first_turn, {.add_generation_prompt = true, .bos_token = "",
+                                         .eos_token = "<|im_end|>"});
+  ASSERT_TRUE(s3.ok() && s3->per_message);
   // A template error on the whole conversation is the error.
   auto g = Load("gemma.jinja");
   EXPECT_FALSE(RenderChatSpans(*g, msgs, {}).ok());
