@@ -78,15 +78,33 @@ SegmentStore::Entry* SegmentStore::FindVerifiedLocked(const Hash128& fp) {
 }
 
 std::shared_ptr<const SegmentKv> SegmentStore::Get(const Hash128& fp) {
+  std::shared_ptr<SegmentKv> kv;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = map_.find(fp);
+    if (it == map_.end()) {
+      ++stats_.misses;
+      return nullptr;
+    }
+    kv = it->second.kv;
+  }
+  // Checksums outside the lock: an 8B model's 2000-token segment is 0.5 GB (tens of ms of
+  // hashing), which the engine thread's Contains and Put must not wait for. Stored KV is never
+  // modified in place, so the shared entry can be read unlocked.
+  const bool intact = VerifySegmentKv(*kv);
   std::lock_guard<std::mutex> l(mu_);
-  Entry* e = FindVerifiedLocked(fp);
-  if (e == nullptr) {
+  auto it = map_.find(fp);
+  const bool same = it != map_.end() && it->second.kv == kv;
+  if (!intact) {
+    // Corrupt data is dropped and never served: the caller recomputes.
+    ++stats_.corrupt;
     ++stats_.misses;
+    if (same) EraseLocked(fp);
     return nullptr;
   }
-  lru_.splice(lru_.end(), lru_, e->lru);
+  if (same) lru_.splice(lru_.end(), lru_, it->second.lru);
   ++stats_.hits;
-  return e->kv;
+  return kv;
 }
 
 bool SegmentStore::Verify(const Hash128& fp) {

@@ -23,7 +23,7 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
                   [&](const SegmentRef& sr) { return !st.rank_stores[r]->Contains(sr.fp); });
   }
   if (!st.rank_stores.empty()) f.fetched = static_cast<int>(f.stored.size());
-  if (f.fetched + f.failures > 0) {
+  if (f.fetched + f.failures + f.absent > 0) {  // a lookup ran: its time counts too
     st.m->fetch->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   for (const SegmentRef& r : f.stored) st.events->Stored(r.fp, r.num_tokens);

@@ -214,9 +214,12 @@ absl::Status ClusterKvTier::Put(const Hash128& base_fp, const SegmentKv& kv, int
     ASSIGN_OR_RETURN(std::string b, EncodeSegmentLayer(model_fp_, fp, kv, l));
     blocks.push_back(std::move(b));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  // Layer 0 last: a reader that finds layer 0 (the presence probe) finds every layer.
+  // Layer 0 last: a reader that finds layer 0 (the presence probe) finds every layer. The
+  // client is taken per layer, not for the whole segment: a fetch (which a request waits for)
+  // then waits for one layer's transfer instead of a whole write-back (on the H200 with an 8B
+  // model a 1500-token segment is 32 x 12 MiB; holding it throughout made chat TTFT p50 0.6-1 s).
   for (int l = kv.n_layers - 1; l >= 0; --l) {
+    std::lock_guard<std::mutex> lock(mu_);
     absl::Status s = client_->Put({fp, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)},
                                   KvBlockBytes(blocks[l]));
     if (!s.ok() && s.code() != absl::StatusCode::kAlreadyExists) return s;
