@@ -159,12 +159,36 @@ class ProphetKvSelector final : public Selector {
   }
 };
 
+// 16-token blocks of the reused tokens, each inside one segment and aligned to its start, in
+// token order (reused tokens of one segment are contiguous and in offset order), with the mean
+// score of their tokens.
+struct Block {
+  std::vector<int32_t> tokens;
+  float mean = 0;
+};
+constexpr int kBlock = 16;
+std::vector<Block> Blocks(const SelectionInput& in, const std::vector<float>& s) {
+  std::vector<Block> out;
+  std::pair<int32_t, int32_t> cur{-1, -1};
+  for (size_t i = 0; i < s.size(); ++i) {
+    const std::pair<int32_t, int32_t> key{in.segment[i], in.offset[i] / kBlock};
+    if (out.empty() || key != cur) out.emplace_back();
+    cur = key;
+    out.back().tokens.push_back(static_cast<int32_t>(i));
+  }
+  for (Block& bl : out) {
+    double sum = 0;
+    for (int32_t i : bl.tokens) sum += s[i];
+    bl.mean = static_cast<float>(sum / bl.tokens.size());
+  }
+  return out;
+}
+
 // Whole 16-token blocks of each segment (aligned to the segment start): blocks ranked by the
 // mean score of their tokens, taken in that order while they fit in the token budget (a block
 // that does not fit is skipped for a smaller one further down).
 class BlockSelector final : public Selector {
  public:
-  static constexpr int kBlock = 16;
   explicit BlockSelector(std::unique_ptr<Selector> inner) : inner_(std::move(inner)) {}
   std::string name() const override { return inner_->name() + ":block"; }
   bool needs_attention_stats() const override { return inner_->needs_attention_stats(); }
@@ -193,27 +217,28 @@ class BlockSelector final : public Selector {
   }
 
  private:
-  struct Block {
-    std::vector<int32_t> tokens;
-    float mean = 0;
-  };
-  // Blocks in token order (reused tokens of one segment are contiguous and in offset order).
-  static std::vector<Block> Blocks(const SelectionInput& in, const std::vector<float>& s) {
-    std::vector<Block> out;
-    std::pair<int32_t, int32_t> cur{-1, -1};
-    for (size_t i = 0; i < s.size(); ++i) {
-      const std::pair<int32_t, int32_t> key{in.segment[i], in.offset[i] / kBlock};
-      if (out.empty() || key != cur) out.emplace_back();
-      cur = key;
-      out.back().tokens.push_back(static_cast<int32_t>(i));
-    }
-    for (Block& bl : out) {
-      double sum = 0;
-      for (int32_t i : bl.tokens) sum += s[i];
-      bl.mean = static_cast<float>(sum / bl.tokens.size());
+  std::unique_ptr<Selector> inner_;
+};
+
+// Token selection with a contiguity prior: each token's score plus the mean score of its
+// 16-token block, so of two equally scored tokens the one among important neighbours goes
+// first (the block result of docs/fidelity.md: contiguous recomputed rows have lower KL).
+class SmoothSelector final : public Selector {
+ public:
+  explicit SmoothSelector(std::unique_ptr<Selector> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name() + ":smooth"; }
+  bool needs_attention_stats() const override { return inner_->needs_attention_stats(); }
+  bool needs_kv_deviation() const override { return inner_->needs_kv_deviation(); }
+  std::vector<float> Score(const SelectionInput& in) const override {
+    std::vector<float> s = inner_->Score(in);
+    std::vector<float> out = s;
+    for (const Block& bl : Blocks(in, s)) {
+      for (int32_t i : bl.tokens) out[i] += bl.mean;
     }
     return out;
   }
+
+ private:
   std::unique_ptr<Selector> inner_;
 };
 
@@ -228,6 +253,13 @@ absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name
                      CreateSelector(name.substr(0, name.size() - kBlockSuffix.size()), w));
     return std::unique_ptr<Selector>(new BlockSelector(std::move(inner)));
   }
+  const std::string kSmoothSuffix = ":smooth";
+  if (name.size() > kSmoothSuffix.size() &&
+      name.compare(name.size() - kSmoothSuffix.size(), kSmoothSuffix.size(), kSmoothSuffix) == 0) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Selector> inner,
+                     CreateSelector(name.substr(0, name.size() - kSmoothSuffix.size()), w));
+    return std::unique_ptr<Selector>(new SmoothSelector(std::move(inner)));
+  }
   if (name == "sparsex") return std::unique_ptr<Selector>(new SparsexSelector(w));
   if (name == "cacheblend") return std::unique_ptr<Selector>(new CacheBlendSelector());
   if (name == "epic") return std::unique_ptr<Selector>(new EpicSelector());
@@ -237,7 +269,7 @@ absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown selector '", name,
       "' (expected sparsex, cacheblend, epic, random, prophetkv or a3, optionally with "
-      "':block')"));
+      "':block' or ':smooth')"));
 }
 
 std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b) {

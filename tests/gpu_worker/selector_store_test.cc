@@ -141,6 +141,18 @@ TEST(Selectors, BlockGranularKeepsWholeBlocks) {
   EXPECT_EQ(kept, want);
   EXPECT_FALSE(CreateSelector("bogus:block").ok());
   EXPECT_FALSE(CreateSelector(":block").ok());
+  // ':smooth' keeps token granularity but adds each token's block mean: tokens 44 and 58 tie
+  // at 0.5 (token order puts 44 first); 58's block is richer (mean 0.125 vs 0.05625), so with
+  // the contiguity prior it goes first.
+  in.new_recv[44] = 0.5f;
+  b.ratio = 3.0f / 60;
+  auto plain = CreateSelector("a3");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->Rank(in, b), (std::vector<int32_t>{20, 44, 58}));
+  auto sm = CreateSelector("a3:smooth");
+  ASSERT_TRUE(sm.ok());
+  EXPECT_EQ((*sm)->name(), "a3:smooth");
+  EXPECT_EQ((*sm)->Rank(in, b), (std::vector<int32_t>{20, 58, 44}));
 }
 
 SegmentKv MakeKv(int n, int layers, int dim, float v) {
