@@ -70,7 +70,8 @@ class Selector {
 // segment) and "a3" (the new tokens' attention ranks all reused tokens together).
 // "<name>:block" selects whole 16-token blocks of each segment (aligned to the segment start,
 // the unit the segment store keeps) ranked by the mean score of their tokens, as many as fit
-// in the same token budget.
+// in the same token budget; "<name>:smooth" stays token-granular but adds to each token's
+// score the mean score of its block (a contiguity prior).
 absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name,
                                                           const SparsexWeights& w = {});
 
