@@ -11,11 +11,15 @@
 //
 // Supported: {{ }}, {% for/if/elif/else/set/break/continue/generation %}, {# #}, whitespace
 // control (-, +), loop.index/index0/revindex/revindex0/first/last/length/previtem/nextitem,
-// namespace(), range(), literals (string, int, float, bool, none, list, dict), attribute and
-// subscript access, slices, + - * / // % ** ~, comparisons, and/or/not, in, a if b else c,
-// tests (defined, none, string, number, mapping, sequence, ...), common filters and string,
-// dict and list methods. Anything else (macro, include, call blocks) is a parse error naming
-// it. Errors are INVALID_ARGUMENT with the template line; nothing throws out of this API.
+// namespace(), range(), strftime_now(), literals (string, int, float, bool, none, list, tuple,
+// dict), attribute and subscript access, slices, + - * / // % ** ~, comparisons, and/or/not,
+// in, a if b else c, tests (defined, none, string, number, mapping, sequence, ...), filters
+// (trim, tojson, length, default, string, upper/lower, join, replace, first/last, list, map,
+// select/selectattr and reject..., sort, unique, dictsort, min/max/sum, indent, items, int,
+// float, ...) and string / dict methods (strip, split, startswith, replace, items, get, ...).
+// Anything else (macro, include, call blocks) is a parse error naming it. Case mapping covers
+// Latin-1, Latin Extended-A, Greek and Cyrillic. Errors are INVALID_ARGUMENT with the template
+// line; nothing throws out of this API.
 //
 // Bounded: the source size, nesting depth (blocks and expressions), loop iterations per render
 // and output size are limited (ChatTemplateLimits); exceeding one is a clear error.
