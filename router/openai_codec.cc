@@ -334,6 +334,7 @@ absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat) {
     if (p.req.segments_size() == 0) return FieldError("messages", "every message is empty");
     return p;
   }
+  if (chat->tokenizer == nullptr) return absl::InternalError("chat format without a tokenizer");
   ChatTemplateVars vars = chat->vars;
   vars.add_generation_prompt = true;
   absl::StatusOr<ChatSpans> spans = RenderChatSpans(*chat->tmpl, messages, vars);
