@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   int store_while_busy = 1;
   int approximate_prefix = -1;  // per device below
   int store_after_misses = -1;  // per device below
+  int fetch_wait_ms = -2;  // per device below
   int64_t device_tier_mb = -1;
   int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
@@ -65,6 +66,10 @@ int main(int argc, char** argv) {
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
   f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
+  f.Add("fetch_wait_ms", &fetch_wait_ms,
+        "longest a request waits for the cache-cluster fetch of its missing segments before it "
+        "is served without them (they are computed; the fetch still completes for later "
+        "requests); -1: until the fetch ends (default -2: 100 with --device cuda, else -1)");
   f.Add("store_after_misses", &store_after_misses,
         "store a missing segment the n-th time a request misses it (1: at once; content seen "
         "once never repays its encoding pass) (default -1: 2 with --device cuda, else 1)");
@@ -116,6 +121,8 @@ int main(int argc, char** argv) {
   o.scheduler.prefill_chunk = prefill_chunk;
   o.scheduler.store_while_busy = store_while_busy != 0;
   if (store_after_misses < 0) store_after_misses = cuda ? 2 : 1;
+  if (fetch_wait_ms < -1) fetch_wait_ms = cuda ? 100 : -1;
+  o.scheduler.fetch_wait_ms = fetch_wait_ms;
   o.scheduler.store_after_misses = store_after_misses;
   if (approximate_prefix < 0) approximate_prefix = cuda ? 1 : 0;
   o.scheduler.reuse.register_approximate_prefix = approximate_prefix != 0;

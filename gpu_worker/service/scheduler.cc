@@ -107,23 +107,38 @@ absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
 
 void BatchScheduler::FetchLoop() {
   for (;;) {
-    std::unique_ptr<Active> a;
+    std::shared_ptr<FetchJob> job;
     {
       std::unique_lock<std::mutex> l(mu_);
-      fetch_cv_.wait(l, [this] { return fetch_stop_ || !fetch_queue_.empty(); });
+      fetch_cv_.wait(l, [this] { return fetch_stop_ || !fetch_jobs_.empty(); });
       if (fetch_stop_) return;
-      a = std::move(fetch_queue_.front());
-      fetch_queue_.pop_front();
-      ++fetching_;
+      job = std::move(fetch_jobs_.front());
+      fetch_jobs_.pop_front();
     }
-    // A request cancelled while it waited skips the fetch; admission drops it.
-    if (!a->h->cancelled() && a->w.remote_fetch) a->w.remote_fetch(a->w);
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      --fetching_;
-      queue_.push_back(std::move(a));
-    }
+    // A request cancelled while it waited skips the fetch. One admitted meanwhile (its wait
+    // ended) still gets its segments fetched into the store, for the requests after it.
+    if (!job->h->cancelled()) job->item.remote_fetch(job->item);
+    job->done.store(true);
     cv_.notify_all();
+  }
+}
+
+void BatchScheduler::ReleaseFetchedLocked(bool all) {
+  const Clock::time_point now = Clock::now();
+  for (auto it = fetch_wait_.begin(); it != fetch_wait_.end();) {
+    const bool done = it->job->done.load();
+    if (!all && !done && now < it->deadline && !it->a->h->cancelled()) {
+      ++it;
+      continue;
+    }
+    if (done) {
+      it->a->w.segments_fetched = it->job->item.segments_fetched;
+      it->a->w.fetch_failures = it->job->item.fetch_failures;
+    } else if (!all && !it->a->h->cancelled()) {
+      ++fetch_timeouts_;  // admitted without its fetch: the missing segments are computed
+    }
+    queue_.push_back(std::move(it->a));
+    it = fetch_wait_.erase(it);
   }
 }
 
@@ -142,8 +157,8 @@ void BatchScheduler::Stop() {
   }
   {
     std::lock_guard<std::mutex> l(mu_);
-    for (auto& a : fetch_queue_) queue_.push_back(std::move(a));
-    fetch_queue_.clear();
+    ReleaseFetchedLocked(/*all=*/true);
+    fetch_jobs_.clear();
     stop_ = true;
   }
   cv_.notify_all();
@@ -207,15 +222,24 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> BatchScheduler::Submit(WorkItem w
   {
     std::lock_guard<std::mutex> l(mu_);
     if (stop_) return absl::UnavailableError("worker is stopping");
-    const size_t waiting = queue_.size() + fetch_queue_.size() + static_cast<size_t>(fetching_);
+    const size_t waiting = queue_.size() + fetch_wait_.size();
     if (static_cast<int>(waiting) >= opts_.max_queue) {
       return absl::ResourceExhaustedError(
           absl::StrCat("worker queue full (", opts_.max_queue, " waiting requests)"));
     }
     if (a->w.remote_fetch && !fetch_stop_) {
-      fetch_queue_.push_back(std::move(a));
+      auto job = std::make_shared<FetchJob>();
+      job->item = a->w;  // the fetch fills the copy's counts
+      job->h = a->h;
+      const Clock::time_point deadline =
+          opts_.fetch_wait_ms < 0
+              ? Clock::time_point::max()
+              : a->w.arrival + std::chrono::milliseconds(opts_.fetch_wait_ms);
+      fetch_jobs_.push_back(job);
+      fetch_wait_.push_back({std::move(a), std::move(job), deadline});
       PublishWaitingLocked();
       fetch_cv_.notify_one();
+      cv_.notify_all();  // the engine thread sleeps until the earliest fetch deadline
       return h;
     }
     queue_.push_back(std::move(a));
@@ -255,10 +279,22 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
   for (;;) {
     {
       std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [this] {
+      // A new waiting request also wakes the thread: its deadline may be the earliest.
+      const size_t waiting = fetch_wait_.size();
+      auto ready = [this, waiting] {
+        bool fetched = false;
+        for (const auto& w : fetch_wait_) fetched = fetched || w.job->done.load();
         return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty() ||
-               group_->unspilled() > 0;
-      });
+               group_->unspilled() > 0 || fetched || fetch_wait_.size() > waiting;
+      };
+      // A request waiting for its fetch is admitted at its deadline at the latest.
+      Clock::time_point wake = Clock::time_point::max();
+      for (const auto& w : fetch_wait_) wake = std::min(wake, w.deadline);
+      if (wake == Clock::time_point::max()) {
+        cv_.wait(l, ready);
+      } else {
+        cv_.wait_until(l, wake, ready);
+      }
       if (stop_) break;
     }
     Iteration();
@@ -299,6 +335,7 @@ void BatchScheduler::Iteration() {
   std::vector<std::unique_ptr<Active>> admitted, dropped;
   {
     std::lock_guard<std::mutex> l(mu_);
+    ReleaseFetchedLocked(/*all=*/false);
     while (!queue_.empty() &&
            static_cast<int>(active_.size() + admitted.size()) < opts_.max_running) {
       Active& a = *queue_.front();
@@ -609,7 +646,8 @@ void BatchScheduler::Finish(Active& a, const std::string& reason, absl::Status s
 
 void BatchScheduler::PublishWaitingLocked() {
   load_.queue_depth = static_cast<int>(queue_.size());
-  load_.waiting_remote = static_cast<int>(fetch_queue_.size()) + fetching_;
+  load_.waiting_remote = static_cast<int>(fetch_wait_.size());
+  load_.fetch_timeouts = fetch_timeouts_;
 }
 
 void BatchScheduler::PublishLoad() {

@@ -86,6 +86,9 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   engine_longest = &r.AddGauge("sparsex_worker_engine_longest_seconds",
                               "Longest single run of each iteration phase since start.",
                               {"phase"});
+  fetch_timeouts = &r.AddGauge("sparsex_worker_fetch_timeouts",
+                              "Requests served without their cache-cluster fetch (it outlasted "
+                              "--fetch_wait_ms; the segments were computed).").Get();
   unspilled_segments = &r.AddGauge("sparsex_worker_unspilled_segments",
                                    "Segments stored in the device tier only (host copy waits "
                                    "for an idle iteration).").Get();

@@ -175,6 +175,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->iterations->Set(static_cast<double>(l.iterations));
     sp->m->pending_stores->Set(l.pending_stores);
     sp->m->unspilled_segments->Set(l.unspilled_segments);
+    sp->m->fetch_timeouts->Set(static_cast<double>(l.fetch_timeouts));
     for (int p = 0; p < kEnginePhases; ++p) {
       sp->m->engine_seconds->Get({kEnginePhaseNames[p]}).Set(l.phase_seconds[p]);
       sp->m->engine_longest->Get({kEnginePhaseNames[p]}).Set(l.phase_longest_s[p]);

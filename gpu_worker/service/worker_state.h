@@ -47,7 +47,8 @@ struct WorkerMetrics {
       *generated_tokens, *fetched, *fetch_bytes;
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback;
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,
-      *pending_stores, *stores_dropped, *waiting_remote, *unspilled_segments;
+      *pending_stores, *stores_dropped, *waiting_remote, *unspilled_segments,
+      *fetch_timeouts;
   metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info, *engine_seconds,
       *engine_longest;
 };

@@ -286,6 +286,46 @@ TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
   EXPECT_EQ(s->Submit(Item({{Enc(kDocA)}}, 4)).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// fetch_wait_ms bounds the wait: a request whose fetch is slower is admitted at its deadline
+// without it (counted), and the fetch still runs to its end for the requests after it.
+TEST_F(SchedulerTest, SlowRemoteFetchIsNotWaitedForBeyondTheDeadline) {
+  SchedulerOptions o;
+  o.fetch_threads = 1;
+  o.fetch_wait_ms = 50;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  std::atomic<bool> release{false}, finished{false};
+  WorkItem slow = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
+  slow.remote_fetch = [&](WorkItem& w) {
+    for (int i = 0; i < 5000 && !release.load(); ++i) std::this_thread::sleep_for(1ms);
+    w.segments_fetched = 1;
+    finished = true;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  auto h = s->Submit(std::move(slow));
+  ASSERT_TRUE(h.ok()) << h.status();
+  Collected c = Drain(**h);  // the fetch is still running
+  ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  EXPECT_FALSE(finished.load());
+  EXPECT_EQ(c.final.usage.segments_fetched, 0);
+  EXPECT_GE(c.final.usage.queue_ms, 45);
+  EXPECT_EQ(s->load().fetch_timeouts, 1);
+  EXPECT_EQ(c.ids, Reference({{Enc(kDocA)}, {Enc(kQ), false}}, 4));
+  release = true;
+  for (int i = 0; i < 1000 && !finished.load(); ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(finished.load());
+  // A fast fetch is waited for and reported.
+  WorkItem quick = Item({{Enc(kDocB)}}, 2);
+  quick.remote_fetch = [](WorkItem& w) { w.segments_fetched = 1; };
+  auto hq = s->Submit(std::move(quick));
+  ASSERT_TRUE(hq.ok());
+  Collected q = Drain(**hq);
+  ASSERT_TRUE(q.final.status.ok());
+  EXPECT_EQ(q.final.usage.segments_fetched, 1);
+  EXPECT_EQ(s->load().fetch_timeouts, 1);
+}
+
 // The pinned host tier (CPU: plain host memory) in front of the store: the second request is
 // served from it, with the same tokens as a scheduler without tiers.
 TEST_F(SchedulerTest, HostTierServesRepeatedSegmentsAlike) {
