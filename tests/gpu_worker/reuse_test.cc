@@ -71,7 +71,8 @@ TEST_F(ReuseTest, FullRecomputeEqualsFullPrefillForEverySelector) {
   std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
   for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
   const std::vector<float> full = Full(segs);
-  for (const char* sel : {"sparsex", "cacheblend", "epic", "random"}) {
+  for (const char* sel : {"sparsex", "cacheblend", "epic", "random", "prophetkv", "a3",
+                          "sparsex:block", "sparsex:smooth"}) {
     for (int F : {0, 1, 2}) {
       ReuseOptions o;
       o.selector = sel;
