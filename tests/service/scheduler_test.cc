@@ -286,6 +286,52 @@ TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
   EXPECT_EQ(s->Submit(Item({{Enc(kDocA)}}, 4)).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// With register_approximate_prefix a reuse request's blocks past its exact KV, its generated
+// tokens included, are registered in the approximate namespace when it ends: the next chat turn
+// (its prompt, the reply, a new message) starts from them; a plain request does not.
+TEST_F(SchedulerTest, NextTurnContinuesOnTheApproximatePrefixWithTheReply) {
+  SchedulerOptions o;
+  o.reuse.register_approximate_prefix = true;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  // Store the documents first, so the turn reuses them (approximate KV).
+  auto warm = s->Submit(Item({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}}, 2));
+  ASSERT_TRUE(warm.ok());
+  ASSERT_TRUE(Drain(**warm).final.status.ok());
+  for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+  std::vector<PromptSegment> turn1 = {{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}};
+  WorkItem w1 = Item(turn1, 24);
+  w1.reuse.register_approximate_prefix = true;
+  w1.sampling.ignore_eos = true;
+  auto h1 = s->Submit(std::move(w1));
+  ASSERT_TRUE(h1.ok());
+  Collected c1 = Drain(**h1);
+  ASSERT_TRUE(c1.final.status.ok()) << c1.final.status;
+  ASSERT_GT(c1.final.usage.reused_tokens, 0);
+  ASSERT_EQ(c1.ids.size(), 24u);
+  std::vector<PromptSegment> turn2 = turn1;
+  turn2.push_back({c1.ids, false});
+  turn2.push_back({Enc(" The end."), false});
+  WorkItem w2 = Item(turn2, 2);
+  w2.reuse.register_approximate_prefix = true;
+  auto h2 = s->Submit(std::move(w2));
+  ASSERT_TRUE(h2.ok());
+  Collected c2 = Drain(**h2);
+  ASSERT_TRUE(c2.final.status.ok()) << c2.final.status;
+  // BOS + turn 1's prompt + all but the last reply token were computed in turn 1 (the last one
+  // was sampled, never fed back): every full block of those is a prefix hit now.
+  const int computed1 = c1.final.usage.prompt_tokens + 23;
+  EXPECT_EQ(c2.final.usage.prefix_tokens, computed1 / 16 * 16);
+  EXPECT_EQ(c2.final.usage.reused_tokens, 0);
+  // Reuse off: only the exact blocks (none past the first reused token) match.
+  auto h3 = s->Submit(Item(turn2, 2, /*reuse=*/false));
+  ASSERT_TRUE(h3.ok());
+  Collected c3 = Drain(**h3);
+  ASSERT_TRUE(c3.final.status.ok());
+  EXPECT_LT(c3.final.usage.prefix_tokens, 32);
+  EXPECT_EQ(c3.ids, Reference(turn2, 2));
+}
+
 // fetch_wait_ms bounds the wait: a request whose fetch is slower is admitted at its deadline
 // without it (counted), and the fetch still runs to its end for the requests after it.
 TEST_F(SchedulerTest, SlowRemoteFetchIsNotWaitedForBeyondTheDeadline) {
