@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<ClusterClient>> ClusterClient::Connect(
 
 absl::StatusOr<CacheClient*> ClusterClient::Member(size_t i) {
   if (i >= clients_.size()) return absl::InvalidArgumentError("cluster: bad member index");
+  std::lock_guard<std::mutex> l(members_mu_);
   if (clients_[i] == nullptr) {
     CacheClientOptions o = opt_.client;
     o.address = opt_.members[i];

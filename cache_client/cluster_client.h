@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -35,6 +36,8 @@ struct ClusterClientOptions {
   CacheClientOptions client;
 };
 
+// Thread-safe: members connect lazily under a lock and each CacheClient synchronises its own
+// transport, so a Lookup (a control RPC) never waits for another thread's transfer.
 class ClusterClient {
  public:
   // Connects to every member; members that do not answer are skipped (and retried on use).
@@ -65,7 +68,8 @@ class ClusterClient {
  private:
   ClusterClient() = default;
   ClusterClientOptions opt_;
-  std::vector<std::unique_ptr<CacheClient>> clients_;
+  std::vector<std::unique_ptr<CacheClient>> clients_;  // created once, never replaced
+  std::mutex members_mu_;  // guards the lazy creation of clients_ entries
 };
 
 }  // namespace sparsex::cache

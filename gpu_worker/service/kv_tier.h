@@ -100,7 +100,7 @@ class ClusterKvTier {
   ClusterTierOptions opts_;
   Hash128 model_fp_;
   int n_layers_ = 0, kv_dim_ = 0;
-  std::mutex mu_;
+  std::mutex mu_;  // one transfer at a time (fetch rounds, write-back layers); lookups run without it
   std::unique_ptr<cache::ClusterClient> client_;
 };
 
