@@ -777,13 +777,14 @@ using NodeP = std::unique_ptr<Node>;
 using Body = std::vector<NodeP>;
 
 struct Node {
-  enum K { kText, kOutput, kIf, kFor, kSet, kSetBlock, kBreak, kContinue, kScope } k;
+  enum K { kText, kOutput, kIf, kFor, kSet, kSetBlock, kBreak, kContinue, kScope, kMacro } k;
   int line = 0;
   std::string text;                  // kText
   ExprP expr;                        // kOutput, kSet value, kFor iterable
-  std::vector<ExprP> conds;          // kIf: one per branch (null: else)
+  std::vector<ExprP> conds;          // kIf: one per branch (null: else); kMacro: defaults
   std::vector<Body> bodies;          // kIf: branches; kFor: {body, else}; kSetBlock/kScope: {body}
-  std::vector<std::string> targets;  // kFor / kSet names (several: unpacking)
+  std::vector<std::string> targets;  // kFor / kSet names (several: unpacking); kMacro: name,
+                                     // then its parameters
   std::string attr;                  // kSet: "ns.attr" assignment when non-empty
   ExprP filter;                      // kFor: "for x in y if cond"
 };
@@ -974,6 +975,20 @@ class Parser {
       }
     } else if (tag == "break" || tag == "continue") {
       n->k = tag == "break" ? Node::kBreak : Node::kContinue;
+      ExpectBlockEnd();
+    } else if (tag == "macro") {
+      // {% macro name(a, b=default) %}...{% endmacro %}: no caller(), varargs or kwargs.
+      n->k = Node::kMacro;
+      n->targets.push_back(ExpectName());
+      ExpectOp("(");
+      while (!IsOp(")")) {
+        n->targets.push_back(ExpectName());
+        n->conds.push_back(SkipOp("=") ? ParseExpression() : nullptr);
+        if (!SkipOp(",")) break;
+      }
+      ExpectOp(")");
+      ExpectBlockEnd();
+      n->bodies.push_back(ParseBody({"endmacro"}, &end));
       ExpectBlockEnd();
     } else if (tag == "generation") {
       // transformers' AssistantTracker tag: marks assistant text; renders its body unchanged.
@@ -2153,8 +2168,52 @@ class Interp {
         if (loop_depth_ == 0) Fail(n.line, "'continue' outside a loop");
         return Flow::kContinue;
       case Node::kScope: return Exec(n.bodies[0], out);
+      case Node::kMacro: {
+        const Node* node = &n;
+        Set(n.targets[0], MakeFunc(n.targets[0], [this, node](const CallArgs& a) {
+              return CallMacro(*node, a);
+            }));
+        return Flow::kNormal;
+      }
     }
     return Flow::kNormal;
+  }
+
+  // A macro runs in a scope of its own over the globals and the template's top level (as in
+  // jinja2: not the caller's loop variables); its output is its value.
+  Value CallMacro(const Node& n, const CallArgs& a) {
+    const std::string& name = n.targets[0];
+    const size_t nparams = n.targets.size() - 1;
+    if (a.pos.size() > nparams) {
+      Fail(a.line, absl::StrCat("macro '", name, "' takes not more than ", nparams, " argument(s)"));
+    }
+    for (const auto& [k, v] : a.kw) {
+      if (std::find(n.targets.begin() + 1, n.targets.end(), k) == n.targets.end()) {
+        Fail(a.line, absl::StrCat("macro '", name, "' takes no keyword argument '", k, "'"));
+      }
+    }
+    if (++macro_depth_ > lim_.max_macro_depth) {
+      Fail(a.line, absl::StrCat("macro calls nested deeper than ", lim_.max_macro_depth, " levels"));
+    }
+    std::vector<std::unordered_map<std::string, Value>> caller(frames_.begin() + 2, frames_.end());
+    frames_.resize(2);
+    PushFrame();
+    for (size_t k = 0; k < nparams; ++k) {
+      const std::string& p = n.targets[k + 1];
+      std::optional<Value> v = a.Get(k, p.c_str());
+      if (!v) v = n.conds[k] ? Eval(*n.conds[k]) : Value::Undefined("'" + p + "' is undefined");
+      Set(p, *std::move(v));
+    }
+    const int loops = loop_depth_;
+    loop_depth_ = 0;
+    std::string out;
+    Exec(n.bodies[0], &out);
+    loop_depth_ = loops;
+    frames_.resize(2);
+    frames_.insert(frames_.end(), std::make_move_iterator(caller.begin()),
+                   std::make_move_iterator(caller.end()));
+    --macro_depth_;
+    return Value::Str(std::move(out));
   }
 
   void Assign(const std::vector<std::string>& targets, Value v, int line) {
@@ -2450,6 +2509,7 @@ class Interp {
   std::vector<std::unordered_map<std::string, Value>> frames_;
   int64_t iterations_ = 0;
   int loop_depth_ = 0;
+  int macro_depth_ = 0;
 };
 
 Value FromJson(const json& j, int depth) {

@@ -9,7 +9,7 @@
 //                    t->Render(messages, {.add_generation_prompt = true, .bos_token = "<s>"}));
 //   ASSIGN_OR_RETURN(ChatSpans s, RenderChatSpans(*t, messages, vars));  // one span per message
 //
-// Supported: {{ }}, {% for/if/elif/else/set/break/continue/generation %}, {# #}, whitespace
+// Supported: {{ }}, {% for/if/elif/else/set/break/continue/macro/generation %}, {# #}, whitespace
 // control (-, +), loop.index/index0/revindex/revindex0/first/last/length/previtem/nextitem,
 // namespace(), range(), strftime_now(), literals (string, int, float, bool, none, list, tuple,
 // dict), attribute and subscript access, slices, + - * / // % ** ~, comparisons, and/or/not,
@@ -17,7 +17,7 @@
 // (trim, tojson, length, default, string, upper/lower, join, replace, first/last, list, map,
 // select/selectattr and reject..., sort, unique, dictsort, min/max/sum, indent, items, int,
 // float, ...) and string / dict methods (strip, split, startswith, replace, items, get, ...).
-// Anything else (macro, include, call blocks) is a parse error naming it. Case mapping covers
+// Anything else (include, import, call blocks, caller()) is a parse error naming it. Case mapping covers
 // Latin-1, Latin Extended-A, Greek and Cyrillic. Errors are INVALID_ARGUMENT with the template
 // line; nothing throws out of this API.
 //
@@ -44,6 +44,9 @@ struct ChatMessage {
 struct ChatTemplateLimits {
   size_t max_source_bytes = size_t{1} << 20;   // Default: 1 MiB
   int max_depth = 64;                          // nested blocks / expressions. Default: 64
+  // Macro calls in progress at once (each may nest max_depth deep: the product bounds the
+  // renderer's stack). Default: 16
+  int max_macro_depth = 16;
   int64_t max_iterations = 1 << 20;            // loop iterations per render. Default: 1M
   size_t max_output_bytes = size_t{64} << 20;  // per render. Default: 64 MiB
 };

@@ -238,7 +238,10 @@ void ExpectError(const std::string& src, const std::string& fragment,
 TEST(ChatTemplateTest, ErrorsNameTheProblem) {
   ExpectError("a\n{{ x | frobnicate }}", "unknown filter 'frobnicate' (line 2)");
   ExpectError("{{ x is frob }}", "unknown test 'frob'");
-  ExpectError("{% macro m() %}{% endmacro %}", "unsupported template tag 'macro'");
+  ExpectError("{% include 'other.jinja' %}", "unsupported template tag 'include'");
+  ExpectError("{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, 2) }}",
+              "macro 'm' takes not more than 1 argument(s)");
+  ExpectError("{% macro m(a) %}{{ a }}{% endmacro %}{{ m(b=2) }}", "no keyword argument 'b'");
   ExpectError("{% if true %}x", "missing '{% endif %}'");
   ExpectError("{{ 'a' ", "unclosed '{{'");
   ExpectError("{# never closed", "unclosed comment");
@@ -277,6 +280,7 @@ TEST(ChatTemplateTest, LimitsAreErrorsNotCrashes) {
   ExpectError("{{ " + std::string(100000, '(') + "1" + std::string(100000, ')') + " }}",
               "nested deeper than 64");
   // Loop iterations, output size, string growth, the source size.
+  ExpectError("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "macro calls nested deeper than 16");
   lim = ChatTemplateLimits{};
   lim.max_iterations = 1000;
   ExpectError("{% for i in range(100) %}{% for j in range(100) %}{% endfor %}{% endfor %}",
@@ -328,7 +332,8 @@ TEST(ChatTemplateTest, RandomTokenSoupNeverCrashes) {
       "(", ")", "[", "]", "{", "}", ",", ":", " | trim", " | tojson", " | length", " is defined",
       " is not none", " not ", " and ", " or ", " + ", " - ", " * ", " // ", " % ", " ~ ", " == ",
       "'s'", "\"t\"", "1", "0", "-1", "none", "true", "loop.index", "ns.a", "namespace(a=1)",
-      "range(3)", "raise_exception('r')", ".strip()", ".split(',')", "\n", "  ", "text"};
+      "range(3)", "raise_exception('r')", ".strip()", ".split(',')", "\n", "  ", "text",
+      " macro ", " endmacro ", "f", "f(x)", "f()", "f(1, x=2)"};
   std::mt19937 rng(1234);
   int ok = 0;
   for (int k = 0; k < 3000; ++k) {
