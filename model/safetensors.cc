@@ -99,7 +99,11 @@ absl::Status ParseSafetensors(const MappedFile& f, StTensors& out) {
   }
   const uint8_t* base = f.data() + 8 + hlen;
   const uint64_t data_size = f.size() - 8 - hlen;
-  for (const auto& [name, e] : j.items()) {
+  for (const auto& item : j.items()) {
+    // Not a structured binding: clang before 16 cannot capture one in the lambda below (the
+    // fuzz targets, tests/fuzz, build this file with clang).
+    const std::string& name = item.key();
+    const json& e = item.value();
     if (name == "__metadata__") continue;
     auto bad = [&](const std::string& why) {
       return absl::InvalidArgumentError(
