@@ -6,7 +6,8 @@ PKGS=(build-essential cmake ninja-build ccache pkg-config git python3
   librocksdb-dev libucx-dev ucx-utils libabsl-dev libcivetweb-dev civetweb
   nlohmann-json3-dev libxxhash-dev libpcre2-dev
   libgtest-dev libgmock-dev etcd-server prometheus curl iproute2 nodejs
-  python3-yaml python3-kubernetes python3-jinja2)
+  python3-yaml python3-kubernetes python3-jinja2
+  clang libclang-rt-dev)  # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -9,3 +9,6 @@ export SPARSEX_MODELS=${SPARSEX_MODELS:-$(cd .. && pwd)/shared/models}
 export SPARSEX_REQUIRE_NPM=${SPARSEX_REQUIRE_NPM:-1}
 scripts/build.sh
 ctest --test-dir build --output-on-failure -j${JOBS:-2} --timeout 900
+# The libFuzzer targets (tests/fuzz, clang with ASan + UBSan, a build of their own): each
+# target's committed corpus, then 20 s of fuzzing from a fixed seed (docs/reliability.md).
+scripts/fuzz.sh "${FUZZ_SECONDS:-20}"

@@ -40,6 +40,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::RemoveFile(dir + "/tokenizer_config.json");
   }
   absl::StatusOr<ModelInfo> info = LoadHfInfo(dir);
+  fuzz::Report("LoadHfInfo", info.status());
   if (!info.ok()) return 0;
   const ModelConfig& c = info->config;
   if (!ValidateConfig(c).ok()) return 0;
@@ -50,6 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_output_bytes = 1 << 20;
   absl::StatusOr<std::shared_ptr<const ChatTemplate>> t =
       ChatTemplate::Parse(info->chat_template, limits);
+  fuzz::Report("ChatTemplate::Parse", t.status());
   if (!t.ok()) return 0;
   const ChatMessage messages[] = {{"system", "Be brief."}, {"user", "Hi"},
                                   {"assistant", "Hello"}, {"user", "Bye"}};
@@ -57,7 +59,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   vars.add_generation_prompt = true;
   vars.bos_token = info->bos_token;
   vars.eos_token = info->eos_token;
-  (void)(*t)->Render(messages, vars);
+  fuzz::Report("Render", (*t)->Render(messages, vars).status());
   (void)RenderChatSpans(**t, messages, vars);
   return 0;
 }

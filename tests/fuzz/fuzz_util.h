@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "common/status.h"
+
 namespace sparsex::fuzz {
 
 // A directory of this process's own, in /dev/shm when it exists (no disk traffic), removed at
@@ -57,6 +59,12 @@ inline std::vector<std::string_view> Split(std::string_view in, std::string_view
 inline void Sink(uint64_t v) {
   static volatile uint64_t sink;
   sink = v;
+}
+
+// SPARSEX_FUZZ_VERBOSE=1: print what each load or parse returned (to check that seeds load).
+inline void Report(const char* what, const absl::Status& s) {
+  static const bool on = std::getenv("SPARSEX_FUZZ_VERBOSE") != nullptr;
+  if (on) std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
 }
 
 inline std::string_view AsView(const uint8_t* data, size_t size) {

@@ -47,8 +47,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = fuzz::ScratchDir() + "/model.gguf";
   fuzz::WriteFile(path, fuzz::AsView(data, size));
   absl::StatusOr<ModelInfo> info = LoadGgufInfo(path);
+  fuzz::Report("LoadGgufInfo", info.status());
   if (info.ok()) UseTokenizer(*info->tokenizer);
   absl::StatusOr<std::unique_ptr<Model>> m = LoadGguf(path);
+  fuzz::Report("LoadGguf", m.status());
   if (m.ok()) {
     const ModelWeights& w = (*m)->weights();
     uint64_t sum = Touch(w.tok_embeddings) + Touch(w.final_norm) + Touch(w.output);

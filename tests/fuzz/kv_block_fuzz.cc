@@ -29,6 +29,7 @@ void Check(std::span<const uint8_t> bytes) {
   }
   (void)KvBlockWireChecksum(bytes);
   absl::StatusOr<KvBlockView> verified = VerifyKvBlock(bytes);
+  fuzz::Report("VerifyKvBlock", verified.status());
   if (!verified.ok()) return;
   // Round trip: the header's fields and the payload give back the same block (reserved bytes
   // are written as 0, so compare only when the input had them 0).

@@ -51,6 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view body = fuzz::AsView(data + 1, size - 1);
   absl::StatusOr<oa::Request> r =
       oa::ParseRequest(body, chat ? oa::Endpoint::kChat : oa::Endpoint::kCompletions, format);
+  fuzz::Report("ParseRequest", r.status());
   if (!r.ok()) {
     const absl::StatusCode code = r.status().code();
     if (code != absl::StatusCode::kInvalidArgument &&

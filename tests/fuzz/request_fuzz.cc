@@ -9,6 +9,7 @@
 #include "proto/request_check.h"
 #include "proto/sparsex.pb.h"
 #include "router/prepare.h"
+#include "tests/fuzz/fuzz_util.h"
 
 using namespace sparsex;
 
@@ -47,6 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   known.block_size = 4;
   for (const router::ServedIdentity* id : {&unknown, &known}) {
     absl::StatusOr<router::Prepared> p = router::PrepareRequest(req, model, ChunkingOptions{}, *id);
+    fuzz::Report("PrepareRequest", p.status());
     ExpectInvalidArgument(p.status());
     if (p.ok() && p->prompt_tokens < 0) std::abort();
   }

@@ -52,6 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::WriteFile(single, in);
   }
   absl::StatusOr<std::unique_ptr<Model>> m = LoadHfDirectory(dir);
+  fuzz::Report("LoadHfDirectory", m.status());
   if (m.ok()) {
     const ModelWeights& w = (*m)->weights();
     uint64_t sum = Touch(w.tok_embeddings) + Touch(w.final_norm) + Touch(w.output);

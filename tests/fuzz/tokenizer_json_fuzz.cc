@@ -13,6 +13,7 @@ using namespace sparsex;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<std::string_view> parts = fuzz::Split(fuzz::AsView(data, size), std::string_view("\0", 1), 2);
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok = ParseHfTokenizer(parts[0]);
+  fuzz::Report("ParseHfTokenizer", tok.status());
   if (!tok.ok()) return 0;
   const Tokenizer& t = **tok;
   const std::string_view text = parts[1].substr(0, 4096);
