@@ -291,8 +291,11 @@ class CpuBackend final : public Backend {
     const float* V = F(pool.v[layer]);
     const int64_t d = pool.kv_dim;
     const int group = H / KV;
-    // Per-thread receive accumulators keep the parallel loop free of shared writes.
-    std::vector<std::vector<float>> recv_parts;
+    // Per-part receive accumulators keep the parallel loop free of shared writes. They are
+    // summed in row order (by the part's first row), never in the order the parts finish: a
+    // float sum depends on its order, and the selection ranks these sums, so a repeated
+    // request must see the same bits (issue 16, defect 9).
+    std::vector<std::pair<int64_t, std::vector<float>>> recv_parts;
     std::mutex recv_mu;
     ParallelFor(n, [&](int64_t b, int64_t e) {
       std::vector<float> sc(ctx);
@@ -331,11 +334,13 @@ class CpuBackend final : public Backend {
       }
       if (want_recv) {
         std::lock_guard<std::mutex> l(recv_mu);
-        recv_parts.push_back(std::move(recv));
+        recv_parts.emplace_back(b, std::move(recv));
       }
     }, 4);
     if (want_recv) {
-      for (const auto& part : recv_parts) {
+      std::sort(recv_parts.begin(), recv_parts.end(),
+                [](const auto& x, const auto& y) { return x.first < y.first; });
+      for (const auto& [first_row, part] : recv_parts) {
         for (int64_t j = 0; j < ctx; ++j) a.out_recv[j] += part[j];
       }
     }
