@@ -168,7 +168,7 @@ TEST(CpuAttentionStatsTest, ReceivedAttentionDoesNotDependOnThreadTiming) {
     }
     differing += recv != first_recv || cross != first_cross;
   }
-  EXPECT_EQ(differing, 0) << "of 39 repeats, with " << NumThreads() << " pool threads";
+  EXPECT_EQ(differing, 0) << "of 39 repeats; differing " << differing << " , with " << NumThreads() << " pool threads";
   for (Tensor* t : {&*q, &*out, &*k, &*v}) (*be)->Free(*t);
   (*be)->FreeKvPool(*pool);
 }
