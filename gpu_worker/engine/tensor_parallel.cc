@@ -9,11 +9,14 @@ namespace {
 
 // Shared state of an in-process group: a reusable two-phase barrier around a host accumulator.
 struct GroupState {
-  explicit GroupState(int n) : size(n) {}
+  explicit GroupState(int n) : size(n), parts(n) {}
   const int size;
   std::mutex mu;
   std::condition_variable cv;
   std::vector<float> acc;
+  // Each rank's contribution, summed in rank order by the last rank to arrive: a float sum
+  // depends on its order, and the arrival order is a race (issue 16, defect 9).
+  std::vector<std::vector<float>> parts;
   int arrived = 0, departed = 0;
   uint64_t generation = 0;
 };
@@ -32,9 +35,12 @@ class InProcessCommunicator final : public Communicator {
     if (g_->acc.size() != v.size()) {
       return absl::InvalidArgumentError("all-reduce: ranks passed different sizes");
     }
-    for (size_t i = 0; i < v.size(); ++i) g_->acc[i] += v[i];
+    g_->parts[rank_].assign(v.begin(), v.end());
     const uint64_t gen = g_->generation;
     if (++g_->arrived == g_->size) {
+      for (const std::vector<float>& part : g_->parts) {
+        for (size_t i = 0; i < v.size(); ++i) g_->acc[i] += part[i];
+      }
       g_->arrived = 0;
       g_->departed = g_->size;
       ++g_->generation;

@@ -8,10 +8,12 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <thread>
 #include <tuple>
 
 #include "common/thread_pool.h"
 #include "gpu_worker/backend/backend.h"
+#include "gpu_worker/engine/tensor_parallel.h"
 #include "gpu_worker/service/scheduler.h"
 #include "tests/gpu_worker/test_util.h"
 #include "tests/service/test_util.h"
@@ -171,6 +173,34 @@ TEST(CpuAttentionStatsTest, ReceivedAttentionDoesNotDependOnThreadTiming) {
   EXPECT_EQ(differing, 0) << "of 39 repeats; differing " << differing << " , with " << NumThreads() << " pool threads";
   for (Tensor* t : {&*q, &*out, &*k, &*v}) (*be)->Free(*t);
   (*be)->FreeKvPool(*pool);
+}
+
+// The CPU ranks' all-reduce (tensor parallelism: every layer's attention and MLP outputs, and
+// the selection statistics) sums in rank order whatever order the ranks arrive in. It summed in
+// arrival order, so with three or more ranks the same request could give other bits.
+TEST(TensorParallelDeterminismTest, InProcessAllReduceSumsInRankOrder) {
+  constexpr int kRanks = 4;
+  // Values whose float sum depends on the order: 1e8 + 1 - 1e8 + 1.
+  const float vals[kRanks] = {1e8f, 1.0f, -1e8f, 1.0f};
+  float expected = 0.0f;
+  for (float v : vals) expected += v;  // rank order
+  auto group = CreateInProcessGroup(kRanks);
+  for (int order = 0; order < 6; ++order) {
+    std::vector<std::vector<float>> out(kRanks);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < kRanks; ++r) {
+      ts.emplace_back([&, r] {
+        // A different arrival order each round (rank (r + order) % kRanks waits longest).
+        std::this_thread::sleep_for(std::chrono::milliseconds(5 * ((r + order) % kRanks)));
+        out[r].assign(3, vals[r]);
+        ASSERT_TRUE(group[r]->AllReduceSumHost(out[r]).ok());
+      });
+    }
+    for (auto& t : ts) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(out[r], std::vector<float>(3, expected)) << "order " << order << " rank " << r;
+    }
+  }
 }
 
 // The reuse prefill itself, repeated with the store and prefix cache unchanged (nothing
