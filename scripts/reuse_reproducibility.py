@@ -9,6 +9,7 @@ is a defect. Exit status 1 when any request with a state seen before for its pro
 other tokens.
 
   scripts/reuse_reproducibility.py --bin build/bin --workers 2 --threads 16 [--reuse off]
+      [--worker-args '--tp 4']
 """
 import argparse
 import collections
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--copies", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reuse", choices=("on", "off"), default="on")
+    ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--tp 4'")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="sparsex-repro-")
     procs = []
@@ -71,7 +73,7 @@ def main():
             p = subprocess.Popen(
                 [f"{a.bin}/sparsex-worker", "--model", a.model, "--device", "cpu", "--port", "0",
                  "--metrics_port", "0", "--worker_id", f"worker-{i}", "--kv_blocks", "2048",
-                 "--ready_file", ready], env=env, stdout=open(f"{tmp}/w{i}.log", "w"),
+                 "--ready_file", ready] + a.worker_args.split(), env=env, stdout=open(f"{tmp}/w{i}.log", "w"),
                 stderr=subprocess.STDOUT)
             procs.append(p)
             members.append(f"127.0.0.1:{wait_ready(ready, p)['grpc_port']}")
