@@ -108,9 +108,78 @@ absl::Status ParseReuse(const json& ro, v1::ReuseOptions* o) {
   return absl::OkStatus();
 }
 
+// A value that asks for nothing: null, false, 0, "", [] or {}.
+bool Neutral(const json& v) {
+  if (v.is_null()) return true;
+  if (v.is_boolean()) return !v.get<bool>();
+  if (v.is_number()) return v.get<double>() == 0;
+  if (v.is_string()) return v.get<std::string>().empty();
+  if (v.is_array() || v.is_object()) return v.empty();
+  return false;
+}
+
+// OpenAI request fields SparseX does not implement are refused with a 400 naming the field
+// instead of being ignored (a client relying on one would silently get something else); at
+// their neutral value (null, false, 0, empty; tool_choice "none"; response_format text;
+// best_of 1; modalities ["text"]) they are accepted. `user` is accepted (a string, unused).
+// Fields OpenAI does not define are ignored, as other OpenAI-compatible servers do.
+absl::Status RefuseUnimplemented(const json& b) {
+  for (const char* f : {"tools", "functions", "function_call", "parallel_tool_calls"}) {
+    if (b.contains(f) && !Neutral(b[f])) {
+      return FieldError(f, absl::StrCat("'", f, "': tool and function calling are not supported"));
+    }
+  }
+  if (b.contains("tool_choice") && !Neutral(b["tool_choice"]) && b["tool_choice"] != "none") {
+    return FieldError("tool_choice", "'tool_choice': tool calling is not supported");
+  }
+  if (Present(b, "response_format")) {
+    const json& rf = b["response_format"];
+    if (!rf.is_object() || !rf.contains("type") || rf["type"] != "text") {
+      return FieldError("response_format",
+                        "'response_format': only {\"type\": \"text\"} is supported (no JSON "
+                        "mode or schema)");
+    }
+  }
+  if (b.contains("suffix") && !Neutral(b["suffix"])) {
+    return FieldError("suffix", "'suffix': insertion (suffix) is not supported");
+  }
+  if (Present(b, "best_of") && b["best_of"] != 1) {
+    return FieldError("best_of", "'best_of': only best_of = 1 is supported");
+  }
+  for (const char* f : {"logprobs", "top_logprobs"}) {
+    if (b.contains(f) && !Neutral(b[f])) {
+      return FieldError(f, absl::StrCat("'", f, "': log probabilities are not supported yet"));
+    }
+  }
+  if (b.contains("logit_bias") && !Neutral(b["logit_bias"])) {
+    return FieldError("logit_bias", "'logit_bias' is not supported yet");
+  }
+  for (const char* f : {"presence_penalty", "frequency_penalty"}) {
+    if (!Present(b, f)) continue;
+    if (!b[f].is_number()) return TypeError(f, "a number");
+    const double v = b[f].get<double>();
+    if (!(v >= -2.0 && v <= 2.0)) return TypeError(f, "a number in [-2, 2]");
+    if (v != 0) return FieldError(f, absl::StrCat("'", f, "' is not supported yet (only 0)"));
+  }
+  if (Present(b, "modalities")) {
+    const json& m = b["modalities"];
+    if (!(m.is_array() && (m.empty() || (m.size() == 1 && m[0] == "text")))) {
+      return FieldError("modalities", "'modalities': only [\"text\"] is supported");
+    }
+  }
+  for (const char* f : {"audio", "prediction"}) {
+    if (b.contains(f) && !Neutral(b[f])) {
+      return FieldError(f, absl::StrCat("'", f, "' is not supported"));
+    }
+  }
+  if (Present(b, "user") && !b["user"].is_string()) return TypeError("user", "a string");
+  return absl::OkStatus();
+}
+
 // Sampling, reuse and the SparseX extensions shared by both endpoints. The fields are checked
 // in a fixed order; the first bad one is the error.
 absl::Status ParseCommon(const json& b, Request* p, bool chat) {
+  RETURN_IF_ERROR(RefuseUnimplemented(b));
   v1::GenerateRequest& r = p->req;
   if (b.contains("model")) {
     if (!b["model"].is_string()) return TypeError("model", "a string");
@@ -129,8 +198,15 @@ absl::Status ParseCommon(const json& b, Request* p, bool chat) {
     ASSIGN_OR_RETURN(uint64_t seed, CheckedInt<uint64_t>(b["seed"], "seed"));
     s->set_seed(seed);
   }
+  // max_completion_tokens (OpenAI's newer name) on both endpoints; both given must agree.
+  (void)chat;
   const char* mt_field = "max_tokens";
-  if (chat && !Present(b, mt_field)) mt_field = "max_completion_tokens";
+  if (Present(b, "max_tokens") && Present(b, "max_completion_tokens") &&
+      b["max_tokens"] != b["max_completion_tokens"]) {
+    return FieldError("max_completion_tokens",
+                      "'max_completion_tokens' and 'max_tokens' disagree; set one");
+  }
+  if (!Present(b, mt_field)) mt_field = "max_completion_tokens";
   ASSIGN_OR_RETURN(std::optional<int64_t> max_tokens, OptInt(b, mt_field, 1, 1 << 20));
   if (max_tokens) s->set_max_tokens(static_cast<int32_t>(*max_tokens));
   ASSIGN_OR_RETURN(std::optional<bool> ignore_eos, OptBool(b, "ignore_eos"));

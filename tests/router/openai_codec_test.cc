@@ -146,14 +146,14 @@ TEST(OpenAiCodecTest, ChatMessagesBecomeSegments) {
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
 
-  // max_tokens wins over max_completion_tokens; a completion ignores max_completion_tokens.
+  // max_tokens and max_completion_tokens that disagree are refused (neither silently wins);
+  // a completion takes max_completion_tokens too.
   auto both = Chat(R"({"messages": [{"role": "user", "content": "1"}], "max_tokens": 3,
                        "max_completion_tokens": 9})");
-  ASSERT_TRUE(both.ok()) << both.status();
-  EXPECT_EQ(both->req.sampling().max_tokens(), 3);
+  ExpectBadField(both, "max_completion_tokens");
   auto completion = Completion(R"({"prompt": "1", "max_completion_tokens": 9})");
   ASSERT_TRUE(completion.ok()) << completion.status();
-  EXPECT_FALSE(completion->req.sampling().has_max_tokens());
+  EXPECT_EQ(completion->req.sampling().max_tokens(), 9);
 }
 
 TEST(OpenAiCodecTest, BadChatMessages) {
@@ -225,6 +225,55 @@ TEST(OpenAiCodecTest, BadFieldsAreInvalidArgumentNamingTheField) {
     SCOPED_TRACE(body);
     ExpectBadField(Completion(body), c.param, c.quoted);
   }
+}
+
+// OpenAI fields SparseX does not implement are refused naming the field, never ignored; at their
+// neutral values they pass. max_completion_tokens works on both endpoints.
+TEST(OpenAiCodecTest, UnimplementedOpenAiFieldsAreRefusedNotIgnored) {
+  const std::pair<const char*, const char*> refused[] = {
+      {R"("tools": [{"type": "function", "function": {"name": "f"}}])", "tools"},
+      {R"("tool_choice": "auto")", "tool_choice"},
+      {R"("functions": [{"name": "f"}])", "functions"},
+      {R"("function_call": "auto")", "function_call"},
+      {R"("response_format": {"type": "json_object"})", "response_format"},
+      {R"("response_format": "text")", "response_format"},
+      {R"("suffix": "end")", "suffix"},
+      {R"("best_of": 3)", "best_of"},
+      {R"("logprobs": 2)", "logprobs"},
+      {R"("logprobs": true)", "logprobs"},
+      {R"("top_logprobs": 5)", "top_logprobs"},
+      {R"("logit_bias": {"50256": -100})", "logit_bias"},
+      {R"("presence_penalty": 0.5)", "presence_penalty"},
+      {R"("frequency_penalty": -1)", "frequency_penalty"},
+      {R"("frequency_penalty": 7)", "frequency_penalty"},
+      {R"("presence_penalty": "x")", "presence_penalty"},
+      {R"("modalities": ["text", "audio"])", "modalities"},
+      {R"("audio": {"voice": "x"})", "audio"},
+      {R"("user": 5)", "user"},
+      {R"("max_tokens": 4, "max_completion_tokens": 5)", "max_completion_tokens"},
+  };
+  for (const auto& [fields, param] : refused) {
+    for (bool chat : {false, true}) {
+      const std::string body =
+          chat ? R"({"messages": [{"role": "user", "content": "hi"}], )" + std::string(fields) + "}"
+               : R"({"prompt": "1", )" + std::string(fields) + "}";
+      SCOPED_TRACE(body);
+      ExpectBadField(chat ? Chat(body) : Completion(body), param);
+    }
+  }
+  // Neutral values are accepted.
+  auto ok = Completion(R"({"prompt": "1", "tools": [], "tool_choice": "none", "logprobs": null,
+      "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+      "response_format": {"type": "text"}, "best_of": 1, "suffix": "", "user": "u-1",
+      "modalities": ["text"], "some_vendor_extension": {"x": 1}})");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  auto c = Completion(R"({"prompt": "1", "max_completion_tokens": 7})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->req.sampling().max_tokens(), 7);
+  auto both = Chat(R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+      "max_completion_tokens": 9})");
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->req.sampling().max_tokens(), 9);
 }
 
 TEST(OpenAiCodecTest, StopStringsAndStreamOptions) {
