@@ -5,6 +5,7 @@
 // the usage says so (segments_hit, reused_tokens, prefix_tokens, recomputed_tokens). Requests
 // that saw the same reuse state must produce the same tokens, whatever the batch they decoded
 // in and however the engine's threads were scheduled.
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <random>
@@ -201,6 +202,67 @@ TEST(TensorParallelDeterminismTest, InProcessAllReduceSumsInRankOrder) {
       EXPECT_EQ(out[r], std::vector<float>(3, expected)) << "order " << order << " rank " << r;
     }
   }
+}
+
+// Batch composition is not a cause on the CPU: a sequence's decode logits are bit-identical
+// whether it steps alone or in batches of other sizes and neighbours (each output is one dot
+// product in a fixed order, attention is per sequence).
+TEST_F(ReuseDeterminismTest, CpuDecodeDoesNotDependOnTheBatch) {
+  EngineOptions eo;
+  eo.kv.enable_prefix_caching = false;
+  eo.kv.num_blocks = 512;
+  auto e = Engine::Create(*model_, eo);
+  ASSERT_TRUE(e.ok()) << e.status();
+  const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day",
+                         "The sun was hot and the birds sang in the tall green trees. Lily",
+                         "Sara found a shiny stone", "The old cat slept on the warm mat"};
+  constexpr int kSeqs = 5;
+  // alone: sequence 0 stepped by itself; mixed: all five, in batches whose size and members
+  // change every step.
+  Sequence alone;
+  std::vector<Sequence> mixed(kSeqs);
+  std::vector<int32_t> next(kSeqs);
+  for (int i = 0; i < kSeqs; ++i) {
+    auto s = (*e)->Admit(model_->tokenizer().Encode(texts[i], true));
+    ASSERT_TRUE(s.ok());
+    auto lg = (*e)->Prefill(*s);
+    ASSERT_TRUE(lg.ok());
+    next[i] = Argmax(*lg);
+    mixed[i] = std::move(*s);
+  }
+  {
+    auto s = (*e)->Admit(model_->tokenizer().Encode(texts[0], true));
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE((*e)->Prefill(*s).ok());
+    alone = std::move(*s);
+  }
+  int32_t alone_next = next[0];
+  for (int step = 0; step < 24; ++step) {
+    auto one = (*e)->Step(alone, alone_next);
+    ASSERT_TRUE(one.ok()) << one.status();
+    alone_next = Argmax(*one);
+    // Sequence 0 plus step % 5 others (the ones after it in a rotating order); the rest wait.
+    std::vector<Sequence*> batch = {&mixed[0]};
+    std::vector<int32_t> toks = {next[0]};
+    std::vector<int> idx = {0};
+    for (int k = 0; k < step % kSeqs; ++k) {
+      const int j = 1 + (step + k) % (kSeqs - 1);
+      if (std::find(idx.begin(), idx.end(), j) != idx.end()) continue;
+      batch.insert(batch.begin() + (k % 2 ? batch.size() : 0), &mixed[j]);  // position varies
+      toks.insert(toks.begin() + (k % 2 ? toks.size() : 0), next[j]);
+      idx.insert(idx.begin() + (k % 2 ? idx.size() : 0), j);
+    }
+    auto lg = (*e)->StepBatch(batch, toks);
+    ASSERT_TRUE(lg.ok()) << lg.status();
+    for (size_t b = 0; b < idx.size(); ++b) {
+      next[idx[b]] = Argmax((*lg)[b]);
+      if (idx[b] == 0) {
+        EXPECT_TRUE((*lg)[b] == *one) << "step " << step << ": batch of " << idx.size();
+      }
+    }
+  }
+  (*e)->Release(alone);
+  for (Sequence& s : mixed) (*e)->Release(s);
 }
 
 // The reuse prefill itself, repeated with the store and prefix cache unchanged (nothing
