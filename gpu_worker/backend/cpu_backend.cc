@@ -291,15 +291,9 @@ class CpuBackend final : public Backend {
     const float* V = F(pool.v[layer]);
     const int64_t d = pool.kv_dim;
     const int group = H / KV;
-    // Per-part receive accumulators keep the parallel loop free of shared writes. They are
-    // summed in row order (by the part's first row), never in the order the parts finish: a
-    // float sum depends on its order, and the selection ranks these sums, so a repeated
-    // request must see the same bits (issue 16, defect 9).
-    std::vector<std::pair<int64_t, std::vector<float>>> recv_parts;
-    std::mutex recv_mu;
-    ParallelFor(n, [&](int64_t b, int64_t e) {
+    // Rows [b, e); recv (ctx floats) takes their received attention when not null.
+    auto rows = [&](int64_t b, int64_t e, float* recv) {
       std::vector<float> sc(ctx);
-      std::vector<float> recv(want_recv ? ctx : 0, 0.0f);
       for (int64_t i = b; i < e; ++i) {
         const int64_t len = a.q_pos[i] + 1;
         float cross = 0;
@@ -327,22 +321,35 @@ class CpuBackend final : public Backend {
               const int32_t g = a.key_group[j];
               if (g >= 0 && g != a.q_group[i]) cross += p;
             }
-            if (want_recv && a.recv_weight[i] > 0) recv[j] += a.recv_weight[i] * p / H;
+            if (recv != nullptr && a.recv_weight[i] > 0) recv[j] += a.recv_weight[i] * p / H;
           }
         }
         if (want_cross) a.out_cross[i] += cross / H;
       }
-      if (want_recv) {
-        std::lock_guard<std::mutex> l(recv_mu);
-        recv_parts.emplace_back(b, std::move(recv));
+    };
+    if (!want_recv) {
+      ParallelFor(n, [&](int64_t b, int64_t e) { rows(b, e, nullptr); }, 4);
+      return absl::OkStatus();
+    }
+    // The received attention is a sum over rows: each chunk of kStatRows rows (a fixed split,
+    // whatever the thread count) accumulates its own, and the chunks are added in row order.
+    // Float sums depend on their order, and the selection ranks these sums: summed in the order
+    // threads finished (as before), identical requests ranked differently; split per thread,
+    // workers with other core counts would (issue 16, defect 9).
+    constexpr int64_t kStatRows = 64;
+    const int64_t chunks = (n + kStatRows - 1) / kStatRows;
+    std::vector<std::vector<float>> recv(chunks);  // empty: no weighted row in the chunk
+    ParallelFor(chunks, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        const int64_t b = c * kStatRows, e = std::min(n, b + kStatRows);
+        bool weighted = false;
+        for (int64_t i = b; i < e; ++i) weighted = weighted || a.recv_weight[i] > 0;
+        if (weighted) recv[c].assign(ctx, 0.0f);
+        rows(b, e, weighted ? recv[c].data() : nullptr);
       }
-    }, 4);
-    if (want_recv) {
-      std::sort(recv_parts.begin(), recv_parts.end(),
-                [](const auto& x, const auto& y) { return x.first < y.first; });
-      for (const auto& [first_row, part] : recv_parts) {
-        for (int64_t j = 0; j < ctx; ++j) a.out_recv[j] += part[j];
-      }
+    });
+    for (const std::vector<float>& part : recv) {
+      for (size_t j = 0; j < part.size(); ++j) a.out_recv[j] += part[j];
     }
     return absl::OkStatus();
   }
