@@ -54,7 +54,7 @@ absl::Status SegmentStore::Put(const Hash128& fp, SegmentKv kv) {
   }
   EraseLocked(fp);
   while (stats_.bytes + need > opts_.capacity_bytes && !lru_.empty()) {
-    EraseLocked(lru_.front());
+    EraseLocked(VictimLocked());
     ++stats_.evictions;
   }
   Entry e;
@@ -102,7 +102,10 @@ std::shared_ptr<const SegmentKv> SegmentStore::Get(const Hash128& fp) {
     if (same) EraseLocked(fp);
     return nullptr;
   }
-  if (same) lru_.splice(lru_.end(), lru_, it->second.lru);
+  if (same) {
+    lru_.splice(lru_.end(), lru_, it->second.lru);
+    ++it->second.uses;
+  }
   ++stats_.hits;
   return kv;
 }
@@ -110,6 +113,20 @@ std::shared_ptr<const SegmentKv> SegmentStore::Get(const Hash128& fp) {
 bool SegmentStore::Verify(const Hash128& fp) {
   std::lock_guard<std::mutex> l(mu_);
   return FindVerifiedLocked(fp) != nullptr;
+}
+
+Hash128 SegmentStore::VictimLocked() const {
+  Hash128 victim = lru_.front();
+  int64_t fewest = map_.at(victim).uses;
+  int seen = 0;
+  for (auto it = lru_.begin(); it != lru_.end() && seen < kEvictionWindow; ++it, ++seen) {
+    const int64_t u = map_.at(*it).uses;
+    if (u < fewest) {
+      fewest = u;
+      victim = *it;
+    }
+  }
+  return victim;
 }
 
 bool SegmentStore::Contains(const Hash128& fp) const {

@@ -1,4 +1,4 @@
-// Local segment store: host-memory, capacity-bounded, LRU. Holds each segment's KV
+// Local segment store: host-memory, capacity-bounded, LRU with use counts (VictimLocked). Holds each segment's KV
 // position-independent (per layer: K before RoPE, and V), keyed by the segment fingerprint.
 // Every 16-token block of every layer carries an XXH3 checksum verified on use: a mismatch
 // drops the entry and reports a miss, so corrupt KV is never served.
@@ -61,7 +61,14 @@ class SegmentStore {
   struct Entry {
     std::shared_ptr<SegmentKv> kv;
     std::list<Hash128>::iterator lru;
+    int64_t uses = 0;  // hits since it was stored
   };
+  // The entry to evict: of the kEvictionWindow least recently used, the one with the fewest
+  // uses (the oldest among equals). Plain LRU lets a burst of one-off segments push out the
+  // popular ones; counting uses keeps what saves the most recompute (segments are similar in
+  // size, so uses approximate saving per byte).
+  static constexpr int kEvictionWindow = 8;
+  Hash128 VictimLocked() const;
   void EraseLocked(const Hash128& fp);
   // The entry when present and its checksums hold; a corrupt one is dropped and counted.
   Entry* FindVerifiedLocked(const Hash128& fp);
