@@ -331,18 +331,24 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
 
     constexpr int64_t kMaxId = 1 << 24;  // a sanity bound so a bad id cannot allocate gigabytes
     int64_t n = 0;
-    auto check_id = [&](int64_t id) -> absl::Status {
+    // An id must be an integer: get<int64_t>() of a float such as 1e300 would be undefined
+    // behaviour (found by tests/fuzz/tokenizer_json_fuzz).
+    auto check_id = [&](const json& v) -> absl::Status {
+      if (!v.is_number_integer()) {
+        return absl::InvalidArgumentError(absl::StrCat("bad token id ", v.dump()));
+      }
+      const int64_t id = v.get<int64_t>();
       if (id < 0 || id >= kMaxId)
         return absl::InvalidArgumentError(absl::StrCat("bad token id ", id));
       n = std::max(n, id + 1);
       return absl::OkStatus();
     };
     for (const auto& [piece, id] : model.at("vocab").items()) {
-      RETURN_IF_ERROR(check_id(id.get<int64_t>()));
+      RETURN_IF_ERROR(check_id(id));
       t.vocab_.emplace(piece, id.get<int32_t>());
     }
     const json added = j.value("added_tokens", json::array());
-    for (const json& a : added) RETURN_IF_ERROR(check_id(a.at("id").get<int64_t>()));
+    for (const json& a : added) RETURN_IF_ERROR(check_id(a.at("id")));
     t.pieces_.resize(n);
     t.special_.assign(n, 0);
     for (const auto& [piece, id] : t.vocab_) t.pieces_[id] = ByteLevelDecode(piece);
