@@ -22,6 +22,7 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::Not;
+using ::testing::HasSubstr;
 
 std::string ModelsRoot() {
   const char* env = std::getenv("SPARSEX_MODELS");
@@ -383,6 +384,24 @@ TEST(HfLoadTest, Errors) {
       absl::StatusCode::kUnimplemented);
   EXPECT_EQ(LoadHfTokenizer("/nonexistent/tokenizer.json").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Found by tests/fuzz/tokenizer_json_fuzz (corpus regress-float-token-id): a token id that is a
+// JSON float was converted with get<int64_t>(), undefined behaviour for 1e300 (UBSan) and a
+// silent truncation for 7.5 (served as token 7). Both are refused now.
+TEST(HfLoadTest, NonIntegerTokenIdsAreRefused) {
+  nlohmann::json j = nlohmann::json::parse(MakeTokenizerJson(false));
+  ASSERT_TRUE(ParseHfTokenizer(j.dump()).ok());
+  nlohmann::json vocab_float = j;
+  vocab_float["model"]["vocab"]["a"] = 1e300;
+  auto a = ParseHfTokenizer(vocab_float.dump());
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument) << a.status();
+  EXPECT_THAT(std::string(a.status().message()), HasSubstr("bad token id"));
+  nlohmann::json added_float = j;
+  added_float["added_tokens"][0]["id"] = 7.5;
+  auto b = ParseHfTokenizer(added_float.dump());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << b.status();
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("bad token id"));
 }
 
 TEST(HfLoadTest, LoadsFromFile) {
