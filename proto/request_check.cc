@@ -17,6 +17,24 @@ absl::Status CheckSamplingRequest(const v1::SamplingParams& p, int vocab_size) {
   if (p.has_max_tokens() && p.max_tokens() < 1) {
     return absl::InvalidArgumentError("sampling.max_tokens must be >= 1");
   }
+  if (p.logit_bias_size() > 1024) {
+    return absl::InvalidArgumentError("sampling.logit_bias: at most 1024 entries");
+  }
+  for (const auto& [id, bias] : p.logit_bias()) {
+    if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias: token id ", id,
+                                                     " outside the vocabulary of ", vocab_size));
+    }
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      return absl::InvalidArgumentError("sampling.logit_bias values must be in [-100, 100]");
+    }
+  }
+  for (const float v : {p.presence_penalty(), p.frequency_penalty()}) {
+    if (!(v >= -2.0f && v <= 2.0f)) {
+      return absl::InvalidArgumentError(
+          "sampling.presence_penalty and frequency_penalty must be in [-2, 2]");
+    }
+  }
   for (int32_t id : p.stop_ids()) {
     if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
       return absl::InvalidArgumentError(absl::StrCat("sampling.stop_ids: token id ", id,

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "common/json_depth.h"
 #include "common/utf8.h"
 
@@ -121,7 +122,8 @@ bool Neutral(const json& v) {
 // OpenAI request fields SparseX does not implement are refused with a 400 naming the field
 // instead of being ignored (a client relying on one would silently get something else); at
 // their neutral value (null, false, 0, empty; tool_choice "none"; response_format text;
-// best_of 1; modalities ["text"]) they are accepted. `user` is accepted (a string, unused).
+// best_of 1; modalities ["text"]) they are accepted. `user` is accepted (a string, unused);
+// logit_bias and the penalties are implemented (ParseCommon).
 // Fields OpenAI does not define are ignored, as other OpenAI-compatible servers do.
 absl::Status RefuseUnimplemented(const json& b) {
   for (const char* f : {"tools", "functions", "function_call", "parallel_tool_calls"}) {
@@ -151,16 +153,7 @@ absl::Status RefuseUnimplemented(const json& b) {
       return FieldError(f, absl::StrCat("'", f, "': log probabilities are not supported yet"));
     }
   }
-  if (b.contains("logit_bias") && !Neutral(b["logit_bias"])) {
-    return FieldError("logit_bias", "'logit_bias' is not supported yet");
-  }
-  for (const char* f : {"presence_penalty", "frequency_penalty"}) {
-    if (!Present(b, f)) continue;
-    if (!b[f].is_number()) return TypeError(f, "a number");
-    const double v = b[f].get<double>();
-    if (!(v >= -2.0 && v <= 2.0)) return TypeError(f, "a number in [-2, 2]");
-    if (v != 0) return FieldError(f, absl::StrCat("'", f, "' is not supported yet (only 0)"));
-  }
+
   if (Present(b, "modalities")) {
     const json& m = b["modalities"];
     if (!(m.is_array() && (m.empty() || (m.size() == 1 && m[0] == "text")))) {
@@ -209,6 +202,33 @@ absl::Status ParseCommon(const json& b, Request* p, bool chat) {
   if (!Present(b, mt_field)) mt_field = "max_completion_tokens";
   ASSIGN_OR_RETURN(std::optional<int64_t> max_tokens, OptInt(b, mt_field, 1, 1 << 20));
   if (max_tokens) s->set_max_tokens(static_cast<int32_t>(*max_tokens));
+  if (Present(b, "logit_bias")) {
+    const json& lb = b["logit_bias"];
+    if (!lb.is_object()) return TypeError("logit_bias", "an object of token id -> bias");
+    if (lb.size() > 1024) return FieldError("logit_bias", "'logit_bias': at most 1024 entries");
+    for (const auto& [key, val] : lb.items()) {
+      int64_t id = -1;
+      if (!absl::SimpleAtoi(key, &id) || id < 0 || id > kInt32Max) {
+        return FieldError("logit_bias",
+                          absl::StrCat("'logit_bias': key '", key, "' is not a token id"));
+      }
+      if (!val.is_number() || !(val.get<double>() >= -100.0 && val.get<double>() <= 100.0)) {
+        return TypeError("logit_bias", "an object of token id -> a number in [-100, 100]");
+      }
+      (*s->mutable_logit_bias())[static_cast<int32_t>(id)] = val.get<float>();
+    }
+  }
+  for (const char* f : {"presence_penalty", "frequency_penalty"}) {
+    if (!Present(b, f)) continue;
+    if (!b[f].is_number()) return TypeError(f, "a number in [-2, 2]");
+    const double v = b[f].get<double>();
+    if (!(v >= -2.0 && v <= 2.0)) return TypeError(f, "a number in [-2, 2]");
+    if (std::string(f) == "presence_penalty") {
+      s->set_presence_penalty(static_cast<float>(v));
+    } else {
+      s->set_frequency_penalty(static_cast<float>(v));
+    }
+  }
   ASSIGN_OR_RETURN(std::optional<bool> ignore_eos, OptBool(b, "ignore_eos"));
   if (ignore_eos) s->set_ignore_eos(*ignore_eos);
   ASSIGN_OR_RETURN(std::optional<int64_t> n,

@@ -16,6 +16,16 @@ absl::Status ValidateSampling(const SamplingParams& p) {
     return absl::InvalidArgumentError("top_p must be in (0, 1]");
   }
   if (p.max_tokens < 0) return absl::InvalidArgumentError("max_tokens must be >= 0");
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0) return absl::InvalidArgumentError("logit_bias: negative token id");
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      return absl::InvalidArgumentError("logit_bias values must be in [-100, 100]");
+    }
+  }
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f) ||
+      !(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
+    return absl::InvalidArgumentError("presence_penalty and frequency_penalty must be in [-2, 2]");
+  }
   return absl::OkStatus();
 }
 
@@ -57,8 +67,34 @@ int32_t Sampler::Sample(std::span<const float> logits) {
   return logits.empty() ? 0 : Argmax(logits);
 }
 
-absl::StatusOr<int32_t> Sampler::TrySample(std::span<const float> logits) {
-  RETURN_IF_ERROR(CheckLogits(logits));
+absl::StatusOr<int32_t> Sampler::TrySample(std::span<const float> raw) {
+  RETURN_IF_ERROR(CheckLogits(raw));
+  std::span<const float> logits = raw;
+  const bool penalties = p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  if (!p_.logit_bias.empty() || (penalties && !drawn_.empty())) {
+    adjusted_.assign(raw.begin(), raw.end());
+    const int64_t n = static_cast<int64_t>(adjusted_.size());
+    for (const auto& [id, bias] : p_.logit_bias) {
+      if (id < n) adjusted_[id] += bias;
+    }
+    for (const auto& [id, count] : drawn_) {
+      if (id < n) adjusted_[id] -= p_.presence_penalty + p_.frequency_penalty * count;
+    }
+    logits = adjusted_;
+  }
+  ASSIGN_OR_RETURN(const int32_t t, Draw(logits));
+  if (penalties) {
+    auto it = std::find_if(drawn_.begin(), drawn_.end(), [t](const auto& e) { return e.first == t; });
+    if (it == drawn_.end()) {
+      drawn_.emplace_back(t, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  return t;
+}
+
+absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
   if (p_.temperature == 0.0f) return Argmax(logits);
   const int n = static_cast<int>(logits.size());
   std::vector<int32_t> idx(n);

@@ -1,9 +1,11 @@
-// Token sampling: greedy (temperature 0), temperature, top-k, top-p, seeded.
+// Token sampling: greedy (temperature 0), temperature, top-k, top-p, seeded; logit bias and
+// presence/frequency penalties applied first.
 #pragma once
 
 #include <cstdint>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -18,6 +20,12 @@ struct SamplingParams {
   int max_tokens = 16;       // tokens to generate. Default: 16
   std::vector<int32_t> stop_ids;  // extra stop tokens besides the model's. Default: none
   bool ignore_eos = false;   // keep generating past the model's stop tokens. Default: false
+  // (token id, bias) added to the logit before sampling, bias in [-100, 100]. Default: none
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  // In [-2, 2]: the logit of a token this sampler already drew is lowered by presence_penalty
+  // once and by frequency_penalty per draw (OpenAI's definition, over the generated tokens, as
+  // vLLM applies it). Default: 0, 0
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f;
 };
 
 absl::Status ValidateSampling(const SamplingParams& p);
@@ -41,8 +49,12 @@ class Sampler {
   const absl::Status& status() const { return status_; }
 
  private:
+  // Greedy or temperature / top-k / top-p over already adjusted logits.
+  absl::StatusOr<int32_t> Draw(std::span<const float> logits);
   SamplingParams p_;
   std::mt19937_64 rng_;
+  std::vector<std::pair<int32_t, int>> drawn_;  // (token, times drawn), for the penalties
+  std::vector<float> adjusted_;                 // logits after bias and penalties (reused)
   absl::Status status_;
 };
 

@@ -1,5 +1,7 @@
 #include "gpu_worker/service/api_convert.h"
 
+#include <algorithm>
+
 #include "proto/request_check.h"
 
 namespace sparsex::service {
@@ -14,6 +16,10 @@ absl::StatusOr<SamplingParams> SamplingFromProto(const v1::SamplingParams& p, in
   if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
   s.stop_ids.assign(p.stop_ids().begin(), p.stop_ids().end());
   s.ignore_eos = p.ignore_eos();
+  for (const auto& [id, bias] : p.logit_bias()) s.logit_bias.emplace_back(id, bias);
+  std::sort(s.logit_bias.begin(), s.logit_bias.end());  // a map's order is unspecified
+  s.presence_penalty = p.presence_penalty();
+  s.frequency_penalty = p.frequency_penalty();
   RETURN_IF_ERROR(ValidateSampling(s));
   return s;
 }

@@ -200,6 +200,12 @@ absl::Status BatchScheduler::Validate(const WorkItem& w) const {
                                                    max_len_));
   }
   RETURN_IF_ERROR(ValidateSampling(w.sampling));
+  for (const auto& [id, bias] : w.sampling.logit_bias) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias: token id ", id,
+                                                     " outside the vocabulary of ", c.vocab_size));
+    }
+  }
   if (w.sampling.max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   RETURN_IF_ERROR(ValidateReuseOptions(w.reuse, c.n_layers));
   const int need = BlocksNeeded(w);

@@ -42,6 +42,42 @@ TEST(SamplerTest, GreedyAndSeededSampling) {
   }
 }
 
+// logit_bias shifts logits before sampling (-100 bans, +100 forces); the penalties lower the
+// logits of tokens already drawn: presence once, frequency per draw.
+TEST(SamplerTest, LogitBiasAndPenalties) {
+  const std::vector<float> logits = {0.1f, 2.0f, -1.0f, 1.5f};
+  SamplingParams ban;
+  ban.logit_bias = {{1, -100.0f}};
+  Sampler b(ban);
+  EXPECT_EQ(*b.TrySample(logits), 3);  // 1 is banned: the next best
+  SamplingParams force = Hot();
+  force.logit_bias = {{2, 100.0f}};
+  Sampler f(force);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(*f.TrySample(logits), 2);
+  // Greedy with a presence penalty of 1: 1 (2.0), then 3 (1.5 > 2.0 - 1 = 1.0), then 1 again
+  // (1.0 beats 3's 1.5 - 1 = 0.5): presence counts once, however often a token was drawn.
+  SamplingParams pres;
+  pres.presence_penalty = 1.0f;
+  Sampler p(pres);
+  EXPECT_EQ(*p.TrySample(logits), 1);
+  EXPECT_EQ(*p.TrySample(logits), 3);
+  EXPECT_EQ(*p.TrySample(logits), 1);  // 1: 2.0 - 1 = 1.0 beats 3: 1.5 - 1 = 0.5
+  // A frequency penalty grows with each draw: 1 (2.0), 1 (1.6 > 1.5), then 3 (1.5 > 1.2).
+  SamplingParams freq;
+  freq.frequency_penalty = 0.4f;
+  Sampler q(freq);
+  EXPECT_EQ(*q.TrySample(logits), 1);
+  EXPECT_EQ(*q.TrySample(logits), 1);
+  EXPECT_EQ(*q.TrySample(logits), 3);
+  // Out of range: refused.
+  SamplingParams bad;
+  bad.frequency_penalty = 2.5f;
+  EXPECT_FALSE(ValidateSampling(bad).ok());
+  bad = SamplingParams{};
+  bad.logit_bias = {{0, 101.0f}};
+  EXPECT_FALSE(ValidateSampling(bad).ok());
+}
+
 TEST(SamplerTest, NegativeInfinityMasksAToken) {
   const std::vector<float> logits = {-kInf, 0.0f, -kInf, 0.5f};
   for (const SamplingParams& p : {SamplingParams{}, Hot(), Hot(2), Hot(0, 0.5f)}) {

@@ -242,9 +242,9 @@ TEST(OpenAiCodecTest, UnimplementedOpenAiFieldsAreRefusedNotIgnored) {
       {R"("logprobs": 2)", "logprobs"},
       {R"("logprobs": true)", "logprobs"},
       {R"("top_logprobs": 5)", "top_logprobs"},
-      {R"("logit_bias": {"50256": -100})", "logit_bias"},
-      {R"("presence_penalty": 0.5)", "presence_penalty"},
-      {R"("frequency_penalty": -1)", "frequency_penalty"},
+      {R"("logit_bias": {"x": -100})", "logit_bias"},
+      {R"("logit_bias": {"5": 101})", "logit_bias"},
+      {R"("logit_bias": [1])", "logit_bias"},
       {R"("frequency_penalty": 7)", "frequency_penalty"},
       {R"("presence_penalty": "x")", "presence_penalty"},
       {R"("modalities": ["text", "audio"])", "modalities"},
@@ -267,6 +267,13 @@ TEST(OpenAiCodecTest, UnimplementedOpenAiFieldsAreRefusedNotIgnored) {
       "response_format": {"type": "text"}, "best_of": 1, "suffix": "", "user": "u-1",
       "modalities": ["text"], "some_vendor_extension": {"x": 1}})");
   ASSERT_TRUE(ok.ok()) << ok.status();
+  auto pen = Completion(R"({"prompt": "1", "logit_bias": {"5": -100, "7": 2.5},
+      "presence_penalty": 0.5, "frequency_penalty": -1})");
+  ASSERT_TRUE(pen.ok()) << pen.status();
+  EXPECT_EQ(pen->req.sampling().logit_bias().at(5), -100.0f);
+  EXPECT_EQ(pen->req.sampling().logit_bias().at(7), 2.5f);
+  EXPECT_EQ(pen->req.sampling().presence_penalty(), 0.5f);
+  EXPECT_EQ(pen->req.sampling().frequency_penalty(), -1.0f);
   auto c = Completion(R"({"prompt": "1", "max_completion_tokens": 7})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->req.sampling().max_tokens(), 7);

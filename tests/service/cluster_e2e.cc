@@ -363,6 +363,42 @@ TEST_F(ClusterTest, SkewedLoadSpreadsOverTheWorkers) {
   EXPECT_NE(page.find("sparsex_router_routing_decisions_total{worker=\"worker-"), std::string::npos);
 }
 
+// logit_bias and the penalties reach the worker's sampler: banning the greedy first token
+// changes it, a strong frequency penalty stops a token from repeating, a bias outside the
+// vocabulary is INVALID_ARGUMENT.
+TEST_F(ClusterTest, LogitBiasAndPenaltiesShapeTheOutput) {
+  v1::GenerateRequest r = Rag({3}, "Q:", 12);
+  r.mutable_reuse()->set_enable(false);
+  r.mutable_sampling()->set_ignore_eos(true);
+  Gen base = Generate(r, 60s);
+  ASSERT_TRUE(base.status.ok()) << base.status.error_message();
+  ASSERT_FALSE(base.ids.empty());
+  v1::GenerateRequest banned = r;
+  (*banned.mutable_sampling()->mutable_logit_bias())[base.ids[0]] = -100;
+  Gen b = Generate(banned, 60s);
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  ASSERT_FALSE(b.ids.empty());
+  EXPECT_NE(b.ids[0], base.ids[0]);
+  v1::GenerateRequest pen = r;
+  pen.mutable_sampling()->set_frequency_penalty(2.0f);
+  pen.mutable_sampling()->set_presence_penalty(2.0f);
+  Gen p = Generate(pen, 60s);
+  ASSERT_TRUE(p.status.ok()) << p.status.error_message();
+  std::map<int32_t, int> counts;
+  for (int32_t t : p.ids) counts[t]++;
+  int base_max = 0, pen_max = 0;
+  std::map<int32_t, int> bc;
+  for (int32_t t : base.ids) base_max = std::max(base_max, ++bc[t]);
+  for (const auto& [t, n] : counts) pen_max = std::max(pen_max, n);
+  EXPECT_LE(pen_max, base_max);
+  v1::GenerateRequest oov = r;
+  (*oov.mutable_sampling()->mutable_logit_bias())[1 << 20] = 5;
+  Gen o = Generate(oov, 30s);
+  EXPECT_EQ(o.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(o.status.error_message().find("logit_bias"), std::string::npos)
+      << o.status.error_message();
+}
+
 TEST_F(ClusterTest, BadInputGetsInvalidArgumentWithAMessage) {
   auto code_of = [](const v1::GenerateRequest& r) {
     Gen g = Generate(r, 10s);
