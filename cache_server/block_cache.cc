@@ -41,9 +41,9 @@ absl::StatusOr<std::vector<LookupEntry>> BlockCache::Lookup(const Hash128& model
   return impl_->Lookup(model_fp, layout_version, keys);
 }
 absl::StatusOr<Reservation> BlockCache::Reserve(const Hash128& model_fp, uint32_t layout_version,
-                                                const BlockKey& key, uint64_t size,
-                                                double cost) {
-  return impl_->Reserve(model_fp, layout_version, key, size, cost);
+                                                const BlockKey& key, uint64_t size, double cost,
+                                                const std::string& client) {
+  return impl_->Reserve(model_fp, layout_version, key, size, cost, client);
 }
 absl::Status BlockCache::Commit(uint64_t id, uint64_t checksum,
                                 std::span<const uint8_t> inline_data, bool has_inline) {

@@ -76,8 +76,11 @@ class BlockCache {
                                                   uint32_t layout_version,
                                                   std::span<const BlockKey> keys);
 
+  // client: who reserves, for the per-client quota (ServerOptions' max_client_reserved_bytes);
+  // "" (in-process callers) has none.
   absl::StatusOr<Reservation> Reserve(const Hash128& model_fp, uint32_t layout_version,
-                                      const BlockKey& key, uint64_t size, double cost);
+                                      const BlockKey& key, uint64_t size, double cost,
+                                      const std::string& client = "");
   // `inline_data` replaces a data-plane write when `has_inline`.
   absl::Status Commit(uint64_t reservation_id, uint64_t checksum,
                       std::span<const uint8_t> inline_data, bool has_inline);

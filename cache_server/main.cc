@@ -131,6 +131,10 @@ std::map<std::string, Flag> Flags(ServerOptions* o, std::string* ready_file) {
   f["max_lease_ms"] = {"longest lease (default 600000)", u32(&c.max_lease_ms)};
   f["reservation_timeout_ms"] = {"uncommitted puts reclaimed after (default 30000)",
                                  u32(&c.reservation_timeout_ms)};
+  f["max_client_reserved_bytes"] = {
+      "uncommitted bytes one client connection may reserve at once (default 0: a quarter of "
+      "the memory capacity, at least one max_block_bytes)",
+      size(&c.max_client_reserved_bytes)};
   f["sweep_interval_ms"] = {"sweeper period (default 100)", u32(&c.sweep_interval_ms)};
   f["transport"] = {"data plane: ucx | none (default ucx)", str(&t.kind)};
   f["ucx_tls"] = {"UCX transports, as UCX_TLS (default: env / UCX's choice)", str(&t.ucx_tls)};

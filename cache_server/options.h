@@ -70,6 +70,11 @@ struct CacheOptions {
   // A reservation not committed within this time is reclaimed (its client is presumed dead).
   // Default: 30000 ms.
   uint32_t reservation_timeout_ms = 30000;
+  // Reserved-but-uncommitted bytes one client (one gRPC peer connection) may hold at once;
+  // beyond, Reserve is RESOURCE_EXHAUSTED "client_quota" at once instead of taking the arena
+  // space every other client's puts need until the reservation timeout. 0: a quarter of the
+  // memory capacity, at least one max_block_bytes. Default: 0
+  uint64_t max_client_reserved_bytes = 0;
   // Period of the sweeper that reclaims expired reservations and leases. Default: 100 ms.
   uint32_t sweep_interval_ms = 100;
   // KV layout version the server accepts (FAILED_PRECONDITION "layout_mismatch" otherwise).

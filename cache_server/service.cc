@@ -137,14 +137,15 @@ grpc::Status CacheServiceImpl::Lookup(Ctx*, const pb::LookupRequest* req,
   });
 }
 
-grpc::Status CacheServiceImpl::Reserve(Ctx*, const pb::ReserveRequest* req,
+grpc::Status CacheServiceImpl::Reserve(Ctx* ctx, const pb::ReserveRequest* req,
                                        pb::ReserveResponse* resp) {
   return Run(kReserve, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(Hash128 model, DecodeFingerprint(req->model_fp()));
     if (!req->has_key()) return absl::InvalidArgumentError("no_keys: reserve without a key");
     ASSIGN_OR_RETURN(BlockKey key, KeyFromProto(req->key()));
+    // The client is the peer connection (address and port): its reserved bytes are bounded.
     ASSIGN_OR_RETURN(Reservation r, cache_->Reserve(model, req->layout_version(), key,
-                                                    req->size(), req->cost()));
+                                                    req->size(), req->cost(), ctx->peer()));
     resp->set_reservation_id(r.id);
     resp->set_offset(r.offset);
     resp->set_deadline_unix_ms(r.deadline_unix_ms);

@@ -90,6 +90,8 @@ struct ReservationRec {
   BlockKey key;
   Clock::time_point deadline;
   bool committing = false;
+  std::string client;  // who reserved (its quota), "" for in-process callers
+  uint64_t size = 0;
 };
 
 struct LeaseRec {
@@ -115,7 +117,10 @@ class CacheCore {
   absl::StatusOr<uint32_t> Evict(std::span<const BlockKey> keys, bool all, bool corrupt);
   // reservations.cc
   absl::StatusOr<Reservation> Reserve(const Hash128& model, uint32_t layout,
-                                      const BlockKey& key, uint64_t size, double cost);
+                                      const BlockKey& key, uint64_t size, double cost,
+                                      const std::string& client);
+  // A reservation's bytes leave its client's quota (mu_ held).
+  void ReleaseQuotaLocked(const ReservationRec& r);
   absl::Status Commit(uint64_t id, uint64_t checksum, std::span<const uint8_t> inline_data,
                       bool has_inline);
   absl::Status Abort(uint64_t id);
@@ -195,6 +200,7 @@ class CacheCore {
   uint64_t pinned_bytes_ = 0;  // bytes of entries with pins > 0
   std::unordered_map<BlockKey, Entry, absl::Hash<BlockKey>> entries_;
   absl::flat_hash_map<uint64_t, ReservationRec> reservations_;
+  absl::flat_hash_map<std::string, uint64_t> reserved_by_client_;  // uncommitted bytes
   absl::flat_hash_map<uint64_t, LeaseRec> leases_;
   absl::flat_hash_set<uint64_t> expired_set_;
   std::deque<uint64_t> expired_fifo_;

@@ -9,7 +9,8 @@
 namespace sparsex::cache::internal {
 
 absl::StatusOr<Reservation> CacheCore::Reserve(const Hash128& model, uint32_t layout,
-                                               const BlockKey& key, uint64_t size, double cost) {
+                                               const BlockKey& key, uint64_t size, double cost,
+                                               const std::string& client) {
   RETURN_IF_ERROR(CheckLayout(layout));
   RETURN_IF_ERROR(ValidateBlockKey(key));
   if (size < kKvBlockHeaderBytes) {
@@ -33,6 +34,17 @@ absl::StatusOr<Reservation> CacheCore::Reserve(const Hash128& model, uint32_t la
         it->second.state == Entry::State::kCommitted ? "committed: " : "put_in_progress: ",
         key.ToString()));
   }
+  if (!client.empty()) {
+    const uint64_t quota = opt_.max_client_reserved_bytes > 0
+                               ? opt_.max_client_reserved_bytes
+                               : std::max<uint64_t>(alloc_.capacity() / 4, opt_.max_block_bytes);
+    const uint64_t held = reserved_by_client_.contains(client) ? reserved_by_client_[client] : 0;
+    if (held + size > quota) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "client_quota: this client holds ", held, " reserved bytes; ", size, " more exceed ",
+          "its quota of ", quota, " (commit or abort first)"));
+    }
+  }
   ASSIGN_OR_RETURN(uint64_t off, AllocateLocked(size));
   Entry e;
   e.state = Entry::State::kReserved;
@@ -44,7 +56,8 @@ absl::StatusOr<Reservation> CacheCore::Reserve(const Hash128& model, uint32_t la
   entries_[key] = e;
   const uint64_t id = next_id_++;
   reservations_[id] = {key, Clock::now() + std::chrono::milliseconds(opt_.reservation_timeout_ms),
-                       false};
+                       false, client, size};
+  if (!client.empty()) reserved_by_client_[client] += size;
   UpdateGauges();
   return Reservation{id, off, UnixMs() + opt_.reservation_timeout_ms};
 }
@@ -104,7 +117,10 @@ absl::Status CacheCore::Commit(uint64_t id, uint64_t checksum, std::span<const u
     if (!on_disk) Inc(m_.memory_only_commits);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  reservations_.erase(id);
+  if (auto r = reservations_.find(id); r != reservations_.end()) {
+    ReleaseQuotaLocked(r->second);
+    reservations_.erase(r);
+  }
   Entry& e = entries_.at(key);
   if (!st.ok()) {
     alloc_.Free(e.offset, e.size);
@@ -167,8 +183,17 @@ absl::Status CacheCore::CheckBlock(const BlockKey& key, const Entry& e,
   return absl::OkStatus();
 }
 
+void CacheCore::ReleaseQuotaLocked(const ReservationRec& r) {
+  if (r.client.empty()) return;
+  auto it = reserved_by_client_.find(r.client);
+  if (it == reserved_by_client_.end()) return;
+  it->second -= std::min(it->second, r.size);
+  if (it->second == 0) reserved_by_client_.erase(it);
+}
+
 void CacheCore::DropReservationLocked(
     absl::flat_hash_map<uint64_t, ReservationRec>::iterator r) {
+  ReleaseQuotaLocked(r->second);
   auto e = entries_.find(r->second.key);
   if (e != entries_.end() && e->second.state == Entry::State::kReserved) {
     alloc_.Free(e->second.offset, e->second.size);

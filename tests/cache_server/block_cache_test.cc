@@ -254,6 +254,39 @@ TEST_F(BlockCacheTest, AbandonedReservationIsReclaimed) {
   EXPECT_TRUE(Put(5, 0).ok());  // the key is free again
 }
 
+// Issue 16 defect 12: one client cannot reserve the whole arena. Its uncommitted bytes are
+// bounded (max_client_reserved_bytes); beyond, RESOURCE_EXHAUSTED "client_quota" at once, while
+// another client still reserves; a commit or abort gives the quota back.
+TEST_F(BlockCacheTest, PerClientReservationQuota) {
+  const size_t one = Block(1, 0).size();
+  opt_.max_client_reserved_bytes = 3 * one;
+  Open();
+  std::vector<Reservation> held;
+  for (uint32_t l = 0; l < 3; ++l) {
+    auto r = cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 1, l), one, 0, "a");
+    ASSERT_TRUE(r.ok()) << r.status();
+    held.push_back(*r);
+  }
+  auto over = cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 1, 3), one, 0, "a");
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("client_quota"), std::string::npos) << over.status();
+  auto other = cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 2, 0), one, 0, "b");
+  EXPECT_TRUE(other.ok()) << other.status();
+  // Commit one and abort one of a's: a may reserve two more, not three.
+  std::string b0 = Block(1, 0);
+  std::memcpy(arena_.data() + held[0].offset, b0.data(), b0.size());
+  ASSERT_TRUE(cache_->Commit(held[0].id, KvBlockWireChecksum(KvBlockBytes(b0)), {}, false).ok());
+  ASSERT_TRUE(cache_->Abort(held[1].id).ok());
+  EXPECT_TRUE(cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 1, 4), one, 0, "a").ok());
+  EXPECT_TRUE(cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 1, 5), one, 0, "a").ok());
+  EXPECT_EQ(cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 1, 6), one, 0, "a")
+                .status()
+                .code(),
+            StatusCode::kResourceExhausted);
+  // In-process callers ("") have no quota.
+  EXPECT_TRUE(cache_->Reserve(model_, kKvLayoutVersion, SyntheticKey(kSeed, 3, 0), one, 0).ok());
+}
+
 TEST_F(BlockCacheTest, LeaseExpiryAndRenewal) {
   opt_.sweep_interval_ms = 10;
   Open();
