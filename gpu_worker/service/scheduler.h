@@ -2,11 +2,14 @@
 // ReuseEngine, or one per tensor-parallel rank driven in lockstep) and runs iteration-level
 // continuous batching. Each iteration
 //   1. drops cancelled requests (their KV blocks go back to the pool at once),
-//   2. admits waiting requests while the KV reservation and max_running allow,
+//   2. admits waiting requests while the KV reservation and max_running allow (a request
+//      waiting for its remote fetch joins when the fetch is done or at fetch_wait_ms),
 //   3. runs one prefill unit: a whole reuse prefill (one sparse-recompute pass), or one chunk
 //      of a plain prefill (prefill_chunk tokens),
 //   4. runs one decode step for every sequence past its prefill, all in one batched forward
 //      pass (matmuls shared, attention per sequence),
+//   5. runs a slice (store_slice_layers layers) of the oldest deferred segment store,
+//   6. when nothing else ran, copies 2 layers of a device-tier-only segment to the host store,
 // and streams each new token to the request's RequestHandle, which the RPC thread drains.
 // No gRPC here: the service (worker_server.cc) adapts handles onto server streams.
 //
