@@ -12,6 +12,7 @@
 #include "cache_client/transport.h"
 #include "common/metrics/http_server.h"
 #include "common/metrics/metrics.h"
+#include "proto/grpc_health.h"
 
 namespace sparsex::cache {
 
@@ -56,6 +57,7 @@ absl::StatusOr<std::unique_ptr<CacheServer>> CacheServer::Start(const ServerOpti
   ASSIGN_OR_RETURN(s.cache, BlockCache::Open(co, s.transport->arena(),
                                              s.transport->arena_bytes(), &s.registry));
 
+  EnableGrpcHealth();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options.address, ":", options.grpc_port),
                            grpc::InsecureServerCredentials(), &s.grpc_port);

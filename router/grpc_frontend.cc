@@ -1,5 +1,6 @@
 #include <grpcpp/grpcpp.h>
 
+#include "proto/grpc_health.h"
 #include "proto/grpc_status.h"
 #include "proto/sparsex.grpc.pb.h"
 #include "router/frontends.h"
@@ -59,6 +60,7 @@ absl::StatusOr<std::unique_ptr<GrpcFrontend>> GrpcFrontend::Start(Router* router
   std::unique_ptr<GrpcFrontend> f(new GrpcFrontend());
   f->impl_ = std::make_unique<Impl>();
   f->impl_->service = std::make_unique<SparseXService>(router);
+  EnableGrpcHealth();
   grpc::ServerBuilder b;
   b.AddListeningPort(address, grpc::InsecureServerCredentials(), &f->port_);
   b.RegisterService(f->impl_->service.get());
@@ -74,6 +76,7 @@ GrpcFrontend::~GrpcFrontend() { Shutdown(); }
 
 void GrpcFrontend::Shutdown() {
   if (impl_ && impl_->server) {
+    SetGrpcServing(impl_->server.get(), false);
     impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     impl_->server.reset();
   }

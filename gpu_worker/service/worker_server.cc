@@ -32,6 +32,7 @@
 #include "model/prompt.h"
 #include "gpu_worker/service/api_convert.h"
 #include "gpu_worker/service/event_log.h"
+#include "proto/grpc_health.h"
 #include "proto/grpc_status.h"
 #include "proto/worker.grpc.pb.h"
 
@@ -133,6 +134,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
 
   // gRPC.
   s.service = internal::NewWorkerService(&s);
+  EnableGrpcHealth();
   grpc::ServerBuilder b;
   b.AddListeningPort(absl::StrCat(options.address, ":", options.port),
                      grpc::InsecureServerCredentials(), &s.port);
@@ -234,6 +236,7 @@ void WorkerServer::Drain() {
   State& s = *s_;
   if (s.stopping) return;
   s.draining = true;
+  SetGrpcServing(s.server.get(), false);  // grpc.health.v1 answers NOT_SERVING from now on
   LogLine(s.worker_id, "draining");
   if (s.registration) s.registration->Stop();
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(s.opts.drain_timeout_ms);

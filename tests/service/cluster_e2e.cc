@@ -788,6 +788,49 @@ client.ListModels({}, (err, lm) => {
   EXPECT_NE(j["bad_message"].get<std::string>().find("unknown model"), std::string::npos);
 }
 
+// The standard gRPC health service (grpc.health.v1) on router, worker and cache server, checked
+// with @grpc/grpc-js over the protocol's published service definition.
+TEST_F(ClusterTest, GrpcHealthServiceAnswersOnEveryServer) {
+  const std::string dir = NpmDir("@grpc/grpc-js @grpc/proto-loader");
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install @grpc/grpc-js: " << last_npm_error_;
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  std::ofstream(dir + "/health.proto") << R"P(syntax = "proto3";
+package grpc.health.v1;
+message HealthCheckRequest { string service = 1; }
+message HealthCheckResponse {
+  enum ServingStatus { UNKNOWN = 0; SERVING = 1; NOT_SERVING = 2; SERVICE_UNKNOWN = 3; }
+  ServingStatus status = 1;
+}
+service Health {
+  rpc Check(HealthCheckRequest) returns (HealthCheckResponse);
+  rpc Watch(HealthCheckRequest) returns (stream HealthCheckResponse);
+}
+)P";
+  std::ofstream(dir + "/health_test.js") << R"JS(
+const grpc = require('@grpc/grpc-js');
+const loader = require('@grpc/proto-loader');
+const def = loader.loadSync(__dirname + '/health.proto', { keepCase: true, enums: String });
+const Health = grpc.loadPackageDefinition(def).grpc.health.v1.Health;
+const out = {};
+let left = process.argv.length - 2;
+for (const target of process.argv.slice(2)) {
+  new Health(target, grpc.credentials.createInsecure()).Check({ service: '' }, (err, r) => {
+    out[target] = err ? ('error ' + err.code) : r.status;
+    if (--left === 0) { console.log(JSON.stringify(out)); process.exit(0); }
+  });
+}
+)JS";
+  const std::string targets =
+      env_["ROUTER_GRPC"] + " " + env_["WORKER0_GRPC"] + " " + env_["CACHE0_GRPC"];
+  auto [rc, out] = Shell("cd " + dir + " && node health_test.js " + targets + " 2>&1", 60s);
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  for (const char* k : {"ROUTER_GRPC", "WORKER0_GRPC", "CACHE0_GRPC"}) {
+    EXPECT_EQ(j[env_[k]], "SERVING") << k << ": " << out;
+  }
+}
+
 TEST_F(ClusterTest, RagDemoClientRuns) {
   auto [rc, out] = Shell(BinDir() + "/sparsex-rag --target " + env_["ROUTER_GRPC"] + " --docs " +
                        ModelsDir() + "/tinystories-text/tinystories_sample.txt --requests 8 "
