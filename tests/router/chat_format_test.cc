@@ -6,9 +6,6 @@
 // template errors, and the fallback for templates that are not prefix-stable. Then through the
 // HTTP front end, with a Hugging Face directory whose tokenizer_config.json carries a Llama-3
 // template and whose tokenizer has the header tokens as special tokens.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -16,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/etcd/http_client.h"
 #include "gtest/gtest.h"
 #include "router/frontends.h"
 #include "router/openai_codec.h"
@@ -289,31 +287,11 @@ struct HttpReply {
 
 HttpReply PostJson(int port, const std::string& path, const std::string& body) {
   HttpReply r;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return r;
-  timeval tv{30, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return r;
-  }
-  const std::string req = "POST " + path +
-                          " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-                          "Content-Type: application/json\r\nContent-Length: " +
-                          std::to_string(body.size()) + "\r\n\r\n" + body;
-  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
-  std::string resp;
-  char buf[8192];
-  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) resp.append(buf, n);
-  ::close(fd);
-  const size_t sp = resp.find(' '), hdr = resp.find("\r\n\r\n");
-  if (sp == std::string::npos || hdr == std::string::npos) return r;
-  r.status = std::atoi(resp.c_str() + sp + 1);
-  r.body = json::parse(resp.substr(hdr + 4), nullptr, false);
+  auto resp = http::HttpRequest("127.0.0.1:" + std::to_string(port), "POST", path, body,
+                                {.timeout_ms = 30000});
+  if (!resp.ok()) return r;
+  r.status = resp->status;
+  r.body = json::parse(resp->body, nullptr, false);
   return r;
 }
 
