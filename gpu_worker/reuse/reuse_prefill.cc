@@ -30,6 +30,16 @@ absl::StatusOr<std::vector<int32_t>> EncodingContext(const std::string& enc, int
                                                  "' (expected none, bos or prefix:<ids>)"));
 }
 
+// Appends one layer of backend-resident segment KV (k and v, [n_tokens, kv_dim]) to a host
+// SegmentKv in fp32: the spill of a device-tier segment and a capture too large for the tier.
+absl::Status DownloadLayer(Backend& be, const Tensor& k, const Tensor& v, SegmentKv& kv) {
+  const size_t n = static_cast<size_t>(kv.n_tokens) * kv.kv_dim;
+  kv.k.emplace_back(n);
+  kv.v.emplace_back(n);
+  RETURN_IF_ERROR(be.Download(k, kv.k.back()));
+  return be.Download(v, kv.v.back());
+}
+
 // Frees a backend tensor at scope exit.
 struct TensorGuard {
   Backend* be;
@@ -165,10 +175,7 @@ absl::StatusOr<bool> ReuseEngine::FinishEncoding() {
     }
     // Larger than the whole tier: to the host store from the captured tensors.
     for (int l = 0; l < L; ++l) {
-      kv.k.emplace_back(static_cast<size_t>(n) * kd);
-      kv.v.emplace_back(static_cast<size_t>(n) * kd);
-      absl::Status st = be.Download(j.cap.dk[l], kv.k.back());
-      if (st.ok()) st = be.Download(j.cap.dv[l], kv.v.back());
+      absl::Status st = DownloadLayer(be, j.cap.dk[l], j.cap.dv[l], kv);
       if (!st.ok()) {
         EndEncoding();
         return st;
@@ -252,10 +259,7 @@ absl::StatusOr<std::optional<std::pair<Hash128, int>>> ReuseEngine::SpillOne(int
   // The job holds the segment (shared ownership), so a tier eviction meanwhile is harmless.
   for (int done = 0; done < max_layers && j.next_layer < L; ++done, ++j.next_layer) {
     const int l = j.next_layer;
-    j.kv.k.emplace_back(static_cast<size_t>(j.kv.n_tokens) * kd);
-    j.kv.v.emplace_back(static_cast<size_t>(j.kv.n_tokens) * kd);
-    absl::Status st = be.Download(j.seg->k[l], j.kv.k.back());
-    if (st.ok()) st = be.Download(j.seg->v[l], j.kv.v.back());
+    absl::Status st = DownloadLayer(be, j.seg->k[l], j.seg->v[l], j.kv);
     if (!st.ok()) {
       spill_.reset();
       return st;
