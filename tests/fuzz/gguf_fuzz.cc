@@ -8,6 +8,7 @@
 
 #include "model/model.h"
 #include "tests/fuzz/fuzz_util.h"
+#include "tests/fuzz/weights.h"
 
 using namespace sparsex;
 
@@ -33,14 +34,6 @@ void UseTokenizer(const Tokenizer& tok) {
   (void)tok.StopIds();
 }
 
-uint64_t Touch(const TensorView& t) {
-  uint64_t sum = 0;
-  const auto* p = static_cast<const uint8_t*>(t.data);
-  for (size_t i = 0; i < t.nbytes; i += 61) sum += p[i];
-  if (t.nbytes > 0) sum += p[t.nbytes - 1];
-  return sum;
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -53,13 +46,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::Report("LoadGguf", m.status());
   if (m.ok()) {
     const ModelWeights& w = (*m)->weights();
-    uint64_t sum = Touch(w.tok_embeddings) + Touch(w.final_norm) + Touch(w.output);
-    for (const LayerWeights& l : w.layers) {
-      for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm,
-                                  &l.w_gate, &l.w_up, &l.w_down}) {
-        sum += Touch(*t);
-      }
-    }
+    const uint64_t sum = fuzz::TouchWeights(w);
     std::vector<float> row(static_cast<size_t>(w.final_norm.numel()));
     w.final_norm.ToF32(row.data());
     UseTokenizer((*m)->tokenizer());

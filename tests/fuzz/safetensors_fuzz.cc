@@ -10,6 +10,7 @@
 
 #include "model/model.h"
 #include "tests/fuzz/hf_fixture.h"
+#include "tests/fuzz/weights.h"
 
 using namespace sparsex;
 
@@ -24,14 +25,6 @@ const std::string& Dir() {
     return d;
   }();
   return dir;
-}
-
-uint64_t Touch(const TensorView& t) {
-  uint64_t sum = 0;
-  const auto* p = static_cast<const uint8_t*>(t.data);
-  for (size_t i = 0; i < t.nbytes; i += 61) sum += p[i];
-  if (t.nbytes > 0) sum += p[t.nbytes - 1];
-  return sum;
 }
 
 }  // namespace
@@ -55,13 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::Report("LoadHfDirectory", m.status());
   if (m.ok()) {
     const ModelWeights& w = (*m)->weights();
-    uint64_t sum = Touch(w.tok_embeddings) + Touch(w.final_norm) + Touch(w.output);
-    for (const LayerWeights& l : w.layers) {
-      for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm,
-                                  &l.w_gate, &l.w_up, &l.w_down}) {
-        sum += Touch(*t);
-      }
-    }
+    const uint64_t sum = fuzz::TouchWeights(w);
     std::vector<float> row(static_cast<size_t>(w.tok_embeddings.numel()));
     w.tok_embeddings.ToF32(row.data());
     fuzz::Sink(sum);
