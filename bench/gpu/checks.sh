@@ -18,10 +18,8 @@ mkdir -p "$OUT"
 LOG=$OUT/checks.log
 T0=$(date +%s)
 stamp() { echo "[checks.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-SPX=/tmp/spx
-[ -x "$SPX/bin/sparsex-worker" ] || { rm -rf "$SPX" && tar -C /tmp -xzf "$ROOT/.stage/serve.tar.gz"; } || { stamp "no staged binaries"; exit 1; }
-export LD_LIBRARY_PATH=$SPX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_MODULE_DIR=$SPX/lib/ucx PATH=$SPX/bin:$PATH SPARSEX_MODELS=$SPX/models
+. "$ROOT/bench/gpu/staged_env.sh"
+export SPARSEX_MODELS=$SPX/models
 N=${SPX_CHECK_REQUESTS:-48}
 
 stamp "GPU tests"

@@ -8,7 +8,7 @@
 #
 # The binaries come staged from a Debian machine (bench/gpu/stage_serve.sh -> .stage/
 # serve.tar.gz; the device call carries .stage). Knobs (environment):
-#   SPX_SERVE_WORKLOADS   "rag"            rag | chat | agents, space separated
+#   SPX_SERVE_WORKLOADS   "rag"            rag | chat | agents | chatcap | agents64, space separated
 #   SPX_SERVE_MODES       "off on"
 #   SPX_SERVE_RATES_OFF   "1 2 4"          req/s per sweep point (reuse off)
 #   SPX_SERVE_RATES_ON    "1 2 4 8"        req/s per sweep point (reuse on)
@@ -30,16 +30,8 @@ LOG=$OUT/serve.log
 T0=$(date +%s)
 stamp() { echo "[serve.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 
-SPX=/tmp/spx
-rm -rf "$SPX" && tar -C /tmp -xzf "$ROOT/.stage/serve.tar.gz" || { stamp "no staged binaries"; exit 1; }
-export LD_LIBRARY_PATH=$SPX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_MODULE_DIR=$SPX/lib/ucx PATH=$SPX/bin:$PATH
-CUDNN_DIR=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
-[ -n "$CUDNN_DIR" ] && export LD_LIBRARY_PATH=$CUDNN_DIR:$LD_LIBRARY_PATH
+. "$ROOT/bench/gpu/staged_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; nproc; free -g | head -2; } >>"$LOG" 2>&1
-for b in sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen; do
-  ldd "$SPX/bin/$b" | grep "not found" && { stamp "$b: missing libraries"; exit 1; }
-done
 
 MODEL=${SPX_SERVE_MODEL:-synthetic:llama3-8b}
 WORKER_ARGS=${SPX_SERVE_WORKER_ARGS:---kv_blocks 16384 --prefill_chunk 4096 --device_tier_mb 30000 --host_store_mb 16000}
@@ -51,6 +43,12 @@ workload_args() {  # 8-16K-token prompts of random token ids (the synthetic mode
     rag) echo "--workload rag --pool 32 --zipf 1.0 --docs_per_request 4 --doc_tokens 2000 --question_tokens 64 --pool_seed 7" ;;
     chat) echo "--workload chat --sessions 16 --system_tokens 1024 --turn_tokens 1500 --max_history_tokens 12000" ;;
     agents) echo "--workload agents --agents 8 --shared_tokens 8000 --instr_tokens 512 --turn_tokens 400 --max_history_tokens 4000" ;;
+    # Chat whose history window slides: 4 sessions reach the 8000-token cap within the warmup,
+    # so from then on every turn drops the oldest pair and the history is no longer a prefix.
+    chatcap) echo "--workload chat --sessions 4 --system_tokens 1024 --turn_tokens 2000 --max_history_tokens 8000" ;;
+    # Many agents, each speaking rarely: an agent's own prefix (instructions + shared context) is
+    # evicted before its next turn; the shared 8000-token context is common to all of them.
+    agents64) echo "--workload agents --agents 64 --shared_tokens 8000 --instr_tokens 512 --turn_tokens 400 --max_history_tokens 4000" ;;
   esac
 }
 
