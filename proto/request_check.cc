@@ -44,6 +44,17 @@ absl::Status CheckSamplingRequest(const v1::SamplingParams& p, int vocab_size) {
   return absl::OkStatus();
 }
 
+absl::Status CheckLogprobsRequest(bool logprobs, int top_logprobs) {
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs, "]"));
+  }
+  if (top_logprobs > 0 && !logprobs) {
+    return absl::InvalidArgumentError("top_logprobs requires logprobs to be true");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckReuseRequest(const v1::ReuseOptions& p, int n_layers) {
   if (p.has_full_layers() &&
       (p.full_layers() < 0 || (n_layers > 0 && p.full_layers() > n_layers))) {

@@ -344,6 +344,12 @@ struct HttpFrontend::Impl {
                                     static_cast<int64_t>(std::time(nullptr)),
                                     router->model_name(), chat};
     openai::StopFilter stop(p.stop);
+    // Log probabilities travel with the text they belong to: without stop strings every
+    // token's text is out as soon as it arrives; with them, a token's entry waits until its
+    // text passed the stop filter, and the tokens after a stop string are never reported.
+    const bool want_logprobs = p.req.logprobs();
+    openai::LogprobsTracker logprobs(chat);
+    size_t emitted = 0;  // bytes of text released to the client
     std::string text, finish_reason, worker;
     v1::Usage usage;
     bool headers_sent = false, client_gone = false;
@@ -357,6 +363,8 @@ struct HttpFrontend::Impl {
       worker.clear();
       usage.Clear();
       stop = openai::StopFilter(p.stop);
+      logprobs = openai::LogprobsTracker(chat);
+      emitted = 0;
       return true;
     };
     auto chunk = [&](const std::string& data) {
@@ -380,13 +388,19 @@ struct HttpFrontend::Impl {
         [&](const v1::GenerateResponse& m) {
           std::string o = stop.Push(m.text(), m.finished());
           text += o;
+          emitted += o.size();
           if (m.finished()) {
             finish_reason = m.finish_reason();
             usage = m.usage();
             worker = m.worker();
           }
-          if (p.stream && !o.empty()) {
-            if (!start_stream() || !event(openai::StreamChunk(meta, o))) {
+          json lp;  // this chunk's log probabilities (streaming)
+          if (want_logprobs) {
+            logprobs.Add(m);
+            if (p.stream) lp = logprobs.Take(emitted, p.stop.empty() && !stop.stopped());
+          }
+          if (p.stream && (!o.empty() || !lp.is_null())) {
+            if (!start_stream() || !event(openai::StreamChunk(meta, o, nullptr, lp))) {
               client_gone = true;
               return false;
             }
@@ -416,13 +430,16 @@ struct HttpFrontend::Impl {
     }
     if (p.stream) {
       if (!start_stream()) return 499;
-      event(openai::StreamChunk(meta, "", finish_reason));
+      // What the stop filter held back until the end (none when a stop string cut it).
+      json lp = want_logprobs ? logprobs.Take(emitted, !stop.stopped()) : json();
+      event(openai::StreamChunk(meta, "", finish_reason, lp));
       if (p.include_usage) event(openai::StreamUsageChunk(meta, usage, worker));
       chunk("data: [DONE]\n\n");
       chunk("");
       return 200;
     }
-    out.Send(JsonResponse(200, openai::Response(meta, text, finish_reason, usage, worker)));
+    json lp = want_logprobs ? logprobs.Take(emitted, !stop.stopped(), /*empty=*/true) : json();
+    out.Send(JsonResponse(200, openai::Response(meta, text, finish_reason, usage, worker, lp)));
     return 200;
   }
 

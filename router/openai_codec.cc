@@ -123,7 +123,7 @@ bool Neutral(const json& v) {
 // instead of being ignored (a client relying on one would silently get something else); at
 // their neutral value (null, false, 0, empty; tool_choice "none"; response_format text;
 // best_of 1; modalities ["text"]) they are accepted. `user` is accepted (a string, unused);
-// logit_bias and the penalties are implemented (ParseCommon).
+// logit_bias, the penalties and logprobs are implemented (ParseCommon, ParseLogprobs).
 // Fields OpenAI does not define are ignored, as other OpenAI-compatible servers do.
 absl::Status RefuseUnimplemented(const json& b) {
   for (const char* f : {"tools", "functions", "function_call", "parallel_tool_calls"}) {
@@ -148,12 +148,6 @@ absl::Status RefuseUnimplemented(const json& b) {
   if (Present(b, "best_of") && b["best_of"] != 1) {
     return FieldError("best_of", "'best_of': only best_of = 1 is supported");
   }
-  for (const char* f : {"logprobs", "top_logprobs"}) {
-    if (b.contains(f) && !Neutral(b[f])) {
-      return FieldError(f, absl::StrCat("'", f, "': log probabilities are not supported yet"));
-    }
-  }
-
   if (Present(b, "modalities")) {
     const json& m = b["modalities"];
     if (!(m.is_array() && (m.empty() || (m.size() == 1 && m[0] == "text")))) {
@@ -166,6 +160,35 @@ absl::Status RefuseUnimplemented(const json& b) {
     }
   }
   if (Present(b, "user") && !b["user"].is_string()) return TypeError("user", "a string");
+  return absl::OkStatus();
+}
+
+// Log probabilities. /v1/completions (legacy): "logprobs" an integer in [0, 5], the number of
+// alternatives ("top_logprobs" is not a field of that endpoint). /v1/chat/completions:
+// "logprobs" a boolean and "top_logprobs" an integer in [0, 20], > 0 only with "logprobs": true.
+absl::Status ParseLogprobs(const json& b, v1::GenerateRequest* r, bool chat) {
+  if (!chat) {
+    if (b.contains("top_logprobs") && !Neutral(b["top_logprobs"])) {
+      return FieldError("top_logprobs",
+                        "'top_logprobs' is a chat completions field; /v1/completions takes "
+                        "'logprobs': N (alternatives per token, 0 to 5)");
+    }
+    ASSIGN_OR_RETURN(std::optional<int64_t> n, OptInt(b, "logprobs", 0, kMaxCompletionLogprobs));
+    if (n) {
+      r->set_logprobs(true);
+      r->set_top_logprobs(static_cast<int32_t>(*n));
+    }
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(std::optional<bool> lp, OptBool(b, "logprobs"));
+  ASSIGN_OR_RETURN(std::optional<int64_t> top, OptInt(b, "top_logprobs", 0, kMaxChatTopLogprobs));
+  if (top && *top > 0 && !(lp && *lp)) {  // as vLLM: top_logprobs 0 asks for nothing
+    return FieldError("top_logprobs", "'top_logprobs' requires 'logprobs': true");
+  }
+  if (lp && *lp) {
+    r->set_logprobs(true);
+    r->set_top_logprobs(static_cast<int32_t>(top.value_or(0)));
+  }
   return absl::OkStatus();
 }
 
@@ -192,7 +215,6 @@ absl::Status ParseCommon(const json& b, Request* p, bool chat) {
     s->set_seed(seed);
   }
   // max_completion_tokens (OpenAI's newer name) on both endpoints; both given must agree.
-  (void)chat;
   const char* mt_field = "max_tokens";
   if (Present(b, "max_tokens") && Present(b, "max_completion_tokens") &&
       b["max_tokens"] != b["max_completion_tokens"]) {
@@ -260,6 +282,7 @@ absl::Status ParseCommon(const json& b, Request* p, bool chat) {
     }
     std::erase_if(p->stop, [](const std::string& x) { return x.empty(); });
   }
+  RETURN_IF_ERROR(ParseLogprobs(b, &r, chat));
   ASSIGN_OR_RETURN(std::optional<bool> add_bos, OptBool(b, "add_bos"));
   if (add_bos) r.set_add_bos(*add_bos);
   if (Present(b, "reuse")) RETURN_IF_ERROR(ParseReuse(b["reuse"], r.mutable_reuse()));
@@ -531,15 +554,92 @@ json UsageJson(const v1::Usage& u, const std::string& worker) {
                 {"worker", worker}}}};
 }
 
-json StreamChunk(const ResponseMeta& meta, const std::string& delta, const json& finish_reason) {
+namespace {
+
+// OpenAI writes -9999.0 for a log-probability too small to show; JSON has no -inf.
+double JsonLogprob(float v) { return std::isfinite(v) ? static_cast<double>(v) : -9999.0; }
+
+json Bytes(const std::string& b) {
+  json out = json::array();
+  for (const char c : b) out.push_back(static_cast<int>(static_cast<unsigned char>(c)));
+  return out;
+}
+
+int64_t CodePoints(const std::string& s) {
+  int64_t n = 0;
+  for (const char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80 ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+void LogprobsTracker::Add(const v1::GenerateResponse& m) {
+  pending_.insert(pending_.end(), m.logprobs().begin(), m.logprobs().end());
+}
+
+json LogprobsTracker::Take(size_t emitted, bool all, bool empty) {
+  size_t n = 0;
+  size_t start = start_;
+  while (n < pending_.size() && (all || start < emitted)) {
+    start += pending_[n].token_bytes().size();
+    ++n;
+  }
+  if (n == 0 && !empty) return nullptr;
+  start_ = start;
+  json out;
+  if (chat_) {
+    json content = json::array();
+    for (size_t i = 0; i < n; ++i) {
+      const v1::TokenLogprob& e = pending_[i];
+      json top = json::array();
+      for (const v1::TopLogprob& t : e.top_logprobs()) {
+        top.push_back({{"token", t.token()},
+                       {"logprob", JsonLogprob(t.logprob())},
+                       {"bytes", Bytes(t.token_bytes())}});
+      }
+      content.push_back({{"token", e.token()},
+                         {"logprob", JsonLogprob(e.logprob())},
+                         {"bytes", Bytes(e.token_bytes())},
+                         {"top_logprobs", std::move(top)}});
+    }
+    out = {{"content", std::move(content)}, {"refusal", nullptr}};
+  } else {
+    json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+         offsets = json::array();
+    for (size_t i = 0; i < n; ++i) {
+      const v1::TokenLogprob& e = pending_[i];
+      tokens.push_back(e.token());
+      token_logprobs.push_back(JsonLogprob(e.logprob()));
+      // The alternatives and the token itself (OpenAI: up to logprobs + 1 entries). Two tokens
+      // with the same text share a key: the more likely one's value is kept.
+      json alts = json::object();
+      for (const v1::TopLogprob& t : e.top_logprobs()) {
+        alts.emplace(t.token(), JsonLogprob(t.logprob()));
+      }
+      alts.emplace(e.token(), JsonLogprob(e.logprob()));
+      top.push_back(std::move(alts));
+      offsets.push_back(text_offset_);
+      text_offset_ += CodePoints(e.token());
+    }
+    out = {{"tokens", std::move(tokens)},
+           {"token_logprobs", std::move(token_logprobs)},
+           {"top_logprobs", std::move(top)},
+           {"text_offset", std::move(offsets)}};
+  }
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
+  return out;
+}
+
+json StreamChunk(const ResponseMeta& meta, const std::string& delta, const json& finish_reason,
+                 const json& logprobs) {
   json choice = ChoiceBase(finish_reason);
   if (meta.chat) {
     choice["delta"] = json::object();
     if (!delta.empty()) choice["delta"]["content"] = delta;
   } else {
     choice["text"] = delta;
-    choice["logprobs"] = nullptr;
   }
+  choice["logprobs"] = logprobs;
   return Envelope(meta, ChunkObject(meta), json::array({choice}));
 }
 
@@ -558,14 +658,14 @@ json StreamUsageChunk(const ResponseMeta& meta, const v1::Usage& usage,
 
 json Response(const ResponseMeta& meta, const std::string& text,
               const std::string& finish_reason, const v1::Usage& usage,
-              const std::string& worker) {
+              const std::string& worker, const json& logprobs) {
   json choice = ChoiceBase(finish_reason);
   if (meta.chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text}};
   } else {
     choice["text"] = text;
   }
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = logprobs;
   json resp = Envelope(meta, meta.chat ? "chat.completion" : "text_completion",
                        json::array({choice}));
   resp["usage"] = UsageJson(usage, worker);

@@ -11,7 +11,8 @@
 //   router->Generate(r.req, sink, ctl);                    // r.stream, r.stop, r.include_usage
 //   openai::StopFilter stop(r.stop);                       // per streamed chunk: stop.Push(...)
 //   openai::ResponseMeta meta{id, created, model, /*chat=*/true};
-//   json j = openai::Response(meta, text, "stop", usage, worker);
+//   openai::LogprobsTracker lp(meta.chat);                 // with r.req.logprobs()
+//   json j = openai::Response(meta, text, "stop", usage, worker, lp.Take(text.size(), true));
 //   // on error: HTTP status from the code, error.param = openai::ErrorParam(status)
 #pragma once
 
@@ -31,6 +32,12 @@
 namespace sparsex::router::openai {
 
 enum class Endpoint { kCompletions, kChat };
+
+// Log probabilities (OpenAI's limits): /v1/completions "logprobs": N alternatives, N in [0, 5];
+// /v1/chat/completions "logprobs": true with "top_logprobs": N in [0, 20]. Both become
+// GenerateRequest.logprobs / top_logprobs.
+inline constexpr int kMaxCompletionLogprobs = 5;
+inline constexpr int kMaxChatTopLogprobs = 20;
 
 // How /v1/chat/completions turns messages into a prompt: the model's chat template, parsed once.
 struct ChatFormat {
@@ -93,6 +100,34 @@ class StopFilter {
   bool stopped_ = false;
 };
 
+// The log probabilities of a response in the endpoint's shape, for the tokens whose text
+// reached the client. Completions (legacy): {tokens, token_logprobs, top_logprobs (a
+// {token: logprob} object per token: the alternatives and the token itself), text_offset};
+// chat: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}],
+// refusal: null}. A -inf log-probability (a masked token) is written as -9999.0, as OpenAI does.
+// text_offset: the characters (code points) of the earlier tokens' strings of this response.
+//
+//   LogprobsTracker lp(/*chat=*/false);
+//   lp.Add(msg);                                    // each worker message's entries
+//   json j = lp.Take(emitted_bytes, /*all=*/false);  // entries whose text is out; null if none
+class LogprobsTracker {
+ public:
+  explicit LogprobsTracker(bool chat) : chat_(chat) {}
+  void Add(const v1::GenerateResponse& m);
+  // Takes the pending entries whose text starts before byte `emitted` of the output text (the
+  // bytes released to the client so far, measured by the tokens' bytes), or all of them with
+  // `all`, in the endpoint's shape; null when there are none. A stop string that cut the output
+  // leaves the tokens past the cut pending, never reported. `empty`: an empty object of the
+  // shape instead of null when there is nothing (a whole response without tokens).
+  nlohmann::json Take(size_t emitted, bool all, bool empty = false);
+
+ private:
+  bool chat_;
+  std::vector<v1::TokenLogprob> pending_;
+  size_t start_ = 0;         // byte offset in the output of pending_[0]'s text
+  int64_t text_offset_ = 0;  // completions: characters of the tokens taken so far
+};
+
 // What every chunk of one response repeats.
 struct ResponseMeta {
   std::string id;       // "cmpl-..." or "chatcmpl-..."
@@ -104,8 +139,10 @@ struct ResponseMeta {
 // OpenAI usage plus cached_tokens and the SparseX breakdown (under "sparsex").
 nlohmann::json UsageJson(const v1::Usage& usage, const std::string& worker);
 // One streamed chunk carrying `delta`; finish_reason null until the last one.
+// `logprobs`: LogprobsTracker::Take's (null: none).
 nlohmann::json StreamChunk(const ResponseMeta& meta, const std::string& delta,
-                           const nlohmann::json& finish_reason = nullptr);
+                           const nlohmann::json& finish_reason = nullptr,
+                           const nlohmann::json& logprobs = nullptr);
 // Chat's first streamed chunk: the assistant role with empty content.
 nlohmann::json StreamRoleChunk(const ResponseMeta& meta);
 // The final usage chunk of stream_options.include_usage (no choices).
@@ -114,6 +151,6 @@ nlohmann::json StreamUsageChunk(const ResponseMeta& meta, const v1::Usage& usage
 // The whole response of a request that did not stream.
 nlohmann::json Response(const ResponseMeta& meta, const std::string& text,
                         const std::string& finish_reason, const v1::Usage& usage,
-                        const std::string& worker);
+                        const std::string& worker, const nlohmann::json& logprobs = nullptr);
 
 }  // namespace sparsex::router::openai

@@ -76,12 +76,15 @@ absl::StatusOr<Prepared> PrepareRequest(const v1::GenerateRequest& req, const Mo
   }
   RETURN_IF_ERROR(CheckSamplingRequest(req.sampling(), cfg.vocab_size));
   RETURN_IF_ERROR(CheckReuseRequest(req.reuse(), cfg.n_layers));
+  RETURN_IF_ERROR(CheckLogprobsRequest(req.logprobs(), req.top_logprobs()));
   p.prompt_tokens = n;
   p.wreq.set_request_id(req.request_id().empty() ? "req-" + RandomHex(16) : req.request_id());
   p.wreq.set_add_bos(add_bos);
   *p.wreq.mutable_sampling() = req.sampling();
   *p.wreq.mutable_reuse() = req.reuse();
   p.wreq.set_return_token_ids(req.return_token_ids());
+  p.wreq.set_logprobs(req.logprobs());
+  p.wreq.set_top_logprobs(req.top_logprobs());
   const bool reuse_on = !req.reuse().has_enable() || req.reuse().enable();
   for (const auto& s : segs) {
     wpb::TokenSegment* ts = p.wreq.add_segments();

@@ -29,6 +29,33 @@ absl::Status ValidateSampling(const SamplingParams& p) {
   return absl::OkStatus();
 }
 
+TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int top_n) {
+  TokenLogprobs out;
+  out.token = token;
+  const int n = static_cast<int>(logits.size());
+  if (n == 0) return out;
+  // log_softmax(x)_i = x_i - (m + log(sum_j exp(x_j - m))), m = max_j x_j: every exponent is
+  // <= 0, so nothing overflows, and the largest term is exp(0) = 1, so the sum is >= 1.
+  double m = -std::numeric_limits<double>::infinity();
+  for (const float x : logits) m = std::max(m, static_cast<double>(x));
+  double sum = 0.0;
+  for (const float x : logits) sum += std::exp(static_cast<double>(x) - m);
+  const double lse = m + std::log(sum);
+  const auto lp = [&](int32_t i) { return static_cast<float>(static_cast<double>(logits[i]) - lse); };
+  if (token >= 0 && token < n) out.logprob = lp(token);
+  top_n = std::clamp(top_n, 0, n);
+  if (top_n > 0) {
+    std::vector<int32_t> idx(n);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + top_n, idx.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    out.top.reserve(top_n);
+    for (int i = 0; i < top_n; ++i) out.top.emplace_back(idx[i], lp(idx[i]));
+  }
+  return out;
+}
+
 int32_t Argmax(std::span<const float> logits) {
   int32_t best = 0;
   for (size_t i = 1; i < logits.size(); ++i) {

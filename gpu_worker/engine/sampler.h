@@ -30,6 +30,21 @@ struct SamplingParams {
 
 absl::Status ValidateSampling(const SamplingParams& p);
 
+// A generated token's log-probability and the most likely alternatives at its position, under
+// the model's raw distribution: log-softmax of the logits as the model produced them, before
+// logit bias, penalties, temperature, top-k and top-p (vLLM's default "raw_logprobs"; OpenAI
+// reports the model's probabilities too). Values are <= 0; -inf for a masked (-inf) logit.
+struct TokenLogprobs {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // (token, logprob), most likely first
+};
+
+// log p(token) and the top_n most likely tokens of log_softmax(logits), computed in double
+// with a stable log-sum-exp (max subtracted). Ties in the top list: the lower token id first.
+// Logits must pass CheckLogits; top_n is clamped to [0, logits.size()].
+TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int top_n);
+
 // Logits a token can be drawn from: no NaN, no +Inf, not empty and not all -Inf (-Inf alone
 // masks a token). Else INTERNAL "non-finite logits: ..." naming the first bad index: a broken
 // model, weights or kernel, never a token.

@@ -187,6 +187,9 @@ class HfTokenizer final : public Tokenizer {
   std::string TokenPiece(int32_t id) const override {
     return id >= 0 && id < vocab_size() && !special_[id] ? pieces_[id] : std::string();
   }
+  std::string SpecialText(int32_t id) const override {
+    return IsSpecial(id) ? pieces_[id] : std::string();
+  }
   int32_t vocab_size() const override { return static_cast<int32_t>(pieces_.size()); }
   int32_t bos_id() const override { return bos_; }
   int32_t eos_id() const override { return eos_; }

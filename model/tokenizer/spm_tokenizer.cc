@@ -122,6 +122,9 @@ class SpmTokenizer final : public Tokenizer {
   std::string TokenPiece(int32_t id) const override {
     return id >= 0 && id < vocab_size() ? decoded_[id] : std::string();
   }
+  std::string SpecialText(int32_t id) const override {
+    return IsSpecial(id) ? v_.pieces[id] : std::string();
+  }
   int32_t vocab_size() const override { return static_cast<int32_t>(v_.pieces.size()); }
   int32_t bos_id() const override { return v_.bos_id; }
   int32_t eos_id() const override { return v_.eos_id; }

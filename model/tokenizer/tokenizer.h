@@ -28,6 +28,9 @@ class Tokenizer {
   // The raw bytes one token stands for (used by streaming decoders); "" for special tokens.
   // SPM: the space the encoder prefixes is not stripped here, only in Decode.
   virtual std::string TokenPiece(int32_t id) const = 0;
+  // A special token's name as written in the vocabulary ("<s>", "<|eot_id|>"), for displays
+  // such as log-probabilities; "" for other tokens.
+  virtual std::string SpecialText(int32_t /*id*/) const { return ""; }
   virtual int32_t vocab_size() const = 0;
   virtual int32_t bos_id() const = 0;  // -1 when the vocabulary has none
   virtual int32_t eos_id() const = 0;

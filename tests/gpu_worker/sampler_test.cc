@@ -1,11 +1,15 @@
 // Sampler (gpu_worker/engine/sampler.h): greedy and seeded sampling, and non-finite logits
 // (issue 16): NaN or +Inf is an INTERNAL "non-finite logits" error from TrySample, never a
 // token; Sample (for callers without a Status) records it in status() and does not sort NaNs.
+// ComputeLogprobs: a normalized log-softmax of the raw logits, stable for large logits, top
+// alternatives by value with ties broken by token id.
 #include "gpu_worker/engine/sampler.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <limits>
+#include <random>
 #include <vector>
 
 namespace sparsex {
@@ -127,6 +131,63 @@ TEST(SamplerTest, NaNLogitsWithTemperatureDoNotBreakTheSort) {
     EXPECT_LT(t, static_cast<int32_t>(logits.size()));
   }
   EXPECT_FALSE(s.status().ok());
+}
+
+TEST(SamplerTest, LogprobsAreANormalizedLogSoftmax) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::vector<float> logits(512);
+  for (float& x : logits) x = normal(rng);
+  const int32_t greedy = Argmax(logits);
+  const TokenLogprobs all = ComputeLogprobs(logits, greedy, static_cast<int>(logits.size()));
+  ASSERT_EQ(all.top.size(), logits.size());
+  double sum = 0.0;
+  for (const auto& [id, lp] : all.top) {
+    EXPECT_LE(lp, 0.0f);
+    sum += std::exp(static_cast<double>(lp));
+  }
+  EXPECT_NEAR(sum, 1.0, 1e-5);
+  // The greedy token's log-probability is the largest, and the first of the top list.
+  EXPECT_EQ(all.token, greedy);
+  EXPECT_EQ(all.top[0].first, greedy);
+  EXPECT_FLOAT_EQ(all.logprob, all.top[0].second);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    EXPECT_LE(ComputeLogprobs(logits, static_cast<int32_t>(i), 0).logprob, all.logprob);
+  }
+  // Top-k is sorted, most likely first; differences of log-probabilities are the logits'.
+  const TokenLogprobs top5 = ComputeLogprobs(logits, 7, 5);
+  ASSERT_EQ(top5.top.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(top5.top[i], all.top[i]);
+    if (i > 0) EXPECT_GE(top5.top[i - 1].second, top5.top[i].second);
+  }
+  EXPECT_NEAR(top5.logprob - all.logprob, logits[7] - logits[greedy], 1e-4);
+  // top_n 0: no alternatives; more than the vocabulary: all of it.
+  EXPECT_TRUE(ComputeLogprobs(logits, 0, 0).top.empty());
+  EXPECT_EQ(ComputeLogprobs(std::vector<float>{1, 2}, 0, 9).top.size(), 2u);
+}
+
+TEST(SamplerTest, LogprobsKnownValuesTiesAndStability) {
+  // Uniform over 4: log(1/4) each, ties in token id order.
+  const TokenLogprobs u = ComputeLogprobs(std::vector<float>{5, 5, 5, 5}, 2, 3);
+  EXPECT_NEAR(u.logprob, std::log(0.25), 1e-6);
+  ASSERT_EQ(u.top.size(), 3u);
+  EXPECT_EQ(u.top[0].first, 0);
+  EXPECT_EQ(u.top[1].first, 1);
+  EXPECT_EQ(u.top[2].first, 2);
+  // Ties below a larger value keep id order too.
+  const TokenLogprobs t = ComputeLogprobs(std::vector<float>{1, 3, 1, 3, 2}, 0, 5);
+  std::vector<int32_t> order;
+  for (const auto& [id, lp] : t.top) order.push_back(id);
+  EXPECT_EQ(order, (std::vector<int32_t>{1, 3, 4, 0, 2}));
+  // Large logits do not overflow (a naive exp(1000) is inf), a -inf logit is -inf.
+  const TokenLogprobs big = ComputeLogprobs(std::vector<float>{1000, 1000, -kInf}, 0, 3);
+  EXPECT_NEAR(big.logprob, std::log(0.5), 1e-6);
+  EXPECT_TRUE(std::isinf(big.top[2].second) && big.top[2].second < 0);
+  EXPECT_EQ(big.top[2].first, 2);
+  // Logits far apart: the small one's log-probability is exact, not log(0).
+  const TokenLogprobs far = ComputeLogprobs(std::vector<float>{0, -200}, 1, 0);
+  EXPECT_NEAR(far.logprob, -200.0, 1e-3);
 }
 
 }  // namespace

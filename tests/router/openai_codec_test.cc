@@ -4,7 +4,9 @@
 // ErrorParam), body checks (UTF-8, depth, syntax), StopFilter, and the response JSON shapes.
 #include "router/openai_codec.h"
 
+#include <limits>
 #include <string>
+#include <tuple>
 
 #include "gtest/gtest.h"
 
@@ -239,9 +241,6 @@ TEST(OpenAiCodecTest, UnimplementedOpenAiFieldsAreRefusedNotIgnored) {
       {R"("response_format": "text")", "response_format"},
       {R"("suffix": "end")", "suffix"},
       {R"("best_of": 3)", "best_of"},
-      {R"("logprobs": 2)", "logprobs"},
-      {R"("logprobs": true)", "logprobs"},
-      {R"("top_logprobs": 5)", "top_logprobs"},
       {R"("logit_bias": {"x": -100})", "logit_bias"},
       {R"("logit_bias": {"5": 101})", "logit_bias"},
       {R"("logit_bias": [1])", "logit_bias"},
@@ -281,6 +280,156 @@ TEST(OpenAiCodecTest, UnimplementedOpenAiFieldsAreRefusedNotIgnored) {
       "max_completion_tokens": 9})");
   ASSERT_TRUE(both.ok()) << both.status();
   EXPECT_EQ(both->req.sampling().max_tokens(), 9);
+}
+
+// logprobs: /v1/completions takes an integer in [0, 5] (legacy), chat a boolean plus
+// top_logprobs in [0, 20]; both map onto GenerateRequest.logprobs / top_logprobs.
+TEST(OpenAiCodecTest, LogprobsFields) {
+  auto c = Completion(R"({"prompt": "1", "logprobs": 3})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->req.logprobs());
+  EXPECT_EQ(c->req.top_logprobs(), 3);
+  auto c0 = Completion(R"({"prompt": "1", "logprobs": 0})");
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  EXPECT_TRUE(c0->req.logprobs());
+  EXPECT_EQ(c0->req.top_logprobs(), 0);
+  auto off = Completion(R"({"prompt": "1", "logprobs": null})");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->req.logprobs());
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto h = Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": 20})");
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_TRUE(h->req.logprobs());
+  EXPECT_EQ(h->req.top_logprobs(), 20);
+  auto h0 = Chat("{" + msgs + R"(, "logprobs": true})");
+  ASSERT_TRUE(h0.ok()) << h0.status();
+  EXPECT_TRUE(h0->req.logprobs());
+  EXPECT_EQ(h0->req.top_logprobs(), 0);
+  auto hoff = Chat("{" + msgs + R"(, "logprobs": false, "top_logprobs": 0})");
+  ASSERT_TRUE(hoff.ok()) << hoff.status();
+  EXPECT_FALSE(hoff->req.logprobs());
+
+  ExpectBadField(Completion(R"({"prompt": "1", "logprobs": 6})"), "logprobs");
+  ExpectBadField(Completion(R"({"prompt": "1", "logprobs": -1})"), "logprobs");
+  ExpectBadField(Completion(R"({"prompt": "1", "logprobs": 2.5})"), "logprobs");
+  ExpectBadField(Completion(R"({"prompt": "1", "logprobs": true})"), "logprobs");
+  ExpectBadField(Completion(R"({"prompt": "1", "top_logprobs": 2})"), "top_logprobs");
+  ExpectBadField(Chat("{" + msgs + R"(, "logprobs": 2})"), "logprobs");
+  ExpectBadField(Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": 21})"), "top_logprobs");
+  ExpectBadField(Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": -1})"), "top_logprobs");
+  // top_logprobs without logprobs: true is refused, as OpenAI does.
+  ExpectBadField(Chat("{" + msgs + R"(, "top_logprobs": 5})"), "top_logprobs");
+  ExpectBadField(Chat("{" + msgs + R"(, "logprobs": false, "top_logprobs": 1})"), "top_logprobs");
+}
+
+v1::GenerateResponse LogprobsMessage(
+    const std::vector<std::tuple<std::string, float, std::vector<std::pair<std::string, float>>>>&
+        tokens) {
+  v1::GenerateResponse m;
+  int id = 100;
+  for (const auto& [tok, lp, top] : tokens) {
+    v1::TokenLogprob* e = m.add_logprobs();
+    e->set_token_id(id++);
+    e->set_token(tok);
+    e->set_token_bytes(tok);
+    e->set_logprob(lp);
+    for (const auto& [t, v] : top) {
+      v1::TopLogprob* x = e->add_top_logprobs();
+      x->set_token_id(id++);
+      x->set_token(t);
+      x->set_token_bytes(t);
+      x->set_logprob(v);
+    }
+    m.mutable_text()->append(tok);
+  }
+  return m;
+}
+
+TEST(OpenAiCodecTest, CompletionLogprobsShape) {
+  LogprobsTracker lp(/*chat=*/false);
+  lp.Add(LogprobsMessage({{" Once", -0.5f, {{" Once", -0.5f}, {" The", -1.5f}}},
+                          {" upon", -0.25f, {{" upon", -0.25f}, {" up", -2.0f}}}}));
+  const json j = lp.Take(0, /*all=*/true);
+  EXPECT_EQ(j["tokens"], json({" Once", " upon"}));
+  EXPECT_EQ(j["token_logprobs"], json({-0.5, -0.25}));
+  EXPECT_EQ(j["top_logprobs"][0], json({{" Once", -0.5}, {" The", -1.5}}));
+  EXPECT_EQ(j["top_logprobs"][1], json({{" upon", -0.25}, {" up", -2.0}}));
+  EXPECT_EQ(j["text_offset"], json({0, 5}));
+  // The next chunk continues the offsets; the sampled token is in its dict even when it is not
+  // among the alternatives (OpenAI: up to logprobs + 1 entries); -inf is -9999.
+  lp.Add(LogprobsMessage({{" a", -std::numeric_limits<float>::infinity(), {{" é", -0.1f}}}}));
+  const json k = lp.Take(0, true);
+  EXPECT_EQ(k["text_offset"], json::array({10}));
+  EXPECT_EQ(k["token_logprobs"], json::array({-9999.0}));
+  EXPECT_EQ(k["top_logprobs"][0], json({{" é", -0.1f}, {" a", -9999.0}}));
+  EXPECT_TRUE(lp.Take(0, true).is_null());  // nothing pending
+  // The whole response carries it, an empty response an empty shape.
+  const ResponseMeta cmpl{"cmpl-1", 1, "tiny", false};
+  const json r = Response(cmpl, " Once upon", "length", v1::Usage(), "w", j);
+  EXPECT_EQ(r["choices"][0]["logprobs"], j);
+  const json empty = LogprobsTracker(false).Take(0, true, /*empty=*/true);
+  EXPECT_EQ(empty["tokens"], json::array());
+  EXPECT_EQ(empty["text_offset"], json::array());
+}
+
+TEST(OpenAiCodecTest, ChatLogprobsShape) {
+  LogprobsTracker lp(/*chat=*/true);
+  lp.Add(LogprobsMessage({{"Hé", -0.5f, {{"Hé", -0.5f}, {"A", -1.0f}}}}));
+  const json j = lp.Take(0, true);
+  ASSERT_EQ(j["content"].size(), 1u);
+  const json& e = j["content"][0];
+  EXPECT_EQ(e["token"], "Hé");
+  EXPECT_EQ(e["logprob"], -0.5);
+  EXPECT_EQ(e["bytes"], json({72, 195, 169}));
+  EXPECT_EQ(e["top_logprobs"], json::parse(R"([{"token": "Hé", "logprob": -0.5,
+      "bytes": [72, 195, 169]}, {"token": "A", "logprob": -1.0, "bytes": [65]}])"));
+  EXPECT_TRUE(j["refusal"].is_null());
+  const ResponseMeta chat{"chatcmpl-1", 1, "tiny", true};
+  EXPECT_EQ(Response(chat, "Hé", "stop", v1::Usage(), "w", j)["choices"][0]["logprobs"], j);
+  EXPECT_EQ(LogprobsTracker(true).Take(0, true, true)["content"], json::array());
+}
+
+// Streaming: each chunk carries the logprobs of its own tokens; with a stop string, a token's
+// entry waits until its text passed the stop filter, and tokens after the stop are dropped.
+TEST(OpenAiCodecTest, StreamedLogprobsFollowTheirText) {
+  const ResponseMeta chat{"chatcmpl-1", 1, "tiny", true};
+  LogprobsTracker lp(true);
+  lp.Add(LogprobsMessage({{"ab", -1.0f, {}}}));
+  const json c1 = StreamChunk(chat, "ab", nullptr, lp.Take(2, true));
+  EXPECT_EQ(c1["choices"][0]["logprobs"]["content"][0]["token"], "ab");
+  EXPECT_TRUE(StreamChunk(chat, "x")["choices"][0]["logprobs"].is_null());
+  const ResponseMeta cmpl{"cmpl-1", 1, "tiny", false};
+  EXPECT_TRUE(StreamChunk(cmpl, "x")["choices"][0]["logprobs"].is_null());
+
+  // Stop string "cd": tokens "ab", "c", "d", "e" arrive; the filter holds back "c".
+  LogprobsTracker s(true);
+  StopFilter stop({"cd"});
+  size_t emitted = 0;
+  std::vector<std::string> chunk_tokens;
+  for (const char* t : {"ab", "c", "d", "e"}) {
+    v1::GenerateResponse m = LogprobsMessage({{t, -1.0f, {}}});
+    s.Add(m);
+    const std::string o = stop.Push(m.text(), false);
+    emitted += o.size();
+    const json j = s.Take(emitted, false);
+    std::string toks;
+    if (!j.is_null()) {
+      for (const json& x : j["content"]) toks += x["token"].get<std::string>() + "|";
+    }
+    chunk_tokens.push_back(toks);
+    if (stop.stopped()) break;
+  }
+  // "ab" goes out with its text; "c" is held with its text, and is cut with it by the stop.
+  EXPECT_EQ(chunk_tokens, (std::vector<std::string>{"ab|", "", ""}));
+  EXPECT_TRUE(stop.stopped());
+  EXPECT_TRUE(s.Take(emitted, false).is_null());
+
+  // Completions: text_offset continues across streamed chunks.
+  LogprobsTracker c(false);
+  c.Add(LogprobsMessage({{"ab", -1.0f, {}}}));
+  EXPECT_EQ(c.Take(2, true)["text_offset"], json::array({0}));
+  c.Add(LogprobsMessage({{"cd", -1.0f, {}}, {"e", -1.0f, {}}}));
+  EXPECT_EQ(c.Take(5, true)["text_offset"], json({2, 4}));
 }
 
 TEST(OpenAiCodecTest, StopStringsAndStreamOptions) {
