@@ -311,6 +311,17 @@ absl::StatusOr<ReusePrefillResult> EngineGroup::ReusePrefill(
     const std::vector<PromptSegment>& segments, bool add_bos, const ReuseOptions* override_opts) {
   if (!has_reuse()) return absl::FailedPreconditionError("engine group has no segment stores");
   if (size() == 1) return ranks_[0]->reuse->Prefill(segments, add_bos, override_opts);
+  RETURN_IF_ERROR(BeginReusePrefill(segments, add_bos, override_opts));
+  for (;;) {
+    ASSIGN_OR_RETURN(std::optional<ReusePrefillResult> r, ReusePrefillStep(INT64_MAX));
+    if (r) return std::move(*r);
+  }
+}
+
+absl::Status EngineGroup::BeginReusePrefill(const std::vector<PromptSegment>& segments,
+                                            bool add_bos, const ReuseOptions* override_opts) {
+  if (!has_reuse()) return absl::FailedPreconditionError("engine group has no segment stores");
+  if (size() == 1) return ranks_[0]->reuse->BeginPrefill(segments, add_bos, override_opts);
   const int n = size();
   const ReuseOptions& o = override_opts ? *override_opts : ranks_[0]->reuse->options();
   if (o.enable_reuse) {
@@ -322,12 +333,30 @@ absl::StatusOr<ReusePrefillResult> EngineGroup::ReusePrefill(
     }
     AlignStores(fps);
   }
-  std::vector<absl::StatusOr<ReusePrefillResult>> res(n, absl::UnknownError(""));
-  RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->Prefill(segments, add_bos, override_opts); });
+  std::vector<absl::Status> st(n);
+  RunOnAll([&](int r) { st[r] = ranks_[r]->reuse->BeginPrefill(segments, add_bos, override_opts); });
+  for (int r = 1; r < n; ++r) {
+    if (st[r].code() != st[0].code()) {
+      AbortReusePrefill();
+      return absl::InternalError(
+          absl::StrCat("tensor-parallel rank ", r, " diverged starting a reuse prefill"));
+    }
+  }
+  return st[0];
+}
+
+absl::StatusOr<std::optional<ReusePrefillResult>> EngineGroup::ReusePrefillStep(
+    int64_t max_row_layers) {
+  if (!has_reuse()) return absl::FailedPreconditionError("engine group has no segment stores");
+  if (size() == 1) return ranks_[0]->reuse->PrefillStep(max_row_layers);
+  const int n = size();
+  std::vector<absl::StatusOr<std::optional<ReusePrefillResult>>> res(n, absl::UnknownError(""));
+  RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->PrefillStep(max_row_layers); });
   for (int r = 1; r < n; ++r) {
     bool same = res[r].status().code() == res[0].status().code();
-    if (same && res[0].ok()) {
-      const ReusePrefillResult &a = *res[0], &b = *res[r];
+    if (same && res[0].ok()) same = res[r]->has_value() == res[0]->has_value();
+    if (same && res[0].ok() && res[0]->has_value()) {
+      const ReusePrefillResult &a = **res[0], &b = **res[r];
       same = a.seq.blocks == b.seq.blocks && a.seq.computed == b.seq.computed &&
              a.stats.segments_hit == b.stats.segments_hit &&
              a.stats.reused_tokens == b.stats.reused_tokens &&
@@ -335,16 +364,22 @@ absl::StatusOr<ReusePrefillResult> EngineGroup::ReusePrefill(
              a.stats.computed_token_layers == b.stats.computed_token_layers;
     }
     if (!same) {
+      AbortReusePrefill();
       return absl::InternalError(
           absl::StrCat("tensor-parallel rank ", r, " diverged in the reuse prefill"));
     }
   }
-  if (!res[0].ok()) return res[0].status();
+  if (!res[0].ok() || !res[0]->has_value()) return std::move(res[0]);
   std::vector<std::vector<float>> lg(n);
-  for (int r = 0; r < n; ++r) lg[r] = std::move(res[r]->logits);
+  for (int r = 0; r < n; ++r) lg[r] = std::move((*res[r])->logits);
   CheckLogits(lg);
-  res[0]->logits = std::move(lg[0]);
+  (*res[0])->logits = std::move(lg[0]);
   return std::move(res[0]);
+}
+
+void EngineGroup::AbortReusePrefill() {
+  if (!has_reuse()) return;
+  RunOnAll([&](int r) { ranks_[r]->reuse->AbortPrefill(); });
 }
 
 absl::Status EngineGroup::EnsureStored(const std::vector<int32_t>& tokens,

@@ -67,6 +67,12 @@ class EngineGroup {
   absl::StatusOr<ReusePrefillResult> ReusePrefill(const std::vector<PromptSegment>& segments,
                                                   bool add_bos = true,
                                                   const ReuseOptions* override_opts = nullptr);
+  // ReuseEngine's sliced prefill (BeginPrefill, PrefillStep, AbortPrefill) on every rank; a
+  // rank that diverges aborts it on all.
+  absl::Status BeginReusePrefill(const std::vector<PromptSegment>& segments, bool add_bos,
+                                 const ReuseOptions* override_opts);
+  absl::StatusOr<std::optional<ReusePrefillResult>> ReusePrefillStep(int64_t max_row_layers);
+  void AbortReusePrefill();
   absl::Status EnsureStored(const std::vector<int32_t>& tokens,
                             const ReuseOptions* override_opts = nullptr);
   // ReuseEngine::StoreStep on every rank (rank 0's answer).

@@ -73,8 +73,6 @@ Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens,
   return SegmentFingerprint(engine_->model().fingerprint(), tokens, encoding);
 }
 
-ReuseEngine::~ReuseEngine() { EndEncoding(); }
-
 absl::Status ReuseEngine::BeginEncoding(const Hash128& fp, const std::vector<int32_t>& tokens,
                                         const std::string& encoding) {
   EndEncoding();
@@ -275,52 +273,124 @@ absl::StatusOr<std::optional<std::pair<Hash128, int>>> ReuseEngine::SpillOne(int
   return Done({fp, n});
 }
 
-absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<PromptSegment>& segs,
-                                                        bool add_bos,
-                                                        const ReuseOptions* override_opts) {
-  const ReuseOptions& o = override_opts ? *override_opts : opts_;
-  const ModelConfig& cfg = engine_->model().config();
-  const int L = cfg.n_layers;
-  RETURN_IF_ERROR(ValidateReuseOptions(o, L));
-  ASSIGN_OR_RETURN(std::unique_ptr<Selector> selector,
-                   CreateSelector(o.selector, o.sparsex_weights));
+// A reuse prefill between its slices: everything the pass keeps from one layer to the next.
+struct ReuseEngine::PrefillJob {
+  ReuseOptions o;
+  std::vector<PromptSegment> segs;
+  std::unique_ptr<Selector> selector;
+  Engine* engine = nullptr;
+  Backend* be = nullptr;
+  Sequence seq;
+  bool own_seq = true;  // released with the job unless handed to the result
+  ReusePrefillResult res;
+  int P = 0, N = 0, n_rows = 0, F = 0, L = 0, next_layer = 0;
+  ReusePlan plan;
+  std::vector<std::shared_ptr<const DeviceSegment>> found;
+  std::vector<char> from_host;  // found in the pinned host tier
+  struct Placement {
+    std::vector<int32_t> pos, slots;
+    int64_t row0 = 0;  // first reused row of the segment (reused rows are contiguous)
+  };
+  std::vector<Placement> place;
+  struct Staged {
+    Tensor k, v;
+    int64_t tk = 0, tv = 0;
+  };
+  std::vector<std::vector<Staged>> staged;  // [segment][layer - F]
+  std::vector<int32_t> ctx, pos_all, slot_all, qgroup;
+  std::vector<float> recv_w, cross, recv;
+  bool want_attn = false;
+  int stats_from = 0, stats_layers = 0;
+  Tensor x;   // residual stream of every non-prefix row (the full layers)
+  Tensor xs;  // of the rows in `cur` once the sparse layers dropped some
+  bool has_xs = false;
+  std::vector<int32_t> reused_rows;  // row index (position - P) of every reused token
+  std::vector<int32_t> ranked;       // into reused_rows, most important first
+  std::vector<int32_t> cur;          // rows (index into the full row set) currently in xs
+  std::chrono::steady_clock::time_point mark;
 
-  // Phase times (ReuseOptions::profile): wait for the device, charge the time since the last mark.
-  Backend& be = engine_->runner().backend();
-  auto mark = std::chrono::steady_clock::now();
-  auto phase = [&](double* ms) -> absl::Status {
+  ~PrefillJob() {
+    for (auto& layers : staged) {
+      for (Staged& s : layers) {
+        // A copy may still be writing: order the frees after it.
+        (void)be->Await(s.tk);
+        (void)be->Await(s.tv);
+        be->Free(s.k);
+        be->Free(s.v);
+      }
+    }
+    be->Free(x);
+    if (has_xs) be->Free(xs);
+    if (own_seq) engine->Release(seq);
+  }
+  Tensor& rows_x() { return has_xs ? xs : x; }
+  // Phase times (ReuseOptions::profile): wait for the device, charge the time since the mark.
+  absl::Status Phase(double* ms) {
     if (!o.profile) return absl::OkStatus();
-    RETURN_IF_ERROR(be.Synchronize());
+    RETURN_IF_ERROR(be->Synchronize());
     const auto now = std::chrono::steady_clock::now();
     *ms += std::chrono::duration<double, std::milli>(now - mark).count();
     mark = now;
     return absl::OkStatus();
-  };
-  const int32_t bos = add_bos ? engine_->model().tokenizer().bos_id() : -1;
-  ASSIGN_OR_RETURN(Sequence seq,
-                   engine_->Admit(PromptTokens(segs, bos), o.register_approximate_prefix));
-  ReusePrefillResult res;
-  ReuseStats& st = res.stats;
-  const int P = seq.cached_prefix;
+  }
+};
 
-  // On any error below the sequence's blocks go back to the pool.
-  struct SeqGuard {
-    Engine* e;
-    Sequence* s;
-    bool armed = true;
-    ~SeqGuard() {
-      if (armed) e->Release(*s);
-    }
-  } guard{engine_, &seq};
+ReuseEngine::ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts,
+                         size_t device_tier_bytes, size_t host_tier_bytes)
+    : engine_(engine),
+      store_(store),
+      opts_(std::move(opts)),
+      tier_(&engine->runner().backend(), device_tier_bytes),
+      host_tier_(&engine->runner().backend(), host_tier_bytes, /*host_memory=*/true) {}
+
+ReuseEngine::~ReuseEngine() {
+  prefill_.reset();  // before the tiers its segments come from
+  EndEncoding();
+}
+
+absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<PromptSegment>& segs,
+                                                        bool add_bos,
+                                                        const ReuseOptions* override_opts) {
+  RETURN_IF_ERROR(BeginPrefill(segs, add_bos, override_opts));
+  for (;;) {
+    ASSIGN_OR_RETURN(std::optional<ReusePrefillResult> r, PrefillStep(INT64_MAX));
+    if (r) return std::move(*r);
+  }
+}
+
+void ReuseEngine::AbortPrefill() { prefill_.reset(); }
+
+absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, bool add_bos,
+                                       const ReuseOptions* override_opts) {
+  prefill_.reset();
+  auto j = std::make_unique<PrefillJob>();
+  j->engine = engine_;
+  j->be = &engine_->runner().backend();
+  j->o = override_opts ? *override_opts : opts_;
+  const ReuseOptions& o = j->o;
+  const ModelConfig& cfg = engine_->model().config();
+  const int L = cfg.n_layers;
+  RETURN_IF_ERROR(ValidateReuseOptions(o, L));
+  ASSIGN_OR_RETURN(j->selector, CreateSelector(o.selector, o.sparsex_weights));
+  Backend& be = *j->be;
+  j->mark = std::chrono::steady_clock::now();
+  j->segs = segs;
+  const int32_t bos = add_bos ? engine_->model().tokenizer().bos_id() : -1;
+  // From here on an error destroys the job, which releases the sequence's blocks.
+  ASSIGN_OR_RETURN(j->seq, engine_->Admit(PromptTokens(segs, bos), o.register_approximate_prefix));
+  ReuseStats& st = j->res.stats;
+  const int P = j->P = j->seq.cached_prefix;
 
   // ---- plan (planner.h): layout, tier lookups in order (device, pinned host, host store; a
   // store hit is uploaded into a tier; checksums verified on Get, a corrupt entry is a miss) ----
-  std::vector<std::shared_ptr<const DeviceSegment>> found(segs.size());
-  std::vector<char> from_host(segs.size(), 0);  // found in the pinned host tier
+  j->found.resize(segs.size());
+  j->from_host.assign(segs.size(), 0);
+  auto& found = j->found;
+  auto& from_host = j->from_host;
   const int kd = engine_->runner().kv_dim();
   const int64_t corrupt0 = store_->stats().corrupt;
   absl::Status lookup_error;
-  const ReusePlan plan = PlanReuse(
+  j->plan = PlanReuse(
       segs, bos, P, engine_->blocks().block_size(), o, engine_->model().fingerprint(),
       [&](size_t s, const Hash128& fp, int n) -> SegmentTier {
         if ((found[s] = tier_.Get(fp))) {
@@ -347,65 +417,44 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
         return SegmentTier::kHostStore;
       });
   RETURN_IF_ERROR(lookup_error);
+  const ReusePlan& plan = j->plan;
   st.segments_corrupt = static_cast<int>(store_->stats().corrupt - corrupt0);
   const std::vector<int32_t>& tokens = plan.tokens;
   const std::vector<int32_t>& group = plan.group;
   const std::vector<char>& reused = plan.reused;
-  const int N = static_cast<int>(tokens.size());
+  const int N = j->N = static_cast<int>(tokens.size());
   st.prompt_tokens = N;
   st.prefix_tokens = P;
   st.segments_hit = plan.segments_hit;
   st.segments_missed = plan.segments_missed;
   st.reused_tokens = plan.reused_tokens;
   st.new_tokens = plan.new_tokens;
-  const int n_rows = N - P;
+  const int n_rows = j->n_rows = N - P;
 
   // ---- where each reused segment's rows go (assembled layer by layer before the sparse
   // layers: the full layers [0, F) recompute every row and never read them) ----
-  const int F = o.enable_reuse ? o.full_layers : L;
+  const int F = j->F = o.enable_reuse ? o.full_layers : L;
+  j->L = L;
   ModelRunner& r = engine_->runner();
   const int bs = engine_->blocks().block_size();
-  struct Placement {
-    std::vector<int32_t> pos, slots;
-    int64_t row0 = 0;  // first reused row of the segment (reused rows are contiguous)
-  };
-  std::vector<Placement> place(segs.size());
+  j->place.resize(segs.size());
   for (size_t s = 0; s < segs.size(); ++s) {
     const SegmentPlan& sp = plan.segments[s];
     if (!Reused(sp.tier)) continue;
     for (int p = sp.reuse_begin; p < sp.end; ++p) {
       if (!reused[p]) continue;
-      place[s].pos.push_back(p);
-      place[s].slots.push_back(seq.Slot(p, bs));
+      j->place[s].pos.push_back(p);
+      j->place[s].slots.push_back(j->seq.Slot(p, bs));
     }
-    place[s].row0 = sp.reuse_begin - sp.begin;
+    j->place[s].row0 = sp.reuse_begin - sp.begin;
   }
   // Host-tier segments: every sparse layer's K/V copied to the device on the backend's copy
   // stream, enqueued now so the copies run beside the full layers; awaited layer by layer.
-  struct Staged {
-    Tensor k, v;
-    int64_t tk = 0, tv = 0;
-  };
-  std::vector<std::vector<Staged>> staged(segs.size());  // [segment][layer - F]
-  struct StagedGuard {
-    Backend* be;
-    std::vector<std::vector<Staged>>* st;
-    ~StagedGuard() {
-      for (auto& layers : *st) {
-        for (Staged& x : layers) {
-          // A copy may still be writing: order the frees after it.
-          (void)be->Await(x.tk);
-          (void)be->Await(x.tv);
-          be->Free(x.k);
-          be->Free(x.v);
-        }
-      }
-    }
-  } staged_guard{&be, &staged};
+  j->staged.resize(segs.size());
   for (int l = F; l < L; ++l) {
     for (size_t s = 0; s < segs.size(); ++s) {
-      if (!from_host[s] || place[s].pos.empty()) continue;
-      Staged& x = staged[s].emplace_back();
+      if (!from_host[s] || j->place[s].pos.empty()) continue;
+      PrefillJob::Staged& x = j->staged[s].emplace_back();
       ASSIGN_OR_RETURN(x.k, be.Alloc(found[s]->k[l].rows, kd));
       ASSIGN_OR_RETURN(x.v, be.Alloc(found[s]->v[l].rows, kd));
       ASSIGN_OR_RETURN(x.tk, be.Prefetch(found[s]->k[l], x.k));
@@ -413,60 +462,171 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     }
   }
 
-  // ---- full layers [0, F): every non-prefix row, with the selection signal ----
-  const std::vector<int32_t> ctx = engine_->CtxSlots(seq, N);
-  std::vector<int32_t> pos_all(n_rows), slot_all(n_rows), qgroup(n_rows);
-  std::vector<float> recv_w(n_rows), cross(n_rows, 0.0f), recv(N, 0.0f);
+  // ---- inputs of the full layers [0, F): every non-prefix row, with the selection signal ----
+  j->ctx = engine_->CtxSlots(j->seq, N);
+  j->pos_all.resize(n_rows);
+  j->slot_all.resize(n_rows);
+  j->qgroup.resize(n_rows);
+  j->recv_w.resize(n_rows);
+  j->cross.assign(n_rows, 0.0f);
+  j->recv.assign(N, 0.0f);
   for (int i = 0; i < n_rows; ++i) {
-    pos_all[i] = P + i;
-    slot_all[i] = ctx[P + i];
-    qgroup[i] = group[P + i];
-    recv_w[i] = reused[P + i] ? 0.0f : 1.0f;
+    j->pos_all[i] = P + i;
+    j->slot_all[i] = j->ctx[P + i];
+    j->qgroup[i] = group[P + i];
+    j->recv_w[i] = reused[P + i] ? 0.0f : 1.0f;
   }
-  RETURN_IF_ERROR(phase(&st.lookup_ms));
-  ASSIGN_OR_RETURN(Tensor x0, r.Embed(std::span<const int32_t>(tokens.data() + P, n_rows)));
-  TensorGuard xg{&r.backend(), x0};
-  const bool want_attn = selector->needs_attention_stats() && st.reused_tokens > 0;
-  const int stats_from = o.stats_all_full_layers ? 0 : F - 1;
-  const int stats_layers = F - std::max(0, stats_from);
-  for (int l = 0; l < F; ++l) {
-    LayerRows rows{pos_all, slot_all, ctx};
-    AttentionArgs stats;
-    const bool measure = want_attn && l >= stats_from;
-    if (measure) {
-      stats.key_group = group;
-      stats.q_group = qgroup;
-      stats.out_cross = cross.data();
-      stats.recv_weight = recv_w;
-      stats.out_recv = recv.data();
-    }
-    RETURN_IF_ERROR(r.Layer(l, xg.t, rows, measure ? &stats : nullptr));
-  }
-  st.computed_token_layers = static_cast<int64_t>(F) * n_rows;
-  RETURN_IF_ERROR(phase(&st.full_ms));
+  RETURN_IF_ERROR(j->Phase(&st.lookup_ms));
+  ASSIGN_OR_RETURN(j->x, r.Embed(std::span<const int32_t>(tokens.data() + P, n_rows)));
+  j->want_attn = j->selector->needs_attention_stats() && st.reused_tokens > 0;
+  j->stats_from = o.stats_all_full_layers ? 0 : F - 1;
+  j->stats_layers = F - std::max(0, j->stats_from);
+  for (int i = 0; i < n_rows; ++i) j->cur.push_back(i);
+  prefill_ = std::move(j);
+  return absl::OkStatus();
+}
 
-  // ---- switch: rank the reused tokens ----
-  std::vector<int32_t> reused_rows;  // row index (position - P) of every reused token
-  for (int i = 0; i < n_rows; ++i) {
-    if (reused[P + i]) reused_rows.push_back(i);
+absl::StatusOr<std::optional<ReusePrefillResult>> ReuseEngine::PrefillStep(
+    int64_t max_row_layers) {
+  if (!prefill_) return absl::FailedPreconditionError("PrefillStep: no reuse prefill in progress");
+  // Any error ends the job: its blocks go back to the pool.
+  absl::StatusOr<bool> done = RunPrefillLayers(max_row_layers);
+  if (!done.ok()) {
+    prefill_.reset();
+    return done.status();
   }
-  std::vector<int32_t> ranked;  // into reused_rows, most important first
-  if (F < L && !reused_rows.empty()) {
-    SelectionInput in;
-    in.seed = o.seed;
-    for (int32_t i : reused_rows) {
-      const int p = P + i;
-      in.segment.push_back(group[p]);
-      in.offset.push_back(p - plan.segments[group[p]].begin);
-      in.cross_mass.push_back(stats_layers > 0 ? cross[i] / stats_layers : 0.0f);
-      in.new_recv.push_back(stats_layers > 0 ? recv[p] / stats_layers : 0.0f);
+  if (!*done) return std::optional<ReusePrefillResult>();
+  absl::StatusOr<ReusePrefillResult> r = FinishPrefill();
+  prefill_.reset();
+  if (!r.ok()) return r.status();
+  return std::optional<ReusePrefillResult>(std::move(*r));
+}
+
+absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
+  PrefillJob& j = *prefill_;
+  const ReuseOptions& o = j.o;
+  ReuseStats& st = j.res.stats;
+  ModelRunner& r = engine_->runner();
+  Backend& be = *j.be;
+  const int P = j.P, F = j.F, L = j.L, n_rows = j.n_rows;
+  const ReusePlan& plan = j.plan;
+  const std::vector<char>& reused = plan.reused;
+  int64_t spent = 0;
+  // Whole layers until the slice's rows are spent (at least one layer per call).
+  while (j.next_layer < L && (spent == 0 || spent < max_row_layers)) {
+    const int l = j.next_layer;
+    if (l < F) {
+      // ---- full layers [0, F): every non-prefix row, with the selection signal ----
+      LayerRows rows{j.pos_all, j.slot_all, j.ctx};
+      AttentionArgs stats;
+      const bool measure = j.want_attn && l >= j.stats_from;
+      if (measure) {
+        stats.key_group = plan.group;
+        stats.q_group = j.qgroup;
+        stats.out_cross = j.cross.data();
+        stats.recv_weight = j.recv_w;
+        stats.out_recv = j.recv.data();
+      }
+      RETURN_IF_ERROR(r.Layer(l, j.x, rows, measure ? &stats : nullptr));
+      st.computed_token_layers += n_rows;
+      spent += n_rows;
+      ++j.next_layer;
+      if (j.next_layer == F) RETURN_IF_ERROR(j.Phase(&st.full_ms));
+      continue;
     }
-    if (selector->needs_kv_deviation()) {
+    if (l == F) RETURN_IF_ERROR(Select(j));
+    // ---- sparse layers [F, L): selected reused rows + every new row + the last row ----
+    std::vector<int32_t> want;
+    {
+      int keep = static_cast<int>(j.ranked.size());
+      const int li = l - F;
+      if (li < static_cast<int>(o.layer_ratios.size())) {
+        keep = std::min(keep, static_cast<int>(std::lround(
+                                  o.layer_ratios[li] * static_cast<double>(j.reused_rows.size()))));
+      }
+      for (int i = 0; i < keep; ++i) want.push_back(j.reused_rows[j.ranked[i]]);
+      for (int i = 0; i < n_rows; ++i) {
+        if (!reused[P + i]) want.push_back(i);
+      }
+      std::sort(want.begin(), want.end());
+    }
+    if (l == F) st.selected_tokens = static_cast<int>(want.size()) - st.new_tokens;
+    if (want != j.cur) {
+      // want is a subset of cur (budgets are non-increasing): gather its rows.
+      std::vector<int32_t> idx;
+      size_t k = 0;
+      for (int32_t w : want) {
+        while (k < j.cur.size() && j.cur[k] < w) ++k;
+        idx.push_back(static_cast<int32_t>(k));
+      }
+      ASSIGN_OR_RETURN(Tensor nx, be.Alloc(static_cast<int64_t>(want.size()), r.config().dim));
+      absl::Status gs = be.GatherRows(j.rows_x(), idx, nx);
+      if (!gs.ok()) {
+        be.Free(nx);
+        return gs;
+      }
+      if (j.has_xs) be.Free(j.xs);
+      j.xs = nx;
+      j.has_xs = true;
+      j.cur = std::move(want);
+    }
+    std::vector<int32_t> pos(j.cur.size()), slots(j.cur.size());
+    for (size_t i = 0; i < j.cur.size(); ++i) {
+      pos[i] = P + j.cur[i];
+      slots[i] = j.ctx[P + j.cur[i]];
+    }
+    // The reused KV of this layer goes in first; the rows recomputed below overwrite theirs.
+    for (size_t s = 0; s < j.segs.size(); ++s) {
+      const PrefillJob::Placement& pl = j.place[s];
+      if (pl.pos.empty()) continue;
+      if (j.from_host[s]) {
+        PrefillJob::Staged& x = j.staged[s][l - F];
+        RETURN_IF_ERROR(be.Await(x.tk));
+        RETURN_IF_ERROR(be.Await(x.tv));
+        RETURN_IF_ERROR(r.AssembleKvFrom(l, x.k, x.v, pl.row0, pl.pos, pl.slots));
+        be.Free(x.k);  // stream-ordered: after the assembly that reads it
+        be.Free(x.v);
+        x.k = x.v = Tensor{};
+      } else {
+        RETURN_IF_ERROR(r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
+                                         pl.slots));
+      }
+    }
+    LayerRows rows{pos, slots, j.ctx};
+    RETURN_IF_ERROR(r.Layer(l, j.rows_x(), rows));
+    st.computed_token_layers += static_cast<int64_t>(j.cur.size());
+    spent += static_cast<int64_t>(j.cur.size());
+    ++j.next_layer;
+  }
+  return j.next_layer >= L;
+}
+
+// ---- switch: rank the reused tokens ----
+absl::Status ReuseEngine::Select(PrefillJob& j) {
+  ModelRunner& r = engine_->runner();
+  Backend& be = *j.be;
+  const int P = j.P, F = j.F, L = j.L;
+  const ReusePlan& plan = j.plan;
+  for (int i = 0; i < j.n_rows; ++i) {
+    if (plan.reused[P + i]) j.reused_rows.push_back(i);
+  }
+  if (F < L && !j.reused_rows.empty()) {
+    SelectionInput in;
+    in.seed = j.o.seed;
+    for (int32_t i : j.reused_rows) {
+      const int p = P + i;
+      in.segment.push_back(plan.group[p]);
+      in.offset.push_back(p - plan.segments[plan.group[p]].begin);
+      in.cross_mass.push_back(j.stats_layers > 0 ? j.cross[i] / j.stats_layers : 0.0f);
+      in.new_recv.push_back(j.stats_layers > 0 ? j.recv[p] / j.stats_layers : 0.0f);
+    }
+    if (j.selector->needs_kv_deviation()) {
       // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V),
       // on the backend: only one float per reused row comes back.
-      const int64_t nr = static_cast<int64_t>(reused_rows.size());
+      const int kd = r.kv_dim();
+      const int64_t nr = static_cast<int64_t>(j.reused_rows.size());
       const int64_t qd = static_cast<int64_t>(r.config().n_heads) * r.config().head_dim;
-      ASSIGN_OR_RETURN(Tensor qkv_all, r.ProjectQkv(F, xg.t));
+      ASSIGN_OR_RETURN(Tensor qkv_all, r.ProjectQkv(F, j.x));
       TensorGuard qg{&be, qkv_all};
       ASSIGN_OR_RETURN(Tensor qkv_r, be.Alloc(nr, qkv_all.cols));
       TensorGuard rg{&be, qkv_r};
@@ -474,15 +634,15 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       TensorGuard kg{&be, ref_k};
       ASSIGN_OR_RETURN(Tensor ref_v, be.Alloc(nr, kd));
       TensorGuard vg{&be, ref_v};
-      RETURN_IF_ERROR(be.GatherRows(qkv_all, reused_rows, rg.t));
+      RETURN_IF_ERROR(be.GatherRows(qkv_all, j.reused_rows, rg.t));
       int64_t row = 0;  // reused rows are in position order, segment by segment
-      for (size_t s = 0; s < segs.size(); ++s) {
-        if (!found[s]) continue;
+      for (size_t s = 0; s < j.segs.size(); ++s) {
+        if (!j.found[s]) continue;
         const SegmentPlan& sp = plan.segments[s];
         int cnt = 0;
-        for (int p = sp.reuse_begin; p < sp.end; ++p) cnt += reused[p];
-        RETURN_IF_ERROR(be.CopyRows(found[s]->k[F], sp.reuse_begin - sp.begin, kg.t, row, cnt));
-        RETURN_IF_ERROR(be.CopyRows(found[s]->v[F], sp.reuse_begin - sp.begin, vg.t, row, cnt));
+        for (int p = sp.reuse_begin; p < sp.end; ++p) cnt += plan.reused[p];
+        RETURN_IF_ERROR(be.CopyRows(j.found[s]->k[F], sp.reuse_begin - sp.begin, kg.t, row, cnt));
+        RETURN_IF_ERROR(be.CopyRows(j.found[s]->v[F], sp.reuse_begin - sp.begin, vg.t, row, cnt));
         row += cnt;
       }
       in.kv_deviation.assign(nr, 0.0f);
@@ -492,97 +652,43 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
       RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
     }
     // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
-    ranked = selector->Rank(in, o.budget);
+    j.ranked = j.selector->Rank(in, j.o.budget);
   }
-  RETURN_IF_ERROR(phase(&st.select_ms));
+  return j.Phase(&j.res.stats.select_ms);
+}
 
-  // ---- sparse layers [F, L): selected reused rows + every new row + the last row ----
-  auto rows_for_layer = [&](int l) {
-    int keep = static_cast<int>(ranked.size());
-    const int li = l - F;
-    if (li < static_cast<int>(o.layer_ratios.size())) {
-      keep = std::min(keep, static_cast<int>(std::lround(o.layer_ratios[li] *
-                                                         static_cast<double>(reused_rows.size()))));
-    }
-    std::vector<int32_t> rows;
-    for (int i = 0; i < keep; ++i) rows.push_back(reused_rows[ranked[i]]);
-    for (int i = 0; i < n_rows; ++i) {
-      if (!reused[P + i]) rows.push_back(i);
-    }
-    std::sort(rows.begin(), rows.end());
-    return rows;
-  };
-  std::vector<int32_t> cur;  // rows (index into the full row set) currently in xs
-  for (int i = 0; i < n_rows; ++i) cur.push_back(i);
-  Tensor* xs = &xg.t;
-  TensorGuard sg{&r.backend(), Tensor{}};
-  for (int l = F; l < L; ++l) {
-    std::vector<int32_t> want = rows_for_layer(l);
-    if (l == F) st.selected_tokens = static_cast<int>(want.size()) - st.new_tokens;
-    if (want != cur) {
-      // want is a subset of cur (budgets are non-increasing): gather its rows.
-      std::vector<int32_t> idx;
-      size_t j = 0;
-      for (int32_t w : want) {
-        while (j < cur.size() && cur[j] < w) ++j;
-        idx.push_back(static_cast<int32_t>(j));
-      }
-      ASSIGN_OR_RETURN(Tensor nx, r.backend().Alloc(static_cast<int64_t>(want.size()), cfg.dim));
-      absl::Status gs = r.backend().GatherRows(*xs, idx, nx);
-      if (!gs.ok()) {
-        r.backend().Free(nx);
-        return gs;
-      }
-      r.backend().Free(sg.t);
-      sg.t = nx;
-      xs = &sg.t;
-      cur = std::move(want);
-    }
-    std::vector<int32_t> pos(cur.size()), slots(cur.size());
-    for (size_t i = 0; i < cur.size(); ++i) {
-      pos[i] = P + cur[i];
-      slots[i] = ctx[P + cur[i]];
-    }
-    // The reused KV of this layer goes in first; the rows recomputed below overwrite theirs.
-    for (size_t s = 0; s < segs.size(); ++s) {
-      const Placement& pl = place[s];
-      if (pl.pos.empty()) continue;
-      if (from_host[s]) {
-        Staged& x = staged[s][l - F];
-        RETURN_IF_ERROR(be.Await(x.tk));
-        RETURN_IF_ERROR(be.Await(x.tv));
-        RETURN_IF_ERROR(r.AssembleKvFrom(l, x.k, x.v, pl.row0, pl.pos, pl.slots));
-        be.Free(x.k);  // stream-ordered: after the assembly that reads it
-        be.Free(x.v);
-      } else {
-        RETURN_IF_ERROR(r.AssembleKvFrom(l, found[s]->k[l], found[s]->v[l], pl.row0, pl.pos,
-                                         pl.slots));
-      }
-    }
-    LayerRows rows{pos, slots, ctx};
-    RETURN_IF_ERROR(r.Layer(l, *xs, rows));
-    st.computed_token_layers += static_cast<int64_t>(cur.size());
+// ---- after the pass: logits, store what was missing (or report it: a caller that defers
+// stores turns store_new_segments off), register blocks for prefix reuse ----
+absl::StatusOr<ReusePrefillResult> ReuseEngine::FinishPrefill() {
+  PrefillJob& j = *prefill_;
+  const ReuseOptions& o = j.o;
+  ReuseStats& st = j.res.stats;
+  ReusePrefillResult& res = j.res;
+  ModelRunner& r = engine_->runner();
+  const int P = j.P, F = j.F, L = j.L, N = j.N, n_rows = j.n_rows;
+  const ReusePlan& plan = j.plan;
+  if (F >= L) {
+    // No sparse layer ran (the selection with it): every reused token was recomputed.
+    RETURN_IF_ERROR(j.Phase(&st.full_ms));
+    st.selected_tokens = st.reused_tokens;
+  } else {
+    RETURN_IF_ERROR(j.Phase(&st.sparse_ms));
   }
-  RETURN_IF_ERROR(phase(&st.sparse_ms));
-  if (F >= L) st.selected_tokens = st.reused_tokens;
   // The last row is always present and last in position order.
-  const int32_t last = static_cast<int32_t>(cur.size()) - 1;
-  ASSIGN_OR_RETURN(res.logits, r.Logits(*xs, std::span<const int32_t>(&last, 1)));
-  RETURN_IF_ERROR(phase(&st.logits_ms));
-  seq.computed = N;
+  const int32_t last = static_cast<int32_t>(j.cur.size()) - 1;
+  ASSIGN_OR_RETURN(res.logits, r.Logits(j.rows_x(), std::span<const int32_t>(&last, 1)));
+  RETURN_IF_ERROR(j.Phase(&st.logits_ms));
+  j.seq.computed = N;
   st.compute_share = n_rows > 0 ? static_cast<double>(st.computed_token_layers) /
                                       (static_cast<double>(L) * n_rows)
                                 : 0.0;
-
-  // ---- after the pass: store what was missing (or report it: a caller that defers stores
-  // turns store_new_segments off), register blocks for prefix reuse ----
   for (int s : plan.missing) {
     const SegmentPlan& sp = plan.segments[s];
     if (Holds(sp.fp)) continue;
     const int n = sp.end - sp.begin;
     if (o.enable_reuse && o.store_new_segments) {
       // In the device tier the segment is reported once SpillOne copied it to the host store.
-      ASSIGN_OR_RETURN(const bool in_store, StoreSegment(sp.fp, segs[s].tokens, o.encoding));
+      ASSIGN_OR_RETURN(const bool in_store, StoreSegment(sp.fp, j.segs[s].tokens, o.encoding));
       if (in_store) res.stored.emplace_back(sp.fp, n);
     } else if (o.enable_reuse) {
       res.missing.emplace_back(s, sp.fp);
@@ -590,10 +696,10 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
   }
   // Exact up to the first reused token that some sparse layer did not recompute.
   st.exact_tokens = N;
-  if (!reused_rows.empty() && F < L) {
+  if (!j.reused_rows.empty() && F < L) {
     std::vector<char> everywhere(n_rows, 0);
-    for (int32_t i : cur) everywhere[i] = 1;  // rows of the last (smallest) sparse layer
-    for (int32_t i : reused_rows) {
+    for (int32_t i : j.cur) everywhere[i] = 1;  // rows of the last (smallest) sparse layer
+    for (int32_t i : j.reused_rows) {
       if (!everywhere[i]) {
         st.exact_tokens = P + i;
         break;
@@ -601,13 +707,13 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
     }
   }
   // A prefix matched in the approximate namespace ends the exact KV where it starts.
-  if (seq.exact_prefix < P) st.exact_tokens = std::min(st.exact_tokens, seq.exact_prefix);
+  if (j.seq.exact_prefix < P) st.exact_tokens = std::min(st.exact_tokens, j.seq.exact_prefix);
   if (o.register_prefix) {
-    engine_->RegisterPrefix(seq, st.exact_tokens, o.register_approximate_prefix);
+    engine_->RegisterPrefix(j.seq, st.exact_tokens, o.register_approximate_prefix);
   }
-  guard.armed = false;
-  res.seq = std::move(seq);
-  return res;
+  res.seq = std::move(j.seq);
+  j.own_seq = false;
+  return std::move(res);
 }
 
 absl::StatusOr<GenerateResult> ReuseEngine::Generate(const std::vector<PromptSegment>& segments,

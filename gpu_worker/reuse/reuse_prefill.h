@@ -104,12 +104,7 @@ class ReuseEngine {
   // compute. Segments found only in the store go to the device tier when it has capacity, else
   // to the host tier. Defaults: 0 and 0 (copied from the host store for each request).
   ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts,
-              size_t device_tier_bytes = 0, size_t host_tier_bytes = 0)
-      : engine_(engine),
-        store_(store),
-        opts_(std::move(opts)),
-        tier_(&engine->runner().backend(), device_tier_bytes),
-        host_tier_(&engine->runner().backend(), host_tier_bytes, /*host_memory=*/true) {}
+              size_t device_tier_bytes = 0, size_t host_tier_bytes = 0);
   ~ReuseEngine();  // ends a store in progress (its KV blocks go back to the engine)
   ReuseEngine(const ReuseEngine&) = delete;
   ReuseEngine& operator=(const ReuseEngine&) = delete;
@@ -122,6 +117,18 @@ class ReuseEngine {
   absl::StatusOr<ReusePrefillResult> Prefill(const std::vector<PromptSegment>& segments,
                                              bool add_bos = true,
                                              const ReuseOptions* override_opts = nullptr);
+  // Prefill in slices, for a caller that interleaves it with other work (the scheduler between
+  // decode steps): BeginPrefill admits the sequence, plans and looks up (ending a prefill in
+  // progress); each PrefillStep runs whole layers until their rows add up to max_row_layers
+  // (at least one layer; a full layer's rows are every non-prefix token, a sparse layer's the
+  // recomputed ones) and returns the result after the last layer. An error ends the prefill;
+  // AbortPrefill drops it (a cancelled request): either way its KV blocks go back to the pool.
+  // Prefill() is BeginPrefill + PrefillStep(unbounded).
+  absl::Status BeginPrefill(const std::vector<PromptSegment>& segments, bool add_bos = true,
+                            const ReuseOptions* override_opts = nullptr);
+  absl::StatusOr<std::optional<ReusePrefillResult>> PrefillStep(int64_t max_row_layers);
+  void AbortPrefill();
+  bool prefilling() const { return prefill_ != nullptr; }
   // Encodes one segment in the configured context and stores its KV (idempotent). With a
   // device tier (capacity > 0) the KV goes there straight from the encoding pass, in the
   // compute dtype, and reaches the host store only through SpillOne: on a GPU a store then
@@ -174,6 +181,11 @@ class ReuseEngine {
   absl::StatusOr<bool> StoreSegment(const Hash128& fp, const std::vector<int32_t>& tokens,
                                     const std::string& encoding);
   std::unique_ptr<EncodeJob> job_;
+  struct PrefillJob;  // a reuse prefill between slices (reuse_prefill.cc)
+  absl::StatusOr<bool> RunPrefillLayers(int64_t max_row_layers);  // true after the last layer
+  absl::Status Select(PrefillJob& j);  // ranks the reused rows at the switch (layer F)
+  absl::StatusOr<ReusePrefillResult> FinishPrefill();
+  std::unique_ptr<PrefillJob> prefill_;
   std::deque<std::pair<Hash128, int>> unspilled_;
   struct SpillJob {  // the host copy in progress
     Hash128 fp;

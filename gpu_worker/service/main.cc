@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
   f.Add("max_queue", &o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED");
   f.Add("prefill_chunk", &prefill_chunk,
         "tokens per plain prefill chunk per iteration (default -1: 256 on cpu, 2048 on cuda)");
+  f.Add("reuse_slice_tokens", &o.scheduler.reuse_slice_tokens,
+        "reuse prefill work per iteration, in tokens through every layer (0: prefill_chunk; -1: "
+        "the whole pass at once)");
   f.Add("defer_segment_stores", &o.scheduler.defer_segment_stores,
         "store missing segments after the first token (off the TTFT path)");
   f.Add("store_while_busy", &store_while_busy,

@@ -42,6 +42,7 @@ struct BatchScheduler::Active {
   WorkItem w;
   State state = State::kQueued;
   bool plain = false;             // reuse disabled: chunked dense prefill
+  bool reuse_running = false;     // its reuse prefill is in progress in the engines (sliced)
   std::vector<int32_t> prompt;    // plain: the whole prompt
   Sequence seq;
   bool has_seq = false;
@@ -82,6 +83,9 @@ absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
   }
   for (SegmentStore* st : stores) {
     if (st == nullptr) return absl::InvalidArgumentError("scheduler: null segment store");
+  }
+  if (options.reuse_slice_tokens < -1) {
+    return absl::InvalidArgumentError("scheduler: reuse_slice_tokens must be >= -1");
   }
   if (options.max_running < 1 || options.max_queue < 0 || options.prefill_chunk < 1) {
     return absl::InvalidArgumentError(
@@ -489,11 +493,29 @@ bool BatchScheduler::PrefillOne(Active& a) {
     ReuseOptions po = a.w.reuse;
     const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
     if (defer) po.store_new_segments = false;  // the prefill reports them as missing instead
-    auto r = group_->ReusePrefill(a.w.segments, a.w.add_bos, &po);
-    if (!r.ok()) {
-      Finish(a, "", r.status());
+    if (!a.reuse_running) {
+      absl::Status b = group_->BeginReusePrefill(a.w.segments, a.w.add_bos, &po);
+      if (!b.ok()) {
+        Finish(a, "", b);
+        return true;
+      }
+      a.reuse_running = true;
+    }
+    // One slice: about the work of a plain chunk (reuse_slice_tokens through every layer).
+    const int64_t slice =
+        opts_.reuse_slice_tokens < 0
+            ? INT64_MAX
+            : static_cast<int64_t>(opts_.reuse_slice_tokens > 0 ? opts_.reuse_slice_tokens
+                                                                : opts_.prefill_chunk) *
+                  model_.config().n_layers;
+    auto step = group_->ReusePrefillStep(slice);
+    if (!step.ok() || step->has_value()) a.reuse_running = false;  // ended either way
+    if (!step.ok()) {
+      Finish(a, "", step.status());
       return true;
     }
+    if (!step->has_value()) return true;  // more slices in later iterations
+    ReusePrefillResult* r = &**step;
     a.seq = std::move(r->seq);
     a.has_seq = true;
     const ReuseStats& st = r->stats;
@@ -620,6 +642,10 @@ bool BatchScheduler::Emit(Active& a, int32_t token) {
 
 void BatchScheduler::Finish(Active& a, const std::string& reason, absl::Status status) {
   if (a.state == Active::State::kDone) return;
+  if (a.reuse_running) {  // cancelled between slices: the engines hold its blocks
+    group_->AbortReusePrefill();
+    a.reuse_running = false;
+  }
   if (a.has_seq) {
     // A plain prefill is exact: its blocks (generated ones too) serve later exact prefixes.
     // After a reuse prefill the blocks past its exact tokens (generated ones too) go to the

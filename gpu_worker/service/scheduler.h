@@ -4,8 +4,9 @@
 //   1. drops cancelled requests (their KV blocks go back to the pool at once),
 //   2. admits waiting requests while the KV reservation and max_running allow (a request
 //      waiting for its remote fetch joins when the fetch is done or at fetch_wait_ms),
-//   3. runs one prefill unit: a whole reuse prefill (one sparse-recompute pass), or one chunk
-//      of a plain prefill (prefill_chunk tokens),
+//   3. runs one prefill unit: a slice of a reuse prefill (whole layers of its sparse-recompute
+//      pass, about reuse_slice_tokens' worth), or one chunk of a plain prefill (prefill_chunk
+//      tokens),
 //   4. runs one decode step for every sequence past its prefill, all in one batched forward
 //      pass (matmuls shared, attention per sequence),
 //   5. runs a slice (store_slice_layers layers) of the oldest deferred segment store,
@@ -53,6 +54,12 @@ struct SchedulerOptions {
   // Tokens of a plain (reuse disabled) prefill run per iteration, so long prompts do not stall
   // the decoding sequences. Default: 256
   int prefill_chunk = 256;
+  // Prefill work of a reuse prefill per iteration, in tokens through every layer: its layers
+  // run in slices of about reuse_slice_tokens x n_layers rows (whole layers; a full layer's
+  // rows are all its non-prefix tokens, a sparse layer's the recomputed ones), so decoding
+  // sequences wait for a slice instead of the whole pass. 0: prefill_chunk (a slice costs
+  // about what a plain chunk does); -1: the whole pass in one iteration. Default: 0
+  int reuse_slice_tokens = 0;
   // Defaults for every request's reuse; requests override fields. Default: ReuseOptions{}
   ReuseOptions reuse;
   // Encode and store a request's missing segments after its first token instead of before it

@@ -362,6 +362,56 @@ TEST_F(ReuseTest, DeviceTierServesRepeatsWithIdenticalResults) {
   EXPECT_EQ(tiny.device_tier().bytes(), 0u);
 }
 
+// The scheduler runs a reuse prefill in slices between other sequences' decode steps: any
+// slicing gives the unsliced result bit for bit, and a dropped prefill frees its blocks.
+TEST_F(ReuseTest, SlicedPrefillEqualsTheWholePassAndAbortFreesItsBlocks) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  std::swap(segs[0], segs[2]);
+  const ReusePrefillResult whole = Run(segs, ReuseOptions{});
+  ASSERT_GT(whole.stats.reused_tokens, 0);
+  const int free0 = engine_->blocks().available();
+  // Another sequence decodes between the slices, as in the scheduler.
+  auto other = engine_->Admit(Enc(kDocB));
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(engine_->Prefill(*other).ok());
+  for (int64_t slice : {int64_t{1}, int64_t{40}, int64_t{400}}) {
+    ASSERT_TRUE(reuse_->BeginPrefill(segs).ok());
+    std::optional<ReusePrefillResult> r;
+    int steps = 0;
+    while (!r) {
+      auto st = reuse_->PrefillStep(slice);
+      ASSERT_TRUE(st.ok()) << st.status();
+      r = std::move(*st);
+      ++steps;
+      ASSERT_TRUE(engine_->Step(*other, 5).ok());
+    }
+    EXPECT_FALSE(reuse_->prefilling());
+    // One layer per step with the smallest slice; fewer with larger ones.
+    if (slice == 1) EXPECT_EQ(steps, model_->config().n_layers);
+    if (slice == 400) EXPECT_LT(steps, model_->config().n_layers);
+    EXPECT_EQ(r->logits, whole.logits) << "slice " << slice;
+    EXPECT_EQ(r->stats.selected_tokens, whole.stats.selected_tokens);
+    EXPECT_EQ(r->stats.computed_token_layers, whole.stats.computed_token_layers);
+    EXPECT_EQ(r->stats.exact_tokens, whole.stats.exact_tokens);
+    engine_->Release(r->seq);
+  }
+  // Dropped after one slice (a cancelled request), or replaced by the next BeginPrefill.
+  const int free1 = engine_->blocks().available();
+  ASSERT_TRUE(reuse_->BeginPrefill(segs).ok());
+  EXPECT_LT(engine_->blocks().available(), free1);
+  ASSERT_TRUE(reuse_->PrefillStep(1).ok());
+  reuse_->AbortPrefill();
+  EXPECT_EQ(engine_->blocks().available(), free1);
+  ASSERT_TRUE(reuse_->BeginPrefill(segs).ok());
+  ASSERT_TRUE(reuse_->BeginPrefill(segs).ok());
+  reuse_->AbortPrefill();
+  EXPECT_EQ(engine_->blocks().available(), free1);
+  EXPECT_FALSE(reuse_->PrefillStep(1).ok());  // nothing in progress
+  engine_->Release(*other);
+  EXPECT_EQ(engine_->blocks().available(), free0);
+}
+
 TEST_F(ReuseTest, HostTierServesRepeatsWithIdenticalResults) {
   std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
   for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());

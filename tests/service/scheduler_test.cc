@@ -403,6 +403,60 @@ TEST_F(SchedulerTest, HostTierServesRepeatedSegmentsAlike) {
   EXPECT_EQ(tiered[1].final.usage.segments_hit, 2);
 }
 
+// A reuse prefill runs in slices of whole layers (reuse_slice_tokens x n_layers rows per
+// iteration) between other sequences' decode steps: the same answer as the whole pass, spread
+// over one iteration per layer at the smallest slice, and a request cancelled between slices
+// gives its blocks back.
+TEST_F(SchedulerTest, ReusePrefillRunsInLayerSlicesWithTheSameAnswer) {
+  const std::vector<PromptSegment> first = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  const std::vector<PromptSegment> second = {{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}};
+  std::vector<int32_t> answer[2];
+  int64_t iterations[2] = {0, 0};
+  for (int sliced = 0; sliced < 2; ++sliced) {
+    store_ = std::make_unique<SegmentStore>(SegmentStoreOptions{});
+    SchedulerOptions o;
+    o.reuse_slice_tokens = sliced ? 1 : -1;
+    o.engine.kv.enable_prefix_caching = false;
+    auto s = Start(o);
+    ASSERT_NE(s, nullptr);
+    auto h1 = s->Submit(Item(first, 4));
+    ASSERT_TRUE(h1.ok());
+    ASSERT_TRUE(Drain(**h1).final.status.ok());
+    for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+    // A long decode runs beside the second request's prefill.
+    WorkItem bg = Item({{Enc("Once upon a time")}}, 60, /*reuse=*/false);
+    bg.sampling.ignore_eos = true;
+    auto hb = s->Submit(std::move(bg));
+    ASSERT_TRUE(hb.ok());
+    std::vector<StreamChunk> got;
+    for (int i = 0; i < 200 && got.empty(); ++i) (*hb)->Wait(&got, 10ms);
+    const int64_t it0 = s->load().iterations;
+    auto h2 = s->Submit(Item(second, 1));
+    ASSERT_TRUE(h2.ok());
+    Collected c2 = Drain(**h2);
+    ASSERT_TRUE(c2.final.status.ok()) << c2.final.status;
+    EXPECT_GT(c2.final.usage.reused_tokens, 0);
+    iterations[sliced] = s->load().iterations - it0;
+    answer[sliced] = c2.ids;
+    ASSERT_TRUE(Drain(**hb).final.status.ok());
+    if (sliced) {
+      // Cancelled at once, likely between slices: every block comes back.
+      const int total = s->load().kv_blocks_total;
+      auto h3 = s->Submit(Item(second, 8));
+      ASSERT_TRUE(h3.ok());
+      (*h3)->Cancel();
+      Drain(**h3);
+      for (int i = 0; i < 200 && s->load().kv_blocks_free != total; ++i) {
+        std::this_thread::sleep_for(5ms);
+      }
+      EXPECT_EQ(s->load().kv_blocks_free, total);
+    }
+  }
+  EXPECT_EQ(answer[1], answer[0]);
+  EXPECT_GE(iterations[1], model_->config().n_layers);  // one layer per iteration
+  EXPECT_LT(iterations[0], iterations[1]);
+}
+
 TEST_F(SchedulerTest, CancellationFreesKvBlocks) {
   SchedulerOptions o;
   o.engine.kv.enable_prefix_caching = false;
