@@ -56,6 +56,7 @@ struct BatchScheduler::Active {
   Clock::time_point t_last;
   bool first_done = false;
   int exact_tokens = 0;  // reuse: leading prompt tokens whose KV is exact
+  TokenLogprobs logprobs;  // of the token being emitted (WorkItem::logprobs >= 0)
 };
 
 BatchScheduler::BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
@@ -609,6 +610,8 @@ bool BatchScheduler::SampleAndEmit(Active& a, std::span<const float> logits) {
     Finish(a, "", t.status());
     return false;
   }
+  // Of the raw logits (before bias, penalties and temperature: sampler.h TokenLogprobs).
+  if (a.w.logprobs >= 0) a.logprobs = ComputeLogprobs(logits, *t, a.w.logprobs);
   return Emit(a, *t);
 }
 
@@ -631,6 +634,7 @@ bool BatchScheduler::Emit(Active& a, int32_t token) {
   StreamChunk c;
   c.ids.push_back(token);
   c.text = a.dec->Push(token);
+  if (a.w.logprobs >= 0) c.logprobs.push_back(std::move(a.logprobs));
   a.h->Push(std::move(c));
   if (a.generated >= a.w.sampling.max_tokens ||
       static_cast<int>(a.seq.tokens.size()) >= max_len_) {

@@ -119,6 +119,8 @@ struct StreamChunk {
   std::string finish_reason;  // "stop" | "length" | "cancelled" (final only)
   RequestUsage usage;         // final only
   absl::Status status;        // non-OK: the request failed (final)
+  // WorkItem::logprobs >= 0: one entry per token of `ids`, in order.
+  std::vector<TokenLogprobs> logprobs;
 };
 
 struct WorkItem {
@@ -127,6 +129,9 @@ struct WorkItem {
   bool add_bos = true;
   SamplingParams sampling;
   ReuseOptions reuse;  // complete options for this request (defaults already merged)
+  // >= 0: report each generated token's log-probability and this many top alternatives
+  // (StreamChunk::logprobs; ComputeLogprobs over the raw logits). Default: -1 (off)
+  int logprobs = -1;
   std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
   // Work to run before admission, on one of the scheduler's fetch threads: the cluster fetch of
   // segments this worker lacks (it sets segments_fetched / fetch_failures). The request waits

@@ -6,6 +6,7 @@
 #include "gpu_worker/service/worker_state.h"
 #include "model/prompt.h"
 #include "proto/grpc_status.h"
+#include "proto/request_check.h"
 
 namespace sparsex::service {
 namespace internal {
@@ -40,6 +41,10 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         ReuseFromProto(req->reuse(), s_->opts.scheduler.reuse, s_->model->config().n_layers);
     if (!reuse.ok()) return ToGrpcStatus(reuse.status());
     w.reuse = *reuse;
+    if (absl::Status v = CheckLogprobsRequest(req->logprobs(), req->top_logprobs()); !v.ok()) {
+      return ToGrpcStatus(v);
+    }
+    if (req->logprobs()) w.logprobs = req->top_logprobs();
     if (absl::Status v = s_->scheduler->Validate(w); !v.ok()) return ToGrpcStatus(v);
 
     // Segments this worker lacks: looked up in the cache cluster and fetched before admission,
@@ -86,6 +91,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         if (ids) {
           for (int32_t t : c.ids) msg.add_token_ids(t);
         }
+        for (const TokenLogprobs& lp : c.logprobs) AddLogprobs(lp, msg.add_logprobs());
         have = have || !c.text.empty() || !c.ids.empty();
         if (c.final) {
           msg.set_finished(true);
@@ -119,6 +125,27 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         h->Cancel();
         return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
       }
+    }
+  }
+
+  // A token's text for the logprobs: its raw bytes (a special token's name), and the same
+  // as a string with invalid UTF-8 shown as U+FFFD.
+  template <typename M>
+  void SetToken(int32_t id, M* m) const {
+    const Tokenizer& tok = s_->model->tokenizer();
+    std::string bytes = tok.TokenPiece(id);
+    if (bytes.empty()) bytes = tok.SpecialText(id);
+    m->set_token_id(id);
+    m->set_token(SanitizeUtf8(bytes));
+    m->set_token_bytes(std::move(bytes));
+  }
+  void AddLogprobs(const TokenLogprobs& lp, v1::TokenLogprob* out) const {
+    SetToken(lp.token, out);
+    out->set_logprob(lp.logprob);
+    for (const auto& [id, v] : lp.top) {
+      v1::TopLogprob* t = out->add_top_logprobs();
+      SetToken(id, t);
+      t->set_logprob(v);
     }
   }
 

@@ -740,6 +740,194 @@ const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey
   EXPECT_EQ(j["status"], 404);
 }
 
+// logprobs / top_logprobs through the official npm client, both endpoints, streamed and not
+// (issue 17 §2): the shapes it parses, greedy tokens being their position's most likely token,
+// the stream carrying the same entries as the whole response, and the range errors.
+TEST_F(ClusterTest, OpenAiNpmClientLogprobs) {
+  const std::string dir = NpmDir("openai");
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install 'openai': " << last_npm_error_;
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable, cannot install 'openai': " << last_npm_error_;
+  const std::string js = R"JS(
+const OpenAI = require('openai');
+const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey: 'unused', maxRetries: 0 });
+(async () => {
+  const out = {};
+  const base = { model: 'stories260K', max_tokens: 6, temperature: 0, reuse: { enable: false } };
+  const c = await client.completions.create({ ...base, prompt: 'Once upon a time', logprobs: 3 });
+  out.completion = { text: c.choices[0].text, logprobs: c.choices[0].logprobs, usage: c.usage };
+  const cs = await client.completions.create({ ...base, prompt: 'Once upon a time', logprobs: 3, stream: true });
+  const s = { text: '', tokens: [], token_logprobs: [], top_logprobs: [], text_offset: [] };
+  for await (const ch of cs) {
+    const x = ch.choices[0];
+    if (!x) continue;
+    s.text += x.text || '';
+    if (x.logprobs) for (const k of ['tokens', 'token_logprobs', 'top_logprobs', 'text_offset']) s[k].push(...x.logprobs[k]);
+  }
+  out.completion_stream = s;
+  const msgs = [{ role: 'user', content: 'Lily had a red ball.' }];
+  const h = await client.chat.completions.create({ ...base, messages: msgs, logprobs: true, top_logprobs: 4 });
+  out.chat = { text: h.choices[0].message.content, logprobs: h.choices[0].logprobs };
+  const hs = await client.chat.completions.create({ ...base, messages: msgs, logprobs: true, top_logprobs: 4, stream: true });
+  out.chat_stream = { text: '', content: [] };
+  for await (const ch of hs) {
+    const x = ch.choices[0];
+    if (!x) continue;
+    out.chat_stream.text += x.delta?.content || '';
+    if (x.logprobs?.content) out.chat_stream.content.push(...x.logprobs.content);
+  }
+  const plain = await client.chat.completions.create({ ...base, messages: msgs });
+  out.chat_plain_logprobs = plain.choices[0].logprobs;
+  out.errors = {};
+  for (const [name, fn] of [
+    ['chat_top_without_logprobs', () => client.chat.completions.create({ ...base, messages: msgs, top_logprobs: 2 })],
+    ['chat_top_21', () => client.chat.completions.create({ ...base, messages: msgs, logprobs: true, top_logprobs: 21 })],
+    ['completion_6', () => client.completions.create({ ...base, prompt: 'x', logprobs: 6 })],
+  ]) {
+    try { await fn(); out.errors[name] = 'none'; }
+    catch (e) { out.errors[name] = { cls: e.constructor.name, status: e.status, param: e.param }; }
+  }
+  console.log(JSON.stringify(out));
+})().catch(e => { console.error(e); process.exit(1); });
+)JS";
+  std::ofstream(dir + "/openai_logprobs_test.js") << js;
+  auto [rc, out] =
+      Shell("cd " + dir + " && node openai_logprobs_test.js " + env_["ROUTER_HTTP"] + " 2>&1", 60s);
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+
+  // Completions (legacy shape).
+  const json& lp = j["completion"]["logprobs"];
+  ASSERT_TRUE(lp.is_object()) << out;
+  const size_t n = lp["tokens"].size();
+  EXPECT_EQ(static_cast<int>(n), j["completion"]["usage"]["completion_tokens"].get<int>()) << out;
+  ASSERT_GT(n, 0u);
+  ASSERT_EQ(lp["token_logprobs"].size(), n);
+  ASSERT_EQ(lp["top_logprobs"].size(), n);
+  ASSERT_EQ(lp["text_offset"].size(), n);
+  std::string joined;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string tok = lp["tokens"][i].get<std::string>();
+    const double v = lp["token_logprobs"][i].get<double>();
+    EXPECT_LE(v, 0.0);
+    EXPECT_EQ(lp["text_offset"][i].get<int64_t>(), static_cast<int64_t>(joined.size()));
+    joined += tok;
+    const json& alts = lp["top_logprobs"][i];
+    ASSERT_TRUE(alts.is_object());
+    EXPECT_GE(alts.size(), 3u);
+    EXPECT_LE(alts.size(), 4u);  // the 3 alternatives and the token itself
+    ASSERT_TRUE(alts.contains(tok)) << alts;
+    EXPECT_EQ(alts[tok].get<double>(), v);
+    // Greedy: the token is its position's most likely.
+    for (const auto& [k, x] : alts.items()) EXPECT_LE(x.get<double>(), v) << k;
+  }
+  // The text is the tokens' (SentencePiece: less the first token's leading space).
+  const std::string text = j["completion"]["text"].get<std::string>();
+  EXPECT_TRUE(joined == text || joined == " " + text) << joined << " | " << text;
+  // Streamed: the same entries spread over the chunks.
+  const json& s = j["completion_stream"];
+  EXPECT_EQ(s["text"], j["completion"]["text"]);
+  EXPECT_EQ(s["tokens"], lp["tokens"]);
+  EXPECT_EQ(s["text_offset"], lp["text_offset"]);
+  ASSERT_EQ(s["token_logprobs"].size(), n);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(s["token_logprobs"][i].get<double>(), lp["token_logprobs"][i].get<double>(), 1e-4);
+  }
+
+  // Chat (content entries).
+  const json& cl = j["chat"]["logprobs"];
+  ASSERT_TRUE(cl.is_object()) << out;
+  const json& content = cl["content"];
+  ASSERT_TRUE(content.is_array());
+  ASSERT_GT(content.size(), 0u);
+  std::string chat_joined;
+  for (const json& e : content) {
+    const std::string tok = e["token"].get<std::string>();
+    chat_joined += tok;
+    std::vector<int> bytes(tok.begin(), tok.end());
+    for (int& b : bytes) b &= 0xFF;
+    EXPECT_EQ(e["bytes"], json(bytes));
+    const double v = e["logprob"].get<double>();
+    EXPECT_LE(v, 0.0);
+    const json& top = e["top_logprobs"];
+    ASSERT_EQ(top.size(), 4u) << e;
+    EXPECT_EQ(top[0]["token"], e["token"]);  // greedy
+    EXPECT_EQ(top[0]["logprob"].get<double>(), v);
+    for (size_t k = 1; k < top.size(); ++k) {
+      EXPECT_GE(top[k - 1]["logprob"].get<double>(), top[k]["logprob"].get<double>());
+      EXPECT_TRUE(top[k]["bytes"].is_array());
+    }
+  }
+  const std::string chat_text = j["chat"]["text"].get<std::string>();
+  EXPECT_TRUE(chat_joined == chat_text || chat_joined == " " + chat_text)
+      << chat_joined << " | " << chat_text;
+  const json& cs = j["chat_stream"]["content"];
+  EXPECT_EQ(j["chat_stream"]["text"], j["chat"]["text"]);
+  ASSERT_EQ(cs.size(), content.size());
+  for (size_t i = 0; i < cs.size(); ++i) {
+    EXPECT_EQ(cs[i]["token"], content[i]["token"]);
+    EXPECT_NEAR(cs[i]["logprob"].get<double>(), content[i]["logprob"].get<double>(), 1e-4);
+    EXPECT_EQ(cs[i]["top_logprobs"].size(), 4u);
+  }
+  EXPECT_TRUE(j["chat_plain_logprobs"].is_null());
+
+  // Range errors: 400 naming the field, as the client's BadRequestError.
+  const std::pair<const char*, const char*> errors[] = {
+      {"chat_top_without_logprobs", "top_logprobs"},
+      {"chat_top_21", "top_logprobs"},
+      {"completion_6", "logprobs"}};
+  for (const auto& [name, param] : errors) {
+    const json& e = j["errors"][name];
+    EXPECT_EQ(e["cls"], "BadRequestError") << name << ": " << e;
+    EXPECT_EQ(e["status"], 400) << name;
+    EXPECT_EQ(e["param"], param) << name;
+  }
+}
+
+// logprobs on the gRPC API: one entry per token, aligned with token_ids; range checks.
+TEST_F(ClusterTest, GrpcLogprobs) {
+  v1::GenerateRequest r;
+  r.set_prompt("Once upon a time");
+  r.mutable_sampling()->set_temperature(0);
+  r.mutable_sampling()->set_max_tokens(5);
+  r.mutable_reuse()->set_enable(false);
+  r.set_return_token_ids(true);
+  r.set_logprobs(true);
+  r.set_top_logprobs(2);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = stub_->Generate(&ctx, r);
+  v1::GenerateResponse m;
+  std::vector<int32_t> ids;
+  std::vector<v1::TokenLogprob> lps;
+  while (reader->Read(&m)) {
+    ids.insert(ids.end(), m.token_ids().begin(), m.token_ids().end());
+    lps.insert(lps.end(), m.logprobs().begin(), m.logprobs().end());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(ids.size(), 5u);
+  ASSERT_EQ(lps.size(), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(lps[i].token_id(), ids[i]);
+    EXPECT_FALSE(lps[i].token_bytes().empty());
+    EXPECT_LE(lps[i].logprob(), 0.0f);
+    ASSERT_EQ(lps[i].top_logprobs_size(), 2);
+    EXPECT_EQ(lps[i].top_logprobs(0).token_id(), ids[i]);  // greedy
+    EXPECT_EQ(lps[i].top_logprobs(0).logprob(), lps[i].logprob());
+    EXPECT_GE(lps[i].top_logprobs(0).logprob(), lps[i].top_logprobs(1).logprob());
+  }
+  v1::GenerateRequest bad = r;
+  bad.set_top_logprobs(21);
+  Gen g = Generate(bad);
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(g.status.error_message().find("top_logprobs"), std::string::npos);
+  bad.set_top_logprobs(3);
+  bad.set_logprobs(false);
+  g = Generate(bad);
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(g.status.error_message().find("logprobs"), std::string::npos);
+}
+
 TEST_F(ClusterTest, GrpcJsClient) {
   const std::string dir = NpmDir("@grpc/grpc-js @grpc/proto-loader");
   if (dir.empty() && RequireNpm()) FAIL() << "cannot install @grpc/grpc-js: " << last_npm_error_;

@@ -508,6 +508,58 @@ TEST_F(SchedulerTest, ValidationAndLoadShedding) {
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Log-probabilities ride along with their tokens: one entry per generated token, of the raw
+// model distribution (the logit bias that forces another token does not change them).
+TEST_F(SchedulerTest, LogprobsOfEachTokenOfTheRawDistribution) {
+  auto s = Start();
+  ASSERT_NE(s, nullptr);
+  const std::vector<PromptSegment> prompt = {{Enc("Once upon a time")}};
+  WorkItem w = Item(prompt, 12, /*reuse=*/false);
+  w.logprobs = 3;
+  auto h = s->Submit(w);
+  ASSERT_TRUE(h.ok()) << h.status();
+  Collected c = Drain(**h);
+  ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+  EXPECT_EQ(c.ids, Reference(prompt, 12));  // logprobs change nothing about the tokens
+  ASSERT_EQ(c.logprobs.size(), c.ids.size());
+  for (size_t i = 0; i < c.ids.size(); ++i) {
+    const TokenLogprobs& lp = c.logprobs[i];
+    EXPECT_EQ(lp.token, c.ids[i]);
+    ASSERT_EQ(lp.top.size(), 3u);
+    // Greedy: the token is the most likely one.
+    EXPECT_EQ(lp.top[0].first, c.ids[i]);
+    EXPECT_FLOAT_EQ(lp.top[0].second, lp.logprob);
+    EXPECT_LE(lp.logprob, 0.0f);
+    EXPECT_GE(lp.top[0].second, lp.top[1].second);
+    EXPECT_GE(lp.top[1].second, lp.top[2].second);
+  }
+
+  // A +100 bias on another token forces it; its reported log-probability is the model's own
+  // (low), and the model's favourite stays first among the alternatives.
+  const int32_t forced = c.logprobs[0].top[2].first;
+  WorkItem b = Item(prompt, 1, /*reuse=*/false);
+  b.logprobs = 2;
+  b.sampling.logit_bias = {{forced, 100.0f}};
+  b.sampling.ignore_eos = true;
+  auto hb = s->Submit(b);
+  ASSERT_TRUE(hb.ok()) << hb.status();
+  Collected cb = Drain(**hb);
+  ASSERT_TRUE(cb.final.status.ok()) << cb.final.status;
+  ASSERT_EQ(cb.ids, std::vector<int32_t>{forced});
+  ASSERT_EQ(cb.logprobs.size(), 1u);
+  // (The prompt's blocks now come from the prefix cache: equal up to rounding.)
+  EXPECT_NEAR(cb.logprobs[0].logprob, c.logprobs[0].top[2].second, 1e-4);
+  EXPECT_EQ(cb.logprobs[0].top[0].first, c.logprobs[0].top[0].first);
+  EXPECT_LT(cb.logprobs[0].logprob, cb.logprobs[0].top[0].second);
+
+  // Not asked for: none.
+  auto hn = s->Submit(Item(prompt, 4, /*reuse=*/false));
+  ASSERT_TRUE(hn.ok());
+  Collected cn = Drain(**hn);
+  EXPECT_TRUE(cn.logprobs.empty());
+  EXPECT_FALSE(cn.ids.empty());
+}
+
 TEST_F(SchedulerTest, ManyConcurrentReuseRequestsAllFinish) {
   SchedulerOptions o;
   o.max_running = 4;

@@ -16,6 +16,7 @@ namespace sparsex::service::testutil {
 struct Collected {
   std::vector<int32_t> ids;
   std::string text;
+  std::vector<TokenLogprobs> logprobs;  // WorkItem::logprobs >= 0
   StreamChunk final;
   int chunks = 0;
 };
@@ -32,6 +33,7 @@ inline Collected Drain(RequestHandle& h,
     for (auto& ch : got) {
       c.ids.insert(c.ids.end(), ch.ids.begin(), ch.ids.end());
       c.text += ch.text;
+      c.logprobs.insert(c.logprobs.end(), ch.logprobs.begin(), ch.logprobs.end());
       ++c.chunks;
       if (ch.final) {
         c.final = ch;
