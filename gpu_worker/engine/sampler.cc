@@ -45,13 +45,26 @@ TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int 
   if (token >= 0 && token < n) out.logprob = lp(token);
   top_n = std::clamp(top_n, 0, n);
   if (top_n > 0) {
-    std::vector<int32_t> idx(n);
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + top_n, idx.end(), [&](int32_t a, int32_t b) {
+    // One pass keeping the best top_n in a heap (its front the worst kept): no vocabulary-sized
+    // index array per token.
+    const auto better = [&](int32_t a, int32_t b) {
       return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    });
+    };
+    std::vector<int32_t> heap;
+    heap.reserve(top_n);
+    for (int32_t i = 0; i < n; ++i) {
+      if (static_cast<int>(heap.size()) < top_n) {
+        heap.push_back(i);
+        std::push_heap(heap.begin(), heap.end(), better);
+      } else if (better(i, heap.front())) {
+        std::pop_heap(heap.begin(), heap.end(), better);
+        heap.back() = i;
+        std::push_heap(heap.begin(), heap.end(), better);
+      }
+    }
+    std::sort_heap(heap.begin(), heap.end(), better);  // best first
     out.top.reserve(top_n);
-    for (int i = 0; i < top_n; ++i) out.top.emplace_back(idx[i], lp(idx[i]));
+    for (const int32_t i : heap) out.top.emplace_back(i, lp(i));
   }
   return out;
 }
