@@ -423,13 +423,8 @@ TEST_F(SchedulerTest, ReusePrefillRunsInLayerSlicesWithTheSameAnswer) {
     ASSERT_TRUE(h1.ok());
     ASSERT_TRUE(Drain(**h1).final.status.ok());
     for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
-    // A long decode runs beside the second request's prefill.
-    WorkItem bg = Item({{Enc("Once upon a time")}}, 60, /*reuse=*/false);
-    bg.sampling.ignore_eos = true;
-    auto hb = s->Submit(std::move(bg));
-    ASSERT_TRUE(hb.ok());
-    std::vector<StreamChunk> got;
-    for (int i = 0; i < 200 && got.empty(); ++i) (*hb)->Wait(&got, 10ms);
+    // Alone first (an idle engine counts only this request's iterations), then again beside a
+    // long decode (the slices interleave with its steps): the same answer every time.
     const int64_t it0 = s->load().iterations;
     auto h2 = s->Submit(Item(second, 1));
     ASSERT_TRUE(h2.ok());
@@ -438,6 +433,17 @@ TEST_F(SchedulerTest, ReusePrefillRunsInLayerSlicesWithTheSameAnswer) {
     EXPECT_GT(c2.final.usage.reused_tokens, 0);
     iterations[sliced] = s->load().iterations - it0;
     answer[sliced] = c2.ids;
+    WorkItem bg = Item({{Enc("Once upon a time")}}, 60, /*reuse=*/false);
+    bg.sampling.ignore_eos = true;
+    auto hb = s->Submit(std::move(bg));
+    ASSERT_TRUE(hb.ok());
+    std::vector<StreamChunk> got;
+    for (int i = 0; i < 200 && got.empty(); ++i) (*hb)->Wait(&got, 10ms);
+    auto h2b = s->Submit(Item(second, 1));
+    ASSERT_TRUE(h2b.ok());
+    Collected c2b = Drain(**h2b);
+    ASSERT_TRUE(c2b.final.status.ok()) << c2b.final.status;
+    EXPECT_EQ(c2b.ids, c2.ids);
     ASSERT_TRUE(Drain(**hb).final.status.ok());
     if (sliced) {
       // Cancelled at once, likely between slices: every block comes back.
@@ -453,8 +459,10 @@ TEST_F(SchedulerTest, ReusePrefillRunsInLayerSlicesWithTheSameAnswer) {
     }
   }
   EXPECT_EQ(answer[1], answer[0]);
-  EXPECT_GE(iterations[1], model_->config().n_layers);  // one layer per iteration
-  EXPECT_LT(iterations[0], iterations[1]);
+  // One layer per iteration when sliced, one iteration for the whole pass (the counter is read
+  // after the final chunk arrived: the last iteration may not be counted yet).
+  EXPECT_GE(iterations[1], model_->config().n_layers - 1);
+  EXPECT_LE(iterations[0], 2);
 }
 
 TEST_F(SchedulerTest, CancellationFreesKvBlocks) {
