@@ -8,7 +8,8 @@
 # ones find them in its own tiers. Reported: B's worker TTFT with the fetch vs from its own GPU
 # tier (target: at most 1.3x), the fetched bytes and the transfer rate, and a reuse-off (full
 # prefill) request on B as the baseline of the same call.
-# Writes to $OUT: fetch.log, fetch_<step>.json(l) (loadgen summaries and records), fetch.json.
+# Writes to $OUT: fetch.log, fetch_<step>.json(l) (loadgen summaries and records), fetch.json,
+# metrics.txt (B's and the cache server's counters).
 #
 #   OUT=/tmp/out bench/gpu/fetch.sh
 # Knobs: SPX_FETCH_DEVICE (cuda), SPX_FETCH_MODEL (synthetic:llama3-8b), SPX_FETCH_DOC_TOKENS
@@ -50,8 +51,9 @@ send() {  # step seed reuse
 metric() {  # metrics-address name-regex: the sum of the matching samples
   curl -s "http://$1/metrics" | grep -E "^$2" | awk '{s += $NF} END {print s + 0}'
 }
+# One warm request only: a second one may be routed to B (load), which would then compute and
+# store the documents itself.
 send warm1 1 on
-send warm2 2 on
 A=$(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readline())['worker'])" "$OUT/fetch_warm1.jsonl")
 stamp "warmed on $A"
 case "$A" in worker-0) AI=0; BI=1 ;; *) AI=1; BI=0 ;; esac
@@ -64,7 +66,7 @@ for _ in $(seq 1 120); do
   [ "${ok%.*}" -ge 8 ] && [ "${left%.*}" -eq 0 ] && break
   sleep 1
 done
-stamp "A wrote back $ok segments ($left unspilled); cache server: $(metric "$CACHE0_METRICS" 'sparsex_cache_used_bytes') bytes"
+stamp "A wrote back $ok segments ($left unspilled); cache server: $(metric "$CACHE0_METRICS" 'sparsex_cache_used_bytes') bytes; B holds $(metric "$BM" 'sparsex_worker_host_segments') segments"
 kill -9 "$AP"
 stamp "A (pid $AP) killed"
 for _ in $(seq 1 30); do
@@ -76,7 +78,8 @@ send fetch 3 on
 fb1=$(metric "$BM" 'sparsex_worker_fetch_bytes_total'); fs1=$(metric "$BM" 'sparsex_worker_fetch_seconds_sum')
 for s in 4 5 6; do send "tier$s" "$s" on; done
 send full 7 off
-curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|engine_seconds)' | grep -v _bucket >>"$OUT/metrics.txt"
+curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|engine_seconds|host_segments|writeback)' | grep -v _bucket >>"$OUT/metrics.txt"
+grep -h "cache cluster\|fetch\|error" "$RUN"/worker*.log | tail -n 20 >>"$LOG" 2>&1
 curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_' | grep -v _bucket >>"$OUT/metrics.txt"
 "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1
 python3 - "$OUT" "$A" "$fb0" "$fb1" "$fs0" "$fs1" <<'PY' | tee -a "$LOG"
@@ -87,7 +90,7 @@ def rec(step):
     p = os.path.join(out, f"fetch_{step}.jsonl")
     return json.loads(open(p).readline()) if os.path.exists(p) else None
 r = {"model": os.environ.get("SPX_FETCH_MODEL", "synthetic:llama3-8b"), "warmed_on": a, "steps": {}}
-for step in ["warm1", "warm2", "fetch", "tier4", "tier5", "tier6", "full"]:
+for step in ["warm1", "fetch", "tier4", "tier5", "tier6", "full"]:
     x = rec(step)
     if not x: continue
     u = x.get("usage") or {}

@@ -219,6 +219,69 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
   return out;
 }
 
+absl::StatusOr<Engine::MixedStep> Engine::StepWithChunk(std::span<Sequence* const> seqs,
+                                                        std::span<const int32_t> tokens,
+                                                        Sequence& pf, int end) {
+  const int64_t B = static_cast<int64_t>(seqs.size());
+  if (static_cast<int64_t>(tokens.size()) != B) {
+    return absl::InvalidArgumentError("StepWithChunk: one token per sequence required");
+  }
+  const int total = static_cast<int>(pf.tokens.size());
+  if (end <= pf.computed || end > total) {
+    return absl::InvalidArgumentError("StepWithChunk: the chunk must end in (computed, size]");
+  }
+  const int max_len = model_->config().max_seq_len;
+  const int bs = blocks_->block_size();
+  for (Sequence* s : seqs) {
+    if (s == &pf) return absl::InvalidArgumentError("StepWithChunk: pf also decodes");
+    if (static_cast<int>(s->tokens.size()) >= max_len) {
+      return absl::OutOfRangeError("context length reached");
+    }
+    if (s->computed != static_cast<int>(s->tokens.size())) {
+      return absl::FailedPreconditionError("StepWithChunk: a sequence is not fully computed");
+    }
+  }
+  // Capacity first: a failure leaves every sequence as it was.
+  for (Sequence* s : seqs) RETURN_IF_ERROR(EnsureCapacity(*s, static_cast<int>(s->tokens.size()) + 1));
+  RETURN_IF_ERROR(EnsureCapacity(pf, end));
+  // Rows: one per decoding sequence, then the chunk's (the decode rows stay one batched
+  // attention launch on the GPU; the chunk gets its own).
+  const int b = pf.computed, n = end - b;
+  std::vector<int32_t> ids(tokens.begin(), tokens.end()), pos(B + n), slots(B + n);
+  std::vector<std::vector<int32_t>> ctx(B + 1);
+  std::vector<RowGroup> groups(B + 1);
+  for (int64_t i = 0; i < B; ++i) {
+    const int p = static_cast<int>(seqs[i]->tokens.size());
+    pos[i] = p;
+    slots[i] = seqs[i]->Slot(p, bs);
+    ctx[i] = CtxSlots(*seqs[i], p + 1);
+    groups[i] = {i, i + 1, ctx[i]};
+  }
+  ctx[B] = CtxSlots(pf, end);
+  ids.insert(ids.end(), pf.tokens.begin() + b, pf.tokens.begin() + end);
+  for (int i = 0; i < n; ++i) {
+    pos[B + i] = b + i;
+    slots[B + i] = ctx[B][b + i];
+  }
+  groups[B] = {B, B + n, ctx[B]};
+  LayerRows rows{pos, slots, {}, groups};
+  std::vector<int32_t> out(B);
+  for (int64_t i = 0; i < B; ++i) out[i] = static_cast<int32_t>(i);
+  if (end == total) out.push_back(static_cast<int32_t>(B + n - 1));
+  ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(ids, rows, out));
+  const int64_t V = model_->config().vocab_size;
+  MixedStep r;
+  r.decode.resize(B);
+  for (int64_t i = 0; i < B; ++i) {
+    r.decode[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
+    seqs[i]->tokens.push_back(tokens[i]);
+    seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
+  }
+  if (end == total) r.prefill.assign(lg.begin() + B * V, lg.begin() + (B + 1) * V);
+  pf.computed = end;
+  return r;
+}
+
 void Engine::RegisterPrefix(const Sequence& seq, int exact_upto, bool approximate_rest) {
   const int bs = blocks_->block_size();
   const int upto = exact_upto < 0 ? seq.computed : std::min(exact_upto, seq.computed);

@@ -91,6 +91,17 @@ class Engine {
   // returns each one's logits. On an error no sequence is changed.
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
+  // StepBatch and the next prefill chunk of `pf` (its tokens [pf.computed, end)) in one forward
+  // pass: the chunk's rows share every matmul with the decode rows, so the decoding sequences'
+  // step costs little more than the chunk alone (the weights are read once). Attention stays
+  // per sequence. `decode` holds the StepBatch logits; `prefill` pf's next-token logits when
+  // end is pf's whole prompt, else empty. On an error no sequence is changed.
+  struct MixedStep {
+    std::vector<std::vector<float>> decode;
+    std::vector<float> prefill;
+  };
+  absl::StatusOr<MixedStep> StepWithChunk(std::span<Sequence* const> seqs,
+                                          std::span<const int32_t> tokens, Sequence& pf, int end);
   // Registers the sequence's full, computed blocks for exact-prefix reuse; only blocks that end
   // at or before `exact_upto` tokens (default: all computed tokens) are registered, unless
   // approximate_rest registers the later ones too, in the approximate namespace.

@@ -276,6 +276,54 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
   return std::move(res[0]);
 }
 
+absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunk(std::span<Sequence* const> seqs,
+                                                             std::span<const int32_t> tokens,
+                                                             Sequence& pf, int end) {
+  if (size() == 1) return ranks_[0]->engine->StepWithChunk(seqs, tokens, pf, end);
+  const int n = size();
+  std::vector<std::vector<Sequence>> copies(n);
+  std::vector<Sequence> pf_copies(n);
+  for (int r = 1; r < n; ++r) {
+    for (Sequence* s : seqs) copies[r].push_back(*s);  // before rank 0 starts changing them
+    pf_copies[r] = pf;
+  }
+  std::vector<absl::StatusOr<Engine::MixedStep>> res(n, absl::UnknownError(""));
+  RunOnAll([&](int r) {
+    if (r == 0) {
+      res[0] = ranks_[0]->engine->StepWithChunk(seqs, tokens, pf, end);
+      return;
+    }
+    std::vector<Sequence*> mine;
+    for (Sequence& s : copies[r]) mine.push_back(&s);
+    res[r] = ranks_[r]->engine->StepWithChunk(mine, tokens, pf_copies[r], end);
+  });
+  for (int r = 1; r < n; ++r) {
+    bool same = res[r].status().code() == res[0].status().code() &&
+                pf_copies[r].blocks == pf.blocks && pf_copies[r].computed == pf.computed;
+    for (size_t i = 0; same && i < seqs.size(); ++i) {
+      same = copies[r][i].blocks == seqs[i]->blocks && copies[r][i].computed == seqs[i]->computed;
+    }
+    if (!same) {
+      return absl::InternalError(
+          absl::StrCat("tensor-parallel rank ", r, " diverged in a mixed prefill/decode step"));
+    }
+  }
+  if (!res[0].ok()) return res[0].status();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    std::vector<std::vector<float>> lg(n);
+    for (int r = 0; r < n; ++r) lg[r] = std::move(res[r]->decode[i]);
+    CheckLogits(lg);
+    res[0]->decode[i] = std::move(lg[0]);
+  }
+  if (!res[0]->prefill.empty()) {
+    std::vector<std::vector<float>> lg(n);
+    for (int r = 0; r < n; ++r) lg[r] = std::move(res[r]->prefill);
+    CheckLogits(lg);
+    res[0]->prefill = std::move(lg[0]);
+  }
+  return std::move(res[0]);
+}
+
 void EngineGroup::RegisterPrefix(const Sequence& seq, int exact_upto, bool approximate_rest) {
   if (size() == 1) return ranks_[0]->engine->RegisterPrefix(seq, exact_upto, approximate_rest);
   RunOnAll([&](int r) {  // reads only

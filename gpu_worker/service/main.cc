@@ -56,6 +56,8 @@ int main(int argc, char** argv) {
   f.Add("max_queue", &o.scheduler.max_queue, "waiting requests before RESOURCE_EXHAUSTED");
   f.Add("prefill_chunk", &prefill_chunk,
         "tokens per plain prefill chunk per iteration (default -1: 256 on cpu, 2048 on cuda)");
+  f.Add("mix_prefill_decode", &o.scheduler.mix_prefill_decode,
+        "run a plain prefill chunk and the decode step in one forward pass");
   f.Add("reuse_slice_tokens", &o.scheduler.reuse_slice_tokens,
         "reuse prefill work per iteration, in tokens through every layer (0: prefill_chunk; -1: "
         "the whole pass at once)");

@@ -396,17 +396,26 @@ void BatchScheduler::Iteration() {
   }
   charge(EnginePhase::kAdmission);
   bool prefilled = false;
+  Active* pf = nullptr;
   for (auto& a : active_) {
     if (a->state == Active::State::kPrefill) {
-      prefilled = PrefillOne(*a);
+      pf = a.get();
       break;
     }
   }
-  if (prefilled) charge(EnginePhase::kPrefill);
-  std::erase_if(decoding, [](Active* a) { return a->state != Active::State::kDecode; });
-  DecodeAll(decoding);
-  std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
-  charge(EnginePhase::kDecode);
+  if (pf != nullptr && pf->plain && opts_.mix_prefill_decode && !decoding.empty()) {
+    MixedStep(*pf, decoding);
+    prefilled = true;
+    std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
+    charge(EnginePhase::kMixed);
+  } else {
+    if (pf != nullptr) prefilled = PrefillOne(*pf);
+    if (prefilled) charge(EnginePhase::kPrefill);
+    std::erase_if(decoding, [](Active* a) { return a->state != Active::State::kDecode; });
+    DecodeAll(decoding);
+    std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
+    charge(EnginePhase::kDecode);
+  }
   // 5. One deferred segment store, unless a prefill already ran (then only when many wait).
   // Without store_while_busy: only when idle, and an overflowing backlog loses its oldest.
   if (!opts_.store_while_busy) {
@@ -540,16 +549,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
     logits = std::move(r->logits);
   } else {
-    if (!a.has_seq) {
-      auto s = group_->Admit(a.prompt);
-      if (!s.ok()) {
-        Finish(a, "", s.status());
-        return true;
-      }
-      a.seq = std::move(*s);
-      a.has_seq = true;
-      a.usage.prefix_tokens = a.seq.cached_prefix;
-    }
+    if (!EnsurePlainSeq(a)) return true;
     const int total = static_cast<int>(a.prompt.size());
     const int end = std::min(total, a.seq.computed + opts_.prefill_chunk);
     // One chunk: the engine prefills [computed, size), so show it the prompt up to `end`.
@@ -562,14 +562,58 @@ bool BatchScheduler::PrefillOne(Active& a) {
       return true;
     }
     if (end < total) return true;  // more chunks in later iterations
-    a.usage.prompt_tokens = total;
-    a.usage.new_tokens = total - a.usage.prefix_tokens;
-    a.usage.compute_share = 1.0;
-    logits = std::move(*lg);
+    FinishPlainPrefill(a, *lg);
+    return true;
   }
   a.state = Active::State::kDecode;
   SampleAndEmit(a, logits);
   return true;
+}
+
+bool BatchScheduler::EnsurePlainSeq(Active& a) {
+  if (a.has_seq) return true;
+  auto s = group_->Admit(a.prompt);
+  if (!s.ok()) {
+    Finish(a, "", s.status());
+    return false;
+  }
+  a.seq = std::move(*s);
+  a.has_seq = true;
+  a.usage.prefix_tokens = a.seq.cached_prefix;
+  return true;
+}
+
+void BatchScheduler::FinishPlainPrefill(Active& a, std::span<const float> logits) {
+  const int total = static_cast<int>(a.prompt.size());
+  a.usage.prompt_tokens = total;
+  a.usage.new_tokens = total - a.usage.prefix_tokens;
+  a.usage.compute_share = 1.0;
+  a.state = Active::State::kDecode;
+  SampleAndEmit(a, logits);
+}
+
+void BatchScheduler::MixedStep(Active& a, const std::vector<Active*>& step) {
+  if (!EnsurePlainSeq(a)) {
+    DecodeAll(step);
+    return;
+  }
+  const int total = static_cast<int>(a.prompt.size());
+  const int end = std::min(total, a.seq.computed + opts_.prefill_chunk);
+  std::vector<Sequence*> seqs;
+  std::vector<int32_t> toks;
+  for (Active* d : step) {
+    seqs.push_back(&d->seq);
+    toks.push_back(d->last);
+  }
+  auto m = group_->StepWithChunk(seqs, toks, a.seq, end);
+  if (!m.ok()) {  // nothing changed: the two halves separately, where errors stay per request
+    PrefillOne(a);
+    DecodeAll(step);
+    return;
+  }
+  // The prefilled request's first token first, as when its last chunk runs alone.
+  if (end == total) FinishPlainPrefill(a, m->prefill);
+  for (size_t i = 0; i < step.size(); ++i) SampleAndEmit(*step[i], m->decode[i]);
 }
 
 void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {

@@ -8,7 +8,8 @@
 //      pass, about reuse_slice_tokens' worth), or one chunk of a plain prefill (prefill_chunk
 //      tokens),
 //   4. runs one decode step for every sequence past its prefill, all in one batched forward
-//      pass (matmuls shared, attention per sequence),
+//      pass (matmuls shared, attention per sequence) — with mix_prefill_decode, the same pass
+//      as 3's plain prefill chunk,
 //   5. runs a slice (store_slice_layers layers) of the oldest deferred segment store,
 //   6. when nothing else ran, copies 2 layers of a device-tier-only segment to the host store,
 // and streams each new token to the request's RequestHandle, which the RPC thread drains.
@@ -54,6 +55,11 @@ struct SchedulerOptions {
   // Tokens of a plain (reuse disabled) prefill run per iteration, so long prompts do not stall
   // the decoding sequences. Default: 256
   int prefill_chunk = 256;
+  // When a plain prefill chunk and decode steps are due in the same iteration, run them as one
+  // forward pass (the chunk's rows share every matmul with the decode rows, as vLLM v1 does):
+  // the decode step then costs little more than the weights the chunk reads anyway. A reuse
+  // prefill's slices still alternate with decode steps. Default: true
+  bool mix_prefill_decode = true;
   // Prefill work of a reuse prefill per iteration, in tokens through every layer: its layers
   // run in slices of about reuse_slice_tokens x n_layers rows (whole layers; a full layer's
   // rows are all its non-prefix tokens, a sparse layer's the recomputed ones), so decoding
@@ -163,10 +169,11 @@ class RequestHandle {
 };
 
 // The parts of an engine iteration, timed separately (SchedulerLoad::phase_seconds).
-enum class EnginePhase { kAdmission, kPrefill, kDecode, kStore, kSpill };
-inline constexpr int kEnginePhases = 5;
+// kMixed: a plain prefill chunk and the decode step in one forward pass (mix_prefill_decode).
+enum class EnginePhase { kAdmission, kPrefill, kDecode, kStore, kSpill, kMixed };
+inline constexpr int kEnginePhases = 6;
 inline constexpr const char* kEnginePhaseNames[kEnginePhases] = {"admission", "prefill", "decode",
-                                                                 "store", "spill"};
+                                                                 "store", "spill", "mixed"};
 
 // A snapshot of the scheduler's load (updated by the engine thread every iteration).
 struct SchedulerLoad {
@@ -242,6 +249,13 @@ class BatchScheduler {
   void FetchLoop();
   void Iteration();
   bool PrefillOne(Active& a);
+  // A plain prefill chunk of `a` and a decode step of `step` in one forward pass; falls back to
+  // PrefillOne + DecodeAll when the pass fails (e.g. no KV block left for one of them).
+  void MixedStep(Active& a, const std::vector<Active*>& step);
+  // The plain prefill's sequence (admitted on its first chunk): false when it failed.
+  bool EnsurePlainSeq(Active& a);
+  // After a plain prefill's last chunk: usage, the decode state, the first token.
+  void FinishPlainPrefill(Active& a, std::span<const float> logits);
   bool DecodeOne(Active& a);
   // One decode step for all of them in one batched forward pass (StepBatch); on an error, one
   // at a time so that only the failing request fails.

@@ -240,5 +240,71 @@ TEST(Engine, BatchedDecodeStepEqualsSteppingEachSequence) {
     for (Sequence& s : *v) e.Release(s);
 }
 
+// A prefill chunk riding in the decode step's forward pass (the scheduler's mixed iterations):
+// the decoding sequences get what StepBatch gives them, the prefilled one what Prefill gives.
+TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  EngineOptions eo;
+  eo.kv.enable_prefix_caching = false;
+  auto engine = Engine::Create(*model, eo);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  auto max_diff = [](const std::vector<float>& x, const std::vector<float>& y) {
+    float d = x.size() == y.size() ? 0.0f : 1e9f;
+    for (size_t j = 0; j < x.size() && j < y.size(); ++j) d = std::max(d, std::abs(x[j] - y[j]));
+    return d;
+  };
+  const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day"};
+  const std::vector<int32_t> prompt = model->tokenizer().Encode(
+      "The sun was hot and the birds sang in the tall green trees. Lily and Tom went to the "
+      "pond to see the ducks, and they took some bread with them.", true);
+  std::vector<Sequence> a, b;  // a: mixed passes, b: separate ones
+  std::vector<int32_t> tok;
+  for (const char* t : texts) {
+    for (auto* v : {&a, &b}) {
+      auto s = e.Admit(model->tokenizer().Encode(t, true));
+      ASSERT_TRUE(s.ok());
+      auto lg = e.Prefill(*s);
+      ASSERT_TRUE(lg.ok());
+      if (v == &a) tok.push_back(Argmax(*lg));
+      v->push_back(std::move(*s));
+    }
+  }
+  auto pa = e.Admit(prompt);
+  auto pb = e.Admit(prompt);
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  auto whole = e.Prefill(*pb);  // the prefilled sequence's reference
+  ASSERT_TRUE(whole.ok());
+  const int total = static_cast<int>(prompt.size());
+  for (int end = 9; pa->computed < total; end = std::min(total, end + 9)) {
+    std::vector<Sequence*> ptrs = {&a[0], &a[1]};
+    auto m = e.StepWithChunk(ptrs, tok, *pa, end);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(pa->computed, end);
+    std::vector<Sequence*> bp = {&b[0], &b[1]};
+    auto sep = e.StepBatch(bp, tok);
+    ASSERT_TRUE(sep.ok());
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_LT(max_diff(m->decode[i], (*sep)[i]), 1e-4) << "sequence " << i << " end " << end;
+      tok[i] = Argmax(m->decode[i]);
+    }
+    if (end < total) {
+      EXPECT_TRUE(m->prefill.empty());
+    } else {
+      EXPECT_LT(max_diff(m->prefill, *whole), 1e-4);
+    }
+  }
+  // A chunk that does not advance, or the prefilled sequence also decoding: clear errors.
+  std::vector<Sequence*> ptrs = {&a[0]};
+  std::vector<int32_t> t1 = {tok[0]};
+  EXPECT_EQ(e.StepWithChunk(ptrs, t1, *pa, total).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  for (auto* v : {&a, &b})
+    for (Sequence& s : *v) e.Release(s);
+  e.Release(*pa);
+  e.Release(*pb);
+}
+
 }  // namespace
 }  // namespace sparsex

@@ -65,9 +65,14 @@ class SchedulerTest : public ::testing::Test {
   const std::string kQ = " What did they do next? They";
 };
 
+// With mix_prefill_decode (the default) a chunk and the decode step share one forward pass;
+// without it they alternate. Either way every request gets a lone engine's answer.
 TEST_F(SchedulerTest, ConcurrentPlainRequestsMatchALoneEngine) {
+ for (bool mix : {true, false}) {
+  SCOPED_TRACE(mix ? "mixed passes" : "separate passes");
   SchedulerOptions o;
   o.prefill_chunk = 7;  // many chunks: prefill chunks interleave with decode steps
+  o.mix_prefill_decode = mix;
   auto s = Start(o);
   ASSERT_NE(s, nullptr);
   const std::vector<std::string> prompts = {"Once upon a time", kDocA, kDocB + kQ,
@@ -86,6 +91,13 @@ TEST_F(SchedulerTest, ConcurrentPlainRequestsMatchALoneEngine) {
     EXPECT_GT(c.final.usage.ttft_ms, 0);
   }
   EXPECT_GT(s->load().iterations, 20);
+  const double mixed_s = s->load().phase_seconds[static_cast<int>(EnginePhase::kMixed)];
+  if (mix) {
+    EXPECT_GT(mixed_s, 0.0);
+  } else {
+    EXPECT_EQ(mixed_s, 0.0);
+  }
+ }
 }
 
 TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {

@@ -276,6 +276,22 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   int64_t max_rows = 0;
   for (const SeqRows& sq : a.seqs) max_rows = std::max(max_rows, sq.row_end - sq.row_begin);
   if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
+    // A mixed step (Engine::StepWithChunk): the leading decode rows stay one batched launch,
+    // the prefill chunk (and any other long sequence) gets its own.
+    const int64_t limit = kernels::PagedAttentionMaxRowsPerSeq(p);
+    size_t k = 0;
+    while (k < a.seqs.size() && a.seqs[k].row_end - a.seqs[k].row_begin <= limit) ++k;
+    if (k >= 2 && a.seqs[0].row_begin == 0) {
+      const int64_t rows_k = a.seqs[k - 1].row_end;
+      AttentionArgs head = a;
+      head.seqs = a.seqs.subspan(0, k);
+      head.q_pos = a.q_pos.subspan(0, static_cast<size_t>(rows_k));
+      Tensor qh = RowView(q, 0, rows_k), oh = RowView(out, 0, rows_k);
+      RETURN_IF_ERROR(AttentionBatched(qh, pool, layer, head, oh));
+      AttentionArgs rest = a;
+      rest.seqs = a.seqs.subspan(k);
+      return AttentionBySequence(*this, q, pool, layer, rest, out);  // validates per sequence
+    }
     return AttentionBySequence(*this, q, pool, layer, a, out);  // validates per sequence
   }
   std::vector<void*> d;
