@@ -175,13 +175,12 @@ absl::StatusOr<std::vector<float>> Engine::Step(Sequence& seq, int32_t token) {
   return Prefill(seq);
 }
 
-absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
-    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+// The rows of a batched decode step (StepBatch, StepWithChunk): checks every sequence is fully
+// computed and within the context, makes room for one more token each (capacity first: a
+// failure leaves every sequence as it was; blocks taken stay with their sequence), and fills
+// row i's position, slot, context and group for the first rows of `r`.
+absl::Status Engine::DecodeRows(std::span<Sequence* const> seqs, BatchRows& r) {
   const int64_t B = static_cast<int64_t>(seqs.size());
-  if (static_cast<int64_t>(tokens.size()) != B) {
-    return absl::InvalidArgumentError("StepBatch: one token per sequence required");
-  }
-  if (B == 0) return std::vector<std::vector<float>>{};
   const int max_len = model_->config().max_seq_len;
   const int bs = blocks_->block_size();
   for (Sequence* s : seqs) {
@@ -189,34 +188,53 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
       return absl::OutOfRangeError("context length reached");
     }
     if (s->computed != static_cast<int>(s->tokens.size())) {
-      return absl::FailedPreconditionError("StepBatch: a sequence is not fully computed");
+      return absl::FailedPreconditionError("batched step: a sequence is not fully computed");
     }
   }
-  // Capacity first: a failure leaves every sequence as it was (blocks taken stay with their
-  // sequence and are released with it).
   for (Sequence* s : seqs) RETURN_IF_ERROR(EnsureCapacity(*s, static_cast<int>(s->tokens.size()) + 1));
-  std::vector<int32_t> pos(B), slots(B);
-  std::vector<std::vector<int32_t>> ctx(B);
-  std::vector<RowGroup> groups(B);
+  r.pos.resize(B);
+  r.slots.resize(B);
+  r.ctx.resize(B);
+  r.groups.resize(B);
   for (int64_t i = 0; i < B; ++i) {
     const int p = static_cast<int>(seqs[i]->tokens.size());
-    pos[i] = p;
-    slots[i] = seqs[i]->Slot(p, bs);
-    ctx[i] = CtxSlots(*seqs[i], p + 1);
-    groups[i] = {i, i + 1, ctx[i]};
+    r.pos[i] = p;
+    r.slots[i] = seqs[i]->Slot(p, bs);
+    r.ctx[i] = CtxSlots(*seqs[i], p + 1);
+    r.groups[i] = {i, i + 1, r.ctx[i]};
   }
-  LayerRows rows{pos, slots, {}, groups};
-  std::vector<int32_t> all(B);
-  for (int64_t i = 0; i < B; ++i) all[i] = static_cast<int32_t>(i);
-  ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(tokens, rows, all, opts_.graphs));
+  return absl::OkStatus();
+}
+
+// The decode rows' logits (the first seqs.size() rows of lg), and the tokens appended.
+std::vector<std::vector<float>> Engine::TakeDecodeLogits(std::span<Sequence* const> seqs,
+                                                         std::span<const int32_t> tokens,
+                                                         const std::vector<float>& lg) {
   const int64_t V = model_->config().vocab_size;
-  std::vector<std::vector<float>> out(B);
-  for (int64_t i = 0; i < B; ++i) {
-    out[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
+  std::vector<std::vector<float>> out(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    out[i].assign(lg.begin() + static_cast<int64_t>(i) * V,
+                  lg.begin() + static_cast<int64_t>(i + 1) * V);
     seqs[i]->tokens.push_back(tokens[i]);
     seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
   }
   return out;
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
+    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+  const int64_t B = static_cast<int64_t>(seqs.size());
+  if (static_cast<int64_t>(tokens.size()) != B) {
+    return absl::InvalidArgumentError("StepBatch: one token per sequence required");
+  }
+  if (B == 0) return std::vector<std::vector<float>>{};
+  BatchRows br;
+  RETURN_IF_ERROR(DecodeRows(seqs, br));
+  LayerRows rows{br.pos, br.slots, {}, br.groups};
+  std::vector<int32_t> all(B);
+  for (int64_t i = 0; i < B; ++i) all[i] = static_cast<int32_t>(i);
+  ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(tokens, rows, all, opts_.graphs));
+  return TakeDecodeLogits(seqs, tokens, lg);
 }
 
 absl::StatusOr<Engine::MixedStep> Engine::StepWithChunk(std::span<Sequence* const> seqs,
@@ -230,54 +248,36 @@ absl::StatusOr<Engine::MixedStep> Engine::StepWithChunk(std::span<Sequence* cons
   if (end <= pf.computed || end > total) {
     return absl::InvalidArgumentError("StepWithChunk: the chunk must end in (computed, size]");
   }
-  const int max_len = model_->config().max_seq_len;
-  const int bs = blocks_->block_size();
   for (Sequence* s : seqs) {
     if (s == &pf) return absl::InvalidArgumentError("StepWithChunk: pf also decodes");
-    if (static_cast<int>(s->tokens.size()) >= max_len) {
-      return absl::OutOfRangeError("context length reached");
-    }
-    if (s->computed != static_cast<int>(s->tokens.size())) {
-      return absl::FailedPreconditionError("StepWithChunk: a sequence is not fully computed");
-    }
   }
-  // Capacity first: a failure leaves every sequence as it was.
-  for (Sequence* s : seqs) RETURN_IF_ERROR(EnsureCapacity(*s, static_cast<int>(s->tokens.size()) + 1));
+  BatchRows br;
+  RETURN_IF_ERROR(DecodeRows(seqs, br));
   RETURN_IF_ERROR(EnsureCapacity(pf, end));
   // Rows: one per decoding sequence, then the chunk's (the decode rows stay one batched
   // attention launch on the GPU; the chunk gets its own).
   const int b = pf.computed, n = end - b;
-  std::vector<int32_t> ids(tokens.begin(), tokens.end()), pos(B + n), slots(B + n);
-  std::vector<std::vector<int32_t>> ctx(B + 1);
-  std::vector<RowGroup> groups(B + 1);
-  for (int64_t i = 0; i < B; ++i) {
-    const int p = static_cast<int>(seqs[i]->tokens.size());
-    pos[i] = p;
-    slots[i] = seqs[i]->Slot(p, bs);
-    ctx[i] = CtxSlots(*seqs[i], p + 1);
-    groups[i] = {i, i + 1, ctx[i]};
-  }
-  ctx[B] = CtxSlots(pf, end);
+  std::vector<int32_t> ids(tokens.begin(), tokens.end());
   ids.insert(ids.end(), pf.tokens.begin() + b, pf.tokens.begin() + end);
+  br.ctx.push_back(CtxSlots(pf, end));
   for (int i = 0; i < n; ++i) {
-    pos[B + i] = b + i;
-    slots[B + i] = ctx[B][b + i];
+    br.pos.push_back(b + i);
+    br.slots.push_back(br.ctx[B][b + i]);
   }
-  groups[B] = {B, B + n, ctx[B]};
-  LayerRows rows{pos, slots, {}, groups};
+  br.groups.push_back({B, B + n, br.ctx[B]});
+  // The contexts' spans in groups point into br.ctx: re-point them after its growth.
+  for (int64_t i = 0; i <= B; ++i) br.groups[i].ctx_slots = br.ctx[i];
+  LayerRows rows{br.pos, br.slots, {}, br.groups};
   std::vector<int32_t> out(B);
   for (int64_t i = 0; i < B; ++i) out[i] = static_cast<int32_t>(i);
   if (end == total) out.push_back(static_cast<int32_t>(B + n - 1));
   ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(ids, rows, out));
-  const int64_t V = model_->config().vocab_size;
   MixedStep r;
-  r.decode.resize(B);
-  for (int64_t i = 0; i < B; ++i) {
-    r.decode[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
-    seqs[i]->tokens.push_back(tokens[i]);
-    seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
+  r.decode = TakeDecodeLogits(seqs, tokens, lg);
+  if (end == total) {
+    const int64_t V = model_->config().vocab_size;
+    r.prefill.assign(lg.begin() + B * V, lg.begin() + (B + 1) * V);
   }
-  if (end == total) r.prefill.assign(lg.begin() + B * V, lg.begin() + (B + 1) * V);
   pf.computed = end;
   return r;
 }

@@ -117,6 +117,15 @@ class Engine {
 
  private:
   Engine() = default;
+  struct BatchRows {  // rows of a batched step and the storage their spans point into
+    std::vector<int32_t> pos, slots;
+    std::vector<std::vector<int32_t>> ctx;
+    std::vector<RowGroup> groups;
+  };
+  absl::Status DecodeRows(std::span<Sequence* const> seqs, BatchRows& r);
+  std::vector<std::vector<float>> TakeDecodeLogits(std::span<Sequence* const> seqs,
+                                                   std::span<const int32_t> tokens,
+                                                   const std::vector<float>& lg);
   const Model* model_ = nullptr;
   std::unique_ptr<Model> shard_;  // this rank's weights under tensor parallelism
   EngineOptions opts_;

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 
 #if SPARSEX_WITH_CUDA && SPARSEX_WITH_NCCL
 #include "gpu_worker/engine/nccl_communicator.h"
@@ -161,6 +162,41 @@ void EngineGroup::RunOnAll(const std::function<void(int)>& fn) {
   }
 }
 
+namespace {
+
+// OK when every rank's outcome matches rank 0's (same(r)); else INTERNAL naming the first rank
+// that differs and what the ranks were doing.
+absl::Status AllAlike(int n, const std::function<bool(int)>& same, const char* what) {
+  for (int r = 1; r < n; ++r) {
+    if (!same(r)) {
+      return absl::InternalError(absl::StrCat("tensor-parallel rank ", r, " diverged ", what));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Rank r's copies of the sequences ended with rank 0's block tables and computed counts.
+bool SameSeqs(const std::vector<Sequence>& copies, std::span<Sequence* const> seqs) {
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (copies[i].blocks != seqs[i]->blocks || copies[i].computed != seqs[i]->computed) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Same status code on rank r as on rank 0.
+template <typename T>
+bool SameCode(const std::vector<T>& res, int r) {
+  if constexpr (std::is_same_v<T, absl::Status>) {
+    return res[r].code() == res[0].code();
+  } else {
+    return res[r].status().code() == res[0].status().code();
+  }
+}
+
+}  // namespace
+
 absl::Status EngineGroup::Lockstep(Sequence& seq,
                                    const std::function<absl::Status(int, Sequence&)>& fn) {
   const int n = size();
@@ -203,15 +239,10 @@ absl::StatusOr<Sequence> EngineGroup::Admit(std::vector<int32_t> prompt) {
   const int n = size();
   std::vector<absl::StatusOr<Sequence>> res(n, absl::UnknownError(""));
   RunOnAll([&](int r) { res[r] = ranks_[r]->engine->Admit(prompt); });
-  for (int r = 1; r < n; ++r) {
-    const bool same = res[r].status().code() == res[0].status().code() &&
-                      (!res[0].ok() || (res[r]->blocks == res[0]->blocks &&
-                                        res[r]->computed == res[0]->computed));
-    if (!same) {
-      return absl::InternalError(
-          absl::StrCat("tensor-parallel rank ", r, " diverged at admission"));
-    }
-  }
+  RETURN_IF_ERROR(AllAlike(n, [&](int r) {
+    return SameCode(res, r) && (!res[0].ok() || (res[r]->blocks == res[0]->blocks &&
+                                                 res[r]->computed == res[0]->computed));
+  }, "at admission"));
   return std::move(res[0]);
 }
 
@@ -256,16 +287,9 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
     for (Sequence& s : copies[r]) mine.push_back(&s);
     res[r] = ranks_[r]->engine->StepBatch(mine, tokens);
   });
-  for (int r = 1; r < n; ++r) {
-    bool same = res[r].status().code() == res[0].status().code();
-    for (size_t i = 0; same && i < seqs.size(); ++i) {
-      same = copies[r][i].blocks == seqs[i]->blocks && copies[r][i].computed == seqs[i]->computed;
-    }
-    if (!same) {
-      return absl::InternalError(
-          absl::StrCat("tensor-parallel rank ", r, " diverged in a batched decode step"));
-    }
-  }
+  RETURN_IF_ERROR(AllAlike(n, [&](int r) {
+    return SameCode(res, r) && SameSeqs(copies[r], seqs);
+  }, "in a batched decode step"));
   if (!res[0].ok()) return res[0].status();
   for (size_t i = 0; i < seqs.size(); ++i) {
     std::vector<std::vector<float>> lg(n);
@@ -297,17 +321,10 @@ absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunk(std::span<Sequence*
     for (Sequence& s : copies[r]) mine.push_back(&s);
     res[r] = ranks_[r]->engine->StepWithChunk(mine, tokens, pf_copies[r], end);
   });
-  for (int r = 1; r < n; ++r) {
-    bool same = res[r].status().code() == res[0].status().code() &&
-                pf_copies[r].blocks == pf.blocks && pf_copies[r].computed == pf.computed;
-    for (size_t i = 0; same && i < seqs.size(); ++i) {
-      same = copies[r][i].blocks == seqs[i]->blocks && copies[r][i].computed == seqs[i]->computed;
-    }
-    if (!same) {
-      return absl::InternalError(
-          absl::StrCat("tensor-parallel rank ", r, " diverged in a mixed prefill/decode step"));
-    }
-  }
+  RETURN_IF_ERROR(AllAlike(n, [&](int r) {
+    return SameCode(res, r) && pf_copies[r].blocks == pf.blocks &&
+           pf_copies[r].computed == pf.computed && SameSeqs(copies[r], seqs);
+  }, "in a mixed prefill/decode step"));
   if (!res[0].ok()) return res[0].status();
   for (size_t i = 0; i < seqs.size(); ++i) {
     std::vector<std::vector<float>> lg(n);
@@ -383,13 +400,10 @@ absl::Status EngineGroup::BeginReusePrefill(const std::vector<PromptSegment>& se
   }
   std::vector<absl::Status> st(n);
   RunOnAll([&](int r) { st[r] = ranks_[r]->reuse->BeginPrefill(segments, add_bos, override_opts); });
-  for (int r = 1; r < n; ++r) {
-    if (st[r].code() != st[0].code()) {
-      AbortReusePrefill();
-      return absl::InternalError(
-          absl::StrCat("tensor-parallel rank ", r, " diverged starting a reuse prefill"));
-    }
-  }
+  absl::Status alike = AllAlike(n, [&](int r) { return SameCode(st, r); },
+                                "starting a reuse prefill");
+  if (!alike.ok()) AbortReusePrefill();
+  RETURN_IF_ERROR(alike);
   return st[0];
 }
 
@@ -400,23 +414,20 @@ absl::StatusOr<std::optional<ReusePrefillResult>> EngineGroup::ReusePrefillStep(
   const int n = size();
   std::vector<absl::StatusOr<std::optional<ReusePrefillResult>>> res(n, absl::UnknownError(""));
   RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->PrefillStep(max_row_layers); });
-  for (int r = 1; r < n; ++r) {
-    bool same = res[r].status().code() == res[0].status().code();
-    if (same && res[0].ok()) same = res[r]->has_value() == res[0]->has_value();
-    if (same && res[0].ok() && res[0]->has_value()) {
-      const ReusePrefillResult &a = **res[0], &b = **res[r];
-      same = a.seq.blocks == b.seq.blocks && a.seq.computed == b.seq.computed &&
-             a.stats.segments_hit == b.stats.segments_hit &&
-             a.stats.reused_tokens == b.stats.reused_tokens &&
-             a.stats.selected_tokens == b.stats.selected_tokens &&
-             a.stats.computed_token_layers == b.stats.computed_token_layers;
-    }
-    if (!same) {
-      AbortReusePrefill();
-      return absl::InternalError(
-          absl::StrCat("tensor-parallel rank ", r, " diverged in the reuse prefill"));
-    }
-  }
+  absl::Status alike = AllAlike(n, [&](int r) {
+    if (!SameCode(res, r)) return false;
+    if (!res[0].ok()) return true;
+    if (res[r]->has_value() != res[0]->has_value()) return false;
+    if (!res[0]->has_value()) return true;
+    const ReusePrefillResult &a = **res[0], &b = **res[r];
+    return a.seq.blocks == b.seq.blocks && a.seq.computed == b.seq.computed &&
+           a.stats.segments_hit == b.stats.segments_hit &&
+           a.stats.reused_tokens == b.stats.reused_tokens &&
+           a.stats.selected_tokens == b.stats.selected_tokens &&
+           a.stats.computed_token_layers == b.stats.computed_token_layers;
+  }, "in the reuse prefill");
+  if (!alike.ok()) AbortReusePrefill();
+  RETURN_IF_ERROR(alike);
   if (!res[0].ok() || !res[0]->has_value()) return std::move(res[0]);
   std::vector<std::vector<float>> lg(n);
   for (int r = 0; r < n; ++r) lg[r] = std::move((*res[r])->logits);
@@ -440,13 +451,7 @@ absl::Status EngineGroup::EnsureStored(const std::vector<int32_t>& tokens,
   AlignStores({&fp, 1});
   std::vector<absl::Status> st(n);
   RunOnAll([&](int r) { st[r] = ranks_[r]->reuse->EnsureStored(tokens, override_opts); });
-  for (int r = 1; r < n; ++r) {
-    if (st[r].code() != st[0].code()) {
-      return absl::InternalError(
-          absl::StrCat("tensor-parallel rank ", r, " diverged storing a segment: ",
-                       st[r].ToString(), " vs rank 0 ", st[0].ToString()));
-    }
-  }
+  RETURN_IF_ERROR(AllAlike(n, [&](int r) { return SameCode(st, r); }, "storing a segment"));
   return st[0];
 }
 
@@ -457,14 +462,9 @@ absl::StatusOr<StoreProgress> EngineGroup::StoreStep(const std::vector<int32_t>&
   if (size() == 1) return ranks_[0]->reuse->StoreStep(tokens, override_opts, max_layers);
   std::vector<absl::StatusOr<StoreProgress>> res(size(), StoreProgress::kHeld);
   RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->StoreStep(tokens, override_opts, max_layers); });
-  for (int r = 1; r < size(); ++r) {
-    if (res[r].status().code() != res[0].status().code() ||
-        (res[r].ok() && *res[r] != *res[0])) {
-      return absl::InternalError(absl::StrCat("tensor-parallel rank ", r,
-                                              " diverged storing a segment: ",
-                                              res[r].status().ToString()));
-    }
-  }
+  RETURN_IF_ERROR(AllAlike(size(), [&](int r) {
+    return SameCode(res, r) && (!res[r].ok() || *res[r] == *res[0]);
+  }, "storing a segment"));
   return res[0];
 }
 
@@ -473,13 +473,7 @@ absl::StatusOr<std::optional<std::pair<Hash128, int>>> EngineGroup::SpillOne(int
   if (size() == 1) return ranks_[0]->reuse->SpillOne(max_layers);
   std::vector<absl::StatusOr<std::optional<std::pair<Hash128, int>>>> res(size());
   RunOnAll([&](int r) { res[r] = ranks_[r]->reuse->SpillOne(max_layers); });
-  for (int r = 1; r < size(); ++r) {
-    if (res[r].status().code() != res[0].status().code()) {
-      return absl::InternalError(absl::StrCat("tensor-parallel rank ", r,
-                                              " diverged spilling a segment: ",
-                                              res[r].status().ToString()));
-    }
-  }
+  RETURN_IF_ERROR(AllAlike(size(), [&](int r) { return SameCode(res, r); }, "spilling a segment"));
   return std::move(res[0]);
 }
 
