@@ -184,8 +184,11 @@ class Cluster:
         return p.returncode
 
     def stop_all(self):
-        for name in ["router"] + [n for n in self.procs if n.startswith("worker")] + \
-                [n for n in self.procs if n.startswith("cache")] + ["etcd"]:
+        # Clients first (the soak's loadgen), then router, workers, cache server, etcd.
+        order = [n for n in self.procs if not n.startswith(("router", "worker", "cache", "etcd"))]
+        order += ["router"] + [n for n in self.procs if n.startswith("worker")] + \
+            [n for n in self.procs if n.startswith("cache")] + ["etcd"]
+        for name in order:
             if name in self.procs:
                 self.stop(name)
 
@@ -1028,21 +1031,20 @@ def slope(xs, ys):
 def fault_soak(cl, a, docs, R):
     """sparsex-loadgen for a bounded time; RSS of every process every few seconds."""
     rec = os.path.join(cl.dir, "soak-summary.json")
-    lg = subprocess.Popen(
-        [os.path.join(a.bin_dir, "sparsex-loadgen"), "--target", f"127.0.0.1:{cl.router_grpc}",
+    lg = cl.start("loadgen", [
+        os.path.join(a.bin_dir, "sparsex-loadgen"), "--target", f"127.0.0.1:{cl.router_grpc}",
          "--workload", "rag", "--content", "text", "--docs", a.docs_file, "--doc_chars", "400",
          "--pool", "100", "--docs_per_request", "3", "--question_tokens", "8",
          "--max_tokens", "24", "--concurrency", str(a.soak_concurrency), "--requests", "0",
          "--duration_s", str(a.soak_s), "--timeout_ms", "30000", "--progress=false",
-         "--out", rec], stdout=open(os.path.join(cl.dir, "loadgen.log"), "w"),
-        stderr=subprocess.STDOUT, start_new_session=True)
+         "--out", rec])
     samples = []
     t = time.time()
     while lg.poll() is None and time.time() - t < a.soak_s + 60:
         samples.append({"t": round(time.time() - t, 1), **cl.rss()})
         time.sleep(a.rss_period_s)
     if lg.poll() is None:
-        os.kill(lg.pid, signal.SIGKILL)
+        cl.stop("loadgen")
     lg.wait()
     summary = {}
     try:
@@ -1114,10 +1116,14 @@ def main():
     ap.add_argument("--rss-flat-pct", type=float, default=5.0,
                     help="largest RSS growth, mean of the last third of the soak vs the middle third")
     ap.add_argument("--keep", action="store_true", help="keep the run directory")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="stop the suite (every process) after this long; 0: 900, --short: 420")
     a = ap.parse_args()
     if a.short:
         a.concurrent, a.stream_requests = 40, 8
         a.soak_s, a.rss_period_s, a.etcd_down_s = 20, 2, 6
+    if a.deadline_s <= 0:
+        a.deadline_s = 420 if a.short else 900
     for b in ("sparsex-worker", "sparsex-router", "sparsex-cache-server", "sparsex-loadgen"):
         if not os.access(os.path.join(a.bin_dir, b), os.X_OK):
             print(f"faults: {a.bin_dir}/{b} not found: skipped", file=sys.stderr)
@@ -1144,6 +1150,25 @@ def main():
               "machine": f"{os.cpu_count()} cores, {os.uname().sysname} {os.uname().release}",
               "model": a.model, "short": a.short, "faults": {}}
     rc = 0
+
+    # Bounded in time, and never leaving a process behind: the cluster's processes run in
+    # sessions of their own (a kill -9 of one must not reach the others), so a signal to this
+    # script does not reach them; SIGTERM / SIGINT / SIGHUP and the deadline end the suite
+    # through the `finally` below, which stops each of them by PID.
+    def on_signal(signum, _frame):
+        raise SystemExit(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+    def deadline():
+        log(f"deadline of {a.deadline_s:.0f} s reached: stopping the suite")
+        report["aborted"] = f"deadline of {a.deadline_s:.0f} s"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(a.deadline_s, deadline)
+    timer.daemon = True
+    timer.start()
     try:
         log(f"cluster up in {a.run_dir}")
         cl.up(workers=2)
@@ -1169,7 +1194,13 @@ def main():
             for pname, p in cl.procs.items():
                 if p.poll() is not None and pname in ("router", "etcd", "worker0", "worker1", "cache"):
                     log(f"{pname} is not running after {name} (exit {p.returncode})")
+    except SystemExit as e:
+        report.setdefault("aborted", str(e))
+        rc = 1
     finally:
+        timer.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # the cleanup itself is not interrupted
         cl.stop_all()
         report["exit_status"] = {n: p.returncode for n, p in cl.procs.items()}
         report["seconds"] = round(time.time() - T0, 1)
