@@ -144,9 +144,20 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
   }
   if (present.empty()) return out;
   std::lock_guard<std::mutex> l(mu_);
-  // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each).
-  std::vector<std::string> bufs(keys.size());
-  std::vector<absl::Status> status(keys.size());
+  // Each segment's KV is assembled layer by layer as its rounds arrive; `reason` marks one
+  // that cannot be used.
+  std::vector<SegmentKv> kvs(present.size());
+  std::vector<std::string> reason(present.size());
+  for (size_t s = 0; s < present.size(); ++s) {
+    kvs[s].n_tokens = present[s].num_tokens;
+    kvs[s].n_layers = n_layers_;
+    kvs[s].kv_dim = kv_dim;
+    kvs[s].k.resize(n_layers_);
+    kvs[s].v.resize(n_layers_);
+  }
+  std::vector<cache::BlockKey> bad;  // blocks that are not what their key says
+  // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each), into
+  // the staging buffer; each round's blocks are decoded into their segments before the next.
   for (size_t begin = 0; begin < keys.size();) {
     size_t end = begin;
     uint64_t bytes = 0;
@@ -154,49 +165,53 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
            (end == begin || bytes + layer_bytes[end] <= opts_.fetch_batch_bytes)) {
       bytes += layer_bytes[end++];
     }
+    if (staging_bytes_ < bytes) {
+      staging_.reset(new uint8_t[bytes]);  // uninitialised: every byte is written by a transfer
+      staging_bytes_ = bytes;
+    }
+    std::vector<uint64_t> offset(end - begin), size(end - begin, 0);
+    uint64_t at = 0;
+    for (size_t i = begin; i < end; ++i) {
+      offset[i - begin] = at;
+      at += layer_bytes[i];
+    }
     auto st = client_->FetchInto(
         std::span<const cache::BlockKey>(keys.data() + begin, end - begin),
-        [&bufs, begin](size_t i, uint64_t size) {
-          bufs[begin + i].resize(size);
-          return reinterpret_cast<uint8_t*>(bufs[begin + i].data());
+        [&](size_t i, uint64_t n) -> uint8_t* {
+          // The lookup's size is what the round reserved; a block that grew since (rewritten)
+          // does not fit: no destination, the client reports it as failed.
+          if (n > layer_bytes[begin + i]) return nullptr;
+          size[i] = n;
+          return staging_.get() + offset[i];
         },
         {});
     for (size_t i = begin; i < end; ++i) {
-      status[i] = st.ok() ? (*st)[i - begin] : st.status();
-      if (status[i].ok()) out.bytes += bufs[i].size();
+      const size_t s = i / n_layers_;
+      const int layer = static_cast<int>(i % n_layers_);
+      if (!reason[s].empty()) continue;
+      const absl::Status ks = st.ok() ? (*st)[i - begin] : st.status();
+      if (!ks.ok()) {
+        // NOT_FOUND after a positive lookup: evicted meanwhile, or dropped as corrupt.
+        reason[s] = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
+        continue;
+      }
+      out.bytes += size[i - begin];
+      absl::Status ds = DecodeSegmentLayer(
+          std::span<const uint8_t>(staging_.get() + offset[i - begin], size[i - begin]),
+          model_fp_, key(present[s].fp), layer, &kvs[s]);
+      if (!ds.ok()) reason[s] = "corrupt";
     }
     begin = end;
   }
-  std::vector<cache::BlockKey> bad;  // blocks that are not what their key says
   for (size_t s = 0; s < present.size(); ++s) {
-    SegmentKv kv;
-    kv.n_tokens = present[s].num_tokens;
-    kv.n_layers = n_layers_;
-    kv.kv_dim = kv_dim;
-    kv.k.resize(n_layers_);
-    kv.v.resize(n_layers_);
-    std::string reason;
-    for (int layer = 0; layer < n_layers_ && reason.empty(); ++layer) {
-      const size_t i = s * n_layers_ + layer;
-      const absl::Status& ks = status[i];
-      if (!ks.ok()) {
-        // NOT_FOUND after a positive lookup: evicted meanwhile, or dropped as corrupt.
-        reason = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
-        continue;
-      }
-      absl::Status ds =
-          DecodeSegmentLayer(KvBlockBytes(bufs[i]), model_fp_, key(present[s].fp), layer, &kv);
-      if (!ds.ok()) reason = "corrupt";
-    }
-    for (int layer = 0; layer < n_layers_; ++layer) std::string().swap(bufs[s * n_layers_ + layer]);
-    if (!reason.empty()) {
-      fail(reason);
-      if (reason == "corrupt") {
+    if (!reason[s].empty()) {
+      fail(reason[s]);
+      if (reason[s] == "corrupt") {
         for (int layer = 0; layer < n_layers_; ++layer) bad.push_back(keys[s * n_layers_ + layer]);
       }
       continue;
     }
-    if (store->Put(present[s].fp, std::move(kv)).ok()) {
+    if (store->Put(present[s].fp, std::move(kvs[s])).ok()) {
       ++out.fetched;
       out.stored.push_back(present[s]);
     }

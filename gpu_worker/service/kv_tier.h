@@ -101,6 +101,11 @@ class ClusterKvTier {
   Hash128 model_fp_;
   int n_layers_ = 0, kv_dim_ = 0;
   std::mutex mu_;  // one transfer at a time (fetch rounds, write-back layers); lookups run without it
+  // Where a fetch round's blocks land (under mu_), kept across rounds and fetches: a fresh
+  // zero-filled buffer per block cost page faults and data-plane registration on every round
+  // (on the H200 a 32K-token fetch ran at 0.54 GB/s, docs/benchmarks.md).
+  std::unique_ptr<uint8_t[]> staging_;
+  size_t staging_bytes_ = 0;
   std::unique_ptr<cache::ClusterClient> client_;
 };
 
