@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds SparseX under the sanitizers (gcc, CPU only, -O1 -g1, ccache, Ninja) and runs tests there:
-#   asan: AddressSanitizer + LeakSanitizer + UndefinedBehaviorSanitizer, build-asan/, every test
-#         labelled unit or e2e (the servers and the CLI those tests start are ASan builds too);
+#   asan: AddressSanitizer + LeakSanitizer + UndefinedBehaviorSanitizer, build-asan/, the tests
+#         labelled unit or e2e but three (the servers and CLI they start are ASan builds too);
 #   tsan: ThreadSanitizer, build-tsan/, only the concurrency tests (CMake target
 #         concurrency_tests in tests/CMakeLists.txt: scheduler, engine group, block cache,
 #         cluster client + in-process cache server, event log, router front ends, metrics).
@@ -58,8 +58,12 @@ if [ "$WHICH" != tsan ]; then
   export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:strict_init_order=1:log_path=$LOGS/asan"
   export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$LOGS/ubsan"
-  ctest --test-dir "$B" -L 'unit|e2e' --output-on-failure -j"$CTEST_JOBS" --timeout 900 "$@" \
-    || fail=1
+  # Left out (docs/reliability.md): two statistical runs that repeat, 50 prompts / 1,000
+  # requests long, paths shorter tests cover (6 and 4 minutes under ASan here), and one latency
+  # bound (the slowest request within 30 s of a frozen worker) that ASan's slowdown breaks.
+  ctest --test-dir "$B" -L 'unit|e2e' --output-on-failure -j"$CTEST_JOBS" --timeout 900 \
+    -E '^(Fidelity[.]SparsexBeatsNaiveAndRandomOver50Prompts|SteadyStateReuse[.].*|RouterFaults[.]FrozenWorkerMidGenerationNonStreamingRequestsStartOver)$' \
+    "$@" || fail=1
   check_logs "$LOGS" asan || fail=1
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "sanitize: asan: tests $((SECONDS - t)) s"
@@ -74,12 +78,16 @@ if [ "$WHICH" != asan ]; then
   echo "sanitize: tsan: build $((SECONDS - t)) s"
   rm -rf "$LOGS" && mkdir -p "$LOGS"
   t=$SECONDS
-  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPP/tsan.supp:log_path=$LOGS/tsan"
+  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$SUPP/tsan.supp:log_path=$LOGS/tsan"
+  # UCX's memory hooks (libucm, loaded with the cache client/server) intercept the madvise
+  # glibc makes as a thread exits, after TSan has torn that thread down: a crash in TSan's
+  # rwlock interceptor. Without memory events UCX only skips its registration cache.
+  export UCX_MEM_EVENTS=no
   # Only the concurrency tests are built here: the others' ctest entries are <target>_NOT_BUILT.
   ctest --test-dir "$B" -L unit -E '_NOT_BUILT$|^arch_layers$' --output-on-failure \
     -j"$CTEST_JOBS" --timeout 900 "$@" || fail=1
   check_logs "$LOGS" tsan || fail=1
-  unset TSAN_OPTIONS
+  unset TSAN_OPTIONS UCX_MEM_EVENTS
   echo "sanitize: tsan: tests $((SECONDS - t)) s"
 fi
 

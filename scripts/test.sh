@@ -12,3 +12,12 @@ ctest --test-dir build --output-on-failure -j${JOBS:-2} --timeout 900
 # The libFuzzer targets (tests/fuzz, clang with ASan + UBSan, a build of their own): each
 # target's committed corpus, then 20 s of fuzzing from a fixed seed (docs/reliability.md).
 scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
+# The sanitizer builds (scripts/sanitize.sh, gcc, CPU only): unit + e2e tests under ASan + UBSan
+# (build-asan/), the concurrency tests under TSan (build-tsan/); ~25 minutes on 2 cores with a
+# cold ccache (docs/reliability.md, "Sanitizers"). SANITIZE=0 skips them; SANITIZE=asan or tsan
+# runs one.
+case "${SANITIZE:-1}" in
+  0) echo "test: sanitizers skipped (SANITIZE=0)";;
+  1|all) scripts/sanitize.sh all;;
+  *) scripts/sanitize.sh "$SANITIZE";;
+esac

@@ -256,7 +256,9 @@ TEST_F(ServerE2ETest, TransportsAreConfigurationTcpOnly) {
 }
 
 TEST_F(ServerE2ETest, ClientKilledMidPutLeavesNothingAndSpaceIsReclaimed) {
-  auto* s = StartServer("db", {"--reservation_timeout_ms=800", "--sweep_interval_ms=20"});
+  // The reservation must outlive the `stats` call below, a process start away: 3 s leaves room
+  // for a slow (sanitizer) build on a loaded machine (at 800 ms ASan lost it there).
+  auto* s = StartServer("db", {"--reservation_timeout_ms=3000", "--sweep_interval_ms=20"});
   ASSERT_NE(s, nullptr);
   const std::string addr = "--address=" + s->address();
   auto p = t::ChildProcess::Spawn({bin_ + "/sparsex-cache-cli", "hang-put", addr, "--seed=5",
