@@ -18,6 +18,13 @@
 // leaks it at exit; the WAL up to the failed record is on disk and replays at the next open),
 // RocksDB's automatic recovery is turned off (we recover only what is safe), and the disk
 // tier stays off until the server restarts. Reads keep working.
+//
+// RocksDB's own info log ("LOG") is the one file RocksDB writes by itself at any time, outside
+// the reserve's checks: a periodic flush every 10 s, and on the next line logged 5 s after the
+// last flush. Its default logger (EnvLogger) writes through the same asserting writer, so one
+// flush on a full disk and then any later line (DB::Resume logs "Resuming DB" when the disk
+// tier recovers) aborted the server: issue 16, defect 3, 4 in 10 disk-full runs, depending on
+// whether a 10 s tick fell while the disk was full. The store logs through InfoLog instead.
 #include "cache_server/disk_store.h"
 
 #if SPARSEX_WITH_ROCKSDB
@@ -26,12 +33,19 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <mutex>
 #include <shared_mutex>
@@ -53,6 +67,67 @@ absl::Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   else if (s.IsInvalidArgument()) code = absl::StatusCode::kInvalidArgument;
   return absl::Status(code, absl::StrCat("rocksdb ", absl::string_view(what.data(), what.size()), ": ", s.ToString()));
 }
+
+// RocksDB's info log with plain write(2) calls whose errors are ignored: on a full disk lines
+// are dropped (and counted in the next line that gets through), never fatal. One line is one
+// O_APPEND write, so threads need no lock. The previous log is kept as LOG.old.
+class InfoLog final : public rocksdb::Logger {
+ public:
+  InfoLog(const std::string& path, rocksdb::InfoLogLevel level) : rocksdb::Logger(level) {
+    (void)std::rename(path.c_str(), (path + ".old").c_str());
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  }
+  ~InfoLog() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    if (fd_ < 0) return;
+    struct timeval tv{};
+    gettimeofday(&tv, nullptr);
+    struct tm t{};
+    localtime_r(&tv.tv_sec, &t);
+    char head[96];
+    int n = std::snprintf(head, sizeof(head), "%04d/%02d/%02d-%02d:%02d:%02d.%06ld %lx ",
+                          t.tm_year + 1900, t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min,
+                          t.tm_sec, static_cast<long>(tv.tv_usec),
+                          static_cast<unsigned long>(gettid()));
+    std::string line(head, std::max(n, 0));
+    if (const uint64_t lost = dropped_.load(std::memory_order_relaxed); lost > 0) {
+      line += "[" + std::to_string(lost) + " earlier lines dropped: write failed] ";
+    }
+    va_list copy;
+    va_copy(copy, ap);
+    char body[1024];
+    const int len = std::vsnprintf(body, sizeof(body), format, copy);
+    va_end(copy);
+    if (len < 0) return;
+    if (static_cast<size_t>(len) < sizeof(body)) {
+      line.append(body, len);
+    } else {
+      const size_t at = line.size();
+      line.resize(at + len + 1);
+      std::vsnprintf(line.data() + at, len + 1, format, ap);
+      line.resize(at + len);
+    }
+    if (line.empty() || line.back() != '\n') line.push_back('\n');
+    if (::write(fd_, line.data(), line.size()) == static_cast<ssize_t>(line.size())) {
+      dropped_.store(0, std::memory_order_relaxed);
+    } else {
+      dropped_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  size_t GetLogFileSize() const override {
+    struct stat st{};
+    return fd_ >= 0 && fstat(fd_, &st) == 0 ? static_cast<size_t>(st.st_size) : 0;
+  }
+
+ private:
+  int fd_ = -1;
+  std::atomic<uint64_t> dropped_{0};
+};
 
 // Notes a failed WAL write (see the top of this file) and keeps RocksDB from recovering by
 // itself: RocksDbStore::Recover decides.
@@ -117,6 +192,10 @@ class RocksDbStore final : public DiskStore {
       return absl::ResourceExhaustedError(absl::StrCat(
           "disk_full: ", free, " bytes free in ", o.path, ", too little to create the disk tier"));
     }
+    // Not RocksDB's own logger, which aborts after one failed write (see the top of this
+    // file). One logger for the store's life: reopening appends to the same LOG.
+    std::filesystem::create_directories(o.path, ec);
+    store->dbo_.info_log = std::make_shared<InfoLog>(o.path + "/LOG", store->dbo_.info_log_level);
     if (exists && !store->RoomToOpenWritable()) {
       // The blocks are there: serve them read-only until Recover() finds the room.
       rocksdb::Status ro = store->OpenLocked(/*read_only=*/true);
