@@ -57,7 +57,7 @@ absl::StatusOr<std::unique_ptr<CacheServer>> CacheServer::Start(const ServerOpti
   ASSIGN_OR_RETURN(s.cache, BlockCache::Open(co, s.transport->arena(),
                                              s.transport->arena_bytes(), &s.registry));
 
-  EnableGrpcHealth();
+  EnableGrpcStandardServices();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options.address, ":", options.grpc_port),
                            grpc::InsecureServerCredentials(), &s.grpc_port);

@@ -1,3 +1,7 @@
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
 #include <grpcpp/grpcpp.h>
 
 #include "proto/grpc_health.h"
@@ -53,14 +57,28 @@ class SparseXService final : public v1::SparseX::Service {
 struct GrpcFrontend::Impl {
   std::unique_ptr<SparseXService> service;
   std::unique_ptr<grpc::Server> server;
+  // grpc.health.v1 status of "sparsex.v1.SparseX": SERVING while at least one healthy worker
+  // serves the model (what /healthz says), so a gRPC readiness probe takes a router without
+  // workers out of rotation; "" (liveness) stays SERVING until shutdown, so losing every
+  // worker never restarts routers. Worker health changes inside Router (etcd, keepalive,
+  // failed calls) without a notification, so this thread follows it.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  std::thread watcher;
 };
+
+namespace {
+constexpr char kServiceName[] = "sparsex.v1.SparseX";
+constexpr auto kHealthFollowPeriod = std::chrono::milliseconds(100);  // well under probe periods
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcFrontend>> GrpcFrontend::Start(Router* router,
                                                                   const std::string& address) {
   std::unique_ptr<GrpcFrontend> f(new GrpcFrontend());
   f->impl_ = std::make_unique<Impl>();
   f->impl_->service = std::make_unique<SparseXService>(router);
-  EnableGrpcHealth();
+  EnableGrpcStandardServices();
   grpc::ServerBuilder b;
   b.AddListeningPort(address, grpc::InsecureServerCredentials(), &f->port_);
   b.RegisterService(f->impl_->service.get());
@@ -69,14 +87,33 @@ absl::StatusOr<std::unique_ptr<GrpcFrontend>> GrpcFrontend::Start(Router* router
   if (!f->impl_->server || f->port_ == 0) {
     return absl::UnavailableError("router: cannot listen on " + address + " (gRPC)");
   }
+  Impl* impl = f->impl_.get();
+  bool serving = router->Health().serving();
+  SetGrpcServiceServing(impl->server.get(), kServiceName, serving);
+  impl->watcher = std::thread([impl, router, serving]() mutable {
+    std::unique_lock<std::mutex> l(impl->mu);
+    while (!impl->cv.wait_for(l, kHealthFollowPeriod, [impl] { return impl->stop; })) {
+      const bool now = router->Health().serving();
+      if (now != serving) SetGrpcServiceServing(impl->server.get(), kServiceName, now);
+      serving = now;
+    }
+  });
   return f;
 }
 
 GrpcFrontend::~GrpcFrontend() { Shutdown(); }
 
 void GrpcFrontend::Shutdown() {
+  if (impl_ && impl_->watcher.joinable()) {
+    {
+      std::lock_guard<std::mutex> l(impl_->mu);
+      impl_->stop = true;
+    }
+    impl_->cv.notify_all();
+    impl_->watcher.join();
+  }
   if (impl_ && impl_->server) {
-    SetGrpcServing(impl_->server.get(), false);
+    SetGrpcServing(impl_->server.get(), false, {kServiceName});
     impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     impl_->server.reset();
   }

@@ -134,7 +134,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
 
   // gRPC.
   s.service = internal::NewWorkerService(&s);
-  EnableGrpcHealth();
+  EnableGrpcStandardServices();
   grpc::ServerBuilder b;
   b.AddListeningPort(absl::StrCat(options.address, ":", options.port),
                      grpc::InsecureServerCredentials(), &s.port);

@@ -74,7 +74,7 @@ std::string Get(const std::string& host_port, const std::string& path) {
   return r.ok() ? r->body : "";
 }
 
-constexpr int kWorkers = 3;  // three destructive tests at the end take one each
+constexpr int kWorkers = 4;  // four destructive tests at the end take one each
 
 class ClusterTest : public ::testing::Test {
  protected:
@@ -242,6 +242,39 @@ class ClusterTest : public ::testing::Test {
       return "";
     }
     return dir;
+  }
+
+  // spx_health.js, a grpc.health.v1 client built from the npm grpc-health-check package's
+  // exported service definition:
+  //   node spx_health.js check host:port=service ...  one Check each, prints {"host:port=service":
+  //                                                   "SERVING" | "NOT_SERVING" | "error <code>"}
+  //   node spx_health.js watch host:port ...          Watch on each: one JSON line per update
+  //                                                   {"target", "status"}, {"target", "end":
+  //                                                   code} when its stream ends; runs until killed
+  static void WriteHealthScript(const std::string& dir) {
+    std::ofstream(dir + "/spx_health.js") << R"JS(
+const grpc = require('@grpc/grpc-js');
+const { service } = require('grpc-health-check');
+const Health = grpc.makeGenericClientConstructor(service, 'Health');
+const [mode, ...args] = process.argv.slice(2);
+if (mode === 'watch') {
+  for (const target of args) {
+    const call = new Health(target, grpc.credentials.createInsecure()).Watch({ service: '' });
+    call.on('data', (r) => console.log(JSON.stringify({ target, status: r.status })));
+    call.on('error', (e) => console.log(JSON.stringify({ target, end: e.code })));
+  }
+} else {
+  const out = {};
+  let left = args.length;
+  for (const arg of args) {
+    const [target, name] = arg.split('=');
+    new Health(target, grpc.credentials.createInsecure()).Check({ service: name }, (err, r) => {
+      out[arg] = err ? ('error ' + err.code) : r.status;
+      if (--left === 0) { console.log(JSON.stringify(out)); process.exit(0); }
+    });
+  }
+}
+)JS";
   }
 
   static std::string run_dir_;
@@ -1019,6 +1052,78 @@ for (const target of process.argv.slice(2)) {
   }
 }
 
+// The same protocol through the official Node package for it, grpc-health-check (gRFC L106): its
+// exported `service` definition makes the client (the package's server side is not used). The
+// router's own service name answers too: it is what the Kubernetes readiness probe asks.
+TEST_F(ClusterTest, GrpcHealthCheckNpmPackageOnEveryServer) {
+  const std::string dir = NpmDir("@grpc/grpc-js grpc-health-check");
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-health-check: " << last_npm_error_;
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  WriteHealthScript(dir);
+  const std::string targets = env_["ROUTER_GRPC"] + "= " + env_["ROUTER_GRPC"] +
+                              "=sparsex.v1.SparseX " + env_["ROUTER_GRPC"] + "=no.such.Service " +
+                              env_["WORKER0_GRPC"] + "= " + env_["CACHE0_GRPC"] + "=";
+  auto [rc, out] = Shell("cd " + dir + " && node spx_health.js check " + targets + " 2>&1", 60s);
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "="], "SERVING") << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX"], "SERVING") << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=no.such.Service"], "error 5") << out;  // NOT_FOUND
+  EXPECT_EQ(j[env_["WORKER0_GRPC"] + "="], "SERVING") << out;
+  EXPECT_EQ(j[env_["CACHE0_GRPC"] + "="], "SERVING") << out;
+}
+
+// Server reflection, listed by a real reflection client (npm grpc-js-reflection-client, which
+// speaks grpc.reflection.v1alpha like grpcurl) on every server; it also fetches the descriptor
+// of each server's own service, so a client without proto/ can call it.
+TEST_F(ClusterTest, GrpcReflectionListsTheServices) {
+  const std::string dir = NpmDir("@grpc/grpc-js grpc-js-reflection-client");
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-js-reflection-client: " << last_npm_error_;
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  std::ofstream(dir + "/spx_reflection.js") << R"JS(
+const grpc = require('@grpc/grpc-js');
+const { GrpcReflection } = require('grpc-js-reflection-client');
+(async () => {
+  const out = {};
+  for (const arg of process.argv.slice(2)) {
+    const [target, own] = arg.split('=');
+    const c = new GrpcReflection(target, grpc.credentials.createInsecure());
+    const services = await c.listServices();
+    const methods = (await c.listMethods(own)).map((m) => m.name);
+    out[target] = { services, methods };
+  }
+  console.log(JSON.stringify(out));
+  process.exit(0);
+})().catch((e) => { console.log('error ' + (e && e.stack || e)); process.exit(1); });
+)JS";
+  const std::string args = env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX " + env_["WORKER0_GRPC"] +
+                           "=sparsex.worker.v1.Worker " + env_["CACHE0_GRPC"] +
+                           "=sparsex.cache.v1.CacheService";
+  auto [rc, out] = Shell("cd " + dir + " && node spx_reflection.js " + args + " 2>&1", 60s);
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  auto has = [&](const char* k, const std::string& svc) {
+    for (const auto& s : j[env_[k]]["services"]) {
+      if (s == svc) return true;
+    }
+    return false;
+  };
+  const std::string common[] = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"};
+  for (const auto& [k, own] : {std::pair<const char*, std::string>{"ROUTER_GRPC", "sparsex.v1.SparseX"},
+                               {"WORKER0_GRPC", "sparsex.worker.v1.Worker"},
+                               {"CACHE0_GRPC", "sparsex.cache.v1.CacheService"}}) {
+    EXPECT_TRUE(has(k, own)) << k << ": " << out;
+    for (const std::string& c : common) EXPECT_TRUE(has(k, c)) << k << " lacks " << c << ": " << out;
+    EXPECT_FALSE(j[env_[k]]["methods"].empty()) << k << ": " << out;
+  }
+  const json& rm = j[env_["ROUTER_GRPC"]]["methods"];
+  for (const char* m : {"Generate", "Tokenize", "ListModels", "Health"}) {
+    EXPECT_NE(std::find(rm.begin(), rm.end(), m), rm.end()) << m << ": " << out;
+  }
+}
+
 TEST_F(ClusterTest, RagDemoClientRuns) {
   auto [rc, out] = Shell(BinDir() + "/sparsex-rag --target " + env_["ROUTER_GRPC"] + " --docs " +
                        ModelsDir() + "/tinystories-text/tinystories_sample.txt --requests 8 "
@@ -1173,6 +1278,91 @@ TEST_F(ClusterTest, StaticMembersAndLoadShedding) {
   EXPECT_TRUE(WaitKvFree());
 }
 
+// The first destructive test. A worker that receives SIGTERM drains: grpc.health.v1 on it turns
+// NOT_SERVING at once (seen by a Watch of the npm grpc-health-check client) while its running
+// request still completes, so probes and health-checking balancers stop sending it work; the
+// router, with other workers left, stays SERVING (overall and for sparsex.v1.SparseX) and
+// routes new requests to them.
+TEST_F(ClusterTest, SigtermDrainingWorkerReportsNotServingWhileOthersServe) {
+  const std::string dir = NpmDir("@grpc/grpc-js grpc-health-check");
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-health-check: " << last_npm_error_;
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  WriteHealthScript(dir);
+  ASSERT_TRUE(WaitKvFree());
+  // Watches on every worker first (node starts in ~0.5 s, longer than the request may run), so
+  // the one that gets the request is already watched.
+  const std::string log = run_dir_ + "/drain_watch.log";
+  std::string targets;
+  for (int i = 0; i < kWorkers; ++i) targets += " " + env_["WORKER" + std::to_string(i) + "_GRPC"];
+  // Detached (no inherited pipes), so Shell returns while the Watches stay open.
+  auto [wrc, wpid] = Shell("cd " + dir + " && (nohup node spx_health.js watch" + targets + " >" +
+                           log + " 2>&1 </dev/null & echo $!)");
+  ASSERT_EQ(wrc, 0) << wpid;
+  const std::string watch_pid = wpid.substr(0, wpid.find_first_not_of("0123456789"));
+  auto read_log = [&] {
+    std::ifstream f(log);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  auto log_has = [&](const std::string& needle, std::chrono::milliseconds timeout) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    do {
+      if (read_log().find(needle) != std::string::npos) return true;
+      std::this_thread::sleep_for(10ms);
+    } while (std::chrono::steady_clock::now() < end);
+    return false;
+  };
+  auto line = [&](int w, const std::string& rest) {
+    return R"({"target":")" + env_["WORKER" + std::to_string(w) + "_GRPC"] + "\"," + rest;
+  };
+  for (int i = 0; i < kWorkers; ++i) {
+    ASSERT_TRUE(log_has(line(i, R"("status":"SERVING")"), 15s)) << read_log();
+  }
+  v1::GenerateRequest r = Rag({12}, "Q:", 1200);
+  r.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 90s);
+  auto reader = stub_->Generate(&ctx, r);
+  v1::GenerateResponse m;
+  ASSERT_TRUE(reader->Read(&m));
+  int victim = -1;
+  for (int i = 0; i < kWorkers; ++i) {
+    if (MetricValue(WorkerMetrics(i), "sparsex_worker_running") == 1) victim = i;
+  }
+  ASSERT_GE(victim, 0);
+  const std::string wk = "WORKER" + std::to_string(victim);
+  ASSERT_EQ(::kill(std::stoi(env_[wk + "_PID"]), SIGTERM), 0);
+  ASSERT_TRUE(log_has(line(victim, R"("status":"NOT_SERVING")"), 5s)) << read_log();
+  // NOT_SERVING while the request still runs on the draining worker.
+  EXPECT_EQ(MetricValue(WorkerMetrics(victim), "sparsex_worker_running"), 1);
+  auto [rc, out] = Shell("cd " + dir + " && node spx_health.js check " + env_["ROUTER_GRPC"] + "= " +
+                         env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX 2>&1", 30s);
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "="], "SERVING") << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX"], "SERVING") << out;
+  Gen other = Generate(Rag({1}, "Q:", 4), 30s);
+  EXPECT_TRUE(other.status.ok()) << other.status.error_message();
+  EXPECT_NE(other.worker, "worker-" + std::to_string(victim));
+  bool finished = false;
+  while (reader->Read(&m)) finished = finished || m.finished();
+  grpc::Status s = reader->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(finished);
+  EXPECT_EQ(m.usage().completion_tokens(), 1200);
+  // The drained worker exits, which ends its Watch (grpc++ closes health watches on shutdown),
+  // while the other workers' Watches saw SERVING only.
+  EXPECT_TRUE(log_has(line(victim, R"("end":)"), 15s)) << read_log();
+  const std::string all = read_log();
+  for (int i = 0; i < kWorkers; ++i) {
+    if (i != victim) EXPECT_EQ(all.find(line(i, R"("status":"NOT_SERVING")")), std::string::npos) << all;
+  }
+  if (!watch_pid.empty()) ::kill(std::stoi(watch_pid), SIGKILL);
+  WaitKvFree();
+}
+
 // Last: kills a worker.
 TEST_F(ClusterTest, WorkerKilledMidStreamThenOthersServe) {
   ASSERT_TRUE(WaitKvFree());
@@ -1296,6 +1486,19 @@ TEST_F(ClusterTest, SigtermDrainsTheLastWorker) {
   auto hz = http::HttpRequest(env_["ROUTER_HTTP"], "GET", "/healthz");
   ASSERT_TRUE(hz.ok());
   EXPECT_EQ(hz->status, 503);
+  // gRPC health says the same: sparsex.v1.SparseX (the readiness probe's service) NOT_SERVING,
+  // the router process itself ("", liveness) still SERVING.
+  const std::string dir = NpmDir("@grpc/grpc-js grpc-health-check");
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-health-check: " << last_npm_error_;
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  WriteHealthScript(dir);
+  auto [rc, out] = Shell("cd " + dir + " && node spx_health.js check " + env_["ROUTER_GRPC"] + "= " +
+                         env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX 2>&1", 30s);
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "="], "SERVING") << out;
+  EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX"], "NOT_SERVING") << out;
 }
 
 }  // namespace
