@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <random>
+#include <span>
 #include <sstream>
 
 #include "tests/gpu_worker/test_util.h"
@@ -19,6 +20,26 @@ std::vector<int32_t> ReadIds(const std::string& path) {
   int32_t x;
   while (f >> x) ids.push_back(x);
   return ids;
+}
+
+// Admits and prefills each text twice (into *a and *b: one copy per way of stepping them) and
+// returns the greedy next token of each.
+std::vector<int32_t> PrefillTwice(Engine& e, const Model& model, std::span<const char* const> texts,
+                                  std::vector<Sequence>* a, std::vector<Sequence>* b) {
+  std::vector<int32_t> tok;
+  for (const char* t : texts) {
+    for (auto* v : {a, b}) {
+      auto s = e.Admit(model.tokenizer().Encode(t, true));
+      EXPECT_TRUE(s.ok());
+      if (!s.ok()) return {};
+      auto lg = e.Prefill(*s);
+      EXPECT_TRUE(lg.ok());
+      if (!lg.ok()) return {};
+      if (v == a) tok.push_back(Argmax(*lg));
+      v->push_back(std::move(*s));
+    }
+  }
+  return tok;
 }
 
 TEST(Engine, GreedyFromBosReproducesTheOracle) {
@@ -203,17 +224,8 @@ TEST(Engine, BatchedDecodeStepEqualsSteppingEachSequence) {
   const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day",
                          "The sun was hot and the birds sang in the tall green trees. Lily"};
   std::vector<Sequence> a, b;
-  std::vector<int32_t> tok;
-  for (const char* t : texts) {
-    for (auto* v : {&a, &b}) {
-      auto s = e.Admit(model->tokenizer().Encode(t, true));
-      ASSERT_TRUE(s.ok());
-      auto lg = e.Prefill(*s);
-      ASSERT_TRUE(lg.ok());
-      if (v == &a) tok.push_back(Argmax(*lg));
-      v->push_back(std::move(*s));
-    }
-  }
+  std::vector<int32_t> tok = PrefillTwice(e, *model, texts, &a, &b);
+  ASSERT_EQ(tok.size(), std::size(texts));
   for (int step = 0; step < 20; ++step) {
     std::vector<Sequence*> ptrs = {&a[0], &a[1], &a[2]};
     auto batched = e.StepBatch(ptrs, tok);
@@ -260,17 +272,8 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
       "The sun was hot and the birds sang in the tall green trees. Lily and Tom went to the "
       "pond to see the ducks, and they took some bread with them.", true);
   std::vector<Sequence> a, b;  // a: mixed passes, b: separate ones
-  std::vector<int32_t> tok;
-  for (const char* t : texts) {
-    for (auto* v : {&a, &b}) {
-      auto s = e.Admit(model->tokenizer().Encode(t, true));
-      ASSERT_TRUE(s.ok());
-      auto lg = e.Prefill(*s);
-      ASSERT_TRUE(lg.ok());
-      if (v == &a) tok.push_back(Argmax(*lg));
-      v->push_back(std::move(*s));
-    }
-  }
+  std::vector<int32_t> tok = PrefillTwice(e, *model, texts, &a, &b);
+  ASSERT_EQ(tok.size(), std::size(texts));
   auto pa = e.Admit(prompt);
   auto pb = e.Admit(prompt);
   ASSERT_TRUE(pa.ok() && pb.ok());
