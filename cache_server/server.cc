@@ -97,6 +97,8 @@ void CacheServer::Shutdown() {
   s_->shut_down = true;
   lock.unlock();
   if (s_->service) s_->service->SetServing(false);
+  // grpc.health.v1 (the Kubernetes probes) says NOT_SERVING at the same moment as /healthz.
+  SetGrpcServing(s_->grpc.get(), false);
   if (s_->grpc) s_->grpc->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   s_->http.reset();
   s_->cache.reset();

@@ -9,7 +9,11 @@ Checks, without a cluster:
     package is missing)
   * workloads: selectors match their pod labels; StatefulSets name an existing headless Service;
     every container of a SparseX component has readiness and liveness probes whose port is a
-    declared container port and whose path is a health endpoint that binary serves
+    declared container port and whose path is a health endpoint that binary serves; a `grpc`
+    probe (Kubernetes >= 1.24) names the container's gRPC port by number and a grpc.health.v1
+    service that binary reports (GRPC_HEALTH_SERVICES); the router's readiness asks for
+    sparsex.v1.SparseX (SERVING only with a healthy worker) and the worker's liveness is not
+    gRPC (NOT_SERVING while draining would restart it mid-drain)
   * services: each selects at least one pod template, and each target port exists there
   * flags: every --flag in a SparseX container's args exists in that binary's sources
     (cache_server/main.cc, gpu_worker/service/main.cc, router/main.cc); the ports in the flags
@@ -169,6 +173,9 @@ def schema_check(objs):
                 return err(f"{path}: expected a {typ} mapping, got {type(value).__name__}")
             json_to_attr = {v: k for k, v in cls.attribute_map.items()}
             for k, v in value.items():
+                if typ == "V1Probe" and k == "grpc" and k not in json_to_attr:
+                    check_grpc_action(v, f"{path}.{k}")
+                    continue
                 if k not in json_to_attr:
                     err(f"{path}: unknown field '{k}' ({typ})")
                     continue
@@ -185,6 +192,22 @@ def schema_check(objs):
             api._ApiClient__deserialize(body, cls.__name__)  # raises on missing required fields
         except (ValueError, TypeError) as e:
             err(f"{oid(o)}: {e}")
+
+
+def check_grpc_action(value, path):
+    """Probe.grpc (GRPCAction, Kubernetes >= 1.24), which the python3-kubernetes models of
+    Debian 12 (client 22.6, API 1.22) predate: port (int32, required; a name is not allowed),
+    service (string, optional)."""
+    if not isinstance(value, dict):
+        return err(f"{path}: expected a V1GRPCAction mapping, got {type(value).__name__}")
+    for k in value:
+        if k not in ("port", "service"):
+            err(f"{path}: unknown field '{k}' (V1GRPCAction)")
+    port = value.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        err(f"{path}.port: must be a port number (1-65535; names are not allowed), got {port!r}")
+    if "service" in value and not isinstance(value["service"], str):
+        err(f"{path}.service: expected a string, got {value['service']!r}")
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -232,6 +255,16 @@ HEALTH_PATHS = {
     "sparsex/router": {"/healthz", "/metrics"},
     "quay.io/coreos/etcd": {"/health", "/health?serializable=true", "/metrics"},
     "prom/prometheus": {"/-/ready", "/-/healthy"},
+}
+
+# grpc.health.v1 service names each binary reports (proto/grpc_health.h): "" is the process; the
+# router also reports sparsex.v1.SparseX, SERVING only while a worker is healthy
+# (router/grpc_frontend.cc).
+GRPC_HEALTH_SERVICES = {
+    "sparsex/cache-server": {""},
+    "sparsex/worker": {""},
+    "sparsex/worker-cpu": {""},
+    "sparsex/router": {"", "sparsex.v1.SparseX"},
 }
 
 
@@ -321,9 +354,29 @@ def check_workloads(objs):
                     if kind != "startupProbe" and (sparsex or image in HEALTH_PATHS):
                         err(f"{where}: no {kind}")
                     continue
+                if "grpc" in probe:
+                    g = probe["grpc"] or {}
+                    if not isinstance(g, dict):
+                        continue  # reported by the schema check
+                    if sparsex and g.get("port") != ports.get("grpc"):
+                        err(f"{where}: {kind} grpc port {g.get('port')!r} is not the container's "
+                            f"grpc port ({ports.get('grpc')!r})")
+                    elif g.get("port") not in numbers:
+                        err(f"{where}: {kind} grpc port {g.get('port')!r} is not a declared container port")
+                    if image in GRPC_HEALTH_SERVICES and g.get("service", "") not in GRPC_HEALTH_SERVICES[image]:
+                        err(f"{where}: {kind} asks for grpc.health.v1 service {g.get('service')!r}, "
+                            f"which {image} does not report ({sorted(GRPC_HEALTH_SERVICES[image])})")
+                    if image == "sparsex/router" and kind == "readinessProbe" and \
+                            g.get("service") != "sparsex.v1.SparseX":
+                        err(f"{where}: readinessProbe must ask for service sparsex.v1.SparseX (the "
+                            "overall status stays SERVING without workers)")
+                    if image.startswith("sparsex/worker") and kind == "livenessProbe":
+                        err(f"{where}: livenessProbe must not be gRPC (a draining worker is "
+                            "NOT_SERVING: the drain would be cut short by a restart)")
+                    continue
                 handler = probe.get("httpGet") or probe.get("tcpSocket")
                 if handler is None:
-                    err(f"{where}: {kind} is neither httpGet nor tcpSocket")
+                    err(f"{where}: {kind} is none of grpc, httpGet, tcpSocket")
                     continue
                 p = handler.get("port")
                 if (isinstance(p, str) and p not in ports) or (isinstance(p, int) and p not in numbers):
