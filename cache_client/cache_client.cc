@@ -51,7 +51,15 @@ EndpointInfo EndpointFromProto(const pb::EndpointResponse& r) {
   return ep;
 }
 
+// Marks FetchInto's NOT_FOUND for a block that failed its checksum (FailedVerification).
+constexpr char kFailedVerificationPayload[] = "type.sparsex.dev/cache.FailedVerification";
+
 }  // namespace
+
+bool FailedVerification(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kNotFound &&
+         s.GetPayload(kFailedVerificationPayload).has_value();
+}
 
 struct CacheClient::Impl {
   CacheClientOptions opt;
@@ -300,6 +308,7 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
         KvBlockWireChecksum({dst[i], static_cast<size_t>(b.size())}) != b.checksum()) {
       status[i] = absl::NotFoundError(absl::StrCat("miss: ", keys[i].ToString(),
                                                    " failed checksum verification"));
+      status[i].SetPayload(kFailedVerificationPayload, absl::Cord());
       mismatched.push_back(i);
     }
     report_until(i + 1);

@@ -100,7 +100,8 @@ class CacheClient {
       std::function<void(size_t index, const absl::Status& status, std::span<const uint8_t>)>;
 
   // Leases `keys` (layer order), fetches the present ones in one batch of RMA gets, verifies
-  // them, releases the lease. Per-key status: OK or NOT_FOUND (absent, other model, corrupt);
+  // them, releases the lease. Per-key status: OK or NOT_FOUND (absent, other model, corrupt:
+  // FailedVerification tells a block whose bytes arrived and failed the checksum);
   // UNAVAILABLE "transfer_unverified" for a block that did not verify after the lease was lost
   // (not reported as corrupt). The call fails as a whole only on RPC/transport errors.
   absl::StatusOr<std::vector<absl::Status>> FetchInto(std::span<const BlockKey> keys,
@@ -139,5 +140,11 @@ class CacheClient {
   explicit CacheClient(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// True for FetchInto's per-key NOT_FOUND of a block whose bytes arrived and failed their
+// checksum (the block was reported to the server as corrupt). Still NOT_FOUND, so that callers
+// keep treating it as a miss (ClusterClient asks the next owner); this only tells why, e.g.
+// for the worker's fetch failure metric (reason "corrupt", not "incomplete").
+bool FailedVerification(const absl::Status& s);
 
 }  // namespace sparsex::cache

@@ -550,6 +550,17 @@ def fault_cache_kill(cl, a, docs, R):
         cl.kill9("cache")
         killed["fetched_before"] = cl.workers_m("sparsex_worker_fetched_segments_total") - fetched0
 
+    def log_lines(what):
+        n = 0
+        for i in cl.workers:
+            try:
+                with open(os.path.join(cl.dir, f"worker{i}.log"), errors="replace") as f:
+                    n += sum(what in line for line in f)
+            except OSError:
+                pass
+        return n
+
+    wb_lines0 = log_lines("write-back failed")
     kt = threading.Thread(target=killer)
     t = time.time()
     kt.start()
@@ -561,6 +572,10 @@ def fault_cache_kill(cl, a, docs, R):
     j = judge(res, ref, [control])
     fetched = sum(r["usage"].get("segments_fetched", 0) for r in res if r["ok"])
     failures = sum(r["usage"].get("fetch_failures", 0) for r in res if r["ok"])
+    # Write-back failures are logged at most once per 5 s per worker (they were one line each).
+    wb_seconds = time.time() - t
+    wb_lines = log_lines("write-back failed") - wb_lines0
+    wb_line_cap = len(cl.workers) * (1 + int(wb_seconds // 5) + 1)
     out = {"command": f"kill -9 <cache server pid> {a.kill_delay_s} s into {n} concurrent "
                       "requests whose segments are in the cache server only (fresh workers)",
            "concurrent_requests": n, "control_segments_fetched": ctl_fetched,
@@ -568,8 +583,10 @@ def fault_cache_kill(cl, a, docs, R):
            "segments_fetched_by_kill_time": killed.get("fetched_before"),
            "segments_fetched": fetched, "fetch_failures": failures,
            "worker_counters": fc, "completed_share": j["ok"] / n, **j,
-           "max_seconds": round(max(r["seconds"] for r in res), 2)}
-    out["pass"] = j["failed"] == 0 and j["wrong"] == 0
+           "max_seconds": round(max(r["seconds"] for r in res), 2),
+           "writeback_failure_log_lines": wb_lines,
+           "writeback_failure_log_line_cap": wb_line_cap}
+    out["pass"] = j["failed"] == 0 and j["wrong"] == 0 and wb_lines <= wb_line_cap
     # Back to a cache server for the next faults (same port, same RocksDB directory).
     cl.start_cache()
     return out

@@ -2,6 +2,7 @@
 // fetch thread) and write-back after the engine stored a segment (the write-back thread).
 #include <map>
 
+#include "gpu_worker/service/log_limiter.h"
 #include "gpu_worker/service/worker_state.h"
 
 namespace sparsex::service {
@@ -34,11 +35,8 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   if (f.failures > 0) {
     // Say why at once (rate-limited): a fetch that cannot succeed is recomputed, and only
     // this line and the metric tell the operator.
-    static std::atomic<int64_t> last_log_s{0};
-    const int64_t now_s =
-        std::chrono::duration_cast<std::chrono::seconds>(Clock::now().time_since_epoch()).count();
-    int64_t prev = last_log_s.load();
-    if (now_s - prev >= 5 && last_log_s.compare_exchange_strong(prev, now_s)) {
+    static LogLimiter limit(std::chrono::seconds(5));
+    if (uint64_t held = 0; limit.Admit(Clock::now(), &held)) {
       std::map<std::string, int> by;
       for (const std::string& why : f.failure_reasons) ++by[why];
       std::string reasons;
@@ -48,7 +46,11 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
                                          " segments not fetched (", reasons,
                                          "); recomputed. 'incomplete': the server holds only "
                                          "some layers (evicted: its memory/disk capacity is "
-                                         "too small for this model's segments)"));
+                                         "too small for this model's segments)",
+                                         held > 0 ? absl::StrCat(" [", held, " more fetches "
+                                                                 "with failures since the last "
+                                                                 "line]")
+                                                  : std::string()));
     }
   }
   item.segments_fetched = f.fetched;
@@ -73,8 +75,16 @@ void WorkerServer::State::WriteBackLoop() {
       if (kv) {
         absl::Status s = tier->Put(fp, *kv, r, tp);
         m->writeback->Get({s.ok() ? "ok" : "error"}).Inc();
-        if (!s.ok())
-          internal::LogLine(worker_id, absl::StrCat("write-back failed: ", s.ToString()));
+        // One line per 5 s (a cache outage fails every write-back); the metric counts all.
+        static internal::LogLimiter limit(std::chrono::seconds(5));
+        if (uint64_t held = 0; !s.ok() && limit.Admit(internal::Clock::now(), &held)) {
+          internal::LogLine(worker_id,
+                            absl::StrCat("write-back failed: ", s.ToString(),
+                                         held > 0 ? absl::StrCat(" [", held,
+                                                                 " more write-backs failed since "
+                                                                 "the last line]")
+                                                  : std::string()));
+        }
       } else {
         m->writeback->Get({"evicted"}).Inc();
       }

@@ -191,8 +191,11 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
       if (!reason[s].empty()) continue;
       const absl::Status ks = st.ok() ? (*st)[i - begin] : st.status();
       if (!ks.ok()) {
-        // NOT_FOUND after a positive lookup: evicted meanwhile, or dropped as corrupt.
-        reason[s] = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
+        // NOT_FOUND after a positive lookup: evicted meanwhile ("incomplete"), or its bytes
+        // failed the checksum ("corrupt"; the client already reported it to the server, which
+        // verifies before dropping it, so it is not evicted here: marked "corrupt_reported").
+        if (cache::FailedVerification(ks)) reason[s] = "corrupt_reported";
+        else reason[s] = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
         continue;
       }
       out.bytes += size[i - begin];
@@ -204,6 +207,10 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     begin = end;
   }
   for (size_t s = 0; s < present.size(); ++s) {
+    if (reason[s] == "corrupt_reported") {
+      fail("corrupt");
+      continue;
+    }
     if (!reason[s].empty()) {
       fail(reason[s]);
       if (reason[s] == "corrupt") {

@@ -136,6 +136,52 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   EXPECT_EQ(g.failures, 0);
 }
 
+// Issue 16, fault suite finding 2: a block whose bytes arrive and fail their checksum was
+// counted as an "incomplete" fetch (the client answers it NOT_FOUND, a miss); it is "corrupt".
+// The tier leaves it to the client's report (the server re-verifies and drops it).
+TEST_F(KvTierServerTest, ABlockThatFailsItsChecksumIsCountedCorrupt) {
+  const Hash128 seg{300, 1};
+  const SegmentKv kv = MakeKv(12, 7.0f);
+  cache::CacheClientOptions co;
+  co.address = server_->grpc_address();
+  co.model_fp = model_;
+  auto client = cache::CacheClient::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  cache::Reservation layer1;
+  uint64_t layer1_size = 0;
+  for (int l = kLayers - 1; l >= 0; --l) {
+    auto blk = EncodeSegmentLayer(model_, seg, kv, l);
+    ASSERT_TRUE(blk.ok());
+    auto r = (*client)->Reserve({seg, static_cast<uint32_t>(l), static_cast<uint32_t>(l + 1)},
+                                blk->size());
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE((*client)->Write(*r, KvBlockBytes(*blk)).ok());
+    ASSERT_TRUE((*client)->Commit(*r, KvBlockWireChecksum(KvBlockBytes(*blk))).ok());
+    if (l == 1) {
+      layer1 = *r;
+      layer1_size = blk->size();
+    }
+  }
+  // A stray write into layer 1's committed payload: its memory copy no longer verifies.
+  const std::string junk(64, '\x5a');
+  ASSERT_TRUE((*client)->Write(layer1, KvBlockBytes(junk), layer1_size - 100).ok());
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<SegmentRef> refs = {{seg, 12}};
+  FetchOutcome f = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(f.fetched, 0);
+  EXPECT_EQ(f.failures, 1);
+  ASSERT_EQ(f.failure_reasons.size(), 1u);
+  EXPECT_EQ(f.failure_reasons[0], "corrupt");  // was "incomplete"
+  EXPECT_FALSE(store.Contains(seg));
+  auto st = (*client)->Stats();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->corrupt_blocks, 1u);  // the client's report, confirmed by the server
+  ASSERT_TRUE(tier_->Put(seg, kv).ok());
+  FetchOutcome g = tier_->FetchMissing(refs, &store);
+  EXPECT_EQ(g.fetched, 1);
+  EXPECT_EQ(g.failures, 0);
+}
+
 // Tensor parallelism: each rank writes and fetches only its KV-head share, under its own key;
 // the local stores keep the segment's own fingerprint.
 TEST_F(KvTierServerTest, TensorParallelRanksMoveTheirOwnShares) {
