@@ -6,7 +6,8 @@
 // Disk health (issue 16): before each disk write the free space of the disk's filesystem is
 // checked against disk_reserve_bytes; a write that would go below it, or a write that fails,
 // degrades the disk tier: nothing more is written to it, commits keep their blocks in memory
-// only (and succeed), evicting such a block drops it, deletes that fail are queued. The
+// only (and succeed), evicting such a block drops it, deletes are queued (a delete writes to
+// RocksDB too, and the disk may be full to the last byte; a failed one is queued as well). The
 // sweeper re-checks every disk_recheck_ms; once the free space is back above the reserve
 // (+1/8) and the store is writable again (DiskStore::Recover), the queued deletes run and the
 // tier is written again. Blocks committed while degraded reach the disk when they are
@@ -313,6 +314,13 @@ void CacheCore::DegradeDisk(const std::string& why, uint64_t bytes) {
 
 void CacheCore::DeleteFromDiskLocked(const BlockKey& k) {
   if (!disk_) return;
+  // While degraded the disk may be full to the last byte (another process took the reserve).
+  // A delete appends to RocksDB's WAL too, and a failed WAL append is fatal to this RocksDB
+  // (rocksdb_store.cc): queue it, RecheckDisk runs it before the disk is written again.
+  if (disk_degraded_.load()) {
+    if (pending_deletes_.size() < 100000) pending_deletes_.push_back(k);
+    return;
+  }
   absl::Status s = disk_->Delete(k);
   if (s.ok()) return;
   // Bounded: a delete that is lost leaves a valid block on disk, which at worst comes back
@@ -351,28 +359,33 @@ void CacheCore::RecheckDisk() {
     disk_status_ = absl::StrCat("disk_recovering: ", s.message());
     return;
   }
-  std::vector<BlockKey> deletes;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    deletes.swap(pending_deletes_);
-  }
-  for (size_t i = 0; i < deletes.size(); ++i) {
-    if (absl::Status s = disk_->Delete(deletes[i]); !s.ok()) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        pending_deletes_.insert(pending_deletes_.end(), deletes.begin() + i, deletes.end());
+  for (;;) {
+    std::vector<BlockKey> deletes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pending_deletes_.empty()) {
+        // Under mu_, so that no delete is queued after this (DeleteFromDiskLocked queues while
+        // degraded): it would wait for the next recovery and could then delete a newer copy.
+        std::lock_guard<std::mutex> dl(disk_mu_);
+        disk_status_.clear();
+        disk_refused_bytes_ = 0;
+        disk_degraded_.store(false);
+        Set(m_.disk_degraded, 0);
+        break;
       }
-      std::lock_guard<std::mutex> lock(disk_mu_);
-      disk_status_ = absl::StrCat("disk_recovering: ", s.message());
-      return;
+      deletes.swap(pending_deletes_);
     }
-  }
-  {
-    std::lock_guard<std::mutex> lock(disk_mu_);
-    disk_status_.clear();
-    disk_refused_bytes_ = 0;
-    disk_degraded_.store(false);
-    Set(m_.disk_degraded, 0);
+    for (size_t i = 0; i < deletes.size(); ++i) {
+      if (absl::Status s = disk_->Delete(deletes[i]); !s.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          pending_deletes_.insert(pending_deletes_.end(), deletes.begin() + i, deletes.end());
+        }
+        std::lock_guard<std::mutex> lock(disk_mu_);
+        disk_status_ = absl::StrCat("disk_recovering: ", s.message());
+        return;
+      }
+    }
   }
   std::fprintf(stderr, "sparsex-cache-server: disk tier writable again (%llu bytes free)\n",
                static_cast<unsigned long long>(*free));

@@ -721,6 +721,66 @@ int InfoLogOnFullDisk(const std::string& dir) {
   return 0;
 }
 
+// A delete while the disk tier is degraded (the disk may be full to the last byte, and a delete
+// appends to RocksDB's WAL too) is queued and runs when the disk is writable again: the evicted
+// block is gone from the disk after a restart, the others and the memory-only one are there.
+int EvictWhileFull(const std::string& dir) {
+  const std::string disk = dir + "/disk";
+  DF_CHECK(MountSmallDisk(disk, "32m"));
+  CacheOptions opt;
+  opt.memory_capacity_bytes = 16 << 20;
+  opt.max_block_bytes = 2 << 20;
+  opt.disk_backend = "rocksdb";
+  opt.disk_path = disk + "/db";
+  opt.disk_reserve_bytes = 4 << 20;
+  opt.disk_recheck_ms = 10;
+  opt.warm_load_bytes = 0;
+  std::vector<uint8_t> arena(opt.memory_capacity_bytes);
+  const Hash128 model = SyntheticModel(kSeed);
+  SyntheticShape shape{256, 1024, KvDtype::kBF16};  // 1 MiB blocks
+  auto open = [&](metrics::Registry* reg) {
+    return BlockCache::Open(opt, arena.data(), arena.size(), reg);
+  };
+  auto put = [&](BlockCache& c, uint64_t seg) {
+    std::string b = SyntheticBlock(model, kSeed, seg, 0, shape);
+    auto r = c.Reserve(model, kKvLayoutVersion, SyntheticKey(kSeed, seg, 0), b.size(), 0);
+    if (!r.ok()) return r.status();
+    return c.Commit(r->id, KvBlockWireChecksum(KvBlockBytes(b)), KvBlockBytes(b), true);
+  };
+  {
+    metrics::Registry reg;
+    auto c = open(&reg);
+    DF_CHECK(c.ok());
+    for (uint64_t seg = 0; seg < 4; ++seg) DF_CHECK(put(**c, seg).ok());
+    DF_CHECK((*c)->Stats().disk_blocks == 4);
+    FillUp(disk + "/filler");
+    DF_CHECK(put(**c, 4).ok());  // memory only: degraded
+    DF_CHECK((*c)->disk_health().degraded);
+    const BlockKey gone = SyntheticKey(kSeed, 0, 0);
+    auto n = (*c)->Evict({&gone, 1}, false, false);
+    DF_CHECK(n.ok() && *n == 1);
+    DF_CHECK((*c)->Stats().disk_blocks == 3);
+    DF_CHECK(std::remove((disk + "/filler").c_str()) == 0);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while ((*c)->disk_health().degraded && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    DF_CHECK(!(*c)->disk_health().degraded);
+  }  // a clean close writes block 4
+  metrics::Registry reg;
+  auto c = open(&reg);
+  DF_CHECK(c.ok());
+  DF_CHECK((*c)->Stats().disk_blocks == 4);
+  std::vector<BlockKey> keys;
+  for (uint64_t seg = 0; seg < 5; ++seg) keys.push_back(SyntheticKey(kSeed, seg, 0));
+  auto look = (*c)->Lookup(model, kKvLayoutVersion, keys);
+  DF_CHECK(look.ok());
+  DF_CHECK((*look)[0].code == StatusCode::kNotFound);
+  for (uint64_t seg = 1; seg < 5; ++seg) DF_CHECK((*look)[seg].code == StatusCode::kOk);
+  std::fprintf(stderr, "EVICT_WHILE_FULL_PASSED\n");
+  return 0;
+}
+
 }  // namespace disk_full
 
 // Runs `body(dir)` in a death-test child (fresh single-threaded process: unshare needs it) and
@@ -751,6 +811,11 @@ void RunInSmallDiskChild(const char* prefix, int (*body)(const std::string&),
 TEST(BlockCacheDiskFullTest, RocksDbInfoLogOnAFullDiskNeverAborts) {
   RunInSmallDiskChild("sparsex-disk-log-", disk_full::InfoLogOnFullDisk,
                       "INFO_LOG_ON_FULL_DISK_PASSED");
+}
+
+TEST(BlockCacheDiskFullTest, DeletesWhileDegradedAreQueuedAndRunAtRecovery) {
+  RunInSmallDiskChild("sparsex-disk-evict-", disk_full::EvictWhileFull,
+                      "EVICT_WHILE_FULL_PASSED");
 }
 
 TEST(BlockCacheDiskFullTest, RestartOnAFullDiskServesReadOnlyAndRecovers) {
