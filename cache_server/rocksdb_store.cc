@@ -93,7 +93,7 @@ class InfoLog final : public rocksdb::Logger {
                           t.tm_year + 1900, t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min,
                           t.tm_sec, static_cast<long>(tv.tv_usec),
                           static_cast<unsigned long>(gettid()));
-    std::string line(head, std::max(n, 0));
+    std::string line(head, std::clamp<int>(n, 0, sizeof(head) - 1));
     if (const uint64_t lost = dropped_.load(std::memory_order_relaxed); lost > 0) {
       line += "[" + std::to_string(lost) + " earlier lines dropped: write failed] ";
     }
