@@ -22,6 +22,13 @@ std::vector<int32_t> ReadIds(const std::string& path) {
   return ids;
 }
 
+// An engine whose sequences never share blocks (two copies of one prompt stay independent).
+absl::StatusOr<std::unique_ptr<Engine>> EngineWithoutPrefixCache(const Model& model) {
+  EngineOptions eo;
+  eo.kv.enable_prefix_caching = false;
+  return Engine::Create(model, eo);
+}
+
 // Admits and prefills each text twice (into *a and *b: one copy per way of stepping them) and
 // returns the greedy next token of each.
 std::vector<int32_t> PrefillTwice(Engine& e, const Model& model, std::span<const char* const> texts,
@@ -216,9 +223,7 @@ TEST(Engine, SeededSamplingIsReproducibleAndCancellable) {
 TEST(Engine, BatchedDecodeStepEqualsSteppingEachSequence) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);
-  EngineOptions eo;
-  eo.kv.enable_prefix_caching = false;
-  auto engine = Engine::Create(*model, eo);
+  auto engine = EngineWithoutPrefixCache(*model);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
   const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day",
@@ -233,9 +238,7 @@ TEST(Engine, BatchedDecodeStepEqualsSteppingEachSequence) {
     for (int i = 0; i < 3; ++i) {
       auto one = e.Step(b[i], tok[i]);
       ASSERT_TRUE(one.ok());
-      float d = 0;
-      for (size_t j = 0; j < one->size(); ++j) d = std::max(d, std::abs((*one)[j] - (*batched)[i][j]));
-      EXPECT_LT(d, 1e-4) << "sequence " << i << " step " << step;
+      EXPECT_LT(testing::MaxAbsDiff(*one, (*batched)[i]), 1e-4) << "sequence " << i << " step " << step;
       tok[i] = Argmax((*batched)[i]);
     }
   }
@@ -257,16 +260,9 @@ TEST(Engine, BatchedDecodeStepEqualsSteppingEachSequence) {
 TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);
-  EngineOptions eo;
-  eo.kv.enable_prefix_caching = false;
-  auto engine = Engine::Create(*model, eo);
+  auto engine = EngineWithoutPrefixCache(*model);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
-  auto max_diff = [](const std::vector<float>& x, const std::vector<float>& y) {
-    float d = x.size() == y.size() ? 0.0f : 1e9f;
-    for (size_t j = 0; j < x.size() && j < y.size(); ++j) d = std::max(d, std::abs(x[j] - y[j]));
-    return d;
-  };
   const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day"};
   const std::vector<int32_t> prompt = model->tokenizer().Encode(
       "The sun was hot and the birds sang in the tall green trees. Lily and Tom went to the "
@@ -289,13 +285,13 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
     auto sep = e.StepBatch(bp, tok);
     ASSERT_TRUE(sep.ok());
     for (int i = 0; i < 2; ++i) {
-      EXPECT_LT(max_diff(m->decode[i], (*sep)[i]), 1e-4) << "sequence " << i << " end " << end;
+      EXPECT_LT(testing::MaxAbsDiff(m->decode[i], (*sep)[i]), 1e-4) << "sequence " << i << " end " << end;
       tok[i] = Argmax(m->decode[i]);
     }
     if (end < total) {
       EXPECT_TRUE(m->prefill.empty());
     } else {
-      EXPECT_LT(max_diff(m->prefill, *whole), 1e-4);
+      EXPECT_LT(testing::MaxAbsDiff(m->prefill, *whole), 1e-4);
     }
   }
   // A chunk that does not advance, or the prefilled sequence also decoding: clear errors.

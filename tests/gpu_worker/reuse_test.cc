@@ -48,12 +48,6 @@ class ReuseTest : public ::testing::Test {
     engine_->Release(r->seq);
     return std::move(*r);
   }
-  static float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
-    EXPECT_EQ(a.size(), b.size());
-    float m = 0;
-    for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-    return m;
-  }
 
   std::unique_ptr<Model> model_;
   std::unique_ptr<Engine> engine_;
@@ -80,7 +74,7 @@ TEST_F(ReuseTest, FullRecomputeEqualsFullPrefillForEverySelector) {
       o.budget.ratio = 1.0f;
       ReusePrefillResult r = Run(segs, o);
       EXPECT_GT(r.stats.reused_tokens, 0);
-      EXPECT_LT(MaxDiff(full, r.logits), 1e-4) << sel << " F=" << F;
+      EXPECT_LT(testing::MaxAbsDiff(full, r.logits), 1e-4) << sel << " F=" << F;
       EXPECT_NEAR(r.stats.compute_share, 1.0, 1e-9);
     }
   }
@@ -104,18 +98,18 @@ TEST_F(ReuseTest, NaiveReuseEqualsExactKvWhenTheEncodingContextMatches) {
   ReusePrefillResult r = Run(segs, o);
   EXPECT_EQ(r.stats.reused_tokens, static_cast<int>(b.size()));
   EXPECT_EQ(r.stats.selected_tokens, 0);
-  EXPECT_LT(MaxDiff(Full(segs), r.logits), 1e-4);
+  EXPECT_LT(testing::MaxAbsDiff(Full(segs), r.logits), 1e-4);
   // The same with "bos" encoding and the segment right after BOS.
   ReuseOptions ob = o;
   ob.encoding = "bos";
   ASSERT_TRUE(reuse_->EnsureStored(b, &ob).ok());
   std::vector<PromptSegment> segs2 = {{b}, {Enc(kQ), false}};
-  EXPECT_LT(MaxDiff(Full(segs2), Run(segs2, ob).logits), 1e-4);
+  EXPECT_LT(testing::MaxAbsDiff(Full(segs2), Run(segs2, ob).logits), 1e-4);
   // And "none" without BOS: the segment at position 0 is exactly its standalone encoding.
   ReuseOptions on = o;
   on.encoding = "none";
   ASSERT_TRUE(reuse_->EnsureStored(b, &on).ok());
-  EXPECT_LT(MaxDiff(Full(segs2, false), Run(segs2, on, false).logits), 1e-4);
+  EXPECT_LT(testing::MaxAbsDiff(Full(segs2, false), Run(segs2, on, false).logits), 1e-4);
 }
 
 TEST_F(ReuseTest, NaiveReuseDiffersWhenContextIsMissingAndRecomputeHelps) {
@@ -128,8 +122,8 @@ TEST_F(ReuseTest, NaiveReuseDiffersWhenContextIsMissingAndRecomputeHelps) {
   ReuseOptions half;
   half.full_layers = 1;
   half.budget.ratio = 0.5f;
-  const float dn = MaxDiff(full, Run(segs, naive).logits);
-  const float dh = MaxDiff(full, Run(segs, half).logits);
+  const float dn = testing::MaxAbsDiff(full, Run(segs, naive).logits);
+  const float dh = testing::MaxAbsDiff(full, Run(segs, half).logits);
   EXPECT_GT(dn, 1e-3);  // reuse really is approximate without the cross-segment attention
   EXPECT_LT(dh, dn);
 }
@@ -188,7 +182,7 @@ TEST_F(ReuseTest, ExactPrefixPlusReusedSegments) {
   auto r2 = re.Prefill({{a}, {c}, {b}, {Enc(kQ), false}}, true, &o);
   ASSERT_TRUE(r2.ok());
   (*e)->Release(r2->seq);
-  EXPECT_LT(MaxDiff(Full({{a}, {c}, {b}, {Enc(kQ), false}}), r2->logits), 1e-4);
+  EXPECT_LT(testing::MaxAbsDiff(Full({{a}, {c}, {b}, {Enc(kQ), false}}), r2->logits), 1e-4);
 }
 
 // A conversation: each turn re-sends the history plus a new message. The last turn's tail lies
@@ -252,7 +246,7 @@ TEST_F(ReuseTest, ApproximatePrefixServesTheNextTurnButNeverAPlainRequest) {
   ASSERT_TRUE(r3.ok()) << r3.status();
   (*e)->Release(r3->seq);
   EXPECT_LE(r3->stats.prefix_tokens, r1->stats.exact_tokens);
-  EXPECT_LT(MaxDiff(Full(turn2), r3->logits), 1e-4);
+  EXPECT_LT(testing::MaxAbsDiff(Full(turn2), r3->logits), 1e-4);
   // Without the option the same reuse request does not match the approximate blocks.
   ReuseOptions strict;
   auto r4 = re.Prefill(turn2, true, &strict);
@@ -301,8 +295,8 @@ TEST_F(ReuseTest, DeviceTierStoreSpillsToTheHostStoreUnchanged) {
   ASSERT_EQ(direct->n_layers, spilled->n_layers);
   float m = 0;
   for (int l = 0; l < direct->n_layers; ++l) {
-    m = std::max(m, MaxDiff(direct->k[l], spilled->k[l]));
-    m = std::max(m, MaxDiff(direct->v[l], spilled->v[l]));
+    m = std::max(m, testing::MaxAbsDiff(direct->k[l], spilled->k[l]));
+    m = std::max(m, testing::MaxAbsDiff(direct->v[l], spilled->v[l]));
   }
   EXPECT_LT(m, 1e-6);
   // A segment too large for the tier goes straight to the host store.
@@ -352,7 +346,7 @@ TEST_F(ReuseTest, DeviceTierServesRepeatsWithIdenticalResults) {
   ASSERT_TRUE(b.ok());
   engine_->Release(b->seq);
   EXPECT_EQ(b->stats.segments_device_hit, 2);
-  EXPECT_LT(MaxDiff(Run(segs, ReuseOptions{}).logits, b->logits), 1e-6);
+  EXPECT_LT(testing::MaxAbsDiff(Run(segs, ReuseOptions{}).logits, b->logits), 1e-6);
   // A tier too small for a segment still serves the request (from the host store).
   ReuseEngine tiny(engine_.get(), store_.get(), {}, 16);
   auto c = tiny.Prefill(segs);
@@ -429,7 +423,7 @@ TEST_F(ReuseTest, HostTierServesRepeatsWithIdenticalResults) {
   engine_->Release(b->seq);
   EXPECT_EQ(b->stats.segments_host_hit, 2);
   EXPECT_EQ(b->stats.segments_device_hit, 0);
-  EXPECT_LT(MaxDiff(Run(segs, ReuseOptions{}).logits, b->logits), 1e-6);
+  EXPECT_LT(testing::MaxAbsDiff(Run(segs, ReuseOptions{}).logits, b->logits), 1e-6);
   // The profile covers the phases of the pass.
   EXPECT_GT(b->stats.full_ms + b->stats.sparse_ms, 0.0);
 }
@@ -446,7 +440,7 @@ TEST_F(ReuseTest, CorruptStoredSegmentIsAMissAndRecomputed) {
   ReusePrefillResult r = Run(segs, o);
   EXPECT_EQ(r.stats.segments_corrupt, 2);
   EXPECT_EQ(r.stats.reused_tokens, 0);
-  EXPECT_LT(MaxDiff(Full(segs), r.logits), 1e-4);  // everything recomputed: exact
+  EXPECT_LT(testing::MaxAbsDiff(Full(segs), r.logits), 1e-4);  // everything recomputed: exact
   EXPECT_EQ(store_->stats().corrupt, 2);
 }
 
