@@ -74,6 +74,22 @@ class KvTierServerTest : public ::testing::Test {
     tier_.reset();
     server_.reset();
   }
+  // A plain cache client of the server (writes that bypass the tier).
+  absl::StatusOr<std::unique_ptr<cache::CacheClient>> Client() {
+    cache::CacheClientOptions co;
+    co.address = server_->grpc_address();
+    co.model_fp = model_;
+    return cache::CacheClient::Connect(co);
+  }
+  // The segment's fetch fails as "corrupt" and stores nothing.
+  void ExpectCorruptFetch(const std::vector<SegmentRef>& refs, SegmentStore& store) {
+    FetchOutcome f = tier_->FetchMissing(refs, &store);
+    EXPECT_EQ(f.fetched, 0);
+    EXPECT_EQ(f.failures, 1);
+    ASSERT_EQ(f.failure_reasons.size(), 1u);
+    EXPECT_EQ(f.failure_reasons[0], "corrupt");
+    EXPECT_FALSE(store.Contains(refs[0].fp));
+  }
   const Hash128 model_{11, 22};
   std::unique_ptr<cache::CacheServer> server_;
   std::unique_ptr<ClusterKvTier> tier_;
@@ -108,10 +124,7 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   // Another writer put a well-formed block under the segment's key whose shape does not match
   // the segment (e.g. a buggy or older worker): the fetch must not use it.
   const Hash128 seg{200, 1};
-  cache::CacheClientOptions co;
-  co.address = server_->grpc_address();
-  co.model_fp = model_;
-  auto client = cache::CacheClient::Connect(co);
+  auto client = Client();
   ASSERT_TRUE(client.ok()) << client.status();
   SegmentKv wrong = MakeKv(9, 5.0f);  // 9 tokens; the request's segment has 12
   for (int l = kLayers - 1; l >= 0; --l) {
@@ -123,12 +136,7 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   }
   SegmentStore store(SegmentStoreOptions{});
   std::vector<SegmentRef> refs = {{seg, 12}};
-  FetchOutcome f = tier_->FetchMissing(refs, &store);
-  EXPECT_EQ(f.fetched, 0);
-  EXPECT_EQ(f.failures, 1);
-  ASSERT_EQ(f.failure_reasons.size(), 1u);
-  EXPECT_EQ(f.failure_reasons[0], "corrupt");
-  EXPECT_FALSE(store.Contains(seg));
+  ExpectCorruptFetch(refs, store);
   // The bad blocks were evicted: the right KV can be written back and fetched.
   ASSERT_TRUE(tier_->Put(seg, MakeKv(12, 6.0f)).ok());
   FetchOutcome g = tier_->FetchMissing(refs, &store);
@@ -142,10 +150,7 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
 TEST_F(KvTierServerTest, ABlockThatFailsItsChecksumIsCountedCorrupt) {
   const Hash128 seg{300, 1};
   const SegmentKv kv = MakeKv(12, 7.0f);
-  cache::CacheClientOptions co;
-  co.address = server_->grpc_address();
-  co.model_fp = model_;
-  auto client = cache::CacheClient::Connect(co);
+  auto client = Client();
   ASSERT_TRUE(client.ok()) << client.status();
   cache::Reservation layer1;
   uint64_t layer1_size = 0;
@@ -167,12 +172,7 @@ TEST_F(KvTierServerTest, ABlockThatFailsItsChecksumIsCountedCorrupt) {
   ASSERT_TRUE((*client)->Write(layer1, KvBlockBytes(junk), layer1_size - 100).ok());
   SegmentStore store(SegmentStoreOptions{});
   std::vector<SegmentRef> refs = {{seg, 12}};
-  FetchOutcome f = tier_->FetchMissing(refs, &store);
-  EXPECT_EQ(f.fetched, 0);
-  EXPECT_EQ(f.failures, 1);
-  ASSERT_EQ(f.failure_reasons.size(), 1u);
-  EXPECT_EQ(f.failure_reasons[0], "corrupt");  // was "incomplete"
-  EXPECT_FALSE(store.Contains(seg));
+  ExpectCorruptFetch(refs, store);  // was "incomplete"
   auto st = (*client)->Stats();
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->corrupt_blocks, 1u);  // the client's report, confirmed by the server
