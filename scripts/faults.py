@@ -592,12 +592,14 @@ def fault_cache_kill(cl, a, docs, R):
     return out
 
 
-def fault_cache_restart(cl, a, docs, R):
-    """kill -9 + restart of the cache server under running workers."""
+def stored_rag_run(cl, a, docs):
+    """The cache_restart / corrupt_disk setup: RAG requests over documents 0-29 (their full-
+    prefill reference), all 40 documents stored and written back, the workers restarted (local
+    stores empty), then a control run of the requests served from the cache server. Returns
+    (addr, reqs, bodies, ref, control) once the cluster is quiet."""
     addr = f"127.0.0.1:{cl.router_http}"
-    pool, other = list(range(0, 30)), list(range(30, 40))
     n = min(a.concurrent, 60)
-    reqs = make_rag(docs, pool, n, seed=202)
+    reqs = make_rag(docs, list(range(0, 30)), n, seed=202)
     bodies = [rag_body(docs, i, q) for i, q in reqs]
     ref = reference(cl, [rag_body(docs, i, q, reuse=False) for i, q in reqs])
     run_concurrent(lambda b: complete(addr, b), [rag_body(docs, [d], QUESTIONS[1]) for d in range(40)])
@@ -605,6 +607,13 @@ def fault_cache_restart(cl, a, docs, R):
     cl.restart_workers()
     control = run_concurrent(lambda b: complete(addr, b), bodies)
     wait_quiet(cl)
+    return addr, reqs, bodies, ref, control
+
+
+def fault_cache_restart(cl, a, docs, R):
+    """kill -9 + restart of the cache server under running workers."""
+    other = list(range(30, 40))
+    addr, reqs, bodies, ref, control = stored_rag_run(cl, a, docs)
     cl.restart_workers()
     # The running workers talk to this incarnation first (fetches of other documents).
     pre = run_concurrent(lambda b: complete(addr, b),
@@ -628,7 +637,7 @@ def fault_cache_restart(cl, a, docs, R):
     failures = sum(r["usage"].get("fetch_failures", 0) for r in res if r["ok"])
     out = {"command": "kill -9 <cache server pid>; sparsex-cache-server on the same port and "
                       "--disk_path; the same running workers",
-           "requests": n, "pre_kill_segments_fetched": pre_fetched,
+           "requests": len(reqs), "pre_kill_segments_fetched": pre_fetched,
            "instance_changed": old.get("instance_id") != new.get("instance_id"),
            "restart_ready_s": round(restart_s, 2),
            "disk_blocks_before_kill": blocks_before, "disk_blocks_after_restart": blocks_after,
@@ -652,16 +661,7 @@ def kv_blocks_in(buf):
 
 def fault_corrupt_disk(cl, a, docs, R):
     """Bit flips at rest: payload bytes of a share of the blocks in RocksDB's blob files."""
-    addr = f"127.0.0.1:{cl.router_http}"
-    n = min(a.concurrent, 60)
-    reqs = make_rag(docs, list(range(0, 30)), n, seed=202)  # the cache_restart requests
-    bodies = [rag_body(docs, i, q) for i, q in reqs]
-    ref = reference(cl, [rag_body(docs, i, q, reuse=False) for i, q in reqs])
-    run_concurrent(lambda b: complete(addr, b), [rag_body(docs, [d], QUESTIONS[1]) for d in range(40)])
-    wait_quiet(cl)
-    cl.restart_workers()
-    control = run_concurrent(lambda b: complete(addr, b), bodies)
-    wait_quiet(cl)
+    addr, reqs, bodies, ref, control = stored_rag_run(cl, a, docs)  # the cache_restart requests
     rc = cl.stop("cache")  # clean: RocksDB flushes, the blocks are in blob files
     rng = random.Random(303)
     found = corrupted = 0
@@ -691,7 +691,7 @@ def fault_corrupt_disk(cl, a, docs, R):
            "cache_exit_status": rc, "blocks_on_disk": found, "blocks_corrupted": corrupted,
            "detected_by_server": detected_server, "detected_by_workers": worker_corrupt,
            "detected_share": (detected_server + worker_corrupt) / corrupted if corrupted else None,
-           "requests": n, **j}
+           "requests": len(reqs), **j}
     out["served_share"] = j["wrong"] / corrupted if corrupted else None
     out["pass"] = (corrupted > 0 and detected_server + worker_corrupt >= corrupted and
                    j["failed"] == 0 and j["wrong"] == 0)
