@@ -602,29 +602,43 @@ void FillUp(const std::string& path) {
   if (fd >= 0) close(fd);
 }
 
-int RestartOnFullDisk(const std::string& dir) {
-  const std::string disk = dir + "/disk";
-  DF_CHECK(MountSmallDisk(disk, "32m"));
-  CacheOptions opt;
-  opt.memory_capacity_bytes = 16 << 20;
-  opt.max_block_bytes = 2 << 20;
-  opt.disk_backend = "rocksdb";
-  opt.disk_path = disk + "/db";
-  opt.disk_reserve_bytes = 4 << 20;
-  opt.disk_recheck_ms = 10;
-  opt.warm_load_bytes = 0;
-  std::vector<uint8_t> arena(opt.memory_capacity_bytes);
-  const Hash128 model = SyntheticModel(kSeed);
-  SyntheticShape shape{256, 1024, KvDtype::kBF16};  // 1 MiB blocks
-  auto open = [&](metrics::Registry* reg) {
+// A block cache with a RocksDB disk tier on the small disk `disk` (a 4 MiB reserve, rechecked
+// every 10 ms), 16 MiB of memory and 1 MiB synthetic blocks: the full-disk tests' setup.
+struct SmallDiskCache {
+  explicit SmallDiskCache(const std::string& disk) {
+    opt.memory_capacity_bytes = 16 << 20;
+    opt.max_block_bytes = 2 << 20;
+    opt.disk_backend = "rocksdb";
+    opt.disk_path = disk + "/db";
+    opt.disk_reserve_bytes = 4 << 20;
+    opt.disk_recheck_ms = 10;
+    opt.warm_load_bytes = 0;
+    arena.resize(opt.memory_capacity_bytes);
+  }
+  absl::StatusOr<std::unique_ptr<BlockCache>> Open(metrics::Registry* reg) {
     return BlockCache::Open(opt, arena.data(), arena.size(), reg);
-  };
-  auto put = [&](BlockCache& c, uint64_t seg) {
+  }
+  // Stores layer 0 of synthetic segment `seg` (memory and disk).
+  absl::Status Put(BlockCache& c, uint64_t seg) {
     std::string b = SyntheticBlock(model, kSeed, seg, 0, shape);
     auto r = c.Reserve(model, kKvLayoutVersion, SyntheticKey(kSeed, seg, 0), b.size(), 0);
     if (!r.ok()) return r.status();
     return c.Commit(r->id, KvBlockWireChecksum(KvBlockBytes(b)), KvBlockBytes(b), true);
-  };
+  }
+  CacheOptions opt;
+  std::vector<uint8_t> arena;
+  const Hash128 model = SyntheticModel(kSeed);
+  const SyntheticShape shape{256, 1024, KvDtype::kBF16};  // 1 MiB blocks
+};
+
+int RestartOnFullDisk(const std::string& dir) {
+  const std::string disk = dir + "/disk";
+  DF_CHECK(MountSmallDisk(disk, "32m"));
+  SmallDiskCache sdc(disk);
+  const Hash128 model = sdc.model;
+  const SyntheticShape shape = sdc.shape;
+  auto open = [&](metrics::Registry* reg) { return sdc.Open(reg); };
+  auto put = [&](BlockCache& c, uint64_t seg) { return sdc.Put(c, seg); };
   {
     metrics::Registry reg;
     auto c = open(&reg);
@@ -647,7 +661,7 @@ int RestartOnFullDisk(const std::string& dir) {
   for (uint64_t seg = 0; seg < 6; ++seg) {
     std::string want = SyntheticBlock(model, kSeed, seg, 0, shape);
     DF_CHECK(g->blocks[seg].size == want.size());
-    DF_CHECK(std::memcmp(arena.data() + g->blocks[seg].offset, want.data(), want.size()) == 0);
+    DF_CHECK(std::memcmp(sdc.arena.data() + g->blocks[seg].offset, want.data(), want.size()) == 0);
   }
   DF_CHECK((*c)->ReleaseLease(g->id).ok());
   for (uint64_t seg = 6; seg < 8; ++seg) DF_CHECK(put(**c, seg).ok());  // memory only
@@ -727,26 +741,10 @@ int InfoLogOnFullDisk(const std::string& dir) {
 int EvictWhileFull(const std::string& dir) {
   const std::string disk = dir + "/disk";
   DF_CHECK(MountSmallDisk(disk, "32m"));
-  CacheOptions opt;
-  opt.memory_capacity_bytes = 16 << 20;
-  opt.max_block_bytes = 2 << 20;
-  opt.disk_backend = "rocksdb";
-  opt.disk_path = disk + "/db";
-  opt.disk_reserve_bytes = 4 << 20;
-  opt.disk_recheck_ms = 10;
-  opt.warm_load_bytes = 0;
-  std::vector<uint8_t> arena(opt.memory_capacity_bytes);
-  const Hash128 model = SyntheticModel(kSeed);
-  SyntheticShape shape{256, 1024, KvDtype::kBF16};  // 1 MiB blocks
-  auto open = [&](metrics::Registry* reg) {
-    return BlockCache::Open(opt, arena.data(), arena.size(), reg);
-  };
-  auto put = [&](BlockCache& c, uint64_t seg) {
-    std::string b = SyntheticBlock(model, kSeed, seg, 0, shape);
-    auto r = c.Reserve(model, kKvLayoutVersion, SyntheticKey(kSeed, seg, 0), b.size(), 0);
-    if (!r.ok()) return r.status();
-    return c.Commit(r->id, KvBlockWireChecksum(KvBlockBytes(b)), KvBlockBytes(b), true);
-  };
+  SmallDiskCache sdc(disk);
+  const Hash128 model = sdc.model;
+  auto open = [&](metrics::Registry* reg) { return sdc.Open(reg); };
+  auto put = [&](BlockCache& c, uint64_t seg) { return sdc.Put(c, seg); };
   {
     metrics::Registry reg;
     auto c = open(&reg);
