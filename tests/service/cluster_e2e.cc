@@ -49,6 +49,21 @@ bool RequireNpm() {
   return v != nullptr && std::string(v) == "1";
 }
 
+// `const std::string dir` = the folder with the npm `packages` installed; without it the test
+// fails (RequireNpm) or skips, naming the packages and npm's error.
+#define NPM_DIR_OR_SKIP(dir, packages)                                                      \
+  const std::string dir = NpmDir(packages);                                                 \
+  if (dir.empty() && RequireNpm()) FAIL() << "cannot install " << (packages) << ": "        \
+                                          << last_npm_error_;                               \
+  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable, cannot install " << (packages) \
+                                << ": " << last_npm_error_
+
+// The JSON object a node script printed (from its first '{'; discarded when there is none).
+json ParseJsonOutput(const std::string& out) {
+  const size_t at = out.find('{');
+  return json::parse(at == std::string::npos ? std::string() : out.substr(at), nullptr, false);
+}
+
 std::string ModelsDir() {
   return Env("SPARSEX_MODELS", SourceDir() + "/../shared/models");
 }
@@ -731,9 +746,7 @@ TEST_F(ClusterTest, PrometheusScrapesRouterWorkersAndCacheServer) {
 }
 
 TEST_F(ClusterTest, OpenAiNpmClient) {
-  const std::string dir = NpmDir("openai");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install 'openai': " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable, cannot install 'openai': " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "openai");
   const std::string js = R"JS(
 const OpenAI = require('openai');
 const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey: 'unused', maxRetries: 0 });
@@ -761,7 +774,7 @@ const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey
   std::ofstream(dir + "/openai_test.js") << js;
   auto [rc, out] = Shell("cd " + dir + " && node openai_test.js " + env_["ROUTER_HTTP"] + " 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   EXPECT_FALSE(j["completion"].get<std::string>().empty());
   EXPECT_EQ(j["completion"], j["completion_stream"]);
@@ -777,9 +790,7 @@ const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey
 // (issue 17 §2): the shapes it parses, greedy tokens being their position's most likely token,
 // the stream carrying the same entries as the whole response, and the range errors.
 TEST_F(ClusterTest, OpenAiNpmClientLogprobs) {
-  const std::string dir = NpmDir("openai");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install 'openai': " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable, cannot install 'openai': " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "openai");
   const std::string js = R"JS(
 const OpenAI = require('openai');
 const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey: 'unused', maxRetries: 0 });
@@ -826,7 +837,7 @@ const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey
   auto [rc, out] =
       Shell("cd " + dir + " && node openai_logprobs_test.js " + env_["ROUTER_HTTP"] + " 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
 
   // Completions (legacy shape).
@@ -962,9 +973,7 @@ TEST_F(ClusterTest, GrpcLogprobs) {
 }
 
 TEST_F(ClusterTest, GrpcJsClient) {
-  const std::string dir = NpmDir("@grpc/grpc-js @grpc/proto-loader");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install @grpc/grpc-js: " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable, cannot install @grpc/grpc-js: " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "@grpc/grpc-js @grpc/proto-loader");
   const std::string js = R"JS(
 const grpc = require('@grpc/grpc-js');
 const loader = require('@grpc/proto-loader');
@@ -996,7 +1005,7 @@ client.ListModels({}, (err, lm) => {
   auto [rc, out] = Shell("cd " + dir + " && node grpc_test.js " + env_["ROUTER_GRPC"] + " " +
                        SourceDir() + "/proto 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   EXPECT_EQ(j["models"][0], "stories260K");
   EXPECT_GT(j["tokens"].get<int>(), 2);
@@ -1012,9 +1021,7 @@ client.ListModels({}, (err, lm) => {
 // The standard gRPC health service (grpc.health.v1) on router, worker and cache server, checked
 // with @grpc/grpc-js over the protocol's published service definition.
 TEST_F(ClusterTest, GrpcHealthServiceAnswersOnEveryServer) {
-  const std::string dir = NpmDir("@grpc/grpc-js @grpc/proto-loader");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install @grpc/grpc-js: " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "@grpc/grpc-js @grpc/proto-loader");
   std::ofstream(dir + "/health.proto") << R"P(syntax = "proto3";
 package grpc.health.v1;
 message HealthCheckRequest { string service = 1; }
@@ -1045,7 +1052,7 @@ for (const target of process.argv.slice(2)) {
       env_["ROUTER_GRPC"] + " " + env_["WORKER0_GRPC"] + " " + env_["CACHE0_GRPC"];
   auto [rc, out] = Shell("cd " + dir + " && node health_test.js " + targets + " 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   for (const char* k : {"ROUTER_GRPC", "WORKER0_GRPC", "CACHE0_GRPC"}) {
     EXPECT_EQ(j[env_[k]], "SERVING") << k << ": " << out;
@@ -1056,16 +1063,14 @@ for (const target of process.argv.slice(2)) {
 // exported `service` definition makes the client (the package's server side is not used). The
 // router's own service name answers too: it is what the Kubernetes readiness probe asks.
 TEST_F(ClusterTest, GrpcHealthCheckNpmPackageOnEveryServer) {
-  const std::string dir = NpmDir("@grpc/grpc-js grpc-health-check");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-health-check: " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "@grpc/grpc-js grpc-health-check");
   WriteHealthScript(dir);
   const std::string targets = env_["ROUTER_GRPC"] + "= " + env_["ROUTER_GRPC"] +
                               "=sparsex.v1.SparseX " + env_["ROUTER_GRPC"] + "=no.such.Service " +
                               env_["WORKER0_GRPC"] + "= " + env_["CACHE0_GRPC"] + "=";
   auto [rc, out] = Shell("cd " + dir + " && node spx_health.js check " + targets + " 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   EXPECT_EQ(j[env_["ROUTER_GRPC"] + "="], "SERVING") << out;
   EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX"], "SERVING") << out;
@@ -1078,9 +1083,7 @@ TEST_F(ClusterTest, GrpcHealthCheckNpmPackageOnEveryServer) {
 // speaks grpc.reflection.v1alpha like grpcurl) on every server; it also fetches the descriptor
 // of each server's own service, so a client without proto/ can call it.
 TEST_F(ClusterTest, GrpcReflectionListsTheServices) {
-  const std::string dir = NpmDir("@grpc/grpc-js grpc-js-reflection-client");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-js-reflection-client: " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "@grpc/grpc-js grpc-js-reflection-client");
   std::ofstream(dir + "/spx_reflection.js") << R"JS(
 const grpc = require('@grpc/grpc-js');
 const { GrpcReflection } = require('grpc-js-reflection-client');
@@ -1102,7 +1105,7 @@ const { GrpcReflection } = require('grpc-js-reflection-client');
                            "=sparsex.cache.v1.CacheService";
   auto [rc, out] = Shell("cd " + dir + " && node spx_reflection.js " + args + " 2>&1", 60s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   auto has = [&](const char* k, const std::string& svc) {
     for (const auto& s : j[env_[k]]["services"]) {
@@ -1284,9 +1287,7 @@ TEST_F(ClusterTest, StaticMembersAndLoadShedding) {
 // router, with other workers left, stays SERVING (overall and for sparsex.v1.SparseX) and
 // routes new requests to them.
 TEST_F(ClusterTest, SigtermDrainingWorkerReportsNotServingWhileOthersServe) {
-  const std::string dir = NpmDir("@grpc/grpc-js grpc-health-check");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-health-check: " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "@grpc/grpc-js grpc-health-check");
   WriteHealthScript(dir);
   ASSERT_TRUE(WaitKvFree());
   // Watches on every worker first (node starts in ~0.5 s, longer than the request may run), so
@@ -1339,7 +1340,7 @@ TEST_F(ClusterTest, SigtermDrainingWorkerReportsNotServingWhileOthersServe) {
   auto [rc, out] = Shell("cd " + dir + " && node spx_health.js check " + env_["ROUTER_GRPC"] + "= " +
                          env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX 2>&1", 30s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   EXPECT_EQ(j[env_["ROUTER_GRPC"] + "="], "SERVING") << out;
   EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX"], "SERVING") << out;
@@ -1357,7 +1358,9 @@ TEST_F(ClusterTest, SigtermDrainingWorkerReportsNotServingWhileOthersServe) {
   EXPECT_TRUE(log_has(line(victim, R"("end":)"), 15s)) << read_log();
   const std::string all = read_log();
   for (int i = 0; i < kWorkers; ++i) {
-    if (i != victim) EXPECT_EQ(all.find(line(i, R"("status":"NOT_SERVING")")), std::string::npos) << all;
+    if (i != victim) {
+      EXPECT_EQ(all.find(line(i, R"("status":"NOT_SERVING")")), std::string::npos) << all;
+    }
   }
   if (!watch_pid.empty()) ::kill(std::stoi(watch_pid), SIGKILL);
   WaitKvFree();
@@ -1488,14 +1491,12 @@ TEST_F(ClusterTest, SigtermDrainsTheLastWorker) {
   EXPECT_EQ(hz->status, 503);
   // gRPC health says the same: sparsex.v1.SparseX (the readiness probe's service) NOT_SERVING,
   // the router process itself ("", liveness) still SERVING.
-  const std::string dir = NpmDir("@grpc/grpc-js grpc-health-check");
-  if (dir.empty() && RequireNpm()) FAIL() << "cannot install grpc-health-check: " << last_npm_error_;
-  if (dir.empty()) GTEST_SKIP() << "npm registry unreachable: " << last_npm_error_;
+  NPM_DIR_OR_SKIP(dir, "@grpc/grpc-js grpc-health-check");
   WriteHealthScript(dir);
   auto [rc, out] = Shell("cd " + dir + " && node spx_health.js check " + env_["ROUTER_GRPC"] + "= " +
                          env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX 2>&1", 30s);
   ASSERT_EQ(rc, 0) << out;
-  json j = json::parse(out.substr(out.find('{')), nullptr, false);
+  json j = ParseJsonOutput(out);
   ASSERT_FALSE(j.is_discarded()) << out;
   EXPECT_EQ(j[env_["ROUTER_GRPC"] + "="], "SERVING") << out;
   EXPECT_EQ(j[env_["ROUTER_GRPC"] + "=sparsex.v1.SparseX"], "NOT_SERVING") << out;
