@@ -668,8 +668,8 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::FinishPrefill() {
   const int P = j.P, F = j.F, L = j.L, N = j.N, n_rows = j.n_rows;
   const ReusePlan& plan = j.plan;
   if (F >= L) {
-    // No sparse layer ran (the selection with it): every reused token was recomputed.
-    RETURN_IF_ERROR(j.Phase(&st.full_ms));
+    // No sparse layer ran (the selection with it): every reused token was recomputed. The
+    // full layers' time was charged after the last of them.
     st.selected_tokens = st.reused_tokens;
   } else {
     RETURN_IF_ERROR(j.Phase(&st.sparse_ms));
