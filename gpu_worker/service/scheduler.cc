@@ -599,12 +599,7 @@ void BatchScheduler::MixedStep(Active& a, const std::vector<Active*>& step) {
   }
   const int total = static_cast<int>(a.prompt.size());
   const int end = std::min(total, a.seq.computed + opts_.prefill_chunk);
-  std::vector<Sequence*> seqs;
-  std::vector<int32_t> toks;
-  for (Active* d : step) {
-    seqs.push_back(&d->seq);
-    toks.push_back(d->last);
-  }
+  const auto [seqs, toks] = DecodeInputs(step);
   auto m = group_->StepWithChunk(seqs, toks, a.seq, end);
   if (!m.ok()) {  // nothing changed: the two halves separately, where errors stay per request
     PrefillOne(a);
@@ -616,6 +611,17 @@ void BatchScheduler::MixedStep(Active& a, const std::vector<Active*>& step) {
   for (size_t i = 0; i < step.size(); ++i) SampleAndEmit(*step[i], m->decode[i]);
 }
 
+// Each decoding request's sequence and the token it feeds next (a batched step's inputs).
+std::pair<std::vector<Sequence*>, std::vector<int32_t>> BatchScheduler::DecodeInputs(
+    const std::vector<Active*>& step) {
+  std::pair<std::vector<Sequence*>, std::vector<int32_t>> in;
+  for (Active* a : step) {
+    in.first.push_back(&a->seq);
+    in.second.push_back(a->last);
+  }
+  return in;
+}
+
 void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
   if (step.size() == 1) {
     DecodeOne(*step[0]);
@@ -624,12 +630,7 @@ void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
   if (step.empty()) return;
   // One forward pass for every decoding sequence: the weights are read once per step instead
   // of once per sequence.
-  std::vector<Sequence*> seqs;
-  std::vector<int32_t> toks;
-  for (Active* a : step) {
-    seqs.push_back(&a->seq);
-    toks.push_back(a->last);
-  }
+  const auto [seqs, toks] = DecodeInputs(step);
   auto lg = group_->StepBatch(seqs, toks);
   if (!lg.ok()) {
     // e.g. no KV block left for one of them: one at a time, so only that request fails.

@@ -252,6 +252,8 @@ class BatchScheduler {
   // A plain prefill chunk of `a` and a decode step of `step` in one forward pass; falls back to
   // PrefillOne + DecodeAll when the pass fails (e.g. no KV block left for one of them).
   void MixedStep(Active& a, const std::vector<Active*>& step);
+  static std::pair<std::vector<Sequence*>, std::vector<int32_t>> DecodeInputs(
+      const std::vector<Active*>& step);
   // The plain prefill's sequence (admitted on its first chunk): false when it failed.
   bool EnsurePlainSeq(Active& a);
   // After a plain prefill's last chunk: usage, the decode state, the first token.
