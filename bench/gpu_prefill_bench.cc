@@ -496,6 +496,94 @@ int Main(const Options& o) {
       CHECK_OK(runner->Forward(seq.ids, rows, {}).status());
       CHECK_OK(be->Synchronize());
     }
+    // Batched decode attention of one layer alone, per kernel (PagedAttentionParams::
+    // decode_kernel): B sequences of ctx keys each, one query row each; the figure is the K/V
+    // bytes read per call over its time (the kernels' floor is the copy bandwidth).
+    for (int B : {1, o.decode_batch}) {
+      if (B < 1) continue;
+      const int64_t qcols = static_cast<int64_t>(H + 2 * KV) * hd;
+      Tensor q = Unwrap(be->Alloc(B, qcols), "Alloc");
+      Tensor att = Unwrap(be->Alloc(B, static_cast<int64_t>(H) * hd), "Alloc");
+      std::vector<float> qh(static_cast<size_t>(B) * qcols);
+      std::mt19937 rng(11);
+      std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+      for (float& v : qh) v = ud(rng);
+      CHECK_OK(be->Upload(qh, q));
+      std::vector<int32_t> rows(B + 1), start(B), len(B, ctx), qpos(B, ctx - 1), all_slots;
+      for (int b = 0; b <= B; ++b) rows[b] = b;
+      for (int b = 0; b < B; ++b) {
+        start[b] = static_cast<int32_t>(all_slots.size());
+        all_slots.insert(all_slots.end(), slots[b].begin(), slots[b].begin() + ctx);
+      }
+      int32_t *d_rows, *d_start, *d_len, *d_qpos, *d_slots;
+      cudaMalloc(&d_rows, rows.size() * 4);
+      cudaMalloc(&d_start, start.size() * 4);
+      cudaMalloc(&d_len, len.size() * 4);
+      cudaMalloc(&d_qpos, qpos.size() * 4);
+      cudaMalloc(&d_slots, all_slots.size() * 4);
+      cudaMemcpy(d_rows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_start, start.data(), start.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_len, len.data(), len.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_qpos, qpos.data(), qpos.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_slots, all_slots.data(), all_slots.size() * 4, cudaMemcpyHostToDevice);
+      kernels::PagedAttentionParams p;
+      p.q = static_cast<const kernels::bf16*>(q.data);
+      p.q_stride = qcols;
+      p.out = static_cast<kernels::bf16*>(att.data);
+      p.out_stride = att.cols;
+      p.q_pos = d_qpos;
+      p.num_q = B;
+      p.k_pool = static_cast<const kernels::bf16*>(runner->pool().k[0].data);
+      p.v_pool = static_cast<const kernels::bf16*>(runner->pool().v[0].data);
+      p.kv_stride = runner->pool().kv_dim;
+      p.ctx_slots = d_slots;
+      p.ctx_len = static_cast<int>(all_slots.size());
+      p.n_heads = H;
+      p.n_kv_heads = KV;
+      p.head_dim = hd;
+      p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      p.num_seqs = B;
+      p.seq_rows = d_rows;
+      p.seq_ctx_start = d_start;
+      p.seq_ctx_len = d_len;
+      p.max_seq_ctx = ctx;
+      p.max_seq_rows = 1;
+      const double bytes = 2.0 * B * ctx * KV * hd * 2;
+      for (auto [kernel, name] : {std::pair{1, "tile"}, {0, "packed 16 keys"},
+                                  {2, "packed 32 keys"}}) {
+        p.decode_kernel = kernel;
+        const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
+        void* ws = nullptr;
+        if (ws_bytes) cudaMalloc(&ws, ws_bytes);
+        std::vector<double> t;
+        for (int r = 0; r < 3 + 20; ++r) {
+          timer.Start();  // 10 calls back to back: a batch-1 call is ~10 us
+          for (int k = 0; k < 10; ++k) {
+            const cudaError_t e = kernels::PagedAttention(p, ws, ws_bytes, stream);
+            if (e != cudaSuccess) {
+              std::fprintf(stderr, "PagedAttention (decode, %s): %s\n", name,
+                           cudaGetErrorString(e));
+              return 1;
+            }
+          }
+          const double ms = timer.StopMs() / 10;
+          if (r >= 3) t.push_back(ms);
+        }
+        cudaFree(ws);
+        const double med = Median(t);
+        char extra[160];
+        std::snprintf(extra, sizeof extra,
+                      ", \"batch\": %d, \"kernel\": \"%s\", \"gb_per_s\": %.0f", B, name,
+                      bytes / med * 1e-6);
+        records.push_back({"decode_attention_layer", ctx, med,
+                           *std::min_element(t.begin(), t.end()), 20, extra});
+        std::printf("decode attention (1 layer, batch %d, %d keys each, %s): %.4f ms = %.0f "
+                    "GB/s\n", B, ctx, name, med, bytes / med * 1e-6);
+      }
+      for (int32_t* d : {d_rows, d_start, d_len, d_qpos, d_slots}) cudaFree(d);
+      be->Free(q);
+      be->Free(att);
+    }
     auto decode = [&](int B, bool graph) {
       std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
       std::iota(all.begin(), all.end(), 0);

@@ -1,5 +1,6 @@
 #include "kernels/attention.h"
 
+#include "kernels/attention_decode.h"
 #include "kernels/attention_sm90.h"
 
 #include <cmath>
@@ -16,6 +17,7 @@ using detail::LdMatrixX4;
 using detail::LdMatrixX4Trans;
 using detail::MmaBf16;
 using detail::PackBf16x2;
+using detail::Swz;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
@@ -36,10 +38,6 @@ constexpr bool kDefaultPipelined = false;
 constexpr int kBN = 64;       // keys per step
 constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
 
-template <int HD>
-__device__ __forceinline__ int Swz(int row, int chunk) {
-  return row * HD + ((chunk ^ (row & 7)) << 3);
-}
 
 template <int HD, bool STATS, int NW>
 constexpr int FlashSmemBytes() {
@@ -618,9 +616,11 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
       ex.ws_o = static_cast<float*>(workspace);
       ex.ws_lse = ex.ws_o + static_cast<size_t>(plan.splits) * p.num_q * p.n_heads * p.head_dim;
     }
-    cudaError_t e = p.head_dim == 128
-                        ? LaunchFlash<128, false>(p, none, ex, plan.splits, stream)
-                        : LaunchFlash<64, false>(p, none, ex, plan.splits, stream);
+    cudaError_t e =
+        DecodeAttentionSupports(p)
+            ? DecodeAttention(p, ex.ws_o, ex.ws_lse, plan.splits, stream)
+        : p.head_dim == 128 ? LaunchFlash<128, false>(p, none, ex, plan.splits, stream)
+                            : LaunchFlash<64, false>(p, none, ex, plan.splits, stream);
     if (e != cudaSuccess || plan.splits <= 1) return e;
     return detail::LaunchPdl(CombineKernel, static_cast<unsigned>((int64_t)p.num_q * p.n_heads),
                              p.head_dim, 0, stream, p, ex.ws_o, ex.ws_lse, plan.splits);

@@ -14,6 +14,8 @@
 //     blocks and a combine kernel merges the partial results (split-K / flash-decoding).
 //   head_dim 128 on Hopper (sm_90a build, unsplit): the same algorithm on warpgroup MMA
 //     (wgmma), kernels/attention_sm90.cu.
+//   batched decode (num_seqs > 0, each sequence's rows x G <= 16), head_dim 64 or 128: the
+//     packed decode kernel, kernels/attention_decode.cu.
 //   head_dim <= 64 (any): one warp per (query row, head), fp32 throughout.
 //
 //   kernels::PagedAttentionParams p;  // fill every field
@@ -73,6 +75,14 @@ struct PagedAttentionParams {
   const int32_t* seq_ctx_start = nullptr;  // [num_seqs] device
   const int32_t* seq_ctx_len = nullptr;    // [num_seqs] device
   int max_seq_ctx = 0;                     // the largest seq_ctx_len (plans the key split)
+  // The most rows any sequence holds (host-known). When it times G fits one 16-row MMA tile
+  // (decode: one row per sequence), the packed decode kernel of attention_decode.cu takes the
+  // call: a sequence's G query heads share one tile and the block's warps split the keys, each
+  // with its own cp.async pipeline. 0: unknown (the general tile kernel).
+  int max_seq_rows = 0;
+  // Batched-call kernel: 0 auto (packed decode kernel when it fits), 1 the general tile kernel,
+  // 2 the packed kernel with 32-key tiles (comparisons). Default: 0
+  int decode_kernel = 0;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

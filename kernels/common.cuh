@@ -146,6 +146,12 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t& r0, uint32_t& r1, uint
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(SmemAddr(smem)));
 }
+// Element offset of 16-byte chunk `chunk` of row `row` in a shared tile of HD-wide bf16 rows,
+// XOR-swizzled by chunk (chunk ^ (row & 7)) so that ldmatrix reads are bank-conflict free.
+template <int HD>
+__device__ __forceinline__ int Swz(int row, int chunk) {
+  return row * HD + ((chunk ^ (row & 7)) << 3);
+}
 // d = a * b + d; a: 4 regs (16x16 row-major), b: 2 regs (16x8 col-major), d: 4 fp32 (16x8).
 __device__ __forceinline__ void MmaBf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(

@@ -25,6 +25,18 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
                    "automatic choice used\n", im);
     }
   }
+  if (const char* d = std::getenv("SPX_DECODE_ATTN")) {
+    using Decode = CudaBackendOptions::DecodeAttention;
+    const std::string v = d;
+    if (v == "tile") {
+      o.decode_attn = Decode::kTile;
+    } else if (v == "packed32") {
+      o.decode_attn = Decode::kPacked32;
+    } else if (!v.empty() && v != "auto") {
+      std::fprintf(stderr, "SPX_DECODE_ATTN=%s is not one of tile, packed32, auto: "
+                   "automatic choice used\n", d);
+    }
+  }
   if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
   if (const char* c = std::getenv("SPX_CUDNN_ATTENTION")) {
     using Cudnn = CudaBackendOptions::Cudnn;

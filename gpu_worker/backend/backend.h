@@ -119,6 +119,12 @@ struct CudaBackendOptions {
   bool fused_residual = false;
   // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
+  // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
+  // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
+  // kPacked32 the packed kernel on 32-key tiles (comparisons). SPX_DECODE_ATTN=tile|packed32.
+  // Default: kAuto
+  enum class DecodeAttention { kAuto = 0, kTile = 1, kPacked32 = 2 };
+  DecodeAttention decode_attn = DecodeAttention::kAuto;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
@@ -360,6 +361,8 @@ struct AttnCase {
 
 class AttentionConsistency : public BackendConsistency {
  protected:
+  // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
+  void RunBatched(int H, int KV, int hd);
   void Run(const AttnCase& tc) {
     const int bs = 16;
     const int blocks = (tc.ctx + bs - 1) / bs + 3;
@@ -505,8 +508,27 @@ TEST_F(AttentionConsistency, DecodeSplitK) {
 // sequence's blocks. One row per sequence takes the batched kernel; a sequence with more rows
 // than one query tile holds gets a call of its own (after the batched launch of the small
 // sequences before it).
+// Each batched-decode kernel (the packed one on 16- and 32-key tiles, the general tile kernel)
+// against the CPU, at GQA 4:1 head_dim 128 (Llama-3-8B) and 8:1 head_dim 64. Rows per sequence
+// {1, 3, 2, 1, 1} still fit the packed tile at G = 4 (3 x 4 <= 16), not at G = 8.
 TEST_F(AttentionConsistency, BatchedSequences) {
-  const int H = 32, KV = 8, hd = 128, bs = 16, kv_dim = KV * hd;
+  using Decode = CudaBackendOptions::DecodeAttention;
+  for (Decode kernel : {Decode::kAuto, Decode::kPacked32, Decode::kTile}) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.decode_attn = kernel;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    for (auto [H, KV, hd] : {std::tuple{32, 8, 128}, std::tuple{16, 2, 64}}) {
+      SCOPED_TRACE(testing::Message() << "decode kernel " << static_cast<int>(kernel) << ", "
+                                      << H << " heads, " << KV << " KV heads, head_dim " << hd);
+      RunBatched(H, KV, hd);
+    }
+  }
+}
+
+void AttentionConsistency::RunBatched(int H, int KV, int hd) {
+  const int bs = 16, kv_dim = KV * hd;
   // {.., 300}: a mixed prefill/decode step (Engine::StepWithChunk): the leading decode rows in
   // one batched launch, the chunk on its own.
   for (std::vector<int> rows_per : {std::vector<int>{1, 1, 1, 1, 1}, {1, 3, 2, 1, 1},
