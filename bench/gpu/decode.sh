@@ -16,6 +16,7 @@ LOG=$OUT/decode.log
 T0=$(date +%s)
 stamp() { echo "[decode.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 . "$ROOT/bench/gpu/staged_env.sh"
+export SPARSEX_MODELS=$SPX/models  # cuda_engine_test reads stories260K
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader \
   >>"$LOG" 2>&1
 
