@@ -47,6 +47,7 @@ struct Reference {
 struct PromptResult {
   double kl = 0, share = 0, greedy = 0, cont_logp = 0;
   double top1 = 0;  // 1 when the next-token argmax equals full prefill's
+  double uncovered = 1, predicted = 0;  // ReuseStats::uncovered_share, predicted_drop
 };
 
 std::vector<double> LogSoftmax(std::span<const float> x) {
@@ -173,6 +174,11 @@ double Drop(const std::vector<PromptResult>& r, const std::vector<Reference>& re
   return full != 0 ? (full - reuse) / std::abs(full) : 0;
 }
 
+// One prompt's relative quality drop.
+double PromptDrop(const PromptResult& r, const Reference& ref) {
+  return ref.cont_logp != 0 ? (ref.cont_logp - r.cont_logp) / std::abs(ref.cont_logp) : 0;
+}
+
 std::string Join(const std::vector<double>& v, const char* fmt) {
   std::string out;
   char buf[64];
@@ -230,6 +236,16 @@ absl::Status Fidelity(const Args& a) {
         "--prompts, --seeds, --encodings, --continuation and --bootstrap must be non-empty/>0");
   }
   for (const std::string& s : selectors) RETURN_IF_ERROR(CreateSelector(s).status());
+  // The quality budget (issue 19 section 2): --quality-target T runs it per F (needs
+  // --calibration FILE, or the built-in slope); --calibration-out FILE fits the per-F slopes
+  // (predicted drop per uncovered score share) from this run's fixed-ratio settings of the
+  // first selector: the --calibration-quantile (default 0.9) of per-prompt drop / uncovered.
+  const double quality_target = std::stod(get("quality-target", "-1"));
+  QualityCalibration calibration;
+  if (a.count("calibration")) {
+    ASSIGN_OR_RETURN(calibration, LoadQualityCalibration(get("calibration", "")));
+  }
+  const double calib_q = std::stod(get("calibration-quantile", "0.9"));
 
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(model_path));
   // --context N: run as if the model's context length were N (e.g. stories260K's trained 512;
@@ -360,6 +376,9 @@ absl::Status Fidelity(const Args& a) {
         if (enc != encodings[0] && sel != "sparsex") continue;
         for (float r : ratios) settings.push_back({sel, F, enc, r});
       }
+      // --quality-target T: the quality budget (BudgetOptions::kQuality) with the first
+      // selector, labelled "quality", ratio -1.
+      if (quality_target >= 0 && enc == encodings[0]) settings.push_back({"quality", F, enc, -1});
     }
   }
   std::map<std::tuple<int, std::string, float>, size_t> shared;  // (F, enc, r) -> result index
@@ -398,6 +417,13 @@ absl::Status Fidelity(const Args& a) {
     o.full_layers = s.full_layers;
     o.selector = s.selector == "naive" ? "random" : s.selector;
     o.budget.ratio = s.ratio;
+    if (s.selector == "quality") {
+      o.selector = selectors[0];
+      o.budget.ratio = 0.15f;  // unused in quality mode (the setting's -1 labels it)
+      o.budget.mode = BudgetOptions::Mode::kQuality;
+      o.budget.target_drop = static_cast<float>(quality_target);
+      o.calibration = calibration;
+    }
     o.store_new_segments = false;
     o.seed = prompts[0].seed;
     o.sparsex_weights = weights;
@@ -415,6 +441,8 @@ absl::Status Fidelity(const Args& a) {
       pr.kl = Kl(refs[i].logp, LogSoftmax(r.logits));
       pr.top1 = Argmax(r.logits) == refs[i].top1 ? 1.0 : 0.0;
       pr.share = r.stats.compute_share;
+      pr.uncovered = r.stats.uncovered_share;
+      pr.predicted = r.stats.predicted_drop;
       auto g = Greedy(eng, r.seq, r.logits, cont_len);
       absl::StatusOr<double> lp = absl::UnknownError("no continuation");
       if (!g.ok()) lp = g.status();
@@ -510,8 +538,9 @@ absl::Status Fidelity(const Args& a) {
   for (size_t si = 0; si < settings.size(); ++si) {
     const Setting& s = settings[si];
     const std::vector<PromptResult>& r = results[si];
-    std::vector<double> kls, top1, greedy, share, lp;
+    std::vector<double> kls, top1, greedy, share, lp, unc;
     for (const PromptResult& p : r) {
+      unc.push_back(p.uncovered);
       kls.push_back(p.kl);
       top1.push_back(p.top1);
       greedy.push_back(p.greedy);
@@ -529,6 +558,34 @@ absl::Status Fidelity(const Args& a) {
       return d > 0 ? kl_of(si, idx) / d : 0.0;
     });
     std::string paired;
+    if (s.selector == "quality") {
+      // Share of prompts whose own drop exceeds the target, mean share, with intervals.
+      auto exceed = [&](const std::vector<size_t>* idx) {
+        const size_t m = idx ? idx->size() : r.size();
+        double c = 0;
+        for (size_t i = 0; i < m; ++i) {
+          const size_t k = idx ? (*idx)[i] : i;
+          c += PromptDrop(r[k], refs[k]) > quality_target;
+        }
+        return m ? c / m : 0.0;
+      };
+      const auto ex_ci = boot.Interval([&](const auto& idx) { return exceed(&idx); });
+      const auto sh_ci = boot.Interval(
+          [&](const auto& idx) { return MeanOf(r, &PromptResult::share, &idx); });
+      char buf[320];
+      std::snprintf(buf, sizeof buf,
+                    ", \"quality_target\": %.4f, \"exceed_share\": %.4f, \"exceed_share_ci\": "
+                    "[%.4f, %.4f], \"compute_share_ci\": [%.4f, %.4f], \"predicted_drop_mean\": "
+                    "%.5f",
+                    quality_target, exceed(nullptr), ex_ci.first, ex_ci.second, sh_ci.first,
+                    sh_ci.second, MeanOf(r, &PromptResult::predicted));
+      paired = buf;
+      std::printf("quality budget F=%d target %.4f: mean share %.4f [%.4f, %.4f], prompts over "
+                  "target %.4f [%.4f, %.4f], pooled drop %.5f, mean predicted %.5f\n",
+                  s.full_layers, quality_target, MeanOf(r, &PromptResult::share), sh_ci.first,
+                  sh_ci.second, exceed(nullptr), ex_ci.first, ex_ci.second, Drop(r, refs),
+                  MeanOf(r, &PromptResult::predicted));
+    }
     auto sx = sx_of.find({s.full_layers, s.encoding, s.ratio});
     if (s.selector != "sparsex" && s.selector != "naive" && sx != sx_of.end()) {
       const double d = MeanOf(results[sx->second], &PromptResult::kl);
@@ -549,14 +606,15 @@ absl::Status Fidelity(const Args& a) {
         "\"top1_agree\": %.4f, \"greedy32_agree\": %.4f, \"compute_share\": %.4f, "
         "\"quality_drop\": %.5f, \"quality_drop_ci\": [%.5f, %.5f], \"prompts\": %zu,\n"
         "   \"per_prompt\": {\"kl\": [%s],\n    \"top1\": [%s],\n    \"greedy32\": [%s],\n"
-        "    \"share\": [%s],\n    \"cont_logp\": [%s]}}",
+        "    \"share\": [%s],\n    \"uncovered\": [%s],\n    \"cont_logp\": [%s]}}",
         si ? ",\n" : "", s.selector.c_str(), s.full_layers, s.encoding.c_str(), s.ratio, kl_mean,
         kl_ci.first, kl_ci.second, Quantile(kls, 0.5), Quantile(kls, 0.95),
         naive_mean > 0 ? kl_mean / naive_mean : 0.0, vs_naive_ci.first, vs_naive_ci.second,
         paired.c_str(), MeanOf(r, &PromptResult::top1),
         MeanOf(r, &PromptResult::greedy), MeanOf(r, &PromptResult::share), drop, drop_ci.first,
         drop_ci.second, n, Join(kls, "%.4g").c_str(), Join(top1, "%.0f").c_str(),
-        Join(greedy, "%.4g").c_str(), Join(share, "%.4g").c_str(), Join(lp, "%.6g").c_str());
+        Join(greedy, "%.4g").c_str(), Join(share, "%.4g").c_str(), Join(unc, "%.4g").c_str(),
+        Join(lp, "%.6g").c_str());
   }
   std::fprintf(js, "\n],\n");
 
@@ -569,7 +627,7 @@ absl::Status Fidelity(const Args& a) {
   std::map<std::tuple<std::string, int, std::string>, std::vector<size_t>> curves;
   for (size_t si = 0; si < settings.size(); ++si) {
     const Setting& s = settings[si];
-    if (s.selector == "naive") continue;
+    if (s.selector == "naive" || s.selector == "quality") continue;
     curves[{s.selector, s.full_layers, s.encoding}].push_back(si);
   }
   bool first = true;
@@ -612,6 +670,39 @@ absl::Status Fidelity(const Args& a) {
   }
   std::fprintf(js, "\n]\n}\n");
   std::fclose(js);
+
+  if (a.count("calibration-out")) {
+    // Per F: the calib_q quantile of per-prompt drop / uncovered share over the fixed-ratio
+    // settings (0 < r < 1) of the first selector and encoding.
+    std::map<int, std::vector<double>> ratios_of;
+    for (size_t si = 0; si < settings.size(); ++si) {
+      const Setting& s = settings[si];
+      if (s.selector != selectors[0] || s.encoding != encodings[0] || s.ratio <= 0 ||
+          s.ratio >= 1) {
+        continue;
+      }
+      for (size_t i = 0; i < n; ++i) {
+        const double u = results[si][i].uncovered;
+        if (u > 0.01) ratios_of[s.full_layers].push_back(PromptDrop(results[si][i], refs[i]) / u);
+      }
+    }
+    const std::string out = get("calibration-out", "");
+    std::FILE* cf = std::fopen(out.c_str(), "w");
+    if (cf == nullptr) return absl::InternalError(absl::StrCat("cannot write ", out));
+    std::fprintf(cf, "{\"selector\": \"%s\", \"encoding\": \"%s\", \"quantile\": %.3f, "
+                 "\"prompts\": %zu,\n \"model\": \"%s\",\n \"drop_per_uncovered\": {",
+                 selectors[0].c_str(), encodings[0].c_str(), calib_q, n, model_path.c_str());
+    bool first_f = true;
+    for (const auto& [F, v] : ratios_of) {
+      const double slope = std::max(1e-4, Quantile(v, calib_q));
+      std::fprintf(cf, "%s\"%d\": %.5f", first_f ? "" : ", ", F, slope);
+      std::printf("calibration F=%d: drop per uncovered share %.5f (q %.2f of %zu)\n", F, slope,
+                  calib_q, v.size());
+      first_f = false;
+    }
+    std::fprintf(cf, "}}\n");
+    std::fclose(cf);
+  }
   return absl::OkStatus();
 }
 

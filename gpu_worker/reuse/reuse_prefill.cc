@@ -3,6 +3,7 @@
 #include "gpu_worker/reuse/planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <sstream>
 
@@ -54,7 +55,8 @@ absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers) {
     return absl::InvalidArgumentError(absl::StrCat("full_layers must be in [0, ", n_layers, "]"));
   }
   if (o.budget.ratio < 0 || o.budget.ratio > 1 || o.budget.max_ratio < 0 ||
-      o.budget.max_ratio > 1 || o.budget.target_mass < 0 || o.budget.target_mass > 1) {
+      o.budget.max_ratio > 1 || o.budget.target_mass < 0 || o.budget.target_mass > 1 ||
+      !(o.budget.target_drop >= 0) || !(o.budget.drop_per_uncovered > 0)) {
     return absl::InvalidArgumentError("budget ratios must be in [0, 1]");
   }
   for (size_t i = 0; i < o.layer_ratios.size(); ++i) {
@@ -652,7 +654,20 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
       RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
     }
     // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
-    j.ranked = j.selector->Rank(in, j.o.budget);
+    BudgetOptions b = j.o.budget;
+    const float slope = j.o.calibration.SlopeFor(F, b.drop_per_uncovered);
+    if (b.mode == BudgetOptions::Mode::kQuality) {
+      // Capped where recompute would cost more than full prefill: the pass computes F layers
+      // of every non-prefix row, L - F layers of the new rows and k reused ones, plus about a
+      // tenth of a layer per row for the selection (the K/V projection of the deviation).
+      const double n = j.n_rows, reused = static_cast<double>(j.reused_rows.size());
+      const double k_max = reused - std::ceil(0.1 * n / (L - F));
+      b.drop_per_uncovered = slope;
+      b.max_ratio = static_cast<float>(std::clamp(k_max / reused, 0.0, 1.0));
+    }
+    j.ranked = j.selector->Rank(in, b);
+    j.res.stats.uncovered_share = UncoveredShare(j.selector->Score(in), j.ranked);
+    j.res.stats.predicted_drop = slope * j.res.stats.uncovered_share;
   }
   return j.Phase(&j.res.stats.select_ms);
 }

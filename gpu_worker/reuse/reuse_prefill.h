@@ -38,7 +38,10 @@ struct ReuseOptions {
   // (one statistics pass per request instead of F; on stories260K F=2 r=0.15 mean KL 0.0055
   // instead of 0.0041, docs/fidelity.md). Default: all
   bool stats_all_full_layers = true;
-  BudgetOptions budget;              // Default: fixed ratio 0.15
+  BudgetOptions budget;              // Default: fixed ratio 0.15 (the worker: quality, 1%)
+  // Per-F slopes of the quality budget (BudgetOptions::kQuality); empty: the budget's own
+  // drop_per_uncovered. Default: empty
+  QualityCalibration calibration;
   // Optional per-sparse-layer ratios for layers F, F+1, ... (non-increasing: a row dropped at
   // one layer has no exact input at the next). Empty: budget for every sparse layer.
   std::vector<float> layer_ratios;
@@ -76,6 +79,10 @@ struct ReuseStats {
   int segments_host_hit = 0;    // served from the pinned host tier (copied beside compute)
   int64_t computed_token_layers = 0;
   double compute_share = 1.0;  // computed token-layers / (L x non-prefix tokens)
+  // Share of the selector's score mass over the reused tokens left unrecomputed (1: none
+  // recomputed or no reused token), and the quality budget's predicted relative drop for it
+  // (calibration slope x uncovered share; 0 without a sparse layer).
+  double uncovered_share = 0, predicted_drop = 0;
   // Phase times with ReuseOptions::profile (ms): lookup and staging, full layers, selection
   // (scores, KV deviation, ranking), sparse layers with their KV assembly, logits.
   double lookup_ms = 0, full_ms = 0, select_ms = 0, sparse_ms = 0, logits_ms = 0;

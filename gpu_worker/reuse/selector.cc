@@ -6,6 +6,11 @@
 #include <numeric>
 #include <random>
 
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
 namespace sparsex {
 namespace {
 
@@ -289,15 +294,74 @@ std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOp
   if (!fixed) {
     double total = 0;
     for (float s : score) total += std::max(0.0f, s);
+    // adaptive: until the kept mass reaches target_mass; quality: until the predicted drop
+    // (slope x uncovered share) is at most target_drop, i.e. the kept share reaches
+    // 1 - target_drop / slope.
+    double want = b.target_mass;
+    if (b.mode == BudgetOptions::Mode::kQuality) {
+      want = b.drop_per_uncovered > 0 ? 1.0 - b.target_drop / b.drop_per_uncovered : 0.0;
+    }
     keep = 0;
     double acc = 0;
-    while (keep < cap && total > 0 && acc < b.target_mass * total) {
+    while (keep < cap && total > 0 && acc < want * total) {
       acc += std::max(0.0f, score[idx[keep]]);
       ++keep;
     }
   }
   idx.resize(keep);
   return idx;
+}
+
+double UncoveredShare(const std::vector<float>& score, const std::vector<int32_t>& kept) {
+  double total = 0, in = 0;
+  for (float s : score) total += std::max(0.0f, s);
+  for (int32_t i : kept) in += std::max(0.0f, score[i]);
+  return total > 0 ? std::clamp(1.0 - in / total, 0.0, 1.0) : 1.0;
+}
+
+float QualityCalibration::SlopeFor(int F, float fallback) const {
+  int best = -1;
+  for (int f = 0; f < static_cast<int>(drop_per_uncovered.size()); ++f) {
+    if (drop_per_uncovered[f] < 0) continue;
+    if (best < 0 || std::abs(f - F) < std::abs(best - F)) best = f;
+  }
+  return best < 0 ? fallback : drop_per_uncovered[best];
+}
+
+absl::StatusOr<QualityCalibration> ParseQualityCalibration(const std::string& text) {
+  // {"selector": "sparsex", "drop_per_uncovered": {"1": 0.04, "2": 0.03}, ...}
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("drop_per_uncovered") ||
+      !j["drop_per_uncovered"].is_object()) {
+    return absl::InvalidArgumentError(
+        "quality calibration: expected {\"drop_per_uncovered\": {\"<F>\": slope, ...}}");
+  }
+  QualityCalibration c;
+  if (j.contains("selector") && j["selector"].is_string()) c.selector = j["selector"];
+  for (const auto& [k, v] : j["drop_per_uncovered"].items()) {
+    int F = -1;
+    try {
+      F = std::stoi(k);
+    } catch (...) {
+    }
+    if (F < 0 || F > 4096 || !v.is_number() || v.get<double>() <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("quality calibration: bad entry '", k, "' (F >= 0, slope > 0)"));
+    }
+    if (static_cast<int>(c.drop_per_uncovered.size()) <= F) c.drop_per_uncovered.resize(F + 1, -1);
+    c.drop_per_uncovered[F] = v.get<float>();
+  }
+  return c;
+}
+
+absl::StatusOr<QualityCalibration> LoadQualityCalibration(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read quality calibration ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  absl::StatusOr<QualityCalibration> c = ParseQualityCalibration(ss.str());
+  if (!c.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", c.status().message()));
+  return c;
 }
 
 }  // namespace sparsex

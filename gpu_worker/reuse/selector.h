@@ -35,13 +35,43 @@ struct SparsexWeights {
 };
 
 // Budget: how many of the ranked tokens to keep.
+//   kFixed:    a fixed share of the reused tokens.
+//   kAdaptive: the smallest set holding target_mass of the score mass, within max_ratio.
+//   kQuality:  the smallest set whose predicted relative quality drop (docs/fidelity.md) is at
+//              most target_drop, within max_ratio. The prediction is calibrated per model and
+//              F by `sparsex fidelity --calibration-out` (QualityCalibration):
+//              predicted drop = drop_per_uncovered x the share of the request's score mass
+//              left unrecomputed, so a request whose importance is concentrated on a few
+//              tokens recomputes few, one with a flat score distribution many.
 struct BudgetOptions {
-  enum class Mode { kFixed, kAdaptive } mode = Mode::kFixed;  // Default: fixed
+  enum class Mode { kFixed, kAdaptive, kQuality } mode = Mode::kFixed;  // Default: fixed
   float ratio = 0.15f;         // fixed: share of reused tokens recomputed. Default: 0.15
   float target_mass = 0.5f;    // adaptive: smallest set holding this share of the score mass.
                                // Default: 0.5
-  float max_ratio = 0.3f;      // adaptive: cap. Default: 0.3
+  float max_ratio = 0.3f;      // adaptive: cap. Default: 0.3. Quality: the reuse prefill
+                               // sets it to where recompute would cost more than full prefill
+  float target_drop = 0.01f;   // quality: predicted relative quality drop. Default: 0.01 (1%)
+  // quality: predicted relative drop per unit of uncovered score share (the calibration's
+  // slope for this request's F; the reuse prefill sets it from ReuseOptions::calibration).
+  // Default: 0.065 (stories260K, F = 2: docs/quality_calibration.stories260K.json)
+  float drop_per_uncovered = 0.065f;
 };
+
+// Per-model calibration of the quality budget: for each F, the relative quality drop per unit
+// of score share left unrecomputed (a quantile of per-prompt drop / uncovered share over the
+// harness's prompts and ratios, so most requests stay under the target). Written by
+// `sparsex fidelity --calibration-out FILE`, read by the worker (--quality_calibration).
+struct QualityCalibration {
+  std::string selector = "sparsex";  // the selector the scores come from. Default: sparsex
+  std::vector<float> drop_per_uncovered;  // [F]; entries < 0: not measured
+  // The slope for F: its own, else the nearest measured F's, else `fallback`.
+  float SlopeFor(int F, float fallback) const;
+};
+absl::StatusOr<QualityCalibration> ParseQualityCalibration(const std::string& json);
+absl::StatusOr<QualityCalibration> LoadQualityCalibration(const std::string& path);
+
+// Share of the (non-negative) score mass outside `kept` (1 with no mass).
+double UncoveredShare(const std::vector<float>& score, const std::vector<int32_t>& kept);
 
 // Indices (into the reused tokens) of the selected set, sorted by importance.
 std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b);
