@@ -45,6 +45,7 @@ struct WorkerLoadInfo {
   int kv_blocks_total = 0, kv_blocks_free = 0;
   bool draining = false;
   int max_queue = 0;  // 0: unknown
+  bool reuse_disabled = false;  // the worker's correctness gate turned reuse off
   double kv_usage() const {
     return kv_blocks_total > 0 ? 1.0 - static_cast<double>(kv_blocks_free) / kv_blocks_total
                                : 0.0;

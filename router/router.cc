@@ -343,6 +343,7 @@ v1::HealthResponse Router::Health() {
     h->set_queue_depth(l.queue_depth);
     h->set_running(l.running);
     h->set_kv_usage(l.kv_usage());
+    h->set_reuse_disabled(l.reuse_disabled);
     h->set_indexed_segments(static_cast<int>(impl_->index.Segments(c->address)));
   }
   resp.set_serving(any);

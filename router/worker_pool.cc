@@ -267,6 +267,7 @@ void WorkerPool::Subscribe(WorkerConn& c) {
         li.kv_blocks_free = lr.kv_blocks_free();
         li.draining = lr.draining();
         li.max_queue = lr.max_queue();
+        li.reuse_disabled = lr.reuse_disabled();
         index_.UpdateLoad(c.address, li);
         c.healthy = !lr.draining();
       }

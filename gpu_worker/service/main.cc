@@ -35,6 +35,11 @@ int main(int argc, char** argv) {
   int replication = static_cast<int>(o.cluster.replication);
   int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
   float recompute_ratio = o.scheduler.reuse.budget.ratio;
+  std::string budget = "quality";
+  float quality_target = o.scheduler.reuse.budget.target_drop;
+  std::string quality_calibration;
+  sparsex::service::QualityGateOptions& gate = o.scheduler.gate;
+  gate.enabled = true;  // the worker checks reuse by default
   sparsex::FlagSet f("sparsex-worker");
   f.Add("model", &o.model_path, "GGUF file or HF model directory (required)");
   f.Add("model_name", &o.model_name, "model name in the API (default: file name stem)");
@@ -70,7 +75,38 @@ int main(int argc, char** argv) {
         "encoding pass)");
   f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
-  f.Add("recompute_ratio", &recompute_ratio, "reuse: share of reused tokens recomputed");
+  f.Add("budget", &budget,
+        "reuse: how many reused tokens are recomputed: quality (the fewest whose predicted "
+        "relative quality drop is at most --quality_target, docs/fidelity.md) | fixed "
+        "(--recompute_ratio) | adaptive (default quality)");
+  f.Add("recompute_ratio", &recompute_ratio,
+        "reuse, --budget fixed: share of reused tokens recomputed (default 0.15)");
+  f.Add("quality_target", &quality_target,
+        "reuse, --budget quality: predicted relative quality drop per request (default 0.01)");
+  f.Add("quality_calibration", &quality_calibration,
+        "reuse, --budget quality: the model's calibration JSON written by `sparsex fidelity "
+        "--calibration-out` (default: none, the built-in stories260K slope)");
+  f.Add("gate", &gate.enabled,
+        "correctness gate: replay sampled reuse requests with full prefill in idle time, step "
+        "reuse up or disable it when quality drops (docs/reliability.md) (default 1)");
+  f.Add("gate_sample_rate", &gate.sample_rate,
+        "correctness gate: share of reuse requests replayed after the warm-up (default 0.01)");
+  f.Add("gate_warmup", &gate.warmup_requests,
+        "correctness gate: first reuse requests all replayed, also after a step-up (default 32)");
+  f.Add("gate_window", &gate.window, "correctness gate: rolling window in replays (default 32)");
+  f.Add("gate_min_samples", &gate.min_samples,
+        "correctness gate: replays in the window before it is judged (default 16)");
+  f.Add("gate_min_top1", &gate.min_top1_agreement,
+        "correctness gate: rolling first-token agreement below this fails (default 0.9)");
+  f.Add("gate_max_median_kl", &gate.max_median_kl,
+        "correctness gate: rolling median first-token KL above this fails (default 0.001)");
+  f.Add("gate_max_kl", &gate.max_mean_kl,
+        "correctness gate: rolling mean first-token KL above this fails (default 0.02)");
+  f.Add("gate_max_steps", &gate.max_steps,
+        "correctness gate: step-ups (F +1, r +0.15 or target / 4) before reuse is disabled "
+        "(default 2)");
+  f.Add("gate_max_pending", &gate.max_pending,
+        "correctness gate: replays waiting for idle time; more are dropped (default 8)");
   f.Add("segment_encoding", &o.scheduler.reuse.encoding, "reuse: none | bos | prefix:<ids>");
   f.Add("fetch_wait_ms", &fetch_wait_ms,
         "longest a request waits for the cache-cluster fetch of its missing segments before it "
@@ -120,6 +156,25 @@ int main(int argc, char** argv) {
   o.scheduler.engine.kv.block_size = block_size;
   o.scheduler.engine.kv.enable_prefix_caching = prefix_caching;
   o.scheduler.reuse.budget.ratio = recompute_ratio;
+  o.scheduler.reuse.budget.target_drop = quality_target;
+  if (budget == "quality") {
+    o.scheduler.reuse.budget.mode = sparsex::BudgetOptions::Mode::kQuality;
+  } else if (budget == "fixed") {
+    o.scheduler.reuse.budget.mode = sparsex::BudgetOptions::Mode::kFixed;
+  } else if (budget == "adaptive") {
+    o.scheduler.reuse.budget.mode = sparsex::BudgetOptions::Mode::kAdaptive;
+  } else {
+    std::cerr << "sparsex-worker: --budget must be quality, fixed or adaptive\n";
+    return 2;
+  }
+  if (!quality_calibration.empty()) {
+    auto c = sparsex::LoadQualityCalibration(quality_calibration);
+    if (!c.ok()) {
+      std::cerr << "sparsex-worker: " << c.status() << "\n";
+      return 2;
+    }
+    o.scheduler.reuse.calibration = *c;
+  }
   // GPU defaults sized for an 8B model (the CPU ones for the small test models).
   const bool cuda = o.device == "cuda";
   if (host_store_mb < 0) host_store_mb = cuda ? 8192 : static_cast<int64_t>(o.host_store_bytes >> 20);

@@ -61,7 +61,8 @@ struct BatchScheduler::Active {
 
 BatchScheduler::BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
                                const SchedulerOptions& o, SchedulerHooks hooks)
-    : model_(model), stores_(std::move(stores)), opts_(o), hooks_(std::move(hooks)) {
+    : model_(model), stores_(std::move(stores)), opts_(o), hooks_(std::move(hooks)),
+      gate_(o.gate) {
   store_ = stores_[0];
   block_size_ = o.engine.kv.block_size;
   max_len_ = model.config().max_seq_len;
@@ -296,7 +297,8 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
         bool fetched = false;
         for (const auto& w : fetch_wait_) fetched = fetched || w.job->done.load();
         return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty() ||
-               group_->unspilled() > 0 || fetched || fetch_wait_.size() > waiting;
+               group_->unspilled() > 0 || fetched || fetch_wait_.size() > waiting ||
+               !gate_queue_.empty();
       };
       // A request waiting for its fetch is admitted at its deadline at the latest.
       Clock::time_point wake = Clock::time_point::max();
@@ -364,8 +366,10 @@ void BatchScheduler::Iteration() {
     }
   }
   for (auto& a : dropped) Finish(*a, "cancelled");
+  if (gate_running_ && !(active_.empty() && admitted.empty())) GatePreempt();
   const Tokenizer& tok = model_.tokenizer();
   for (auto& a : admitted) {
+    gate_.Apply(a->w.reuse, model_.config().n_layers);  // its step, or reuse off
     const Clock::time_point now = Clock::now();
     a->usage.queue_ms = MsBetween(a->w.arrival, now);
     a->usage.segments_fetched = a->w.segments_fetched;
@@ -432,6 +436,99 @@ void BatchScheduler::Iteration() {
   if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty()) {
     SpillOne();
     charge(EnginePhase::kSpill);
+    // 7. Lowest priority: a slice of a correctness-gate replay, when nothing else waits.
+    if (group_->unspilled() == 0 && !gate_queue_.empty()) {
+      GateStep();
+      charge(EnginePhase::kSpill);
+    }
+  }
+}
+
+void BatchScheduler::GateOffer(const Active& a, const std::vector<float>& logits) {
+  if (!gate_.ShouldSample()) return;
+  if (static_cast<int>(gate_queue_.size()) >= gate_.options().max_pending) {
+    gate_.CountDropped();
+    return;
+  }
+  GateReplay g;
+  g.segments = a.w.segments;
+  g.add_bos = a.w.add_bos;
+  g.opts = a.w.reuse;
+  g.opts.enable_reuse = false;
+  g.opts.register_prefix = false;
+  g.opts.register_approximate_prefix = false;
+  g.opts.store_new_segments = false;
+  g.logits = logits;
+  gate_queue_.push_back(std::move(g));
+}
+
+void BatchScheduler::GatePreempt() {
+  if (!gate_running_) return;
+  group_->AbortReusePrefill();  // its KV blocks go back to the pool
+  gate_running_ = false;
+  GateReplay& g = gate_queue_.front();
+  reserved_blocks_ -= g.reserve;
+  g.reserve = 0;
+  gate_.CountPreempted();
+  if (++g.tries > 3) {  // a busy worker: the sample is dropped rather than retried forever
+    gate_queue_.pop_front();
+    gate_.CountDropped();
+  }
+}
+
+void BatchScheduler::GateStep() {
+  {
+    // Never beside a user request: one queued or waiting for its fetch goes first.
+    std::lock_guard<std::mutex> l(mu_);
+    if (!queue_.empty() || !fetch_wait_.empty()) return;
+  }
+  GateReplay& g = gate_queue_.front();
+  if (!gate_running_) {
+    int tokens = 1;
+    for (const auto& s : g.segments) tokens += static_cast<int>(s.tokens.size());
+    g.reserve = tokens / block_size_ + 2;
+    const int total = group_->engine().blocks().num_blocks();
+    absl::Status b = reserved_blocks_ + g.reserve > total
+                         ? absl::ResourceExhaustedError("no KV blocks for the replay")
+                         : group_->BeginReusePrefill(g.segments, g.add_bos, &g.opts);
+    if (!b.ok()) {
+      g.reserve = 0;
+      gate_queue_.pop_front();
+      gate_.CountDropped();
+      return;
+    }
+    reserved_blocks_ += g.reserve;
+    gate_running_ = true;
+  }
+  const int64_t slice =
+      opts_.reuse_slice_tokens < 0
+          ? INT64_MAX
+          : static_cast<int64_t>(opts_.reuse_slice_tokens > 0 ? opts_.reuse_slice_tokens
+                                                              : opts_.prefill_chunk) *
+                model_.config().n_layers;
+  ++gate_slices_;
+  auto step = group_->ReusePrefillStep(slice);
+  if (step.ok() && !step->has_value()) return;  // more slices in later idle iterations
+  gate_running_ = false;
+  reserved_blocks_ -= g.reserve;
+  if (!step.ok()) {
+    gate_queue_.pop_front();
+    gate_.CountDropped();
+    return;
+  }
+  ReusePrefillResult& r = **step;
+  group_->Release(r.seq);
+  const double kl = FirstTokenKl(r.logits, g.logits);
+  const bool agree = !r.logits.empty() && !g.logits.empty() &&
+                     std::max_element(r.logits.begin(), r.logits.end()) - r.logits.begin() ==
+                         std::max_element(g.logits.begin(), g.logits.end()) - g.logits.begin();
+  gate_queue_.pop_front();
+  const std::string line = gate_.Record(kl, agree);
+  if (hooks_.on_gate_replay) hooks_.on_gate_replay(kl, agree);
+  if (!line.empty() && hooks_.on_gate_event) hooks_.on_gate_event(line, gate_.state());
+  if (gate_.state().reuse_disabled) {
+    // Samples taken under reuse that is now off judge nothing.
+    gate_queue_.clear();
   }
 }
 
@@ -548,6 +645,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
     const std::vector<std::pair<Hash128, int>>& stored = r->stored;
     if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
     logits = std::move(r->logits);
+    if (st.reused_tokens > 0) GateOffer(a, logits);
   } else {
     if (!EnsurePlainSeq(a)) return true;
     const int total = static_cast<int>(a.prompt.size());
@@ -753,6 +851,9 @@ void BatchScheduler::PublishLoad() {
     load_.kv_blocks_free = group_->engine().blocks().available();
   }
   ++load_.iterations;
+  load_.gate = gate_.state();
+  load_.gate_slices = gate_slices_;
+  load_.gate_pending = static_cast<int>(gate_queue_.size());
 }
 
 }  // namespace sparsex::service

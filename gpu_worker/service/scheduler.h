@@ -41,6 +41,7 @@
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 #include "gpu_worker/reuse/segment_store.h"
+#include "gpu_worker/service/quality_gate.h"
 
 namespace sparsex::service {
 
@@ -108,6 +109,13 @@ struct SchedulerOptions {
   // used when the device tier has no capacity, copied to the GPU layer by layer beside the
   // full layers' compute (ReuseEngine). Default: 0
   size_t host_tier_bytes = 0;
+  // The online correctness gate (quality_gate.h): sampled reuse requests are replayed with
+  // full prefill in idle iterations (never while a user request is queued, admitted or being
+  // fetched; abandoned when one arrives, so a user request waits for at most one slice of it)
+  // and their first-token distributions compared; rolling quality below the thresholds steps
+  // reuse up, then disables it. Default: QualityGateOptions{} (off; the worker turns it on:
+  // 1% of reuse requests and the first 32)
+  QualityGateOptions gate;
 };
 
 // Per-request figures reported with the final chunk.
@@ -189,6 +197,9 @@ struct SchedulerLoad {
   // Engine-thread seconds per EnginePhase since start, and the longest single phase run.
   double phase_seconds[kEnginePhases] = {};
   double phase_longest_s[kEnginePhases] = {};
+  QualityGateState gate;  // the correctness gate's figures and state
+  int64_t gate_slices = 0;  // replay slices run (each in an iteration with no user request)
+  int gate_pending = 0;     // replays waiting for idle time
 };
 
 // Observer hooks, called on the engine thread (keep them short).
@@ -205,6 +216,10 @@ struct SchedulerHooks {
   std::function<void(const RequestUsage&, const std::string& finish_reason,
                      const absl::Status& status)>
       on_finished;
+  // A gate replay compared (KL of the first-token distribution, argmax agreement), and a gate
+  // state change (a step up or reuse disabled) with its log line.
+  std::function<void(double kl, bool top1_agree)> on_gate_replay;
+  std::function<void(const std::string& line, const QualityGateState&)> on_gate_event;
 };
 
 class BatchScheduler {
@@ -271,6 +286,11 @@ class BatchScheduler {
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
   void PublishLoad();
+  // The correctness gate: queue a replay of a finished reuse prefill; run one slice of the
+  // oldest replay (idle iterations only); abandon the running one (a user request arrived).
+  void GateOffer(const Active& a, const std::vector<float>& logits);
+  void GateStep();
+  void GatePreempt();
   // Queue depth and waiting-for-remote-KV count into load_ (mu_ held): Submit updates them at
   // once, the engine thread each iteration.
   void PublishWaitingLocked();
@@ -304,6 +324,18 @@ class BatchScheduler {
   int64_t stores_dropped_ = 0;
   double phase_seconds_[kEnginePhases] = {};
   double phase_longest_[kEnginePhases] = {};
+  QualityGate gate_;
+  struct GateReplay {
+    std::vector<PromptSegment> segments;
+    bool add_bos = true;
+    ReuseOptions opts;           // full prefill: reuse off, nothing registered or stored
+    std::vector<float> logits;   // the reuse pass's first-token logits
+    int reserve = 0;             // blocks counted in reserved_blocks_ while running
+    int tries = 0;               // times abandoned for a user request
+  };
+  std::deque<GateReplay> gate_queue_;
+  bool gate_running_ = false;  // gate_queue_.front()'s prefill is in the engines
+  int64_t gate_slices_ = 0;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -98,6 +98,43 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   stores_dropped = &r.AddGauge("sparsex_worker_stores_dropped",
                                "Deferred segment stores dropped (backlog full while busy).")
                         .Get();
+  gate_kl = &r.AddHistogram("sparsex_worker_gate_kl",
+                            "Correctness gate: KL(full prefill || reuse) of the first-token "
+                            "distribution of each replayed reuse request.",
+                            {}, std::vector<double>(kGateKlBuckets.begin(), kGateKlBuckets.end()))
+                 .Get();
+  gate_replays = &r.AddCounter("sparsex_worker_gate_replays_total",
+                               "Correctness gate: reuse requests replayed with full prefill, by "
+                               "first-token result (agree, disagree).",
+                               {"result"});
+  gate_rolling_top1 = &r.AddGauge("sparsex_worker_gate_rolling_top1_agreement",
+                                  "Correctness gate: first-token agreement over the rolling "
+                                  "window (1 while empty).")
+                           .Get();
+  gate_rolling_kl = &r.AddGauge("sparsex_worker_gate_rolling_kl",
+                                "Correctness gate: mean first-token KL over the rolling window.")
+                         .Get();
+  gate_rolling_median_kl =
+      &r.AddGauge("sparsex_worker_gate_rolling_median_kl",
+                  "Correctness gate: median first-token KL over the rolling window.")
+           .Get();
+  gate_level = &r.AddGauge("sparsex_worker_gate_level",
+                           "Correctness gate: step-ups applied to F and r (0: as configured).")
+                    .Get();
+  reuse_disabled = &r.AddGauge("sparsex_worker_reuse_disabled",
+                               "1 when the correctness gate disabled segment reuse for the model "
+                               "(exact prefix caching still serves).")
+                        .Get();
+  gate_dropped = &r.AddGauge("sparsex_worker_gate_dropped",
+                             "Correctness gate: samples dropped (backlog full, no KV).")
+                      .Get();
+  gate_preempted = &r.AddGauge("sparsex_worker_gate_preempted",
+                               "Correctness gate: replays abandoned for a user request.")
+                        .Get();
+  gate_breaches = &r.AddGauge("sparsex_worker_gate_breaches",
+                              "Correctness gate: rolling windows judged below the thresholds.")
+                       .Get();
+  for (const char* res : {"agree", "disagree"}) gate_replays->Get({res});
   info = &r.AddGauge("sparsex_worker_info", "Static worker information (value 1).",
                      {"worker", "model", "device", "instance"});
   // Series exist from the start (dashboards and rate() see zeros, not gaps).

@@ -128,6 +128,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->generated_tokens->Inc(u.completion_tokens);
     sp->m->segments->Get({"hit"}).Inc(u.segments_hit);
   };
+  hooks.on_gate_replay = [sp](double kl, bool agree) {
+    sp->m->gate_kl->Observe(kl);
+    sp->m->gate_replays->Get({agree ? "agree" : "disagree"}).Inc();
+  };
+  hooks.on_gate_event = [sp](const std::string& line, const QualityGateState&) {
+    internal::LogLine(sp->worker_id, absl::StrCat("model ", sp->model_name, ": ", line));
+  };
   ASSIGN_OR_RETURN(s.scheduler,
                    BatchScheduler::Start(*s.model, stores, s.opts.scheduler, hooks));
   if (s.tier && options.write_back) s.wb_thread = std::thread([sp] { sp->WriteBackLoop(); });
@@ -184,6 +191,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     }
     sp->m->waiting_remote->Set(l.waiting_remote);
     sp->m->stores_dropped->Set(static_cast<double>(l.stores_dropped));
+    sp->m->gate_rolling_top1->Set(l.gate.rolling_top1);
+    sp->m->gate_rolling_kl->Set(l.gate.rolling_kl);
+    sp->m->gate_rolling_median_kl->Set(l.gate.rolling_median_kl);
+    sp->m->gate_level->Set(l.gate.level);
+    sp->m->reuse_disabled->Set(l.gate.reuse_disabled ? 1 : 0);
+    sp->m->gate_dropped->Set(static_cast<double>(l.gate.dropped));
+    sp->m->gate_preempted->Set(static_cast<double>(l.gate.preempted));
+    sp->m->gate_breaches->Set(static_cast<double>(l.gate.breaches));
   });
   if (options.metrics_port >= 0) {
     metrics::HttpServerOptions ho;

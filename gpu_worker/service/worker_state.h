@@ -49,6 +49,11 @@ struct WorkerMetrics {
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,
       *pending_stores, *stores_dropped, *waiting_remote, *unspilled_segments,
       *fetch_timeouts;
+  // The correctness gate (quality_gate.h).
+  metrics::Histogram* gate_kl;
+  metrics::Family<metrics::Counter>* gate_replays;
+  metrics::Gauge *gate_rolling_top1, *gate_rolling_kl, *gate_rolling_median_kl, *gate_level,
+      *reuse_disabled, *gate_dropped, *gate_preempted, *gate_breaches;
   metrics::Family<metrics::Gauge>*kv_usage, *kv_bytes, *kv_blocks, *info, *engine_seconds,
       *engine_longest;
 };
@@ -96,6 +101,8 @@ struct WorkerServer::State {
     r.set_draining(draining.load());
     r.set_max_running(opts.scheduler.max_running);
     r.set_max_queue(opts.scheduler.max_queue);
+    r.set_reuse_disabled(l.gate.reuse_disabled);
+    r.set_reuse_gate_level(l.gate.level);
     return r;
   }
 
