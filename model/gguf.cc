@@ -362,6 +362,8 @@ absl::Status GgufReader::Parse() {
   }
   // The data section starts at the next multiple of the alignment.
   data_start_ = (c.pos() + alignment - 1) / alignment * alignment;
+  // A file without tensors (llama.cpp's vocabulary-only files) may end right after the header.
+  if (tensors_.empty()) data_start_ = std::min(data_start_, f_.file_size);
   if (data_start_ > f_.file_size) {
     return Truncated(f_, c.pos(), data_start_ - c.pos(), "alignment padding before tensor data");
   }
@@ -521,14 +523,64 @@ absl::StatusOr<int> GetInt(const GgufReader& r, const std::string& key) {
   return static_cast<int>(v);
 }
 
+// A GGUF token id key: absent gives def; ids are stored as u32 and 0xFFFFFFFF or any other
+// out-of-range value means "none" (-1).
+absl::StatusOr<int32_t> GgufTokenId(const GgufReader& r, const char* key, size_t n, int32_t def) {
+  if (r.Find(key) == nullptr) return def;
+  ASSIGN_OR_RETURN(uint64_t x, r.GetUInt(key));
+  return x < n ? static_cast<int32_t>(x) : -1;
+}
+
+// tokenizer.ggml.model "gpt2": byte-level BPE with merges, split by the pre-tokenizer that
+// tokenizer.ggml.pre names (llama.cpp's "default" when absent).
+absl::StatusOr<std::unique_ptr<Tokenizer>> GgufByteLevelTokenizer(const GgufReader& r) {
+  ByteLevelVocab v;
+  ASSIGN_OR_RETURN(v.tokens, r.GetStringArray("tokenizer.ggml.tokens"));
+  const size_t n = v.tokens.size();
+  if (r.Find("tokenizer.ggml.token_type") != nullptr) {
+    ASSIGN_OR_RETURN(v.types, r.GetIntArray("tokenizer.ggml.token_type"));
+  }
+  if (r.Find("tokenizer.ggml.merges") == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.path(), ": a gpt2 tokenizer needs tokenizer.ggml.merges"));
+  }
+  ASSIGN_OR_RETURN(v.merges, r.GetStringArray("tokenizer.ggml.merges"));
+  std::string pre = "default";
+  if (r.Find("tokenizer.ggml.pre") != nullptr) {
+    ASSIGN_OR_RETURN(absl::string_view p, r.GetString("tokenizer.ggml.pre"));
+    pre = std::string(p);
+  }
+  RETURN_IF_ERROR(ByteLevelPreTokenizer(pre, &v));
+  ASSIGN_OR_RETURN(v.bos_id, GgufTokenId(r, "tokenizer.ggml.bos_token_id", n, -1));
+  ASSIGN_OR_RETURN(v.eos_id, GgufTokenId(r, "tokenizer.ggml.eos_token_id", n, -1));
+  ASSIGN_OR_RETURN(v.unk_id, GgufTokenId(r, "tokenizer.ggml.unknown_token_id", n, -1));
+  for (const char* key : {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}) {
+    ASSIGN_OR_RETURN(int32_t id, GgufTokenId(r, key, n, -1));
+    if (id >= 0) v.extra_stop_ids.push_back(id);
+  }
+  // Older conversions lack eot_token_id: the end-of-turn tokens of the common families.
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& t = v.tokens[i];
+    if (t == "<|eot_id|>" || t == "<|eom_id|>" || t == "<|im_end|>" || t == "<|endoftext|>")
+      v.extra_stop_ids.push_back(static_cast<int32_t>(i));
+  }
+  auto tok = MakeByteLevelTokenizer(std::move(v));
+  if (!tok.ok()) {
+    return absl::Status(tok.status().code(),
+                        absl::StrCat(r.path(), ": ", tok.status().message()));
+  }
+  return tok;
+}
+
 absl::StatusOr<std::unique_ptr<Tokenizer>> GgufTokenizer(const GgufReader& r) {
   if (r.Find("tokenizer.ggml.model") == nullptr) {
     return absl::NotFoundError("GGUF file has no tokenizer (tokenizer.ggml.model is missing)");
   }
   ASSIGN_OR_RETURN(absl::string_view model, r.GetString("tokenizer.ggml.model"));
+  if (model == "gpt2") return GgufByteLevelTokenizer(r);
   if (model != "llama") {
-    return absl::UnimplementedError(
-        absl::StrCat("GGUF tokenizer model \"", model, "\" is not supported (only \"llama\")"));
+    return absl::UnimplementedError(absl::StrCat("GGUF tokenizer model \"", model,
+                                                 "\" is not supported (only \"llama\" and \"gpt2\")"));
   }
   SpmVocab v;
   ASSIGN_OR_RETURN(v.pieces, r.GetStringArray("tokenizer.ggml.tokens"));
@@ -548,12 +600,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> GgufTokenizer(const GgufReader& r) {
                                                    v.scores.size(), " scores and ", v.types.size(),
                                                    " token types"));
   }
-  // Ids are stored as u32; 0xFFFFFFFF and other out-of-range values mean "none" (-1).
-  auto id = [&](const char* key, int32_t def) -> absl::StatusOr<int32_t> {
-    if (r.Find(key) == nullptr) return def;
-    ASSIGN_OR_RETURN(uint64_t x, r.GetUInt(key));
-    return x < n ? static_cast<int32_t>(x) : -1;
-  };
+  auto id = [&](const char* key, int32_t def) { return GgufTokenId(r, key, n, def); };
   ASSIGN_OR_RETURN(v.bos_id, id("tokenizer.ggml.bos_token_id", 1));
   ASSIGN_OR_RETURN(v.eos_id, id("tokenizer.ggml.eos_token_id", 2));
   ASSIGN_OR_RETURN(v.unk_id, id("tokenizer.ggml.unknown_token_id", 0));
@@ -699,9 +746,12 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   return m;
 }
 
-absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path) {
-  // Read a growing prefix until the metadata and tensor infos parse: the weights (most of the
-  // file) are never read or mapped.
+namespace {
+
+// Reads a growing prefix of the file until the metadata and tensor infos parse, then calls
+// use(reader): the weights (most of the file) are never read or mapped.
+template <typename T, typename Use>
+absl::StatusOr<T> WithGgufHeader(const std::string& path, Use use) {
   // O_NONBLOCK: a FIFO must not block the open (it is refused just below, as is anything but a
   // regular file); reads of a regular file are unaffected.
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -738,13 +788,26 @@ absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path) {
     }
     ::close(fd);
     RETURN_IF_ERROR(s);
+    return use(r);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path) {
+  return WithGgufHeader<ModelInfo>(path, [&](const GgufReader& r) -> absl::StatusOr<ModelInfo> {
     ModelInfo info;
     RETURN_IF_ERROR(GgufConfig(r, info.config));
     ASSIGN_OR_RETURN(info.tokenizer, GgufTokenizer(r));
     RETURN_IF_ERROR(GgufChatTemplate(r, &info));
     info.source = path;
     return info;
-  }
+  });
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path) {
+  return WithGgufHeader<std::unique_ptr<Tokenizer>>(
+      path, [](const GgufReader& r) { return GgufTokenizer(r); });
 }
 
 }  // namespace sparsex

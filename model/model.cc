@@ -352,4 +352,18 @@ absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path) {
   return info;
 }
 
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path) {
+  if (absl::StartsWith(path, "synthetic:")) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Model> m, MakeSyntheticModel(path.substr(10)));
+    return std::move(m->tokenizer_);
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("model path ", path, " does not exist"));
+  }
+  if (S_ISDIR(st.st_mode)) return LoadHfTokenizer(path + "/tokenizer.json");
+  if (absl::EndsWith(path, ".json")) return LoadHfTokenizer(path);
+  return LoadGgufTokenizer(path);
+}
+
 }  // namespace sparsex

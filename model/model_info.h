@@ -65,6 +65,12 @@ absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path);
 absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path);
 absl::StatusOr<ModelInfo> LoadHfInfo(const std::string& dir);
 
+// The tokenizer alone, for tools such as `sparsex tokenize`: a GGUF file's vocabulary (any
+// architecture, vocabulary-only files included: no configuration is read or checked), a
+// directory's tokenizer.json, or a synthetic model's.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path);
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path);
+
 // The configuration checks every loader applies (positive sizes, head divisibility, finite
 // eps and theta).
 absl::Status ValidateConfig(const ModelConfig& c);

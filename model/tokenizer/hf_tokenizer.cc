@@ -3,6 +3,7 @@
 // to GPT-2's printable alphabet and merged by merge rank.
 #include <pcre2.h>
 
+#include <algorithm>
 #include <array>
 #include <nlohmann/json.hpp>
 
@@ -200,6 +201,8 @@ class HfTokenizer final : public Tokenizer {
 
  private:
   friend absl::StatusOr<std::unique_ptr<Tokenizer>> sparsex::ParseHfTokenizer(std::string_view);
+  friend absl::StatusOr<std::unique_ptr<Tokenizer>> sparsex::MakeByteLevelTokenizer(
+      ByteLevelVocab);
 
 #ifndef PCRE2_MATCH_INVALID_UTF
   // Valid UTF-8 runs and single invalid bytes, in order.
@@ -437,6 +440,126 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     }
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: ", e.what()));
+  }
+  return std::unique_ptr<Tokenizer>(std::move(tok));
+}
+
+absl::Status ByteLevelPreTokenizer(std::string_view name, ByteLevelVocab* vocab) {
+  // llama.cpp's pre-tokenizer types (llama-vocab.cpp) with the regexes of the models'
+  // tokenizer.json, which PCRE2 runs as written (llama.cpp rewrites some for its own engine).
+  static constexpr const char* kLlama3 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  static constexpr const char* kQwen2 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  static constexpr const char* kPunct = R"([\p{P}\$\+<=>\^~\|`]+)";
+  const auto is = [&](std::initializer_list<std::string_view> names) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  std::vector<std::string>& re = vocab->pre_regexes;
+  vocab->ignore_merges = false;
+  if (is({"llama3", "llama-v3", "llama-bpe", "falcon3"})) {
+    re = {kLlama3};
+    vocab->ignore_merges = true;
+  } else if (is({"dbrx", "smaug-bpe"})) {
+    re = {kLlama3};
+  } else if (is({"qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"})) {
+    re = {kQwen2};
+  } else if (is({"gpt-2", "mpt", "olmo", "jais", "trillion"})) {
+    re = {kGpt2Pattern};
+  } else if (is({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
+                 "minerva-7b"})) {
+    re = {R"(\p{N})", kGpt2Pattern};
+  } else if (is({"falcon"})) {
+    re = {kPunct, kGpt2Pattern, "[0-9][0-9][0-9]"};
+  } else if (is({"default"})) {
+    re = {kPunct, kGpt2Pattern, R"(\p{N}+)", "[0-9][0-9][0-9]"};
+  } else {
+    return absl::UnimplementedError(absl::StrCat("GGUF pre-tokenizer \"", tok_internal::AsAbsl(name),
+                                                 "\" (tokenizer.ggml.pre) is not supported"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab v) {
+  enum : int32_t { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5 };
+  const size_t n = v.tokens.size();
+  if (n == 0) return absl::InvalidArgumentError("byte-level vocabulary is empty");
+  if (n > (size_t{1} << 24)) return absl::InvalidArgumentError("byte-level vocabulary too large");
+  if (v.types.empty()) v.types.assign(n, kNormal);
+  if (v.types.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary has ", n,
+                                                   " tokens but ", v.types.size(), " types"));
+  }
+  const auto bad = [n](int32_t id) { return id < -1 || id >= static_cast<int64_t>(n); };
+  if (bad(v.bos_id) || bad(v.eos_id) || bad(v.unk_id)) {
+    return absl::InvalidArgumentError(absl::StrCat("byte-level special id out of range: bos ",
+                                                   v.bos_id, ", eos ", v.eos_id, ", unk ",
+                                                   v.unk_id, ", vocabulary ", n));
+  }
+  auto tok = std::unique_ptr<HfTokenizer>(new HfTokenizer());
+  HfTokenizer& t = *tok;
+  for (const std::string& p : v.pre_regexes) {
+    ASSIGN_OR_RETURN(Regex re, CompileRegex(p, 0));
+    t.splits_.push_back(std::move(re));
+  }
+  t.ignore_merges_ = v.ignore_merges;
+  t.pieces_.resize(n);
+  t.special_.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const auto id = static_cast<int32_t>(i);
+    const std::string& s = v.tokens[i];
+    switch (v.types[i]) {
+      case kControl:  // raw text, matched in text only on request
+        t.pieces_[i] = s;
+        t.special_[i] = 1;
+        t.added_.Add(s, id, /*parse_only=*/true);
+        break;
+      case kUserDefined:  // raw text, always matched (as llama.cpp)
+        t.pieces_[i] = s;
+        t.added_.Add(s, id, /*parse_only=*/false);
+        break;
+      case kUnknown:
+        if (v.unk_id < 0) v.unk_id = id;
+        t.pieces_[i] = s;
+        t.special_[i] = 1;
+        break;
+      case kUnused:
+        break;
+      default:  // normal (and 0, undefined): byte-alphabet text
+        t.vocab_.try_emplace(s, id);
+        t.pieces_[i] = ByteLevelDecode(s);
+    }
+  }
+  t.added_.Finalize();
+  t.unk_ = v.unk_id;
+  const ByteAlphabet& a = Alphabet();
+  for (int b = 0; b < 256; ++b) {
+    auto it = t.vocab_.find(a.to_char[b]);
+    t.byte_id_[b] = it == t.vocab_.end() ? -1 : it->second;
+    if (t.byte_id_[b] < 0 && t.unk_ < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary lacks byte ", b,
+                                                     " and has no unknown token to stand for it"));
+    }
+  }
+  for (size_t rank = 0; rank < v.merges.size(); ++rank) {
+    const std::string& m = v.merges[rank];
+    const size_t sp = m.find(' ', 1);
+    if (sp == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("bad merge ", rank, ": \"", m, "\""));
+    }
+    const std::string l = m.substr(0, sp), r = m.substr(sp + 1);
+    auto il = t.vocab_.find(l), ir = t.vocab_.find(r), im = t.vocab_.find(l + r);
+    if (il == t.vocab_.end() || ir == t.vocab_.end() || im == t.vocab_.end()) continue;
+    t.merges_.try_emplace(HfTokenizer::PairKey(il->second, ir->second),
+                          static_cast<int32_t>(rank), im->second);
+  }
+  t.bos_ = v.bos_id;
+  t.eos_ = v.eos_id;
+  if (t.eos_ >= 0) t.stops_.push_back(t.eos_);
+  for (int32_t id : v.extra_stop_ids) {
+    if (id >= 0 && id < static_cast<int64_t>(n) &&
+        std::find(t.stops_.begin(), t.stops_.end(), id) == t.stops_.end())
+      t.stops_.push_back(id);
   }
   return std::unique_ptr<Tokenizer>(std::move(tok));
 }

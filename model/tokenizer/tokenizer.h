@@ -49,6 +49,26 @@ struct SpmVocab {
 };
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeSpmTokenizer(SpmVocab vocab);
 
+// Byte-level BPE from explicit vocabulary: a GGUF "gpt2" tokenizer model (GPT-2, Llama-3,
+// Qwen2 families). Same machinery as the tokenizer.json reader below.
+struct ByteLevelVocab {
+  // Normal tokens in GPT-2's byte alphabet ("\xC4\xA0the" for " the"); control and
+  // user-defined tokens as raw text (as GGUF stores them).
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;        // GGUF token_type, as SpmVocab (empty: all normal)
+  std::vector<std::string> merges;   // "left right" in byte-alphabet pieces, by rank
+  std::vector<std::string> pre_regexes;  // pre-tokenizer splits, applied in order (PCRE2)
+  bool ignore_merges = false;  // Llama-3: a pre-token that is a whole token is taken as is
+  int32_t bos_id = -1, eos_id = -1, unk_id = -1;
+  std::vector<int32_t> extra_stop_ids;  // end-of-turn tokens (eot, eom) besides eos
+};
+absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab vocab);
+
+// The pre-tokenizer of a GGUF tokenizer.ggml.pre name, as llama.cpp defines it ("gpt-2",
+// "llama-bpe" (Llama-3), "qwen2", "default", ...): the split regexes, and whether whole-token
+// pre-tokens skip the merges. UNIMPLEMENTED for a name not known here.
+absl::Status ByteLevelPreTokenizer(std::string_view name, ByteLevelVocab* vocab);
+
 // Hugging Face tokenizer.json (model.type "BPE", byte-level).
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& path);
 absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view json);

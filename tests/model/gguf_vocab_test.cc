@@ -1,0 +1,208 @@
+// GGUF vocabularies against llama.cpp's tokenizer test vectors: vocabulary-only GGUF files
+// (SentencePiece llama-spm and phi-3, byte-level gpt-2) with test strings (.inp, separated by
+// "\n__ggml_vocab_test__\n") and the ids llama.cpp expects (.out, one line per string, no BOS).
+// Every string must give exactly those ids. Also: pre-tokenizer names, hand-made byte-level
+// vocabularies, bad files.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "model/model_info.h"
+#include "testing/models_dir.h"
+
+namespace sparsex {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::string VectorsDir() { return sparsex::testing::ModelsDir() + "/tokenizer-vectors"; }
+
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+// The strings of an .inp file: separated by the marker line; the text after the last marker
+// is empty and not a case (llama.cpp's reader drops it the same way).
+std::vector<std::string> SplitInp(const std::string& s) {
+  const std::string marker = "\n__ggml_vocab_test__\n";
+  std::vector<std::string> out;
+  size_t pos = 0;
+  for (size_t at; (at = s.find(marker, pos)) != std::string::npos; pos = at + marker.size())
+    out.push_back(s.substr(pos, at - pos));
+  return out;
+}
+
+std::vector<std::vector<int32_t>> ParseOut(const std::string& s) {
+  std::vector<std::vector<int32_t>> out;
+  std::istringstream lines(s);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream ids(line);
+    std::vector<int32_t> v;
+    for (int32_t id; ids >> id;) v.push_back(id);
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::string Show(const std::vector<int32_t>& v) {
+  std::string s;
+  for (int32_t id : v) absl::StrAppend(&s, " ", id);
+  return s;
+}
+
+class VocabVectorsTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(VocabVectorsTest, EveryStringGivesLlamaCppIds) {
+  const std::string base = VectorsDir() + "/ggml-vocab-" + GetParam() + ".gguf";
+  std::string inp, out;
+  if (!ReadFile(base + ".inp", &inp) || !ReadFile(base + ".out", &out)) {
+    GTEST_SKIP() << "test vectors not found at " << base << " (set SPARSEX_MODELS)";
+  }
+  const std::vector<std::string> cases = SplitInp(inp);
+  const std::vector<std::vector<int32_t>> want = ParseOut(out);
+  ASSERT_EQ(cases.size(), want.size());
+  ASSERT_GT(cases.size(), 40u);
+  auto tok = LoadTokenizer(base);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  int failures = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::vector<int32_t> got = (*tok)->Encode(cases[i], /*add_bos=*/false);
+    EXPECT_EQ(got, want[i]) << "case " << i << " \"" << cases[i] << "\"\n got:" << Show(got)
+                            << "\nwant:" << Show(want[i]);
+    failures += got != want[i];
+    // Byte-level and byte-fallback tokenizers are lossless on these strings.
+    if (got == want[i]) EXPECT_EQ((*tok)->Decode(got), cases[i]) << "case " << i;
+  }
+  EXPECT_EQ(failures, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(LlamaCpp, VocabVectorsTest,
+                         ::testing::Values("llama-spm", "gpt-2", "phi-3"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           for (char& c : s)
+                             if (c == '-') c = '_';
+                           return s;
+                         });
+
+TEST(GgufVocabTest, Gpt2VocabularyMetadata) {
+  const std::string path = VectorsDir() + "/ggml-vocab-gpt-2.gguf";
+  if (!std::ifstream(path)) GTEST_SKIP() << path << " not found";
+  auto tok = LoadTokenizer(path);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->vocab_size(), 50257);
+  EXPECT_EQ((*tok)->eos_id(), 50256);
+  EXPECT_TRUE((*tok)->IsSpecial(50256));
+  // <|endoftext|> is a control token: text unless special parsing is asked for.
+  EXPECT_THAT((*tok)->Encode("<|endoftext|>", false, /*parse_special=*/true), ElementsAre(50256));
+  EXPECT_GT((*tok)->Encode("<|endoftext|>", false, /*parse_special=*/false).size(), 1u);
+  EXPECT_EQ((*tok)->TokenPiece(15496), "Hello");
+  EXPECT_EQ((*tok)->TokenPiece(995), " world");
+  // A vocabulary-only file has no model: LoadModelInfo refuses its architecture, the
+  // tokenizer-only path does not read the configuration.
+  EXPECT_FALSE(LoadModelInfo(path).ok());
+}
+
+TEST(GgufVocabTest, PreTokenizerNames) {
+  ByteLevelVocab v;
+  EXPECT_TRUE(ByteLevelPreTokenizer("llama-bpe", &v).ok());
+  EXPECT_TRUE(v.ignore_merges);
+  EXPECT_EQ(v.pre_regexes.size(), 1u);
+  EXPECT_TRUE(ByteLevelPreTokenizer("gpt-2", &v).ok());
+  EXPECT_FALSE(v.ignore_merges);
+  EXPECT_TRUE(ByteLevelPreTokenizer("qwen2", &v).ok());
+  EXPECT_TRUE(ByteLevelPreTokenizer("default", &v).ok());
+  EXPECT_EQ(v.pre_regexes.size(), 4u);
+  absl::Status s = ByteLevelPreTokenizer("no-such-thing", &v);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no-such-thing"));
+}
+
+// A small byte-level vocabulary: every byte (GPT-2 alphabet), then merged pieces.
+ByteLevelVocab SmallVocab() {
+  ByteLevelVocab v;
+  // GPT-2's byte alphabet: printable bytes stand for themselves, others map to 256 + k.
+  int next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int cp = printable ? b : next++;
+    std::string s;
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    v.tokens.push_back(s);
+  }
+  // ids 256.. : "Ġt" (space t), "he", "Ġthe", "<|eot|>" (control), "<u>" (user-defined)
+  for (const char* t : {"\xC4\xA0t", "he", "\xC4\xA0the", "<|eot|>", "<u>"}) v.tokens.push_back(t);
+  v.types.assign(v.tokens.size(), 1);
+  v.types[259] = 3;
+  v.types[260] = 4;
+  v.merges = {"\xC4\xA0 t", "h e", "\xC4\xA0t he"};
+  v.eos_id = 259;
+  EXPECT_TRUE(ByteLevelPreTokenizer("gpt-2", &v).ok());
+  return v;
+}
+
+TEST(GgufVocabTest, HandMadeByteLevelVocabulary) {
+  auto tok = MakeByteLevelTokenizer(SmallVocab());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& t = **tok;
+  // " the" -> "Ġthe"; "the" -> 't' + "he" (no merge of t with he).
+  EXPECT_THAT(t.Encode(" the", false), ElementsAre(258));
+  EXPECT_THAT(t.Encode("the", false), ElementsAre('t', 257));
+  EXPECT_THAT(t.Encode("<u>", false), ElementsAre(260));  // user-defined: always matched
+  EXPECT_THAT(t.Encode("<|eot|>", false, true), ElementsAre(259));
+  EXPECT_EQ(t.Decode(t.Encode("x the\xFF", false)), "x the\xFF");
+  EXPECT_EQ(t.StopIds(), std::vector<int32_t>{259});
+}
+
+TEST(GgufVocabTest, BadByteLevelVocabularies) {
+  ByteLevelVocab v = SmallVocab();
+  v.types.pop_back();
+  EXPECT_EQ(MakeByteLevelTokenizer(v).status().code(), absl::StatusCode::kInvalidArgument);
+  v = SmallVocab();
+  v.merges.push_back("nospace");
+  EXPECT_EQ(MakeByteLevelTokenizer(v).status().code(), absl::StatusCode::kInvalidArgument);
+  v = SmallVocab();
+  v.eos_id = 100000;
+  EXPECT_EQ(MakeByteLevelTokenizer(v).status().code(), absl::StatusCode::kInvalidArgument);
+  v = SmallVocab();
+  v.tokens[65] = "not a byte";  // byte 'A' missing, no unknown token
+  EXPECT_EQ(MakeByteLevelTokenizer(v).status().code(), absl::StatusCode::kInvalidArgument);
+  v = SmallVocab();
+  v.pre_regexes = {"(unclosed"};
+  EXPECT_EQ(MakeByteLevelTokenizer(v).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeByteLevelTokenizer(ByteLevelVocab{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GgufVocabTest, CutVocabularyFileIsAnError) {
+  const std::string path = VectorsDir() + "/ggml-vocab-gpt-2.gguf";
+  std::string bytes;
+  if (!ReadFile(path, &bytes)) GTEST_SKIP() << path << " not found";
+  const std::string cut = ::testing::TempDir() + "/cut-vocab.gguf";
+  for (size_t keep : {size_t{3}, size_t{100}, bytes.size() / 2, bytes.size() - 1}) {
+    std::ofstream(cut, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(keep));
+    auto tok = LoadTokenizer(cut);
+    EXPECT_FALSE(tok.ok()) << keep;
+  }
+  EXPECT_EQ(LoadTokenizer(VectorsDir() + "/missing.gguf").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace sparsex
