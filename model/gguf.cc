@@ -10,12 +10,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
 #include "model/model.h"
+#include "model/quant.h"
 
 namespace sparsex {
 namespace {
@@ -229,6 +231,17 @@ struct TensorInfo {
   uint64_t offset = 0;  // relative to the data section
 };
 
+// Bytes per block and values per block of a tensor type this loader reads: 1 value of 4 or 2
+// bytes for F32/F16/BF16, a block for the quantized types; false for any other type.
+bool TypeBlock(uint32_t ggml_type, GgmlBlockLayout* l) {
+  switch (ggml_type) {
+    case kGgmlF32: *l = {1, 4}; return true;
+    case kGgmlF16:
+    case kGgmlBF16: *l = {1, 2}; return true;
+    default: return GgmlQuantLayout(ggml_type, l);
+  }
+}
+
 // F32/F16/BF16 from a ggml type id; false for anything else (quantized, integer).
 bool ToDType(uint32_t ggml_type, DType* dt) {
   switch (ggml_type) {
@@ -263,8 +276,18 @@ class GgufReader {
   absl::StatusOr<std::vector<std::string>> GetStringArray(absl::string_view key) const;
   absl::StatusOr<std::vector<float>> GetFloatArray(absl::string_view key) const;
   absl::StatusOr<std::vector<int32_t>> GetIntArray(absl::string_view key) const;
-  // Fills *t from the tensor called name; InvalidArgument ("missing tensor") when absent.
-  absl::Status GetTensor(const std::string& name, TensorView* t) const;
+  // Fills *t from the tensor called name; InvalidArgument ("missing tensor") when absent. A
+  // quantized tensor (Q8_0, Q4_0, Q4_K, Q6_K) is dequantized into a new buffer appended to
+  // *owned, as dequant_to; without owned it is Unimplemented.
+  absl::Status GetTensor(const std::string& name, TensorView* t,
+                         std::vector<std::vector<uint8_t>>* owned = nullptr,
+                         DType dequant_to = DType::kF32) const;
+  // Tensor names in file order, and their infos.
+  const std::vector<std::string>& tensor_order() const { return order_; }
+  const TensorInfo& info(const std::string& name) const { return tensors_.at(name); }
+  size_t data_start() const { return data_start_; }
+  size_t kv_begin() const { return kv_begin_; }
+  size_t kv_end() const { return kv_end_; }
   bool HasTensor(const std::string& name) const { return tensors_.contains(name); }
   // Shape of a tensor without touching its data (empty when absent).
   std::vector<int64_t> TensorShape(const std::string& name) const {
@@ -275,14 +298,17 @@ class GgufReader {
   size_t num_tensors() const { return tensors_.size(); }
 
  private:
-  absl::StatusOr<uint64_t> Extent(const std::string& name, const TensorInfo& ti, DType dt) const;
+  absl::StatusOr<uint64_t> Extent(const std::string& name, const TensorInfo& ti,
+                                  const GgmlBlockLayout& l) const;
   absl::StatusOr<const KvValue*> Get(absl::string_view key) const;
   absl::StatusOr<const KvValue*> GetArray(absl::string_view key) const;
 
   GgufBytes f_;
   absl::flat_hash_map<absl::string_view, KvValue> kv_;
   absl::flat_hash_map<std::string, TensorInfo> tensors_;
+  std::vector<std::string> order_;
   size_t data_start_ = 0;
+  size_t kv_begin_ = 0, kv_end_ = 0;  // the metadata section's bytes
 };
 
 absl::Status GgufReader::Parse() {
@@ -310,6 +336,7 @@ absl::Status GgufReader::Parse() {
                                             " metadata entries and ", n_tensors,
                                             " tensors cannot fit in ", f_.file_size, " bytes"));
   }
+  kv_begin_ = c.pos();
   for (uint64_t i = 0; i < n_kv; ++i) {
     ASSIGN_OR_RETURN(absl::string_view key, c.ReadString("metadata key"));
     ASSIGN_OR_RETURN(uint32_t type, c.Read<uint32_t>("metadata type"));
@@ -326,6 +353,7 @@ absl::Status GgufReader::Parse() {
           absl::StrCat("duplicate GGUF metadata key ", key, " in ", path));
     }
   }
+  kv_end_ = c.pos();
   uint64_t alignment = 32;
   if (Find("general.alignment") != nullptr) {
     ASSIGN_OR_RETURN(alignment, GetUInt("general.alignment"));
@@ -359,6 +387,7 @@ absl::Status GgufReader::Parse() {
     if (!tensors_.emplace(std::string(name), std::move(ti)).second) {
       return absl::InvalidArgumentError(absl::StrCat("duplicate tensor ", name, " in ", path));
     }
+    order_.emplace_back(name);
   }
   // The data section starts at the next multiple of the alignment.
   data_start_ = (c.pos() + alignment - 1) / alignment * alignment;
@@ -370,8 +399,8 @@ absl::Status GgufReader::Parse() {
   // Check every tensor of a type we can size now, used or not, so a cut file is reported as
   // such up front. Other types are reported (Unimplemented) only if the model needs them.
   for (const auto& [name, ti] : tensors_) {
-    DType dt;
-    if (ToDType(ti.type, &dt)) RETURN_IF_ERROR(Extent(name, ti, dt).status());
+    GgmlBlockLayout l;
+    if (TypeBlock(ti.type, &l)) RETURN_IF_ERROR(Extent(name, ti, l).status());
   }
   return absl::OkStatus();
 }
@@ -471,7 +500,7 @@ absl::StatusOr<std::vector<int32_t>> GgufReader::GetIntArray(absl::string_view k
 }
 
 absl::StatusOr<uint64_t> GgufReader::Extent(const std::string& name, const TensorInfo& ti,
-                                            DType dt) const {
+                                            const GgmlBlockLayout& l) const {
   // Dimensions are each <= 2^40 and there are at most 4: check the product for overflow.
   uint64_t numel = 1;
   for (int64_t d : ti.shape) {
@@ -479,8 +508,15 @@ absl::StatusOr<uint64_t> GgufReader::Extent(const std::string& name, const Tenso
       return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " is too large"));
     }
   }
+  // Blocks never straddle rows: the innermost dimension is a whole number of blocks.
+  if (l.values > 1 && (ti.shape.back() % l.values) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor ", name, " has ggml type ", GgmlTypeName(ti.type), " but rows of ",
+        ti.shape.back(), " values, not a whole number of ", l.values, "-value blocks"));
+  }
   uint64_t nbytes;
-  if (__builtin_mul_overflow(numel, uint64_t{DTypeSize(dt)}, &nbytes)) {
+  if (__builtin_mul_overflow(numel / static_cast<uint64_t>(l.values), uint64_t{l.bytes},
+                             &nbytes)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " is too large"));
   }
   size_t avail = f_.file_size - data_start_;
@@ -492,18 +528,23 @@ absl::StatusOr<uint64_t> GgufReader::Extent(const std::string& name, const Tenso
   return nbytes;
 }
 
-absl::Status GgufReader::GetTensor(const std::string& name, TensorView* t) const {
+absl::Status GgufReader::GetTensor(const std::string& name, TensorView* t,
+                                   std::vector<std::vector<uint8_t>>* owned,
+                                   DType dequant_to) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("missing tensor ", name, " in ", f_.path));
   }
   const TensorInfo& ti = it->second;
-  if (!ToDType(ti.type, &t->dtype)) {
-    return absl::UnimplementedError(absl::StrCat("tensor ", name, " has ggml type ",
-                                                 GgmlTypeName(ti.type), " (", ti.type,
-                                                 "); only F32, F16 and BF16 are supported"));
+  GgmlBlockLayout l;
+  const bool quantized = GgmlQuantLayout(ti.type, &l);
+  if (!(quantized && owned != nullptr) && !ToDType(ti.type, &t->dtype)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "tensor ", name, " has ggml type ", GgmlTypeName(ti.type), " (", ti.type,
+        "); only F32, F16, BF16, Q8_0, Q4_0, Q4_K and Q6_K are supported"));
   }
-  ASSIGN_OR_RETURN(uint64_t nbytes, Extent(name, ti, t->dtype));
+  if (!quantized) TypeBlock(ti.type, &l);
+  ASSIGN_OR_RETURN(uint64_t nbytes, Extent(name, ti, l));
   if (data_start_ + ti.offset + nbytes > f_.size) {
     return absl::InternalError(absl::StrCat("tensor ", name, " data is not loaded (header only)"));
   }
@@ -511,6 +552,45 @@ absl::Status GgufReader::GetTensor(const std::string& name, TensorView* t) const
   t->shape = ti.shape;
   t->data = f_.data + data_start_ + ti.offset;
   t->nbytes = nbytes;
+  if (!quantized) return absl::OkStatus();
+  // Dequantize into the requested dtype (fp32 first, then narrowed in place row by row).
+  const int64_t n = t->numel();
+  std::vector<uint8_t>& buf = owned->emplace_back();
+  buf.resize(static_cast<size_t>(n) * DTypeSize(dequant_to));
+  std::vector<float> row;
+  const int64_t cols = ti.shape.back();
+  const int64_t rows = cols == 0 ? 0 : n / cols;
+  const size_t row_bytes = static_cast<size_t>(cols / l.values) * l.bytes;
+  const auto* src = static_cast<const uint8_t*>(t->data);
+  row.resize(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    absl::Status s = DequantizeGgml(ti.type, src + r * row_bytes, row_bytes, cols, row.data());
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("tensor ", name, ": ", s.message()));
+    uint8_t* dst = buf.data() + static_cast<size_t>(r * cols) * DTypeSize(dequant_to);
+    switch (dequant_to) {
+      case DType::kF32:
+        std::memcpy(dst, row.data(), static_cast<size_t>(cols) * 4);
+        break;
+      case DType::kF16:
+        for (int64_t i = 0; i < cols; ++i) {
+          const uint16_t h = F32ToHalfBits(row[i]);
+          std::memcpy(dst + 2 * i, &h, 2);
+        }
+        break;
+      case DType::kBF16:
+        for (int64_t i = 0; i < cols; ++i) {
+          uint32_t u;
+          std::memcpy(&u, &row[i], 4);
+          u += 0x7FFF + ((u >> 16) & 1);  // to nearest, ties to even (values are finite here)
+          const auto b = static_cast<uint16_t>(u >> 16);
+          std::memcpy(dst + 2 * i, &b, 2);
+        }
+        break;
+    }
+  }
+  t->dtype = dequant_to;
+  t->data = buf.data();
+  t->nbytes = buf.size();
   return absl::OkStatus();
 }
 
@@ -703,7 +783,8 @@ absl::Status GgufConfig(const GgufReader& r, ModelConfig& c) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
+absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path,
+                                                const LoadOptions& options) {
   auto m = std::make_unique<Model>();
   ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(path));
   GgufReader r(GgufBytes{file->data(), file->size(), file->size(), path});
@@ -713,12 +794,15 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   ModelConfig& c = m->config_;
 
   ModelWeights& w = m->weights_;
-  RETURN_IF_ERROR(r.GetTensor("token_embd.weight", &w.tok_embeddings));
-  RETURN_IF_ERROR(r.GetTensor("output_norm.weight", &w.final_norm));
+  const auto get = [&](const std::string& name, TensorView* t) {
+    return r.GetTensor(name, t, &m->owned_, options.dequantize_to);
+  };
+  RETURN_IF_ERROR(get("token_embd.weight", &w.tok_embeddings));
+  RETURN_IF_ERROR(get("output_norm.weight", &w.final_norm));
   if (c.tied_embeddings) {
     w.output = w.tok_embeddings;
   } else {
-    RETURN_IF_ERROR(r.GetTensor("output.weight", &w.output));
+    RETURN_IF_ERROR(get("output.weight", &w.output));
   }
   // Nine tensors per block: a corrupt block_count must not size a huge allocation.
   if (static_cast<uint64_t>(c.n_layers) * 9 > r.num_tensors()) {
@@ -729,15 +813,15 @@ absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path) {
   for (int i = 0; i < c.n_layers; ++i) {
     LayerWeights& l = w.layers[i];
     const std::string p = absl::StrCat("blk.", i, ".");
-    RETURN_IF_ERROR(r.GetTensor(p + "attn_norm.weight", &l.attn_norm));
-    RETURN_IF_ERROR(r.GetTensor(p + "attn_q.weight", &l.wq));
-    RETURN_IF_ERROR(r.GetTensor(p + "attn_k.weight", &l.wk));
-    RETURN_IF_ERROR(r.GetTensor(p + "attn_v.weight", &l.wv));
-    RETURN_IF_ERROR(r.GetTensor(p + "attn_output.weight", &l.wo));
-    RETURN_IF_ERROR(r.GetTensor(p + "ffn_norm.weight", &l.ffn_norm));
-    RETURN_IF_ERROR(r.GetTensor(p + "ffn_gate.weight", &l.w_gate));
-    RETURN_IF_ERROR(r.GetTensor(p + "ffn_up.weight", &l.w_up));
-    RETURN_IF_ERROR(r.GetTensor(p + "ffn_down.weight", &l.w_down));
+    RETURN_IF_ERROR(get(p + "attn_norm.weight", &l.attn_norm));
+    RETURN_IF_ERROR(get(p + "attn_q.weight", &l.wq));
+    RETURN_IF_ERROR(get(p + "attn_k.weight", &l.wk));
+    RETURN_IF_ERROR(get(p + "attn_v.weight", &l.wv));
+    RETURN_IF_ERROR(get(p + "attn_output.weight", &l.wo));
+    RETURN_IF_ERROR(get(p + "ffn_norm.weight", &l.ffn_norm));
+    RETURN_IF_ERROR(get(p + "ffn_gate.weight", &l.w_gate));
+    RETURN_IF_ERROR(get(p + "ffn_up.weight", &l.w_up));
+    RETURN_IF_ERROR(get(p + "ffn_down.weight", &l.w_down));
   }
   ASSIGN_OR_RETURN(m->tokenizer_, GgufTokenizer(r));
   m->source_ = path;
@@ -808,6 +892,77 @@ absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path) {
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path) {
   return WithGgufHeader<std::unique_ptr<Tokenizer>>(
       path, [](const GgufReader& r) { return GgufTokenizer(r); });
+}
+
+absl::Status QuantizeGgufFile(const std::string& in, const std::string& out,
+                              uint32_t ggml_type) {
+  GgmlBlockLayout q;
+  if (!GgmlQuantLayout(ggml_type, &q)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantize to ggml type ", ggml_type));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(in));
+  GgufReader r(GgufBytes{file->data(), file->size(), file->size(), in});
+  RETURN_IF_ERROR(r.Parse());
+  uint64_t alignment = 32;
+  if (r.Find("general.alignment") != nullptr) {
+    ASSIGN_OR_RETURN(alignment, r.GetUInt("general.alignment"));
+  }
+  std::string o;
+  const auto put = [&o](const void* p, size_t n) { o.append(static_cast<const char*>(p), n); };
+  const auto put_u32 = [&](uint32_t v) { put(&v, 4); };
+  const auto put_u64 = [&](uint64_t v) { put(&v, 8); };
+  put(file->data(), 24);  // magic, version, tensor count, metadata count
+  put(file->data() + r.kv_begin(), r.kv_end() - r.kv_begin());
+  // Each tensor's new bytes: quantized from fp32, or copied as stored.
+  std::vector<std::string> data;
+  std::vector<uint32_t> types;
+  for (const std::string& name : r.tensor_order()) {
+    const TensorInfo& ti = r.info(name);
+    TensorView t;
+    const bool convert = ti.shape.size() >= 2 && ti.shape.back() % q.values == 0 &&
+                         (ti.type == kGgmlF32 || ti.type == kGgmlF16 || ti.type == kGgmlBF16);
+    RETURN_IF_ERROR(r.GetTensor(name, &t));  // Unimplemented for a type it cannot read
+    if (!convert) {
+      data.emplace_back(static_cast<const char*>(t.data), t.nbytes);
+      types.push_back(ti.type);
+      continue;
+    }
+    std::vector<float> f(static_cast<size_t>(t.numel()));
+    t.ToF32(f.data());
+    std::vector<uint8_t> blocks;
+    absl::Status s = QuantizeGgml(ggml_type, f.data(), t.numel(), &blocks);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("tensor ", name, ": ", s.message()));
+    data.emplace_back(reinterpret_cast<const char*>(blocks.data()), blocks.size());
+    types.push_back(ggml_type);
+  }
+  uint64_t offset = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const std::string& name = r.tensor_order()[i];
+    const TensorInfo& ti = r.info(name);
+    put_u64(name.size());
+    put(name.data(), name.size());
+    put_u32(static_cast<uint32_t>(ti.shape.size()));
+    for (size_t d = ti.shape.size(); d-- > 0;) put_u64(static_cast<uint64_t>(ti.shape[d]));
+    put_u32(types[i]);
+    put_u64(offset);
+    offset += (data[i].size() + alignment - 1) / alignment * alignment;
+  }
+  o.resize((o.size() + alignment - 1) / alignment * alignment, '\0');
+  for (const std::string& d : data) {
+    o += d;
+    o.resize((o.size() + alignment - 1) / alignment * alignment, '\0');
+  }
+  const std::string tmp = out + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
+  }
+  const bool ok = std::fwrite(o.data(), 1, o.size(), f) == o.size();
+  if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), out.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return absl::DataLossError(absl::StrCat("cannot write ", out));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace sparsex

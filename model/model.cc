@@ -317,11 +317,16 @@ absl::Status CheckTokenizerFits(const Tokenizer* tokenizer, const ModelConfig& c
 }
 
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
+  return LoadModel(path, LoadOptions{});
+}
+
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path,
+                                                 const LoadOptions& options) {
   ASSIGN_OR_RETURN(ModelFormat format, DetectFormat(path));
   switch (format) {
     case ModelFormat::kSynthetic: return MakeSyntheticModel(path.substr(10));
     case ModelFormat::kHfDirectory: return LoadHfDirectory(path);
-    case ModelFormat::kGguf: return LoadGguf(path);
+    case ModelFormat::kGguf: return LoadGguf(path, options);
   }
   return absl::InternalError("unknown model format");
 }

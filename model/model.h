@@ -3,7 +3,9 @@
 //   ASSIGN_OR_RETURN(std::unique_ptr<Model> m, LoadModel("stories260K.gguf"));
 //   m->config().n_layers; m->weights().layers[0].wq; m->tokenizer().Encode("Once");
 //
-// Supported: GGUF (llama architecture, F32/F16/BF16 tensors, embedded tokenizer) and Hugging Face
+// Supported: GGUF (llama architecture; F32/F16/BF16 tensors, and Q8_0/Q4_0/Q4_K/Q6_K tensors
+// dequantized at load into LoadOptions::dequantize_to; embedded SentencePiece or byte-level BPE
+// tokenizer) and Hugging Face
 // directories (config.json, one or sharded *.safetensors with model.safetensors.index.json,
 // tokenizer.json). Loaders validate every offset and shape against the file size before any
 // tensor is touched: a bad file yields an error naming the problem, never an out-of-bounds read.
@@ -92,9 +94,26 @@ absl::Status FinalizeModel(Model& m);
 // weights are random, so the text is meaningless.
 absl::StatusOr<std::unique_ptr<Model>> MakeSyntheticModel(const std::string& name);
 
+struct LoadOptions {
+  // The dtype quantized GGUF tensors (Q8_0, Q4_0, Q4_K, Q6_K) are dequantized into at load,
+  // held in Model::owned_: the backend's (F32 for the CPU backend, which is exact for every
+  // quantized value; BF16 halves the memory for the CUDA backend, which computes in bf16).
+  // Unquantized tensors stay mapped as stored.
+  DType dequantize_to = DType::kF32;
+};
+
 // Dispatches on the path: "synthetic:<name>", a *.gguf file, or a directory with config.json.
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path);
-absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path);
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path,
+                                                 const LoadOptions& options);
+absl::StatusOr<std::unique_ptr<Model>> LoadGguf(const std::string& path,
+                                                const LoadOptions& options = {});
+
+// Writes a copy of the GGUF file in with every tensor whose rows are a whole number of blocks
+// and that has more than one row (the projections and embeddings; not the 1-D norms) quantized
+// to ggml_type (kGgmlQ8_0, kGgmlQ4_0, kGgmlQ4_K or kGgmlQ6_K from model/quant.h): the metadata
+// is copied byte for byte. A reference quantizer (round to nearest) for tests and tools.
+absl::Status QuantizeGgufFile(const std::string& in, const std::string& out, uint32_t ggml_type);
 absl::StatusOr<std::unique_ptr<Model>> LoadHfDirectory(const std::string& dir);
 
 

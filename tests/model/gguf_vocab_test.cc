@@ -82,7 +82,9 @@ TEST_P(VocabVectorsTest, EveryStringGivesLlamaCppIds) {
                             << "\nwant:" << Show(want[i]);
     failures += got != want[i];
     // Byte-level and byte-fallback tokenizers are lossless on these strings.
-    if (got == want[i]) EXPECT_EQ((*tok)->Decode(got), cases[i]) << "case " << i;
+    if (got == want[i]) {
+      EXPECT_EQ((*tok)->Decode(got), cases[i]) << "case " << i;
+    }
   }
   EXPECT_EQ(failures, 0);
 }

@@ -525,11 +525,18 @@ TEST_F(ModelLoaderTest, GgufMissingTokenizer) {
 
 TEST_F(ModelLoaderTest, GgufUnsupportedTypeAndArchitecture) {
   SynthGgufOptions q;
-  q.type = 2;  // Q4_0
+  q.type = 3;  // Q4_1 (Q8_0, Q4_0, Q4_K and Q6_K load: tests/model/quant_test.cc)
   WriteSynthGguf(Path("q.gguf"), q);
   auto m = LoadGguf(Path("q.gguf"));
   EXPECT_EQ(m.status().code(), absl::StatusCode::kUnimplemented) << m.status();
-  EXPECT_NE(m.status().message().find("Q4_0"), std::string::npos) << m.status();
+  EXPECT_NE(m.status().message().find("Q4_1"), std::string::npos) << m.status();
+  // A supported block type whose rows (8 values) are not whole 32-value blocks: a clear error.
+  q.type = 2;  // Q4_0
+  WriteSynthGguf(Path("q2.gguf"), q);
+  auto m2 = LoadGguf(Path("q2.gguf"));
+  EXPECT_EQ(m2.status().code(), absl::StatusCode::kInvalidArgument) << m2.status();
+  EXPECT_NE(m2.status().message().find("whole number of 32-value blocks"), std::string::npos)
+      << m2.status();
 
   SynthGgufOptions g;
   g.arch = "gpt2";
