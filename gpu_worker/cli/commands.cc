@@ -48,7 +48,10 @@ absl::Status Generate(const Args& a) {
   RETURN_IF_ERROR(Opt(a, "seed", &sp.seed));
   RETURN_IF_ERROR(Opt(a, "device", &device));
   const bool ids = a.count("ids") > 0;
-  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path));
+  // Quantized GGUF weights are dequantized into the backend's dtype (bf16 on CUDA).
+  LoadOptions lo;
+  if (device == "cuda") lo.dequantize_to = DType::kBF16;
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path, lo));
   EngineOptions eo;
   eo.backend.kind = device;
   eo.backend.cuda = CudaBackendOptionsFromEnv();  // the SPX_* kernel switches
@@ -119,6 +122,22 @@ absl::Status Info(const Args& a) {
               c.vocab_size, c.max_seq_len, c.rope_theta,
               c.rope_layout == RopeLayout::kHalves ? "halves" : "adjacent",
               model->fingerprint().Hex().c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Tokenize(const Args& a) {
+  ASSIGN_OR_RETURN(std::string path, Need(a, "model"));
+  // The tokenizer alone: vocabulary-only GGUF files (any architecture) load too.
+  ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, LoadTokenizer(path));
+  std::string text;
+  char buf[1 << 16];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, stdin)) > 0;) text.append(buf, n);
+  if (std::ferror(stdin)) return absl::DataLossError("error reading stdin");
+  std::string out;
+  for (int32_t id : tok->Encode(text, /*add_bos=*/false, a.count("parse-special") > 0))
+    absl::StrAppend(&out, " ", id);
+  out += '\n';
+  std::fwrite(out.data(), 1, out.size(), stdout);
   return absl::OkStatus();
 }
 

@@ -3,6 +3,7 @@
 //   sparsex generate --model PATH --prompt TEXT --max-tokens N --temperature T [--ids]
 //   sparsex fidelity --model PATH --docs FILE --json OUT [--prompts N]
 //   sparsex info --model PATH
+//   sparsex tokenize --model PATH [--parse-special] < text
 //
 // All argument parsing lives in this one file (heavy CLI headers would slow every build).
 #include <cstdio>
@@ -27,7 +28,10 @@ void Usage() {
                "                   [--selectors a,b] [--ratios r,...] [--sparsex-weights c,r,d]\n"
                "                   [--context N] [--max-len N] [--continuation N]\n"
                "                   [--bootstrap N] [--bootstrap-seed S] [--threads N]\n"
-               "  sparsex info --model PATH\n");
+               "  sparsex info --model PATH\n"
+               "  sparsex tokenize --model PATH [--parse-special] < TEXT\n"
+               "      (token ids of stdin, space separated, no BOS; a vocabulary-only GGUF\n"
+               "      or tokenizer.json is enough)\n");
 }
 
 }  // namespace
@@ -47,7 +51,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     a = a.substr(2);
-    if (a == "ids" || a == "help") {
+    if (a == "ids" || a == "help" || a == "parse-special") {
       args[a] = "1";
     } else if (i + 1 < argc) {
       args[a] = argv[++i];
@@ -67,6 +71,8 @@ int main(int argc, char** argv) {
     st = sparsex::cli::Fidelity(args);
   } else if (cmd == "info") {
     st = sparsex::cli::Info(args);
+  } else if (cmd == "tokenize") {
+    st = sparsex::cli::Tokenize(args);
   } else {
     std::fprintf(stderr, "unknown command '%s'\n", cmd.c_str());
     Usage();
