@@ -185,6 +185,8 @@ build_images() {
     -t "localhost/sparsex/etcd:$TAG" -f "$HERE/etcd.Containerfile" "$ctx" \
     >"$WORK/build-etcd.log" 2>&1 ||
     { tail -n 30 "$WORK/build-etcd.log" >&2; die "buildah bud etcd failed ($WORK/build-etcd.log)"; }
+  # The images these replaced (same tags) and intermediate stages: keeps <work> bounded.
+  podman image prune -f >/dev/null
   inspect_images
 }
 
