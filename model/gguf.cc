@@ -632,6 +632,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> GgufByteLevelTokenizer(const GgufRead
   }
   RETURN_IF_ERROR(ByteLevelPreTokenizer(pre, &v));
   ASSIGN_OR_RETURN(v.bos_id, GgufTokenId(r, "tokenizer.ggml.bos_token_id", n, -1));
+  // Qwen2-style files name a BOS token but never add it (llama.cpp follows add_bos_token).
+  if (r.Find("tokenizer.ggml.add_bos_token") != nullptr) {
+    ASSIGN_OR_RETURN(bool add_bos, r.GetBool("tokenizer.ggml.add_bos_token"));
+    if (!add_bos) v.bos_id = -1;
+  }
   ASSIGN_OR_RETURN(v.eos_id, GgufTokenId(r, "tokenizer.ggml.eos_token_id", n, -1));
   ASSIGN_OR_RETURN(v.unk_id, GgufTokenId(r, "tokenizer.ggml.unknown_token_id", n, -1));
   for (const char* key : {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"}) {

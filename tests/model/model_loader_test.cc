@@ -316,6 +316,7 @@ struct SynthGgufOptions {
   std::string nan_tensor;         // tensor whose element 3 is NaN (in its own dtype)
   float rope_theta = 50000.0f;    // llama.rope.freq_base
   std::string chat_template;      // tokenizer.chat_template when non-empty
+  bool gpt2_vocab = false;        // a byte-level (Llama-3 style) vocabulary instead of SPM
 };
 
 constexpr int kGDim = 8, kGFfn = 12, kGHeads = 2, kGKv = 1, kGLayers = 2;
@@ -352,6 +353,38 @@ void AddSpmVocab(GgufWriter& w) {
 }
 constexpr int kGVocab = 3 + 256 + 3;
 
+// Byte-level BPE vocabulary as a Llama-3 GGUF stores it: the 256 byte characters of GPT-2's
+// alphabet, merged pieces "Ġa" (space a) and "ab", control tokens <|begin_of_text|>, <|eot_id|>.
+void AddGpt2Vocab(GgufWriter& w) {
+  std::vector<std::string> tokens;
+  int next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int cp = printable ? b : next++;
+    std::string s;
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    tokens.push_back(s);
+  }
+  tokens.push_back("\xC4\xA0" "a");  // 256
+  tokens.push_back("ab");           // 257
+  tokens.push_back("<|begin_of_text|>");  // 258
+  tokens.push_back("<|eot_id|>");         // 259
+  std::vector<int32_t> types(tokens.size(), 1);
+  types[258] = types[259] = 3;
+  w.KvStr("tokenizer.ggml.model", "gpt2");
+  w.KvStr("tokenizer.ggml.pre", "llama-bpe");
+  w.KvStrArr("tokenizer.ggml.tokens", tokens);
+  w.KvArr<int32_t>("tokenizer.ggml.token_type", 5, types);
+  w.KvStrArr("tokenizer.ggml.merges", {"\xC4\xA0 a", "a b"});
+  w.Kv<uint32_t>("tokenizer.ggml.bos_token_id", 4, 258);
+  w.Kv<uint32_t>("tokenizer.ggml.eos_token_id", 4, 259);
+}
+
 // Writes a synthetic llama GGUF and returns the fp32 values of every tensor by name.
 std::map<std::string, std::vector<float>> WriteSynthGguf(const std::string& path,
                                                          const SynthGgufOptions& o) {
@@ -386,7 +419,8 @@ std::map<std::string, std::vector<float>> WriteSynthGguf(const std::string& path
     w.KvNested("test.nested");
     w.KvStrArr("test.empty", {});
   }
-  if (o.tokenizer) AddSpmVocab(w);
+  if (o.tokenizer && o.gpt2_vocab) AddGpt2Vocab(w);
+  if (o.tokenizer && !o.gpt2_vocab) AddSpmVocab(w);
 
   std::mt19937 rng(1234);
   std::uniform_int_distribution<int> dist(-64, 64);
@@ -512,6 +546,26 @@ TEST_F(ModelLoaderTest, GgufShapeMismatch) {
   EXPECT_NE(m.status().message().find("blk.1.attn_k.weight"), std::string::npos) << m.status();
   EXPECT_NE(m.status().message().find("[4, 9]"), std::string::npos) << m.status();
   EXPECT_NE(m.status().message().find("[4, 8]"), std::string::npos) << m.status();
+}
+
+TEST_F(ModelLoaderTest, GgufWithByteLevelVocabulary) {
+  SynthGgufOptions o;
+  o.gpt2_vocab = true;
+  auto values = WriteSynthGguf(Path("b.gguf"), o);
+  auto m = LoadGguf(Path("b.gguf"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  ExpectGgufValues(**m, values);
+  const Tokenizer& t = (*m)->tokenizer();
+  EXPECT_EQ(t.vocab_size(), 260);
+  EXPECT_EQ(t.bos_id(), 258);
+  // Llama-3 pre-tokens " a" (a whole token) and " ab" (merged: "Ġ a" ranks before "a b").
+  EXPECT_EQ(t.Encode(" a ab", /*add_bos=*/true), (std::vector<int32_t>{258, 256, 256, 'b'}));
+  EXPECT_EQ(t.Decode({258, 256, ' ', 257, 259}), " a ab");
+  const std::vector<int32_t> stops = t.StopIds();
+  EXPECT_NE(std::find(stops.begin(), stops.end(), 259), stops.end());
+  auto info = LoadModelInfo(Path("b.gguf"));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokenizer->Encode("ab", false), (std::vector<int32_t>{257}));
 }
 
 TEST_F(ModelLoaderTest, GgufMissingTokenizer) {
