@@ -18,6 +18,11 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
     FetchOutcome fr =
         st.tier->FetchMissing(refs, st.rank_stores[r].get(), static_cast<int>(r) + 1, tp);
     f.failures += fr.failures;
+    f.phases.lookup_ms += fr.phases.lookup_ms;
+    f.phases.lock_ms += fr.phases.lock_ms;
+    f.phases.transfer_ms += fr.phases.transfer_ms;
+    f.phases.decode_ms += fr.phases.decode_ms;
+    f.phases.put_ms += fr.phases.put_ms;
     f.failure_reasons.insert(f.failure_reasons.end(), fr.failure_reasons.begin(),
                              fr.failure_reasons.end());
     std::erase_if(f.stored,
@@ -29,6 +34,11 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   }
   for (const SegmentRef& r : f.stored) st.events->Stored(r.fp, r.num_tokens);
   if (!f.stored.empty()) st.events->Reconcile(*st.store);
+  for (auto [phase, ms] : {std::pair{"lookup", f.phases.lookup_ms}, {"lock", f.phases.lock_ms},
+                           {"transfer", f.phases.transfer_ms}, {"decode", f.phases.decode_ms},
+                           {"put", f.phases.put_ms}}) {
+    st.m->fetch_phase->Get({phase}).Inc(ms / 1000.0);
+  }
   st.m->fetched->Inc(f.fetched);
   for (const std::string& why : f.failure_reasons) st.m->fetch_failures->Get({why}).Inc();
   st.m->fetch_bytes->Inc(static_cast<double>(f.bytes));

@@ -1,8 +1,10 @@
 #include "gpu_worker/service/kv_tier.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "cache_client/cluster_client.h"
+#include "common/huge_pages.h"
 #include "common/kv_block.h"
 
 namespace sparsex::service {
@@ -22,10 +24,16 @@ absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Ha
   h.num_tokens = static_cast<uint32_t>(kv.n_tokens);
   h.kv_dim = static_cast<uint32_t>(kv.kv_dim);
   h.dtype = KvDtype::kF32;
-  std::string payload(2 * n * sizeof(float), '\0');
-  std::memcpy(payload.data(), kv.k[layer].data(), n * sizeof(float));
-  std::memcpy(payload.data() + n * sizeof(float), kv.v[layer].data(), n * sizeof(float));
-  return EncodeKvBlock(h, KvBlockBytes(payload));
+  // K and V are copied once, straight behind the header (the payload is then encoded in place).
+  ASSIGN_OR_RETURN(const uint64_t total, KvBlockEncodedBytes(h));
+  std::string out;
+  ResizeHuge(out, total);
+  uint8_t* payload = reinterpret_cast<uint8_t*>(out.data()) + kKvBlockHeaderBytes;
+  std::memcpy(payload, kv.k[layer].data(), n * sizeof(float));
+  std::memcpy(payload + n * sizeof(float), kv.v[layer].data(), n * sizeof(float));
+  RETURN_IF_ERROR(EncodeKvBlockInto(h, {payload, 2 * n * sizeof(float)},
+                                    {reinterpret_cast<uint8_t*>(out.data()), out.size()}));
+  return out;
 }
 
 absl::Status DecodeSegmentLayer(std::span<const uint8_t> block, const Hash128& model_fp,
@@ -46,8 +54,8 @@ absl::Status DecodeSegmentLayer(std::span<const uint8_t> block, const Hash128& m
                                             KvDtypeName(h.dtype)));
   }
   const size_t n = static_cast<size_t>(kv->n_tokens) * kv->kv_dim;
-  kv->k[layer].resize(n);
-  kv->v[layer].resize(n);
+  ResizeHuge(kv->k[layer], n);
+  ResizeHuge(kv->v[layer], n);
   std::memcpy(kv->k[layer].data(), v.payload.data(), n * sizeof(float));
   std::memcpy(kv->v[layer].data(), v.payload.data() + n * sizeof(float), n * sizeof(float));
   return absl::OkStatus();
@@ -111,6 +119,11 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
   // mu_ (the cluster client is thread-safe): a request never waits for a write-back's transfer
   // just to learn that the cluster lacks its segments (on the H200 those lookups averaged
   // 0.26-0.44 s under write-back load while they queued behind it).
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  Clock::time_point t = Clock::now();
   std::vector<cache::BlockKey> probe;
   for (const SegmentRef& s : want) {
     for (int layer = 0; layer < n_layers_; ++layer) {
@@ -118,6 +131,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     }
   }
   auto look = client_->Lookup(probe);
+  out.phases.lookup_ms = ms_since(t);
   if (!look.ok()) {
     // The cluster cannot tell: nothing is known to be there; count one transport failure.
     fail("transport");
@@ -143,7 +157,9 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     }
   }
   if (present.empty()) return out;
+  t = Clock::now();
   std::lock_guard<std::mutex> l(mu_);
+  out.phases.lock_ms = ms_since(t);
   // Each segment's KV is assembled layer by layer as its rounds arrive; `reason` marks one
   // that cannot be used.
   std::vector<SegmentKv> kvs(present.size());
@@ -175,6 +191,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
       offset[i - begin] = at;
       at += layer_bytes[i];
     }
+    t = Clock::now();
     auto st = client_->FetchInto(
         std::span<const cache::BlockKey>(keys.data() + begin, end - begin),
         [&](size_t i, uint64_t n) -> uint8_t* {
@@ -185,6 +202,8 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
           return staging_.get() + offset[i];
         },
         {});
+    out.phases.transfer_ms += ms_since(t);
+    t = Clock::now();
     for (size_t i = begin; i < end; ++i) {
       const size_t s = i / n_layers_;
       const int layer = static_cast<int>(i % n_layers_);
@@ -204,8 +223,10 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
           model_fp_, key(present[s].fp), layer, &kvs[s]);
       if (!ds.ok()) reason[s] = "corrupt";
     }
+    out.phases.decode_ms += ms_since(t);
     begin = end;
   }
+  t = Clock::now();
   for (size_t s = 0; s < present.size(); ++s) {
     if (reason[s] == "corrupt_reported") {
       fail("corrupt");
@@ -223,6 +244,7 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
       out.stored.push_back(present[s]);
     }
   }
+  out.phases.put_ms = ms_since(t);
   // Drop what did not verify, so this worker's write-back (or another's) replaces it.
   if (!bad.empty()) (void)client_->Evict(bad);
   return out;

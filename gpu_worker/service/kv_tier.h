@@ -52,6 +52,15 @@ struct SegmentRef {
   int num_tokens = 0;
 };
 
+// Where a fetch's time went, by FetchMissing's own clock (milliseconds; summed over rounds).
+struct FetchPhases {
+  double lookup_ms = 0;    // which layers the cluster holds (metadata RPCs)
+  double lock_ms = 0;      // waiting for the data plane (another fetch or a write-back layer)
+  double transfer_ms = 0;  // leases, data-plane copies and the cache client's checksum checks
+  double decode_ms = 0;    // block headers checked, K/V copied into the segments' layers
+  double put_ms = 0;       // the fetched segments put into the local store
+};
+
 struct FetchOutcome {
   int fetched = 0;   // segments fetched and stored locally
   int failures = 0;  // present in the cluster but not usable (transport error, corrupt, partial)
@@ -60,6 +69,7 @@ struct FetchOutcome {
   int absent = 0;    // not in the cluster
   std::vector<std::string> failure_reasons;  // one per failure: transport | corrupt | incomplete
   std::vector<SegmentRef> stored;
+  FetchPhases phases;
 };
 
 // The cluster key of rank `rank`'s share of segment fp under `size`-way tensor parallelism;

@@ -63,6 +63,12 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   fetch_failures = &r.AddCounter(
       "sparsex_worker_fetch_failures_total",
       "Cluster fetches that could not be used (recomputed instead), by reason.", {"reason"});
+  fetch_phase = &r.AddCounter(
+      "sparsex_worker_fetch_phase_seconds_total",
+      "Cache-cluster fetch time by phase: lookup (metadata), lock (waiting for the data plane), "
+      "transfer (leases, copies, checksums), decode (block checks, K/V copies), put (local "
+      "store).",
+      {"phase"});
   writeback = &r.AddCounter("sparsex_worker_writeback_total",
                             "Segments written back to the cache cluster, by result.", {"result"});
   queue_depth = &r.AddGauge("sparsex_worker_queue_depth", "Requests waiting for admission.").Get();
@@ -144,6 +150,7 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   }
   for (const char* why : {"transport", "corrupt", "incomplete"}) fetch_failures->Get({why});
   for (const char* res : {"ok", "error", "evicted"}) writeback->Get({res});
+  for (const char* ph : {"lookup", "lock", "transfer", "decode", "put"}) fetch_phase->Get({ph});
   segments->Get({"hit"});
 }
 

@@ -107,6 +107,12 @@ TEST_F(KvTierServerTest, WriteBackThenFetchIntoAnotherWorkersStore) {
   EXPECT_EQ(f.fetched, 2);
   EXPECT_EQ(f.absent, 1);
   EXPECT_EQ(f.failures, 0);
+  // Every phase ran and was timed (the worker exports them per phase).
+  EXPECT_GT(f.phases.lookup_ms, 0);
+  EXPECT_GE(f.phases.lock_ms, 0);
+  EXPECT_GT(f.phases.transfer_ms, 0);
+  EXPECT_GT(f.phases.decode_ms, 0);
+  EXPECT_GT(f.phases.put_ms, 0);
   auto got = store.Get(a);
   ASSERT_NE(got, nullptr);
   SegmentKv want = MakeKv(20, 1.0f);
@@ -118,6 +124,7 @@ TEST_F(KvTierServerTest, WriteBackThenFetchIntoAnotherWorkersStore) {
   FetchOutcome again = tier_->FetchMissing(refs, &store);
   EXPECT_EQ(again.fetched, 0);
   EXPECT_EQ(again.absent, 1);
+  EXPECT_EQ(again.phases.transfer_ms, 0);  // nothing present: no data-plane work
 }
 
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {

@@ -1,0 +1,170 @@
+// sparsex-fetch-bench: where a worker's cache-cluster fetch spends its time, on this machine.
+//
+//   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
+//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 64] [--json OUT.json]
+//
+// Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
+// given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
+// worker's host store keeps them, ~1 GiB each) through ClusterKvTier::Put, then fetches them
+// `iters` times into a fresh SegmentStore with ClusterKvTier::FetchMissing, the worker's own
+// fetch path, and prints each fetch's phases (FetchOutcome::phases: lookup, lock, transfer,
+// decode, put) and GB/s. The server's arena holds every segment (no disk promotion).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gpu_worker/service/kv_tier.h"
+#include "testing/server_process.h"
+
+namespace {
+
+using namespace sparsex;
+using namespace sparsex::service;
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::map<std::string, std::string> kv;
+  std::string Get(const std::string& k, const std::string& d) const {
+    auto it = kv.find(k);
+    return it == kv.end() ? d : it->second;
+  }
+  uint64_t U(const std::string& k, uint64_t d) const {
+    auto it = kv.find(k);
+    return it == kv.end() ? d : std::stoull(it->second);
+  }
+};
+
+SegmentKv MakeSegment(int tokens, int layers, int kv_dim, float base) {
+  SegmentKv kv;
+  kv.n_tokens = tokens;
+  kv.n_layers = layers;
+  kv.kv_dim = kv_dim;
+  const size_t n = static_cast<size_t>(tokens) * kv_dim;
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> k(n), v(n);
+    for (size_t i = 0; i < n; ++i) {
+      k[i] = base + 0.001f * static_cast<float>(i % 4093) + l;
+      v[i] = -base - 0.002f * static_cast<float>(i % 4091) - l;
+    }
+    kv.k.push_back(std::move(k));
+    kv.v.push_back(std::move(v));
+  }
+  return kv;
+}
+
+int Run(const Args& a) {
+  const int segments = static_cast<int>(a.U("segments", 2));
+  const int tokens = static_cast<int>(a.U("tokens", 4064));
+  const int layers = static_cast<int>(a.U("layers", 32));
+  const int kv_dim = static_cast<int>(a.U("kv_dim", 1024));
+  const int iters = static_cast<int>(a.U("iters", 3));
+  const std::string tls = a.Get("ucx_tls", "");
+  const uint64_t layer_bytes = static_cast<uint64_t>(tokens) * kv_dim * 2 * sizeof(float);
+  const uint64_t total = layer_bytes * layers * segments;
+  const uint64_t arena = total + total / 8 + (256ull << 20);
+
+  const std::string dir = sparsex::cache::testing::MakeTempDir("sparsex-fetch-bench-");
+  std::vector<std::string> env;
+  if (!tls.empty()) env.push_back("UCX_TLS=" + tls);
+  auto server = sparsex::cache::testing::ServerProcess::Start(
+      sparsex::cache::testing::BinDir(),
+      {"--disk_backend=none", absl::StrCat("--memory_capacity=", arena),
+       absl::StrCat("--max_block_bytes=", layer_bytes + 65536), "--metrics_port=-1"},
+      dir, std::chrono::seconds(30), env);
+  if (!server.ok()) {
+    std::fprintf(stderr, "cache server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  ClusterTierOptions t;
+  t.servers = {(*server)->address()};
+  t.ucx_tls = tls;
+  t.fetch_batch_bytes = a.U("fetch_batch_mb", 64) << 20;
+  const Hash128 model{0x5eed, 8};
+  auto tier = ClusterKvTier::Connect(t, model, layers, kv_dim);
+  if (!tier.ok()) {
+    std::fprintf(stderr, "connect: %s\n", tier.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<SegmentRef> refs;
+  const Clock::time_point put0 = Clock::now();
+  for (int s = 0; s < segments; ++s) {
+    const Hash128 fp{0xfe7c4, static_cast<uint64_t>(s + 1)};
+    SegmentKv kv = MakeSegment(tokens, layers, kv_dim, static_cast<float>(s));
+    absl::Status st = (*tier)->Put(fp, kv);
+    if (!st.ok()) {
+      std::fprintf(stderr, "put: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    refs.push_back({fp, tokens});
+  }
+  const double put_s = std::chrono::duration<double>(Clock::now() - put0).count();
+  std::printf("%d segments of %d tokens x %d layers x kv_dim %d (fp32 K+V: %.1f MiB each) "
+              "written back in %.2f s\n",
+              segments, tokens, layers, kv_dim, layer_bytes * layers / 1048576.0, put_s);
+
+  std::string records;
+  for (int it = 0; it < iters; ++it) {
+    SegmentStoreOptions so;
+    so.capacity_bytes = total + (64ull << 20);
+    SegmentStore store(so);
+    const Clock::time_point t0 = Clock::now();
+    FetchOutcome f = (*tier)->FetchMissing(refs, &store);
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    const FetchPhases& p = f.phases;
+    std::printf("fetch %d: %d of %d segments, %.1f MiB in %.1f ms = %.2f GB/s | lookup %.1f, "
+                "lock %.1f, transfer %.1f (%.2f GB/s), decode %.1f, put %.1f ms\n",
+                it + 1, f.fetched, segments, f.bytes / 1048576.0, ms, f.bytes / ms * 1e-6,
+                p.lookup_ms, p.lock_ms, p.transfer_ms,
+                p.transfer_ms > 0 ? f.bytes / p.transfer_ms * 1e-6 : 0.0, p.decode_ms, p.put_ms);
+    if (f.fetched != segments) {
+      std::fprintf(stderr, "fetch %d: %d failures (%s)\n", it + 1, f.failures,
+                   f.failure_reasons.empty() ? "" : f.failure_reasons[0].c_str());
+      return 1;
+    }
+    absl::StrAppend(&records, records.empty() ? "" : ",\n",
+                    absl::StrFormat("  {\"iter\": %d, \"bytes\": %d, \"ms\": %.2f, \"gb_per_s\": "
+                                    "%.3f, \"lookup_ms\": %.2f, \"lock_ms\": %.2f, "
+                                    "\"transfer_ms\": %.2f, \"decode_ms\": %.2f, \"put_ms\": %.2f}",
+                                    it + 1, f.bytes, ms, f.bytes / ms * 1e-6, p.lookup_ms,
+                                    p.lock_ms, p.transfer_ms, p.decode_ms, p.put_ms));
+  }
+  (*server)->Stop();
+  sparsex::cache::testing::RemoveTree(dir);
+  if (const std::string path = a.Get("json", ""); !path.empty()) {
+    std::ofstream out(path);
+    out << absl::StrFormat("{\"segments\": %d, \"tokens\": %d, \"layers\": %d, \"kv_dim\": %d, "
+                           "\"ucx_tls\": \"%s\", \"fetches\": [\n%s\n]}\n",
+                           segments, tokens, layers, kv_dim, tls, records);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s.rfind("--", 0) != 0) {
+      std::fprintf(stderr, "unexpected argument %s\n", s.c_str());
+      return 2;
+    }
+    s = s.substr(2);
+    const size_t eq = s.find('=');
+    if (eq != std::string::npos) {
+      a.kv[s.substr(0, eq)] = s.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      a.kv[s] = argv[++i];
+    } else {
+      std::fprintf(stderr, "--%s needs a value\n", s.c_str());
+      return 2;
+    }
+  }
+  return Run(a);
+}
