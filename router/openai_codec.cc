@@ -8,6 +8,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "common/json_depth.h"
+#include "common/usage.h"
 #include "common/utf8.h"
 
 namespace sparsex::router::openai {
@@ -537,21 +538,19 @@ std::string StopFilter::Push(const std::string& text, bool final) {
 }
 
 json UsageJson(const v1::Usage& u, const std::string& worker) {
-  return json{{"prompt_tokens", u.prompt_tokens()},
-              {"completion_tokens", u.completion_tokens()},
-              {"total_tokens", u.prompt_tokens() + u.completion_tokens()},
-              {"prompt_tokens_details", {{"cached_tokens", u.prefix_tokens() + u.reused_tokens()}}},
-              {"sparsex",
-               {{"prefix_tokens", u.prefix_tokens()},
-                {"reused_tokens", u.reused_tokens()},
-                {"recomputed_tokens", u.recomputed_tokens()},
-                {"new_tokens", u.new_tokens()},
-                {"segments_hit", u.segments_hit()},
-                {"segments_fetched", u.segments_fetched()},
-                {"fetch_failures", u.fetch_failures()},
-                {"ttft_ms", u.ttft_ms()},
-                {"total_ms", u.total_ms()},
-                {"worker", worker}}}};
+  // The figures are common/usage.h's list: OpenAI's at the top level, SparseX's in "sparsex".
+  json j, sx;
+#define SPX_USAGE_FIELD(name, type, def) j[#name] = u.name();
+  SPARSEX_USAGE_OPENAI(SPX_USAGE_FIELD)
+#undef SPX_USAGE_FIELD
+#define SPX_USAGE_FIELD(name, type, def) sx[#name] = u.name();
+  SPARSEX_USAGE_DETAIL(SPX_USAGE_FIELD)
+#undef SPX_USAGE_FIELD
+  sx["worker"] = worker;
+  j["total_tokens"] = u.prompt_tokens() + u.completion_tokens();
+  j["prompt_tokens_details"] = {{"cached_tokens", u.prefix_tokens() + u.reused_tokens()}};
+  j["sparsex"] = std::move(sx);
+  return j;
 }
 
 namespace {

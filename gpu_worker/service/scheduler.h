@@ -37,6 +37,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "common/hash.h"
 #include "common/status.h"
+#include "common/usage.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
@@ -119,11 +120,11 @@ struct SchedulerOptions {
 };
 
 // Per-request figures reported with the final chunk.
+// The fields are common/usage.h's list (one definition for the scheduler, the wire and JSON).
 struct RequestUsage {
-  int prompt_tokens = 0, completion_tokens = 0;
-  int prefix_tokens = 0, reused_tokens = 0, recomputed_tokens = 0, new_tokens = 0;
-  int segments_hit = 0, segments_fetched = 0, fetch_failures = 0;
-  double ttft_ms = 0, total_ms = 0, queue_ms = 0, compute_share = 1.0;
+#define SPX_USAGE_FIELD(name, type, def) type name = def;
+  SPARSEX_USAGE_FIELDS(SPX_USAGE_FIELD)
+#undef SPX_USAGE_FIELD
 };
 
 struct StreamChunk {

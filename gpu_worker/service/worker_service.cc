@@ -1,6 +1,7 @@
 // The gRPC adapter of the worker (worker.proto): requests in, token streams out, cache events
 // and load reports to the router. Conversion and validation at this process boundary
 // (api_convert.h); the work itself is the scheduler's.
+#include "common/usage.h"
 #include "common/utf8.h"
 #include "gpu_worker/service/api_convert.h"
 #include "gpu_worker/service/worker_state.h"
@@ -100,19 +101,9 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
           msg.set_model(s_->model_name);
           v1::Usage* u = msg.mutable_usage();
           const RequestUsage& ru = c.usage;
-          u->set_prompt_tokens(ru.prompt_tokens);
-          u->set_completion_tokens(ru.completion_tokens);
-          u->set_prefix_tokens(ru.prefix_tokens);
-          u->set_reused_tokens(ru.reused_tokens);
-          u->set_recomputed_tokens(ru.recomputed_tokens);
-          u->set_new_tokens(ru.new_tokens);
-          u->set_segments_hit(ru.segments_hit);
-          u->set_segments_fetched(ru.segments_fetched);
-          u->set_fetch_failures(ru.fetch_failures);
-          u->set_ttft_ms(ru.ttft_ms);
-          u->set_total_ms(ru.total_ms);
-          u->set_queue_ms(ru.queue_ms);
-          u->set_compute_share(ru.compute_share);
+#define SPX_USAGE_FIELD(name, type, def) u->set_##name(ru.name);
+          SPARSEX_USAGE_FIELDS(SPX_USAGE_FIELD)
+#undef SPX_USAGE_FIELD
           if (!IsValidUtf8(msg.text())) msg.set_text(SanitizeUtf8(msg.text()));
           if (!writer->Write(msg)) {
             return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
