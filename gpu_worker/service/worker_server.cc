@@ -60,7 +60,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   if (tp < 1) {
     return absl::InvalidArgumentError(absl::StrCat("worker: --tp must be >= 1, got ", tp));
   }
-  ASSIGN_OR_RETURN(s.model, LoadModel(options.model_path));
+  // Quantized GGUF tensors are dequantized at load into the backend's compute dtype: bf16 on
+  // the GPU (half the host memory of fp32), fp32 on the CPU (exact).
+  LoadOptions lo;
+  lo.dequantize_to = options.device == "cuda" ? DType::kBF16 : DType::kF32;
+  ASSIGN_OR_RETURN(s.model, LoadModel(options.model_path, lo));
   if (absl::Status v = ValidateTensorParallel(s.model->config(), tp); !v.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("worker: ", v.message()));
   }
