@@ -1,6 +1,6 @@
 // The per-request usage figures, defined once. Each is X(name, type, default); the name is the
 // field of the wire message (proto/sparsex.proto `Usage`) and of the OpenAI JSON. Expanded by
-// the scheduler's RequestUsage (gpu_worker/service/scheduler.h), the worker's conversion to
+// the scheduler's RequestUsage (gpu_worker/scheduler/scheduler.h), the worker's conversion to
 // the wire message (worker_service.cc) and the router's JSON (router/openai_codec.cc), so a
 // figure added here reaches all three (a name the proto lacks does not compile).
 //

@@ -9,6 +9,7 @@
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
+#include "gpu_worker/scheduler/scheduler.h"
 
 namespace sparsex::cli {
 namespace {
@@ -36,6 +37,8 @@ absl::Status Opt(const Args& a, const std::string& k, T* out) {
 
 }  // namespace
 
+// Generation runs through the worker's own scheduler (in process, no RPC): the CLI and the
+// service share one decode loop, sampling, stop handling and usage figures.
 absl::Status Generate(const Args& a) {
   ASSIGN_OR_RETURN(std::string path, Need(a, "model"));
   std::string prompt, device = "cpu";
@@ -52,18 +55,42 @@ absl::Status Generate(const Args& a) {
   LoadOptions lo;
   if (device == "cuda") lo.dequantize_to = DType::kBF16;
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path, lo));
-  EngineOptions eo;
-  eo.backend.kind = device;
-  eo.backend.cuda = CudaBackendOptionsFromEnv();  // the SPX_* kernel switches
-  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(*model, eo));
-  auto print = [&](const TokenEvent& e) {
-    if (!ids) {
-      std::fwrite(e.text.data(), 1, e.text.size(), stdout);
-      std::fflush(stdout);
+  service::SchedulerOptions so;
+  so.engine.backend.kind = device;
+  so.engine.backend.cuda = CudaBackendOptionsFromEnv();  // the SPX_* kernel switches
+  // A run's missing segments are stored before its first token, so the next run finds them.
+  so.defer_segment_stores = false;
+  SegmentStore store({});
+  ASSIGN_OR_RETURN(auto sched, service::BatchScheduler::Start(*model, &store, so));
+
+  // Runs one request to its end, streaming its text to stdout; the final chunk's usage.
+  auto run = [&](std::vector<PromptSegment> segments, bool reuse,
+                 std::vector<int32_t>* tokens) -> absl::StatusOr<service::StreamChunk> {
+    service::WorkItem w;
+    w.segments = std::move(segments);
+    w.sampling = sp;
+    w.reuse = so.reuse;
+    w.reuse.enable_reuse = reuse;
+    ASSIGN_OR_RETURN(std::shared_ptr<service::RequestHandle> h, sched->Submit(std::move(w)));
+    std::vector<service::StreamChunk> chunks;
+    for (;;) {
+      chunks.clear();
+      h->Wait(&chunks, std::chrono::milliseconds(100));
+      for (service::StreamChunk& c : chunks) {
+        tokens->insert(tokens->end(), c.ids.begin(), c.ids.end());
+        if (!ids && !c.text.empty()) {
+          std::fwrite(c.text.data(), 1, c.text.size(), stdout);
+          std::fflush(stdout);
+        }
+        if (c.final) {
+          RETURN_IF_ERROR(c.status);
+          return std::move(c);
+        }
+      }
     }
-    return true;
   };
-  GenerateResult r;
+  std::vector<int32_t> tokens;
+  service::StreamChunk last;
   if (a.count("segments")) {
     // Segment reuse: paragraphs of the file (blank-line separated) are segments, the prompt
     // text is appended as a new segment. --runs N repeats the request (reversed order on every
@@ -83,32 +110,30 @@ absl::Status Generate(const Args& a) {
     flush();
     int runs = 1;
     RETURN_IF_ERROR(Opt(a, "runs", &runs));
-    SegmentStore store({});
-    ReuseEngine re(engine.get(), &store, {});
     for (int i = 0; i < runs; ++i) {
       std::vector<PromptSegment> req = segs;
       if (i % 2 == 1) std::reverse(req.begin(), req.end());
       if (!prompt.empty()) req.push_back({model->tokenizer().Encode(prompt, false), false});
-      ReuseStats st;
-      ASSIGN_OR_RETURN(r, re.Generate(req, sp, print, &st));
+      tokens.clear();
+      ASSIGN_OR_RETURN(last, run(std::move(req), /*reuse=*/true, &tokens));
+      const service::RequestUsage& u = last.usage;
       std::fprintf(stderr,
                    "\n[run %d: %d prompt tokens: %d prefix, %d reused (%d segments), %d new, "
                    "%d recomputed; compute share %.3f]\n",
-                   i + 1, st.prompt_tokens, st.prefix_tokens, st.reused_tokens, st.segments_hit,
-                   st.new_tokens, st.selected_tokens, st.compute_share);
+                   i + 1, u.prompt_tokens, u.prefix_tokens, u.reused_tokens, u.segments_hit,
+                   u.new_tokens, u.recomputed_tokens, u.compute_share);
     }
   } else {
-    GenerateRequest req;
-    req.prompt = model->tokenizer().Encode(prompt, /*add_bos=*/true);
-    req.sampling = sp;
-    ASSIGN_OR_RETURN(r, engine->Generate(req, print));
+    ASSIGN_OR_RETURN(last, run({{model->tokenizer().Encode(prompt, false), false}},
+                               /*reuse=*/false, &tokens));
   }
   if (ids) {
-    for (size_t i = 0; i < r.tokens.size(); ++i) std::printf(i ? " %d" : "%d", r.tokens[i]);
+    for (size_t i = 0; i < tokens.size(); ++i) std::printf(i ? " %d" : "%d", tokens[i]);
   }
   std::printf("\n");
   std::fprintf(stderr, "[%d prompt tokens, %zu generated, finish=%s, ttft %.1f ms, %.1f ms total]\n",
-               r.prompt_tokens, r.tokens.size(), r.finish_reason.c_str(), r.ttft_ms, r.total_ms);
+               last.usage.prompt_tokens, tokens.size(), last.finish_reason.c_str(),
+               last.usage.ttft_ms, last.usage.total_ms);
   return absl::OkStatus();
 }
 

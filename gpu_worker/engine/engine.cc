@@ -1,13 +1,7 @@
 #include "gpu_worker/engine/engine.h"
 
-#include <chrono>
-
 namespace sparsex {
 namespace {
-
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // Length of the longest prefix of s that does not end inside a UTF-8 character.
 size_t CompleteUtf8Prefix(const std::string& s) {
@@ -297,63 +291,6 @@ void Engine::Release(Sequence& seq) {
   blocks_->ReleaseAll(seq.blocks);
   seq.blocks.clear();
   seq.computed = 0;
-}
-
-absl::StatusOr<GenerateResult> Engine::Generate(const GenerateRequest& req,
-                                                const TokenCallback& cb) {
-  RETURN_IF_ERROR(ValidateSampling(req.sampling));
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(Sequence seq, Admit(req.prompt));
-  GenerateResult res;
-  res.prompt_tokens = static_cast<int>(req.prompt.size());
-  res.cached_tokens = seq.cached_prefix;
-  absl::Status st = Decode(seq, Prefill(seq), req.sampling, cb, t0, &res);
-  if (st.ok()) RegisterPrefix(seq);
-  Release(seq);
-  RETURN_IF_ERROR(st);
-  return res;
-}
-
-absl::Status Engine::Decode(Sequence& seq, absl::StatusOr<std::vector<float>> logits,
-                            const SamplingParams& sampling, const TokenCallback& cb,
-                            std::chrono::steady_clock::time_point t0, GenerateResult* res) {
-  const Tokenizer& tok = model_->tokenizer();
-  std::vector<int32_t> stops = sampling.stop_ids;
-  if (!sampling.ignore_eos) {
-    for (int32_t s : tok.StopIds()) stops.push_back(s);
-    // A generated BOS starts a new document (llama2.c stops there too).
-    if (tok.bos_id() >= 0) stops.push_back(tok.bos_id());
-  }
-  Sampler sampler(sampling);
-  StreamDecoder dec(tok);
-  res->finish_reason = "length";
-  while (logits.ok() && static_cast<int>(res->tokens.size()) < sampling.max_tokens) {
-    absl::StatusOr<int32_t> sampled = sampler.TrySample(*logits);
-    if (!sampled.ok()) {  // non-finite logits: an error, never a token
-      logits = sampled.status();
-      break;
-    }
-    const int32_t next = *sampled;
-    if (res->tokens.empty()) res->ttft_ms = MsSince(t0);
-    if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
-      res->finish_reason = "stop";
-      break;
-    }
-    res->tokens.push_back(next);
-    TokenEvent ev{next, dec.Push(next)};
-    res->text += ev.text;
-    if (cb && !cb(ev)) {
-      res->finish_reason = "cancelled";
-      break;
-    }
-    if (static_cast<int>(res->tokens.size()) == sampling.max_tokens) break;
-    if (static_cast<int>(seq.tokens.size()) >= model_->config().max_seq_len) break;
-    logits = Step(seq, next);
-  }
-  RETURN_IF_ERROR(logits.status());
-  res->text += dec.Flush();
-  res->total_ms = MsSince(t0);
-  return absl::OkStatus();
 }
 
 }  // namespace sparsex

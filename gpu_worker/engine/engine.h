@@ -1,11 +1,13 @@
 // The inference engine of one worker: a model on a backend, the paged KV cache and the
-// request loop (prefill with exact-prefix reuse, then decode with streaming).
+// forward passes a request loop is built from (admission with exact-prefix reuse, chunked
+// prefill, single, batched and mixed decode steps). The request loop itself is the scheduler's
+// (gpu_worker/scheduler/), which the worker service and the CLI both run.
 //
 //   ASSIGN_OR_RETURN(auto engine, Engine::Create(model, {}));
-//   GenerateRequest req{.prompt = ids, .sampling = {.max_tokens = 32}};
-//   ASSIGN_OR_RETURN(GenerateResult r, engine->Generate(req, [](const TokenEvent& e) {
-//     std::cout << e.text; return true;  // false cancels
-//   }));
+//   ASSIGN_OR_RETURN(Sequence seq, engine->Admit(prompt));
+//   ASSIGN_OR_RETURN(std::vector<float> logits, engine->Prefill(seq));
+//   ASSIGN_OR_RETURN(logits, engine->Step(seq, next_token));
+//   engine->Release(seq);
 #pragma once
 
 #include <chrono>
@@ -42,26 +44,6 @@ struct Sequence {
   int32_t Slot(int pos, int bs) const { return blocks[pos / bs] * bs + pos % bs; }
 };
 
-struct TokenEvent {
-  int32_t token;
-  std::string text;  // newly completed UTF-8 text (may be empty mid-character)
-};
-using TokenCallback = std::function<bool(const TokenEvent&)>;
-
-struct GenerateRequest {
-  std::vector<int32_t> prompt;
-  SamplingParams sampling;
-};
-
-struct GenerateResult {
-  std::vector<int32_t> tokens;
-  std::string text;
-  std::string finish_reason;  // "stop", "length" or "cancelled"
-  int prompt_tokens = 0;
-  int cached_tokens = 0;  // prompt tokens served from the prefix cache
-  double ttft_ms = 0, total_ms = 0;
-};
-
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const Model& model,
@@ -73,9 +55,7 @@ class Engine {
   BlockManager& blocks() { return *blocks_; }
   const EngineOptions& options() const { return opts_; }
 
-  absl::StatusOr<GenerateResult> Generate(const GenerateRequest& req, const TokenCallback& cb);
-
-  // ---- building blocks (used by Generate and the segment-reuse prefill) ----
+  // ---- building blocks (of the scheduler's request loop and the segment-reuse prefill) ----
   // Admits a prompt: matches the cached prefix (never the last token, whose logits are needed)
   // and allocates blocks for the rest. Clear error when the prompt exceeds the context length.
   // allow_approximate: the match may continue into reuse-computed (approximate) blocks.
@@ -107,12 +87,6 @@ class Engine {
   // approximate_rest registers the later ones too, in the approximate namespace.
   void RegisterPrefix(const Sequence& seq, int exact_upto = -1, bool approximate_rest = false);
   void Release(Sequence& seq);
-  // Samples from `logits` (the prefill's), streams tokens through cb and steps the sequence
-  // until a stop token, max_tokens, the context length or cancellation; fills res (tokens, text,
-  // finish_reason, ttft_ms and total_ms measured from t0). Does not release the sequence.
-  absl::Status Decode(Sequence& seq, absl::StatusOr<std::vector<float>> logits,
-                      const SamplingParams& sampling, const TokenCallback& cb,
-                      std::chrono::steady_clock::time_point t0, GenerateResult* res);
   std::vector<int32_t> CtxSlots(const Sequence& seq, int len) const;
 
  private:

@@ -731,21 +731,4 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::FinishPrefill() {
   return std::move(res);
 }
 
-absl::StatusOr<GenerateResult> ReuseEngine::Generate(const std::vector<PromptSegment>& segments,
-                                                     const SamplingParams& sampling,
-                                                     const TokenCallback& cb, ReuseStats* stats) {
-  RETURN_IF_ERROR(ValidateSampling(sampling));
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(ReusePrefillResult pr, Prefill(segments));
-  if (stats != nullptr) *stats = pr.stats;
-  GenerateResult res;
-  res.prompt_tokens = pr.stats.prompt_tokens;
-  res.cached_tokens = pr.stats.prefix_tokens + pr.stats.reused_tokens;
-  // Prefill already registered the exact blocks for prefix reuse.
-  absl::Status st = engine_->Decode(pr.seq, std::move(pr.logits), sampling, cb, t0, &res);
-  engine_->Release(pr.seq);
-  RETURN_IF_ERROR(st);
-  return res;
-}
-
 }  // namespace sparsex

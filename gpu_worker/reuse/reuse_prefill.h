@@ -160,10 +160,6 @@ class ReuseEngine {
   // In any tier or the host store.
   bool Holds(const Hash128& fp) const;
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
-  // Prefill + decode; stats of the prefill are returned through stats when non-null.
-  absl::StatusOr<GenerateResult> Generate(const std::vector<PromptSegment>& segments,
-                                          const SamplingParams& sampling, const TokenCallback& cb,
-                                          ReuseStats* stats = nullptr);
 
  private:
   // A segment's encoding pass (after its encoding context), run layer by layer.

@@ -18,7 +18,7 @@
 
 #include "common/status.h"
 #include "gpu_worker/service/kv_tier.h"
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 
 namespace sparsex::service {
 

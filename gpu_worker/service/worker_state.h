@@ -22,7 +22,7 @@
 #include "common/metrics/metrics.h"
 #include "gpu_worker/service/event_log.h"
 #include "gpu_worker/service/kv_tier.h"
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 #include "gpu_worker/service/worker_server.h"
 #include "model/model.h"
 #include "proto/worker.grpc.pb.h"

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "tests/gpu_worker/engine_group_util.h"
+#include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex {
@@ -26,7 +27,7 @@ TEST(EngineGroup, RanksInLockstepMatchTheUnshardedEngine) {
   req.prompt = prompt;
   req.sampling.max_tokens = 48;
   req.sampling.ignore_eos = true;
-  auto want = (*ref)->Generate(req, nullptr);
+  auto want = sparsex::testing::Generate(**ref, req, nullptr);
   ASSERT_TRUE(want.ok());
   for (int tp : {1, 2, 4}) {
     o.tp.size = tp;

@@ -8,6 +8,7 @@
 #include <span>
 #include <sstream>
 
+#include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex {
@@ -60,7 +61,7 @@ TEST(Engine, GreedyFromBosReproducesTheOracle) {
   req.prompt = {model->tokenizer().bos_id()};
   req.sampling.max_tokens = 1000;
   std::string streamed;
-  auto r = (*engine)->Generate(req, [&](const TokenEvent& e) {
+  auto r = sparsex::testing::Generate(**engine, req, [&](const TokenEvent& e) {
     streamed += e.text;
     return true;
   });
@@ -169,17 +170,17 @@ TEST(Engine, PromptOverContextLengthAndBadIdsAreClearErrors) {
   ASSERT_TRUE(engine.ok());
   GenerateRequest req;
   req.prompt.assign(model->config().max_seq_len + 1, 300);
-  auto r = (*engine)->Generate(req, nullptr);
+  auto r = sparsex::testing::Generate(**engine, req, nullptr);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("context length"), std::string::npos);
   req.prompt = {1, 5000};
-  r = (*engine)->Generate(req, nullptr);
+  r = sparsex::testing::Generate(**engine, req, nullptr);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("vocabulary"), std::string::npos);
   req.prompt = {1};
   req.sampling.top_p = 0;
-  EXPECT_FALSE((*engine)->Generate(req, nullptr).ok());
+  EXPECT_FALSE(sparsex::testing::Generate(**engine, req, nullptr).ok());
 }
 
 TEST(Engine, PoolExhaustionIsReportedNotCrashed) {
@@ -191,13 +192,13 @@ TEST(Engine, PoolExhaustionIsReportedNotCrashed) {
   ASSERT_TRUE(engine.ok());
   GenerateRequest req;
   req.prompt.assign(40, 300);
-  auto r = (*engine)->Generate(req, nullptr);
+  auto r = sparsex::testing::Generate(**engine, req, nullptr);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   // The pool is intact afterwards: a short request still runs.
   req.prompt = {1, 403};
   req.sampling.max_tokens = 4;
-  EXPECT_TRUE((*engine)->Generate(req, nullptr).ok());
+  EXPECT_TRUE(sparsex::testing::Generate(**engine, req, nullptr).ok());
 }
 
 TEST(Engine, SeededSamplingIsReproducibleAndCancellable) {
@@ -208,12 +209,12 @@ TEST(Engine, SeededSamplingIsReproducibleAndCancellable) {
   GenerateRequest req;
   req.prompt = model->tokenizer().Encode("Once upon a time", true);
   req.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 42, .max_tokens = 24};
-  auto a = (*engine)->Generate(req, nullptr);
-  auto b = (*engine)->Generate(req, nullptr);  // second run also hits the prefix cache
+  auto a = sparsex::testing::Generate(**engine, req, nullptr);
+  auto b = sparsex::testing::Generate(**engine, req, nullptr);  // second run also hits the prefix cache
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->tokens, b->tokens);
   int n = 0;
-  auto c = (*engine)->Generate(req, [&](const TokenEvent&) { return ++n < 3; });
+  auto c = sparsex::testing::Generate(**engine, req, [&](const TokenEvent&) { return ++n < 3; });
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->finish_reason, "cancelled");
   EXPECT_EQ(c->tokens.size(), 3u);

@@ -5,6 +5,7 @@
 
 #include "gpu_worker/engine/engine.h"
 #include "model/quant.h"
+#include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex {
@@ -33,7 +34,7 @@ EngineRun PrefillAndGenerate(const Model& model, const std::string& prompt, int 
   req.prompt = ids;
   req.sampling.max_tokens = n;
   req.sampling.temperature = 0;
-  auto r = (*engine)->Generate(req, [](const TokenEvent&) { return true; });
+  auto r = sparsex::testing::Generate(**engine, req, [](const TokenEvent&) { return true; });
   EXPECT_TRUE(r.ok()) << r.status();
   if (r.ok()) out.tokens = r->tokens;
   return out;

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "gpu_worker/engine/engine.h"
+#include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex {
@@ -157,8 +158,8 @@ TEST(RopeLayout, GgufAdjacentPairsEqualsHfHalves) {
   EXPECT_LT(maxdiff, 1e-4);
   // Without the permutation the halves layout would rotate the wrong pairs: a real difference.
   GenerateRequest req{prompt, {.max_tokens = 32}};
-  auto a = (*eg)->Generate(req, nullptr);
-  auto b = (*eh)->Generate(req, nullptr);
+  auto a = sparsex::testing::Generate(**eg, req, nullptr);
+  auto b = sparsex::testing::Generate(**eh, req, nullptr);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->tokens, b->tokens);
   fs::remove_all(dir);

@@ -7,6 +7,7 @@
 
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
+#include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex {
@@ -42,7 +43,7 @@ TEST(TensorParallel, ShardedLogitsAndGreedyEqualUnsharded) {
   auto ref_engine = Engine::Create(*model, {});
   ASSERT_TRUE(ref_engine.ok());
   GenerateRequest req{prompt, {.max_tokens = 64}};
-  auto ref = (*ref_engine)->Generate(req, nullptr);
+  auto ref = sparsex::testing::Generate(**ref_engine, req, nullptr);
   ASSERT_TRUE(ref.ok());
   auto seq = (*ref_engine)->Admit(prompt);
   auto ref_logits = (*ref_engine)->Prefill(*seq);
@@ -67,7 +68,7 @@ TEST(TensorParallel, ShardedLogitsAndGreedyEqualUnsharded) {
         ASSERT_TRUE(lg.ok()) << lg.status();
         logits[r] = *lg;
         (*e)->Release(*s);
-        auto g = (*e)->Generate(req, nullptr);
+        auto g = sparsex::testing::Generate(**e, req, nullptr);
         ASSERT_TRUE(g.ok());
         tokens[r] = g->tokens;
       });

@@ -7,6 +7,7 @@
 #include "gpu_worker/engine/engine.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 #include "gtest/gtest.h"
+#include "tests/gpu_worker/reference_generate.h"
 
 namespace sparsex {
 namespace {
@@ -23,7 +24,7 @@ GenerateResult Greedy(Engine& e, const std::vector<int32_t>& prompt, int n) {
   req.prompt = prompt;
   req.sampling.max_tokens = n;
   req.sampling.ignore_eos = true;
-  auto r = e.Generate(req, [](const TokenEvent&) { return true; });
+  auto r = sparsex::testing::Generate(e, req, [](const TokenEvent&) { return true; });
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? *r : GenerateResult{};
 }

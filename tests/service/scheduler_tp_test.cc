@@ -9,7 +9,7 @@
 
 #include "common/fingerprint.h"
 #include "gpu_worker/service/kv_tier.h"
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 #include "gpu_worker/service/worker_server.h"
 #include "proto/worker.grpc.pb.h"
 #include "tests/gpu_worker/test_util.h"

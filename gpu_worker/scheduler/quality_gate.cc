@@ -1,4 +1,4 @@
-#include "gpu_worker/service/quality_gate.h"
+#include "gpu_worker/scheduler/quality_gate.h"
 
 #include <algorithm>
 #include <cmath>

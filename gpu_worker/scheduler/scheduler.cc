@@ -1,4 +1,4 @@
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 
 #include <algorithm>
 #include <future>

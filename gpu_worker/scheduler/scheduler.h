@@ -42,7 +42,7 @@
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 #include "gpu_worker/reuse/segment_store.h"
-#include "gpu_worker/service/quality_gate.h"
+#include "gpu_worker/scheduler/quality_gate.h"
 
 namespace sparsex::service {
 

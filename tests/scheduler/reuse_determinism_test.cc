@@ -16,9 +16,9 @@
 #include "common/thread_pool.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/tensor_parallel.h"
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 #include "tests/gpu_worker/test_util.h"
-#include "tests/service/test_util.h"
+#include "tests/scheduler/test_util.h"
 
 namespace sparsex::service {
 namespace {

@@ -1,15 +1,16 @@
 // The worker's continuous-batching engine loop on the real stories260K model: concurrent
 // requests interleave yet each produces exactly what a lone Engine::Generate produces;
 // cancellation frees the KV blocks; reuse counters; validation and load shedding.
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 
 #include <atomic>
 #include <mutex>
 #include <thread>
 
 #include "common/fingerprint.h"
+#include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
-#include "tests/service/test_util.h"
+#include "tests/scheduler/test_util.h"
 
 namespace sparsex::service {
 namespace {
@@ -50,7 +51,7 @@ class SchedulerTest : public ::testing::Test {
     r.prompt.push_back(model_->tokenizer().bos_id());
     for (const auto& s : segs) r.prompt.insert(r.prompt.end(), s.tokens.begin(), s.tokens.end());
     r.sampling.max_tokens = max_tokens;
-    auto g = (*e)->Generate(r, nullptr);
+    auto g = sparsex::testing::Generate(**e, r, nullptr);
     EXPECT_TRUE(g.ok()) << g.status();
     return g.ok() ? g->tokens : std::vector<int32_t>{};
   }

@@ -3,7 +3,7 @@
 // after BOS, no full layer, nothing recomputed) is caught and reuse disabled while exact
 // prefix caching still serves; the default configuration is left alone; and a replay never
 // runs while user requests wait.
-#include "gpu_worker/service/quality_gate.h"
+#include "gpu_worker/scheduler/quality_gate.h"
 
 #include <algorithm>
 #include <atomic>
@@ -11,9 +11,9 @@
 #include <random>
 #include <thread>
 
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 #include "tests/gpu_worker/test_util.h"
-#include "tests/service/test_util.h"
+#include "tests/scheduler/test_util.h"
 
 namespace sparsex::service {
 namespace {

@@ -10,9 +10,9 @@
 #include <random>
 #include <thread>
 
-#include "gpu_worker/service/scheduler.h"
+#include "gpu_worker/scheduler/scheduler.h"
 #include "tests/gpu_worker/test_util.h"
-#include "tests/service/test_util.h"
+#include "tests/scheduler/test_util.h"
 
 namespace sparsex::service {
 namespace {
