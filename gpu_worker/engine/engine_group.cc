@@ -477,7 +477,7 @@ absl::StatusOr<std::optional<std::pair<Hash128, int>>> EngineGroup::SpillOne(int
   return std::move(res[0]);
 }
 
-bool EngineGroup::Holds(const Hash128& fp) {
+bool EngineGroup::Holds(const Hash128& fp) const {
   return has_reuse() && ranks_[0]->reuse->Holds(fp);
 }
 

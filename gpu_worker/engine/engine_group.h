@@ -82,9 +82,9 @@ class EngineGroup {
   absl::StatusOr<StoreProgress> StoreStep(const std::vector<int32_t>& tokens,
                                           const ReuseOptions* override_opts, int max_layers);
   // ReuseEngine::SpillOne on every rank (rank 0's answer; the ranks spill alike), and
-  // ReuseEngine::Holds / unspilled on rank 0.
+  // ReuseEngine::Holds / unspilled on rank 0 (Holds from any thread: the ranks hold alike).
   absl::StatusOr<std::optional<std::pair<Hash128, int>>> SpillOne(int max_layers = 1 << 30);
-  bool Holds(const Hash128& fp);
+  bool Holds(const Hash128& fp) const;
   size_t unspilled();
 
   // Calls fn(rank) on every rank at once (rank 0 on the caller's thread) and waits for all.

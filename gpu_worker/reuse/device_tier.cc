@@ -30,6 +30,10 @@ bool DeviceSegmentTier::Insert(const Hash128& fp, const std::shared_ptr<DeviceSe
   while (bytes_ + seg->bytes > capacity_ && !lru_.empty()) {
     auto it = map_.find(lru_.front());
     bytes_ -= it->second.seg->bytes;
+    {
+      std::lock_guard<std::mutex> l(resident_mu_);
+      resident_.erase(it->first);
+    }
     map_.erase(it);
     lru_.pop_front();
   }
@@ -38,8 +42,15 @@ bool DeviceSegmentTier::Insert(const Hash128& fp, const std::shared_ptr<DeviceSe
     it->second.seg = seg;
     it->second.lru = lru_.insert(lru_.end(), fp);
     bytes_ += seg->bytes;
+    std::lock_guard<std::mutex> l(resident_mu_);
+    resident_.insert(fp);
   }
   return true;
+}
+
+bool DeviceSegmentTier::Resident(const Hash128& fp) const {
+  std::lock_guard<std::mutex> l(resident_mu_);
+  return resident_.contains(fp);
 }
 
 absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(

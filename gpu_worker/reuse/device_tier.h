@@ -3,14 +3,17 @@
 // of a host transfer. With host_memory the same tier lives in the backend's pinned host memory
 // (Backend::AllocHost): larger and cheaper, copied to the device per request with
 // Backend::Prefetch so the copy overlaps compute. Capacity-bounded LRU; entries in use by a running request stay alive
-// (shared ownership) even if evicted meanwhile. Not thread-safe: owned by the engine thread.
+// (shared ownership) even if evicted meanwhile. Not thread-safe (owned by the engine thread),
+// except Resident().
 #pragma once
 
 #include <list>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/reuse/segment_store.h"
 
@@ -36,6 +39,9 @@ class DeviceSegmentTier {
   bool Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k, std::vector<Tensor> v);
   // Get without counting a hit or touching the LRU order.
   std::shared_ptr<const DeviceSegment> Peek(const Hash128& fp) const;
+  // Whether the tier holds fp, callable from any thread (the worker asks before it fetches a
+  // segment from the cache cluster; the rest of the tier is the engine thread's).
+  bool Resident(const Hash128& fp) const;
   size_t bytes() const { return bytes_; }
   size_t capacity() const { return capacity_; }
   bool host_memory() const { return host_; }
@@ -56,6 +62,8 @@ class DeviceSegmentTier {
   int64_t hits_ = 0;
   absl::flat_hash_map<Hash128, Entry> map_;
   std::list<Hash128> lru_;
+  mutable std::mutex resident_mu_;  // guards resident_: map_'s keys, for Resident()
+  absl::flat_hash_set<Hash128> resident_;
 };
 
 }  // namespace sparsex

@@ -225,7 +225,7 @@ absl::StatusOr<StoreProgress> ReuseEngine::StoreStep(const std::vector<int32_t>&
 }
 
 bool ReuseEngine::Holds(const Hash128& fp) const {
-  return tier_.Peek(fp) != nullptr || host_tier_.Peek(fp) != nullptr || store_->Contains(fp);
+  return tier_.Resident(fp) || host_tier_.Resident(fp) || store_->Contains(fp);
 }
 
 absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,

@@ -157,7 +157,8 @@ class ReuseEngine {
   absl::StatusOr<std::optional<std::pair<Hash128, int>>> SpillOne(int max_layers = 1 << 30);
   // Segments stored in the device tier whose host copy is not complete.
   size_t unspilled() const { return unspilled_.size() + (spill_ ? 1 : 0); }
-  // In any tier or the host store.
+  // In any tier or the host store: the worker's one "is it local?" (the planner's lookup
+  // consults the same tiers in the same order). Callable from any thread.
   bool Holds(const Hash128& fp) const;
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
 

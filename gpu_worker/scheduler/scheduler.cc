@@ -261,6 +261,12 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> BatchScheduler::Submit(WorkItem w
   return h;
 }
 
+bool BatchScheduler::HoldsLocally(const Hash128& fp) const {
+  // group_ is set before Start returns and taken away under mu_ when the engine thread ends.
+  std::lock_guard<std::mutex> l(mu_);
+  return group_ != nullptr && group_->Holds(fp);
+}
+
 SchedulerLoad BatchScheduler::load() const {
   std::lock_guard<std::mutex> l(mu_);
   return load_;
@@ -323,7 +329,12 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
   for (auto& a : rest) Finish(*a, "", absl::UnavailableError("worker stopped"));
   active_.clear();
   PublishLoad();
-  group_.reset();
+  std::unique_ptr<EngineGroup> group;
+  {
+    std::lock_guard<std::mutex> l(mu_);  // HoldsLocally reads group_ under mu_
+    group = std::move(group_);
+  }
+  group.reset();
 }
 
 void BatchScheduler::Iteration() {

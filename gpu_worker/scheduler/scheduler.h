@@ -249,6 +249,9 @@ class BatchScheduler {
   absl::Status Validate(const WorkItem& work) const;
 
   SchedulerLoad load() const;
+  // Whether a segment's KV is local (device tier, pinned host tier or host store): what the
+  // worker asks before it fetches the segment from the cache cluster. Any thread.
+  bool HoldsLocally(const Hash128& fp) const;
   // Fails every queued and running request with UNAVAILABLE and joins the engine thread.
   void Stop();
   const SchedulerOptions& options() const { return opts_; }

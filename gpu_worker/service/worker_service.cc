@@ -54,14 +54,16 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
       const RequestFingerprints fps = FingerprintRequest(
           s_->model->fingerprint(), w.segments, -1,
           {.block_size = s_->opts.scheduler.engine.kv.block_size, .encoding = w.reuse.encoding});
+      // Local means any tier (device, pinned host, host store): a segment stored in the device
+      // tier and not yet copied to the host store is not fetched again.
       std::vector<SegmentRef> refs;
-      bool missing = false;
       for (size_t i = 0; i < w.segments.size(); ++i) {
-        if (!fps.segments[i].has_value()) continue;
+        if (!fps.segments[i].has_value() || s_->scheduler->HoldsLocally(*fps.segments[i])) {
+          continue;
+        }
         refs.push_back({*fps.segments[i], static_cast<int>(w.segments[i].tokens.size())});
-        missing = missing || !s_->store->Contains(*fps.segments[i]);
       }
-      if (missing) {
+      if (!refs.empty()) {
         WorkerServer::State* st = s_;
         w.remote_fetch = [st, refs = std::move(refs)](WorkItem& item) {
           FetchRemote(*st, refs, item);

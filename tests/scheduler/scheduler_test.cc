@@ -1,5 +1,5 @@
 // The worker's continuous-batching engine loop on the real stories260K model: concurrent
-// requests interleave yet each produces exactly what a lone Engine::Generate produces;
+// requests interleave yet each produces exactly what the unbatched reference loop produces;
 // cancellation frees the KV blocks; reuse counters; validation and load shedding.
 #include "gpu_worker/scheduler/scheduler.h"
 
@@ -182,6 +182,31 @@ TEST_F(SchedulerTest, SlicedStoresFillTheDeviceTierAndSpillWhenIdle) {
     s->Stop();
   }
   EXPECT_EQ(answers[0], answers[1]);
+}
+
+// HoldsLocally (what the worker asks, from its RPC threads, before a cache-cluster fetch) sees
+// every local tier: a stored segment is local whether it sits in the device tier or the host
+// store; an unknown one is not; after Stop nothing is.
+TEST_F(SchedulerTest, HoldsLocallySeesEveryTier) {
+  for (size_t tier : {size_t{64} << 20, size_t{0}}) {
+    SCOPED_TRACE(tier ? "device tier" : "host store only");
+    store_ = std::make_unique<SegmentStore>(SegmentStoreOptions{});
+    SchedulerOptions o;
+    o.device_tier_bytes = tier;
+    o.defer_segment_stores = false;
+    auto s = Start(o);
+    ASSERT_NE(s, nullptr);
+    const Hash128 fa = SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none");
+    EXPECT_FALSE(s->HoldsLocally(fa));
+    auto h = s->Submit(Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4));
+    ASSERT_TRUE(h.ok());
+    Collected c = Drain(**h);
+    ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+    EXPECT_TRUE(s->HoldsLocally(fa));
+    EXPECT_FALSE(s->HoldsLocally(SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none")));
+    s->Stop();
+    EXPECT_FALSE(s->HoldsLocally(fa));
+  }
 }
 
 // store_after_misses = 2 (the GPU default): content seen once is never stored; a segment is
