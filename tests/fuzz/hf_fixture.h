@@ -6,28 +6,9 @@
 #include <string>
 
 #include "tests/fuzz/fuzz_util.h"
+#include "tests/model/byte_alphabet.h"
 
 namespace sparsex::fuzz {
-
-// GPT-2's bytes_to_unicode: printable bytes stand for themselves, the rest map to U+0100...
-inline std::string ByteChar(int b) {
-  int cp = b;
-  if (!((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255))) {
-    int n = 0;
-    for (int x = 0; x < b; ++x) {
-      if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255))) ++n;
-    }
-    cp = 256 + n;
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
 
 inline std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -44,7 +25,7 @@ inline std::string TinyTokenizerJson() {
   std::string vocab;
   for (int b = 0; b < 256; ++b) {
     if (b) vocab += ",";
-    vocab += "\"" + JsonEscape(ByteChar(b)) + "\":" + std::to_string(b);
+    vocab += "\"" + JsonEscape(sparsex::testing::Gpt2ByteChar(b)) + "\":" + std::to_string(b);
   }
   return R"({"version":"1.0","normalizer":null,"pre_tokenizer":{"type":"ByteLevel",)"
          R"("add_prefix_space":false},"decoder":{"type":"ByteLevel"},)"

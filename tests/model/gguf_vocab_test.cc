@@ -14,6 +14,7 @@
 #include "model/model.h"
 #include "model/model_info.h"
 #include "testing/models_dir.h"
+#include "tests/model/byte_alphabet.h"
 
 namespace sparsex {
 namespace {
@@ -134,20 +135,7 @@ TEST(GgufVocabTest, PreTokenizerNames) {
 // A small byte-level vocabulary: every byte (GPT-2 alphabet), then merged pieces.
 ByteLevelVocab SmallVocab() {
   ByteLevelVocab v;
-  // GPT-2's byte alphabet: printable bytes stand for themselves, others map to 256 + k.
-  int next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-    const int cp = printable ? b : next++;
-    std::string s;
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-    v.tokens.push_back(s);
-  }
+  for (int b = 0; b < 256; ++b) v.tokens.push_back(testing::Gpt2ByteChar(b));
   // ids 256.. : "Ġt" (space t), "he", "Ġthe", "<|eot|>" (control), "<u>" (user-defined)
   for (const char* t : {"\xC4\xA0t", "he", "\xC4\xA0the", "<|eot|>", "<u>"}) v.tokens.push_back(t);
   v.types.assign(v.tokens.size(), 1);

@@ -23,6 +23,7 @@
 
 #include "testing/models_dir.h"
 #include "model/model.h"
+#include "tests/model/byte_alphabet.h"
 
 namespace sparsex {
 namespace {
@@ -357,19 +358,7 @@ constexpr int kGVocab = 3 + 256 + 3;
 // alphabet, merged pieces "Ġa" (space a) and "ab", control tokens <|begin_of_text|>, <|eot_id|>.
 void AddGpt2Vocab(GgufWriter& w) {
   std::vector<std::string> tokens;
-  int next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-    const int cp = printable ? b : next++;
-    std::string s;
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-    tokens.push_back(s);
-  }
+  for (int b = 0; b < 256; ++b) tokens.push_back(testing::Gpt2ByteChar(b));
   tokens.push_back("\xC4\xA0" "a");  // 256
   tokens.push_back("ab");           // 257
   tokens.push_back("<|begin_of_text|>");  // 258

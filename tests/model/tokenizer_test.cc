@@ -2,6 +2,7 @@
 // here in llama2.c format so the GGUF loader is not needed), and byte-level BPE against a small
 // hand-built tokenizer.json whose expected ids are derived by hand from the merge ranks.
 #include "model/tokenizer/tokenizer.h"
+#include "tests/model/byte_alphabet.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -200,30 +201,6 @@ TEST(SpmVocabTest, RejectsBadVocab) {
 
 // ---- Hugging Face byte-level BPE ----
 
-// GPT-2's bytes_to_unicode, written independently of the implementation.
-std::string ByteChar(unsigned char b) {
-  int n = 0;
-  uint32_t cp = b;
-  bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
-  if (!printable) {
-    for (int x = 0; x < b; ++x)
-      if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || x >= 174)) ++n;
-    cp = 256 + n;
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
-std::string ByteLevel(std::string_view raw) {
-  std::string s;
-  for (char c : raw) s += ByteChar(static_cast<unsigned char>(c));
-  return s;
-}
 
 constexpr const char* kLlama3Regex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
@@ -249,15 +226,16 @@ int32_t Id(const std::string& raw) {
 
 std::string MakeTokenizerJson(bool llama3) {
   nlohmann::json vocab = nlohmann::json::object();
-  for (int b = 0; b < 256; ++b) vocab[ByteChar(b)] = b;
+  for (int b = 0; b < 256; ++b) vocab[testing::Gpt2ByteChar(b)] = b;
   nlohmann::json merges = nlohmann::json::array();
   for (size_t k = 0; k < kMerges.size(); ++k) {
-    const std::string l = ByteLevel(kMerges[k].first), r = ByteLevel(kMerges[k].second);
+    const std::string l = testing::Gpt2ByteLevel(kMerges[k].first);
+    const std::string r = testing::Gpt2ByteLevel(kMerges[k].second);
     vocab[l + r] = 256 + k;
     // Llama-3 files use "a b" strings, newer ones [a, b] pairs: cover both.
     merges.push_back(llama3 ? nlohmann::json(l + " " + r) : nlohmann::json::array({l, r}));
   }
-  vocab[ByteLevel(" xyz")] = kXyz;
+  vocab[testing::Gpt2ByteLevel(" xyz")] = kXyz;
   nlohmann::json j;
   j["model"] = {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}, {"ignore_merges", llama3}};
   j["added_tokens"] = nlohmann::json::array();
