@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_args.h"
 #include "cache_client/cache_client.h"
 #include "cache_server/synthetic.h"
 #include "testing/server_process.h"
@@ -48,17 +49,7 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(i, v.size() - 1)];
 }
 
-struct Args {
-  std::map<std::string, std::string> kv;
-  std::string Get(const std::string& k, const std::string& d) const {
-    auto it = kv.find(k);
-    return it == kv.end() ? d : it->second;
-  }
-  uint64_t U(const std::string& k, uint64_t d) const {
-    auto it = kv.find(k);
-    return it == kv.end() ? d : std::stoull(it->second);
-  }
-};
+using sparsex::bench::Args;
 
 // ucx_perftest ucp_get bandwidth (GB/s, 1e9) for `size`-byte messages.
 std::string g_perftest = "ucx_perftest";  // --perftest: path or name on PATH
@@ -351,16 +342,9 @@ int Run(const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s.rfind("--", 0) != 0) continue;
-    s = s.substr(2);
-    auto eq = s.find('=');
-    if (eq != std::string::npos) {
-      a.kv[s.substr(0, eq)] = s.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      a.kv[s] = argv[++i];
-    }
+  if (std::string bad; !a.Parse(argc, argv, &bad)) {
+    std::fprintf(stderr, "bad argument %s (flags: --name=value or --name value)\n", bad.c_str());
+    return 2;
   }
   return Run(a);
 }

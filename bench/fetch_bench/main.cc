@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/bench_args.h"
 #include "gpu_worker/service/kv_tier.h"
 #include "testing/server_process.h"
 
@@ -28,17 +29,7 @@ using namespace sparsex;
 using namespace sparsex::service;
 using Clock = std::chrono::steady_clock;
 
-struct Args {
-  std::map<std::string, std::string> kv;
-  std::string Get(const std::string& k, const std::string& d) const {
-    auto it = kv.find(k);
-    return it == kv.end() ? d : it->second;
-  }
-  uint64_t U(const std::string& k, uint64_t d) const {
-    auto it = kv.find(k);
-    return it == kv.end() ? d : std::stoull(it->second);
-  }
-};
+using sparsex::bench::Args;
 
 SegmentKv MakeSegment(int tokens, int layers, int kv_dim, float base) {
   SegmentKv kv;
@@ -149,22 +140,9 @@ int Run(const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s.rfind("--", 0) != 0) {
-      std::fprintf(stderr, "unexpected argument %s\n", s.c_str());
-      return 2;
-    }
-    s = s.substr(2);
-    const size_t eq = s.find('=');
-    if (eq != std::string::npos) {
-      a.kv[s.substr(0, eq)] = s.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      a.kv[s] = argv[++i];
-    } else {
-      std::fprintf(stderr, "--%s needs a value\n", s.c_str());
-      return 2;
-    }
+  if (std::string bad; !a.Parse(argc, argv, &bad)) {
+    std::fprintf(stderr, "bad argument %s (flags: --name=value or --name value)\n", bad.c_str());
+    return 2;
   }
   return Run(a);
 }
