@@ -261,6 +261,14 @@ absl::StatusOr<std::shared_ptr<RequestHandle>> BatchScheduler::Submit(WorkItem w
   return h;
 }
 
+int64_t BatchScheduler::ReuseSliceRows() const {
+  // About the work of a plain chunk: reuse_slice_tokens (0: prefill_chunk) through every layer.
+  if (opts_.reuse_slice_tokens < 0) return INT64_MAX;
+  const int64_t tokens =
+      opts_.reuse_slice_tokens > 0 ? opts_.reuse_slice_tokens : opts_.prefill_chunk;
+  return tokens * model_.config().n_layers;
+}
+
 bool BatchScheduler::HoldsLocally(const Hash128& fp) const {
   // group_ is set before Start returns and taken away under mu_ when the engine thread ends.
   std::lock_guard<std::mutex> l(mu_);
@@ -511,14 +519,8 @@ void BatchScheduler::GateStep() {
     reserved_blocks_ += g.reserve;
     gate_running_ = true;
   }
-  const int64_t slice =
-      opts_.reuse_slice_tokens < 0
-          ? INT64_MAX
-          : static_cast<int64_t>(opts_.reuse_slice_tokens > 0 ? opts_.reuse_slice_tokens
-                                                              : opts_.prefill_chunk) *
-                model_.config().n_layers;
   ++gate_slices_;
-  auto step = group_->ReusePrefillStep(slice);
+  auto step = group_->ReusePrefillStep(ReuseSliceRows());
   if (step.ok() && !step->has_value()) return;  // more slices in later idle iterations
   gate_running_ = false;
   reserved_blocks_ -= g.reserve;
@@ -619,14 +621,7 @@ bool BatchScheduler::PrefillOne(Active& a) {
       }
       a.reuse_running = true;
     }
-    // One slice: about the work of a plain chunk (reuse_slice_tokens through every layer).
-    const int64_t slice =
-        opts_.reuse_slice_tokens < 0
-            ? INT64_MAX
-            : static_cast<int64_t>(opts_.reuse_slice_tokens > 0 ? opts_.reuse_slice_tokens
-                                                                : opts_.prefill_chunk) *
-                  model_.config().n_layers;
-    auto step = group_->ReusePrefillStep(slice);
+    auto step = group_->ReusePrefillStep(ReuseSliceRows());
     if (!step.ok() || step->has_value()) a.reuse_running = false;  // ended either way
     if (!step.ok()) {
       Finish(a, "", step.status());

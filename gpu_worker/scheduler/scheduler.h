@@ -281,6 +281,8 @@ class BatchScheduler {
   // One decode step for all of them in one batched forward pass (StepBatch); on an error, one
   // at a time so that only the failing request fails.
   void DecodeAll(const std::vector<Active*>& step);
+  // Rows one slice of a reuse prefill (a request's or a gate replay's) may spend.
+  int64_t ReuseSliceRows() const;
   // Runs one slice of the oldest deferred segment store; false when there was none.
   bool StoreOne();
   // Copies one device-tier-only segment to the host store and reports it (idle iterations).
