@@ -248,6 +248,12 @@ absl::Status Fidelity(const Args& a) {
   const double calib_q = std::stod(get("calibration-quantile", "0.9"));
 
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(model_path));
+  if (!calibration.model_fingerprint.empty() &&
+      calibration.model_fingerprint != model->fingerprint().Hex()) {
+    return absl::InvalidArgumentError(absl::StrCat("--calibration was measured on model ",
+                                                   calibration.model_fingerprint, ", not on ",
+                                                   model_path));
+  }
   // --context N: run as if the model's context length were N (e.g. stories260K's trained 512;
   // its GGUF says 2048).
   if (a.count("context")) {
@@ -690,8 +696,10 @@ absl::Status Fidelity(const Args& a) {
     std::FILE* cf = std::fopen(out.c_str(), "w");
     if (cf == nullptr) return absl::InternalError(absl::StrCat("cannot write ", out));
     std::fprintf(cf, "{\"selector\": \"%s\", \"encoding\": \"%s\", \"quantile\": %.3f, "
-                 "\"prompts\": %zu,\n \"model\": \"%s\",\n \"drop_per_uncovered\": {",
-                 selectors[0].c_str(), encodings[0].c_str(), calib_q, n, model_path.c_str());
+                 "\"prompts\": %zu,\n \"model\": \"%s\",\n \"model_fingerprint\": \"%s\",\n "
+                 "\"drop_per_uncovered\": {",
+                 selectors[0].c_str(), encodings[0].c_str(), calib_q, n, model_path.c_str(),
+                 model->fingerprint().Hex().c_str());
     bool first_f = true;
     for (const auto& [F, v] : ratios_of) {
       const double slope = std::max(1e-4, Quantile(v, calib_q));

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_depth.h"
+
 namespace sparsex {
 namespace {
 
@@ -329,7 +331,10 @@ float QualityCalibration::SlopeFor(int F, float fallback) const {
 }
 
 absl::StatusOr<QualityCalibration> ParseQualityCalibration(const std::string& text) {
-  // {"selector": "sparsex", "drop_per_uncovered": {"1": 0.04, "2": 0.03}, ...}
+  // {"selector": "sparsex", "model_fingerprint": "<hex>", "drop_per_uncovered": {"1": 0.04}}
+  if (absl::Status s = CheckJsonLimits(text, size_t{1} << 20); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("quality calibration: ", s.message()));
+  }
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("drop_per_uncovered") ||
       !j["drop_per_uncovered"].is_object()) {
@@ -338,6 +343,9 @@ absl::StatusOr<QualityCalibration> ParseQualityCalibration(const std::string& te
   }
   QualityCalibration c;
   if (j.contains("selector") && j["selector"].is_string()) c.selector = j["selector"];
+  if (j.contains("model_fingerprint") && j["model_fingerprint"].is_string()) {
+    c.model_fingerprint = j["model_fingerprint"];
+  }
   for (const auto& [k, v] : j["drop_per_uncovered"].items()) {
     int F = -1;
     try {

@@ -63,6 +63,9 @@ struct BudgetOptions {
 // `sparsex fidelity --calibration-out FILE`, read by the worker (--quality_calibration).
 struct QualityCalibration {
   std::string selector = "sparsex";  // the selector the scores come from. Default: sparsex
+  // The calibrated model's fingerprint (Hash128::Hex); a worker refuses a calibration of
+  // another model. Empty: not recorded (files written before it was). Default: ""
+  std::string model_fingerprint;
   std::vector<float> drop_per_uncovered;  // [F]; entries < 0: not measured
   // The slope for F: its own, else the nearest measured F's, else `fallback`.
   float SlopeFor(int F, float fallback) const;

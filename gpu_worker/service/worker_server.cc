@@ -65,6 +65,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   LoadOptions lo;
   lo.dequantize_to = options.device == "cuda" ? DType::kBF16 : DType::kF32;
   ASSIGN_OR_RETURN(s.model, LoadModel(options.model_path, lo));
+  // A quality calibration measured on another model would set every request's budget from
+  // the wrong slope: refused.
+  const std::string& calib_fp = options.scheduler.reuse.calibration.model_fingerprint;
+  if (!calib_fp.empty() && calib_fp != s.model->fingerprint().Hex()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker: --quality_calibration was measured on model ", calib_fp, ", this worker serves ",
+        s.model->fingerprint().Hex(), " (recalibrate with `sparsex fidelity --calibration-out`)"));
+  }
   if (absl::Status v = ValidateTensorParallel(s.model->config(), tp); !v.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("worker: ", v.message()));
   }

@@ -167,6 +167,20 @@ SegmentKv MakeKv(int n, int layers, int dim, float v) {
 
 // Eviction takes, among the least recently used entries, the one used least: a popular segment
 // that was not touched for a while survives a newer one that was never reused.
+TEST(QualityCalibration, ParsesTheModelAndRefusesBadFiles) {
+  auto c = ParseQualityCalibration(
+      R"({"selector": "sparsex", "model_fingerprint": "8fa7d654353b45a8f6cacbc13e2d9a46",
+          "drop_per_uncovered": {"1": 0.08, "2": 0.06}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->model_fingerprint, "8fa7d654353b45a8f6cacbc13e2d9a46");
+  EXPECT_FLOAT_EQ(c->SlopeFor(2, 1.0f), 0.06f);
+  auto old = ParseQualityCalibration(R"({"drop_per_uncovered": {"2": 0.06}})");
+  ASSERT_TRUE(old.ok());
+  EXPECT_TRUE(old->model_fingerprint.empty());  // not recorded: accepted for any model
+  EXPECT_FALSE(ParseQualityCalibration(R"({"drop_per_uncovered": {"x": 0.06}})").ok());
+  EXPECT_FALSE(ParseQualityCalibration(std::string(5000, '[') + std::string(5000, ']')).ok());
+}
+
 TEST(SegmentStore, EvictionPrefersTheLeastUsedOfTheOldest) {
   const size_t one = MakeKv(20, 2, 8, 0).bytes();
   SegmentStore store({.capacity_bytes = 3 * one});
