@@ -254,6 +254,22 @@ class HfTokenizer final : public Tokenizer {
       out.push_back(syms[k].id >= 0 ? syms[k].id : unk_);
   }
 
+  // byte_id_ from the vocabulary (after vocab_ and unk_ are set): each byte's character of the
+  // byte alphabet; a byte the vocabulary lacks needs an unknown token (`unk_name` in the error).
+  absl::Status MapBytes(const char* unk_name) {
+    const ByteAlphabet& a = Alphabet();
+    for (int b = 0; b < 256; ++b) {
+      auto it = vocab_.find(a.to_char[b]);
+      byte_id_[b] = it == vocab_.end() ? -1 : it->second;
+      if (byte_id_[b] < 0 && unk_ < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary lacks byte ", b,
+                                                       " and has no ", unk_name,
+                                                       " to stand for it"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   static uint64_t PairKey(int32_t l, int32_t r) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(l)) << 32) | static_cast<uint32_t>(r);
   }
@@ -375,15 +391,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
       if (it != t.vocab_.end()) t.unk_ = it->second;
     }
 
-    const ByteAlphabet& a = Alphabet();
-    for (int b = 0; b < 256; ++b) {
-      auto it = t.vocab_.find(a.to_char[b]);
-      t.byte_id_[b] = it == t.vocab_.end() ? -1 : it->second;
-      if (t.byte_id_[b] < 0 && t.unk_ < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary lacks byte ", b,
-                                                       " and has no unk_token to stand for it"));
-      }
-    }
+    RETURN_IF_ERROR(t.MapBytes("unk_token"));
 
     int32_t rank = 0;
     for (const json& m : model.value("merges", json::array())) {
@@ -532,15 +540,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab
   }
   t.added_.Finalize();
   t.unk_ = v.unk_id;
-  const ByteAlphabet& a = Alphabet();
-  for (int b = 0; b < 256; ++b) {
-    auto it = t.vocab_.find(a.to_char[b]);
-    t.byte_id_[b] = it == t.vocab_.end() ? -1 : it->second;
-    if (t.byte_id_[b] < 0 && t.unk_ < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary lacks byte ", b,
-                                                     " and has no unknown token to stand for it"));
-    }
-  }
+  RETURN_IF_ERROR(t.MapBytes("unknown token"));
   for (size_t rank = 0; rank < v.merges.size(); ++rank) {
     const std::string& m = v.merges[rank];
     const size_t sp = m.find(' ', 1);
