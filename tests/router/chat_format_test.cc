@@ -19,6 +19,7 @@
 #include "router/openai_codec.h"
 #include "router/prepare.h"
 #include "router/router.h"
+#include "tests/model/byte_alphabet.h"
 
 namespace sparsex::router::openai {
 namespace {
@@ -190,32 +191,12 @@ TEST_F(ChatFormatTest, NotPrefixStableTemplatesGiveOnePlainPrompt) {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-// GPT-2's byte-to-unicode map: printable bytes are themselves, the others U+0100 onwards.
-std::string ByteChar(int b) {
-  const auto printable = [](int x) {
-    return (x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255);
-  };
-  int cp = b;
-  if (!printable(b)) {
-    cp = 256;
-    for (int x = 0; x < b; ++x) cp += !printable(x);
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
-
 constexpr int kBos = 256, kStartHeader = 257, kEndHeader = 258, kEot = 259;
 
 void WriteLlama3Dir(const fs::path& dir, const std::string& chat_template) {
   fs::create_directories(dir);
   json vocab = json::object();
-  for (int b = 0; b < 256; ++b) vocab[ByteChar(b)] = b;
+  for (int b = 0; b < 256; ++b) vocab[sparsex::testing::Gpt2ByteChar(b)] = b;
   json added = json::array();
   int id = kBos;
   for (const char* t : {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
