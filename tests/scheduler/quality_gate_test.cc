@@ -138,6 +138,20 @@ class GateOnStories : public ::testing::Test {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
+  // The pool stored, then 48 requests of it one after the other: the gate's state afterwards
+  // (printed under `label`).
+  QualityGateState StoreAndRun(BatchScheduler& s, std::mt19937_64& rng, int pool,
+                               const char* label) const {
+    StorePool(s, pool);
+    RunSequential(s, 48, rng, pool);
+    const QualityGateState g = s.load().gate;
+    std::printf("%s: replays %lld, level %d, disabled %d, breaches %lld, agree %lld, mean KL "
+                "%.5f, rolling median %.5f\n",
+                label, static_cast<long long>(g.replays), g.level, g.reuse_disabled,
+                static_cast<long long>(g.breaches), static_cast<long long>(g.top1_agree),
+                g.replays ? g.kl_sum / g.replays : 0.0, g.rolling_median_kl);
+    return g;
+  }
   // Runs n requests one after the other (replays run in the idle time between them), then
   // waits until the replays queued are done.
   void RunSequential(BatchScheduler& s, int n, std::mt19937_64& rng, int pool) const {
@@ -190,14 +204,7 @@ TEST_F(GateOnStories, CatchesBrokenReuseAndDisablesIt) {
   ASSERT_TRUE(s.ok()) << s.status();
   std::mt19937_64 rng(3);
   const int pool = 12;
-  StorePool(**s, pool);
-  RunSequential(**s, 48, rng, pool);
-  const QualityGateState g = (*s)->load().gate;
-  std::printf("broken: replays %lld, level %d, disabled %d, breaches %lld, agree %lld, mean KL "
-              "%.5f, last median %.5f\n",
-              static_cast<long long>(g.replays), g.level, g.reuse_disabled,
-              static_cast<long long>(g.breaches), static_cast<long long>(g.top1_agree),
-              g.replays ? g.kl_sum / g.replays : 0.0, g.rolling_median_kl);
+  const QualityGateState g = StoreAndRun(**s, rng, pool, "broken");
   for (const auto& l : lines) std::printf("  %s\n", l.c_str());
   ASSERT_TRUE(g.reuse_disabled);
   EXPECT_EQ(g.level, 1);
@@ -232,15 +239,7 @@ TEST_F(GateOnStories, LeavesTheDefaultConfigurationAlone) {
   auto s = BatchScheduler::Start(*model_, &store_, o);
   ASSERT_TRUE(s.ok()) << s.status();
   std::mt19937_64 rng(3);
-  const int pool = 12;
-  StorePool(**s, pool);
-  RunSequential(**s, 48, rng, pool);
-  const QualityGateState g = (*s)->load().gate;
-  std::printf("default: replays %lld, level %d, disabled %d, agree %lld, mean KL %.5f, rolling "
-              "median %.5f\n",
-              static_cast<long long>(g.replays), g.level, g.reuse_disabled,
-              static_cast<long long>(g.top1_agree), g.replays ? g.kl_sum / g.replays : 0.0,
-              g.rolling_median_kl);
+  const QualityGateState g = StoreAndRun(**s, rng, 12, "default");
   EXPECT_GE(g.replays, 40);
   EXPECT_EQ(g.level, 0);
   EXPECT_FALSE(g.reuse_disabled);
