@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <string>
 
@@ -41,5 +42,16 @@ struct Args {
     return true;
   }
 };
+
+// A benchmark's main: parses the flags (exit 2 with a message on a bad one), then run(args).
+template <typename Run>
+int Main(int argc, char** argv, Run run) {
+  Args a;
+  if (std::string bad; !a.Parse(argc, argv, &bad)) {
+    std::fprintf(stderr, "bad argument %s (flags: --name=value or --name value)\n", bad.c_str());
+    return 2;
+  }
+  return run(a);
+}
 
 }  // namespace sparsex::bench

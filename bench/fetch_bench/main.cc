@@ -138,11 +138,4 @@ int Run(const Args& a) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Args a;
-  if (std::string bad; !a.Parse(argc, argv, &bad)) {
-    std::fprintf(stderr, "bad argument %s (flags: --name=value or --name value)\n", bad.c_str());
-    return 2;
-  }
-  return Run(a);
-}
+int main(int argc, char** argv) { return sparsex::bench::Main(argc, argv, Run); }
