@@ -18,11 +18,7 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
     FetchOutcome fr =
         st.tier->FetchMissing(refs, st.rank_stores[r].get(), static_cast<int>(r) + 1, tp);
     f.failures += fr.failures;
-    f.phases.lookup_ms += fr.phases.lookup_ms;
-    f.phases.lock_ms += fr.phases.lock_ms;
-    f.phases.transfer_ms += fr.phases.transfer_ms;
-    f.phases.decode_ms += fr.phases.decode_ms;
-    f.phases.put_ms += fr.phases.put_ms;
+    f.phases += fr.phases;
     f.failure_reasons.insert(f.failure_reasons.end(), fr.failure_reasons.begin(),
                              fr.failure_reasons.end());
     std::erase_if(f.stored,

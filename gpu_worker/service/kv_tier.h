@@ -59,6 +59,14 @@ struct FetchPhases {
   double transfer_ms = 0;  // leases, data-plane copies and the cache client's checksum checks
   double decode_ms = 0;    // block headers checked, K/V copied into the segments' layers
   double put_ms = 0;       // the fetched segments put into the local store
+  FetchPhases& operator+=(const FetchPhases& o) {
+    lookup_ms += o.lookup_ms;
+    lock_ms += o.lock_ms;
+    transfer_ms += o.transfer_ms;
+    decode_ms += o.decode_ms;
+    put_ms += o.put_ms;
+    return *this;
+  }
 };
 
 struct FetchOutcome {
