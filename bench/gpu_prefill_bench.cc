@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_memory.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/runner.h"
 
@@ -191,6 +192,8 @@ int Main(const Options& o) {
     LayerRows rows{seq.pos, seq.slots, seq.slots};
     std::vector<double> times;
     float last_logit = 0;
+    bench::GpuMemoryMeter meter;
+    meter.Reset();
     for (int r = 0; r < o.warmup + o.reps; ++r) {
       timer.Start();
       Tensor x = Unwrap(runner->Embed(seq.ids), "Embed");
@@ -207,10 +210,13 @@ int Main(const Options& o) {
       if (r >= o.warmup) times.push_back(ms);
     }
     const double med = Median(times);
+    const bench::GpuMemory mem = meter.Read();
     records.push_back({"full_prefill", n, med, *std::min_element(times.begin(), times.end()),
-                       o.reps, ""});
-    std::printf("full prefill %6d tokens: %9.2f ms (min %.2f, %d reps)\n", n, med,
-                records.back().min_ms, o.reps);
+                       o.reps, mem.JsonFields()});
+    std::printf("full prefill %6d tokens: %9.2f ms (min %.2f, %d reps), memory peak %.1f GiB "
+                "(weights + KV pool %.1f, pool peak %.1f)\n",
+                n, med, records.back().min_ms, o.reps, mem.peak_gib(), mem.static_gib,
+                mem.pool_peak_gib);
     std::fflush(stdout);
   }
 

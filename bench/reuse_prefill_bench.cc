@@ -6,11 +6,12 @@
 //   reuse_pinned segments in the pinned host tier (bf16), copied to the device layer by layer
 //                on a second stream while the full layers compute
 //   reuse_host   segments copied from the fp32 host store for every request (tiers disabled)
+// (--cases picks some: full always runs). Records carry the device memory peak on CUDA.
 // Wall-clock time of the Prefill call, which ends by downloading the logits (synchronous);
 // median of --reps runs after --warmup runs. One more run per case with ReuseOptions::profile
 // reports where the time goes (lookup/staging, full layers, selection, sparse layers, logits).
 //
-//   reuse_prefill_bench --model synthetic:llama3-8b --device cuda --segments 8 \
+//   reuse_prefill_bench --model synthetic:llama3-8b --device cuda --segments 8
 //       --segment-tokens 4096 --new-tokens 256 --full-layers 2 --ratio 0.15 --out reuse.json
 // --tp N runs every case on N tensor-parallel ranks (EngineGroup: CPU ranks in one process, or
 // one GPU per rank over NCCL); the segment stores hold each rank's KV-head share.
@@ -24,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_memory.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
@@ -56,7 +58,8 @@ int Main(int argc, char** argv) {
       {"model", "synthetic:tiny"}, {"device", "cpu"},      {"segments", "8"},
       {"segment-tokens", "256"},   {"new-tokens", "32"},   {"full-layers", "2"},
       {"ratio", "0.15"},           {"reps", "3"},          {"warmup", "1"},
-      {"out", "reuse_prefill.json"}, {"seed", "7"},          {"tp", "1"}};
+      {"out", "reuse_prefill.json"}, {"seed", "7"},          {"tp", "1"},
+      {"cases", "full,reuse_device,reuse_pinned,reuse_host"}};
   for (int i = 1; i + 1 < argc; i += 2) a[std::string(argv[i]).substr(2)] = argv[i + 1];
   const int nseg = std::stoi(a["segments"]), seg_len = std::stoi(a["segment-tokens"]),
             n_new = std::stoi(a["new-tokens"]), reps = std::stoi(a["reps"]),
@@ -109,8 +112,11 @@ int Main(int argc, char** argv) {
   std::shuffle(segs.begin(), segs.end(), rng);  // reused in another order than stored
   segs.push_back(question);
 
+  std::map<const ReuseStats*, bench::GpuMemory> mem;  // each case's device memory peak
   auto time_case = [&](EngineGroup& re, const ReuseOptions& o, ReuseStats* stats) {
     std::vector<double> ms;
+    bench::GpuMemoryMeter meter;
+    meter.Reset();
     ReuseOptions prof = o;
     prof.profile = true;
     for (int i = 0; i < warmup + reps; ++i) {
@@ -127,21 +133,27 @@ int Main(int argc, char** argv) {
       re.Release(r.seq);
       *stats = r.stats;
     }
+    mem[stats] = meter.Read();
     return Median(ms);
   };
   ReuseOptions full = ro;
   full.enable_reuse = false;
+  // --cases picks which run (full always does: the others' speedups are against it); long
+  // contexts skip the slow host case.
+  auto wanted = [&](const char* c) {
+    return ("," + a["cases"] + ",").find("," + std::string(c) + ",") != std::string::npos;
+  };
   ReuseStats st_full, st_dev, st_pin, st_host;
   const double full_ms = time_case(*host_only, full, &st_full);
-  const double host_ms = time_case(*host_only, ro, &st_host);
+  double host_ms = 0, dev_ms = 0, pin_ms = 0;
+  if (wanted("reuse_host")) host_ms = time_case(*host_only, ro, &st_host);
   host_only.reset();
   const size_t tier = (size_t{48} << 30) / static_cast<size_t>(tp);
-  double dev_ms = 0, pin_ms = 0;
-  {
+  if (wanted("reuse_device")) {
     auto tiered = group(tier, 0);
     dev_ms = time_case(*tiered, ro, &st_dev);
   }
-  {
+  if (wanted("reuse_pinned")) {
     auto pinned = group(0, tier);
     pin_ms = time_case(*pinned, ro, &st_pin);
   }
@@ -153,30 +165,42 @@ int Main(int argc, char** argv) {
   std::printf("%-14s %10s %8s %8s %8s %8s | profiled run (ms): %s\n", "case", "ttft_ms",
               "speedup", "reused", "select", "share", "lookup full select sparse logits");
   auto row = [&](const char* name, double ms, const ReuseStats& s) {
-    std::printf("%-14s %10.1f %8.2f %8d %8d %8.3f | %.1f %.1f %.1f %.1f %.1f\n", name, ms,
+    std::printf("%-14s %10.1f %8.2f %8d %8d %8.3f | %.1f %.1f %.1f %.1f %.1f", name, ms,
                 full_ms / ms, s.reused_tokens, s.selected_tokens, s.compute_share, s.lookup_ms,
                 s.full_ms, s.select_ms, s.sparse_ms, s.logits_ms);
+    if (mem[&s].total_gib > 0) std::printf(" | memory peak %.1f GiB", mem[&s].peak_gib());
+    std::printf("\n");
   };
-  row("full", full_ms, st_full);
-  row("reuse_device", dev_ms, st_dev);
-  row("reuse_pinned", pin_ms, st_pin);
-  row("reuse_host", host_ms, st_host);
+  struct Case {
+    const char* name;
+    double ms;
+    const ReuseStats* stats;
+  };
+  std::vector<Case> cases = {{"full", full_ms, &st_full}};
+  for (const Case& c : {Case{"reuse_device", dev_ms, &st_dev}, Case{"reuse_pinned", pin_ms, &st_pin},
+                        Case{"reuse_host", host_ms, &st_host}}) {
+    if (wanted(c.name)) cases.push_back(c);
+  }
+  for (const Case& c : cases) row(c.name, c.ms, *c.stats);
   std::ofstream f(a["out"]);
   f << "[\n";
   auto rec = [&](const char* name, double ms, const ReuseStats& s, bool last) {
     f << "  {\"case\": \"" << name << "\", \"model\": \"" << a["model"] << "\", \"device\": \""
-      << a["device"] << "\", \"tp\": " << tp << ", \"tokens\": " << total << ", \"ms\": " << ms
+      << a["device"] << "\", \"tp\": " << tp << ", \"tokens\": " << total << ", \"segments\": "
+      << nseg << ", \"segment_tokens\": " << seg_len << ", \"new_tokens\": " << n_new
+      << ", \"full_layers\": " << ro.full_layers << ", \"ratio\": " << ro.budget.ratio
+      << ", \"ms\": " << ms
       << ", \"full_ms\": " << full_ms << ", \"speedup_vs_full\": " << full_ms / ms
       << ", \"reused_tokens\": " << s.reused_tokens << ", \"selected_tokens\": "
       << s.selected_tokens << ", \"compute_share\": " << s.compute_share
       << ", \"profile_ms\": {\"lookup\": " << s.lookup_ms << ", \"full_layers\": " << s.full_ms
       << ", \"select\": " << s.select_ms << ", \"sparse_layers\": " << s.sparse_ms
-      << ", \"logits\": " << s.logits_ms << "}}" << (last ? "\n" : ",\n");
+      << ", \"logits\": " << s.logits_ms << "}" << mem[&s].JsonFields() << "}"
+      << (last ? "\n" : ",\n");
   };
-  rec("full", full_ms, st_full, false);
-  rec("reuse_device", dev_ms, st_dev, false);
-  rec("reuse_pinned", pin_ms, st_pin, false);
-  rec("reuse_host", host_ms, st_host, true);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    rec(cases[i].name, cases[i].ms, *cases[i].stats, i + 1 == cases.size());
+  }
   f << "]\n";
   return 0;
 }

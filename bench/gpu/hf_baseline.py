@@ -49,22 +49,31 @@ def main():
     for n in lengths:
         ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda", generator=g)
         times = []
-        with torch.inference_mode():
-            for r in range(a.warmup + a.reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                logits = forward(ids)
-                e.record()
-                e.synchronize()
-                assert torch.isfinite(logits).all()
-                if r >= a.warmup:
-                    times.append(s.elapsed_time(e))
-                del logits
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            with torch.inference_mode():
+                for r in range(a.warmup + a.reps):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    logits = forward(ids)
+                    e.record()
+                    e.synchronize()
+                    assert torch.isfinite(logits).all()
+                    if r >= a.warmup:
+                        times.append(s.elapsed_time(e))
+                    del logits
+        except torch.cuda.OutOfMemoryError:  # a length that does not fit: recorded, not fatal
+            records.append({"case": "full_prefill", "tokens": n, "oom": True})
+            print(f"transformers full prefill {n:6d} tokens: out of memory", flush=True)
+            torch.cuda.empty_cache()
+            continue
         ms = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30  # weights + activations, GiB
         records.append({"case": "full_prefill", "tokens": n, "ms": round(ms, 3),
-                        "min_ms": round(min(times), 3), "reps": a.reps})
-        print(f"transformers full prefill {n:6d} tokens: {ms:9.2f} ms (min {min(times):.2f})",
-              flush=True)
+                        "min_ms": round(min(times), 3), "reps": a.reps,
+                        "mem_peak_gib": round(peak, 2)})
+        print(f"transformers full prefill {n:6d} tokens: {ms:9.2f} ms (min {min(times):.2f}), "
+              f"memory peak {peak:.1f} GiB", flush=True)
         torch.cuda.empty_cache()
     json.dump({"baseline": "transformers LlamaForCausalLM sdpa bf16",
                "transformers": transformers.__version__, "torch": torch.__version__,
