@@ -24,35 +24,47 @@ stamp() { echo "[long.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 export SPARSEX_MODELS=$SPX/models
 LENGTHS=${SPX_LONG_LENGTHS:-32768 65536 131072}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
+# Host memory guard: a benchmark that would push the machine into swap or the OOM killer (the
+# reuse benchmark keeps its segments in an fp32 host store: 32 GiB at 128K) is killed instead,
+# with a log line, so that the call still returns what it measured.
+( while sleep 1; do
+    avail=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
+    if [ "$avail" -lt "${SPX_LONG_MIN_FREE_GIB:-12}" ]; then
+      echo "[long.sh] host memory guard: ${avail} GiB available, killing the benchmarks" >>"$LOG"
+      pkill -9 -f "reuse_prefill_bench|gpu_prefill_bench|hf_baseline.py"
+    fi
+  done ) &
+GUARD=$!
+trap 'kill $GUARD 2>/dev/null' EXIT
 
 if [ -z "${SPX_SKIP_TESTS:-}" ]; then
   stamp "GPU tests"
   for t in backend_consistency_test cuda_engine_test; do
-    timeout 300 "$SPX/bin/$t" --gtest_brief=1 >>"$OUT/gpu_tests.log" 2>&1
+    timeout 150 "$SPX/bin/$t" --gtest_brief=1 >>"$OUT/gpu_tests.log" 2>&1
     stamp "$t exit $?"
   done
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure" "$OUT/gpu_tests.log" | tee -a "$LOG"
 fi
 
 stamp "full prefill at $LENGTHS"
-timeout 240 "$SPX/bin/gpu_prefill_bench" --lengths "$(echo $LENGTHS | tr ' ' ,)" --reps 1 \
+timeout 180 "$SPX/bin/gpu_prefill_bench" --lengths "$(echo $LENGTHS | tr ' ' ,)" --reps 1 \
   --warmup 1 --decode-steps 0 --no-micro --out "$OUT/prefill_long.json" 2>&1 \
   | grep -E "device|attention|full prefill" | tee -a "$LOG"
 
 reuse() {  # name, then reuse_prefill_bench flags
   local name=$1; shift
-  stamp "reuse prefill $name"
-  timeout 200 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda \
+  stamp "reuse prefill $name (host memory available: $(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo) GiB)"
+  timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda \
     --segment-tokens 4064 --new-tokens 256 --full-layers 2 --cases reuse_device "$@" \
     --out "$OUT/reuse_$name.json" 2>&1 | grep -vE "^\s*$" | tee -a "$LOG"
 }
 for r in 0.05 0.15 0.30; do reuse "32k_r$r" --segments 8 --ratio "$r" --reps 3 --warmup 1; done
 case " $LENGTHS " in *" 65536 "*) reuse 64k_r0.15 --segments 16 --ratio 0.15 --reps 2 --warmup 1 ;; esac
-case " $LENGTHS " in *" 131072 "*) reuse 128k_r0.15 --segments 32 --ratio 0.15 --reps 1 --warmup 1 ;; esac
 
 stamp "transformers baseline"
-timeout 300 python3 "$ROOT/bench/gpu/hf_baseline.py" --lengths "$(echo $LENGTHS | tr ' ' ,)" \
+timeout 240 python3 "$ROOT/bench/gpu/hf_baseline.py" --lengths "$(echo $LENGTHS | tr ' ' ,)" \
   --reps 1 --warmup 1 --out "$OUT/hf_long.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$LOG"
+case " $LENGTHS " in *" 131072 "*) reuse 128k_r0.15 --segments 32 --ratio 0.15 --reps 1 --warmup 1 ;; esac
 
 python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import glob, json, os, sys
