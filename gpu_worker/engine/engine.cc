@@ -169,7 +169,7 @@ absl::StatusOr<std::vector<float>> Engine::Step(Sequence& seq, int32_t token) {
   return Prefill(seq);
 }
 
-// The rows of a batched decode step (StepBatch, StepWithChunk): checks every sequence is fully
+// The rows of a batched decode step (StepBatch, StepWithChunks): checks every sequence is fully
 // computed and within the context, makes room for one more token each (capacity first: a
 // failure leaves every sequence as it was; blocks taken stay with their sequence), and fills
 // row i's position, slot, context and group for the first rows of `r`.
@@ -231,48 +231,67 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
   return TakeDecodeLogits(seqs, tokens, lg);
 }
 
-absl::StatusOr<Engine::MixedStep> Engine::StepWithChunk(std::span<Sequence* const> seqs,
-                                                        std::span<const int32_t> tokens,
-                                                        Sequence& pf, int end) {
+absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* const> seqs,
+                                                         std::span<const int32_t> tokens,
+                                                         std::span<const ChunkRef> chunks) {
   const int64_t B = static_cast<int64_t>(seqs.size());
   if (static_cast<int64_t>(tokens.size()) != B) {
-    return absl::InvalidArgumentError("StepWithChunk: one token per sequence required");
+    return absl::InvalidArgumentError("StepWithChunks: one token per sequence required");
   }
-  const int total = static_cast<int>(pf.tokens.size());
-  if (end <= pf.computed || end > total) {
-    return absl::InvalidArgumentError("StepWithChunk: the chunk must end in (computed, size]");
+  // Every check before anything changes: a sequence in two places would have its rows run twice.
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    const Sequence* pf = chunks[j].seq;
+    if (chunks[j].end <= pf->computed || chunks[j].end > static_cast<int>(pf->tokens.size())) {
+      return absl::InvalidArgumentError("StepWithChunks: a chunk must end in (computed, size]");
+    }
+    for (Sequence* s : seqs) {
+      if (s == pf) return absl::InvalidArgumentError("StepWithChunks: a chunk's sequence decodes");
+    }
+    for (size_t k = 0; k < j; ++k) {
+      if (chunks[k].seq == pf) {
+        return absl::InvalidArgumentError("StepWithChunks: two chunks of one sequence");
+      }
+    }
   }
-  for (Sequence* s : seqs) {
-    if (s == &pf) return absl::InvalidArgumentError("StepWithChunk: pf also decodes");
-  }
+  if (B == 0 && chunks.empty()) return MixedStep{};
   BatchRows br;
   RETURN_IF_ERROR(DecodeRows(seqs, br));
-  RETURN_IF_ERROR(EnsureCapacity(pf, end));
-  // Rows: one per decoding sequence, then the chunk's (the decode rows stay one batched
-  // attention launch on the GPU; the chunk gets its own).
-  const int b = pf.computed, n = end - b;
+  for (const ChunkRef& c : chunks) RETURN_IF_ERROR(EnsureCapacity(*c.seq, c.end));
+  // Rows: one per decoding sequence, then each chunk's in order (the decode rows stay one
+  // batched attention launch on the GPU; a long chunk gets its own).
   std::vector<int32_t> ids(tokens.begin(), tokens.end());
-  ids.insert(ids.end(), pf.tokens.begin() + b, pf.tokens.begin() + end);
-  br.ctx.push_back(CtxSlots(pf, end));
-  for (int i = 0; i < n; ++i) {
-    br.pos.push_back(b + i);
-    br.slots.push_back(br.ctx[B][b + i]);
-  }
-  br.groups.push_back({B, B + n, br.ctx[B]});
-  // The contexts' spans in groups point into br.ctx: re-point them after its growth.
-  for (int64_t i = 0; i <= B; ++i) br.groups[i].ctx_slots = br.ctx[i];
-  LayerRows rows{br.pos, br.slots, {}, br.groups};
   std::vector<int32_t> out(B);
   for (int64_t i = 0; i < B; ++i) out[i] = static_cast<int32_t>(i);
-  if (end == total) out.push_back(static_cast<int32_t>(B + n - 1));
+  for (const ChunkRef& c : chunks) {
+    const int b = c.seq->computed, n = c.end - b;
+    const int64_t first = static_cast<int64_t>(br.pos.size());
+    ids.insert(ids.end(), c.seq->tokens.begin() + b, c.seq->tokens.begin() + c.end);
+    br.ctx.push_back(CtxSlots(*c.seq, c.end));
+    for (int i = 0; i < n; ++i) {
+      br.pos.push_back(b + i);
+      br.slots.push_back(br.ctx.back()[b + i]);
+    }
+    br.groups.push_back({first, first + n, {}});
+    if (c.end == static_cast<int>(c.seq->tokens.size())) {
+      out.push_back(static_cast<int32_t>(first + n - 1));
+    }
+  }
+  // The contexts' spans point into br.ctx, which grew: set them once it is final.
+  for (size_t g = 0; g < br.groups.size(); ++g) br.groups[g].ctx_slots = br.ctx[g];
+  LayerRows rows{br.pos, br.slots, {}, br.groups};
   ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(ids, rows, out));
   MixedStep r;
   r.decode = TakeDecodeLogits(seqs, tokens, lg);
-  if (end == total) {
-    const int64_t V = model_->config().vocab_size;
-    r.prefill.assign(lg.begin() + B * V, lg.begin() + (B + 1) * V);
+  const int64_t V = model_->config().vocab_size;
+  int64_t next = B;  // the next output row of a completed chunk
+  r.prefill.resize(chunks.size());
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    Sequence& pf = *chunks[j].seq;
+    pf.computed = chunks[j].end;
+    if (pf.computed < static_cast<int>(pf.tokens.size())) continue;
+    r.prefill[j].assign(lg.begin() + next * V, lg.begin() + (next + 1) * V);
+    ++next;
   }
-  pf.computed = end;
   return r;
 }
 

@@ -71,17 +71,24 @@ class Engine {
   // returns each one's logits. On an error no sequence is changed.
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
-  // StepBatch and the next prefill chunk of `pf` (its tokens [pf.computed, end)) in one forward
-  // pass: the chunk's rows share every matmul with the decode rows, so the decoding sequences'
-  // step costs little more than the chunk alone (the weights are read once). Attention stays
-  // per sequence. `decode` holds the StepBatch logits; `prefill` pf's next-token logits when
-  // end is pf's whole prompt, else empty. On an error no sequence is changed.
+  // StepBatch and the next prefill chunks of other sequences in one forward pass: chunk j
+  // runs chunks[j].seq's tokens [computed, end). The chunks' rows share every matmul with the
+  // decode rows and with each other, so the decoding sequences' step costs little more than the
+  // chunks alone (the weights are read once), and several short prompts prefill in one pass.
+  // Attention stays per sequence. `decode` holds the StepBatch logits (seqs may be empty),
+  // `prefill[j]` chunk j's next-token logits when its end is its sequence's whole prompt, else
+  // empty. On an error no sequence is changed (blocks taken stay with their sequence).
+  struct ChunkRef {
+    Sequence* seq;
+    int end;
+  };
   struct MixedStep {
     std::vector<std::vector<float>> decode;
-    std::vector<float> prefill;
+    std::vector<std::vector<float>> prefill;
   };
-  absl::StatusOr<MixedStep> StepWithChunk(std::span<Sequence* const> seqs,
-                                          std::span<const int32_t> tokens, Sequence& pf, int end);
+  absl::StatusOr<MixedStep> StepWithChunks(std::span<Sequence* const> seqs,
+                                           std::span<const int32_t> tokens,
+                                           std::span<const ChunkRef> chunks);
   // Registers the sequence's full, computed blocks for exact-prefix reuse; only blocks that end
   // at or before `exact_upto` tokens (default: all computed tokens) are registered, unless
   // approximate_rest registers the later ones too, in the approximate namespace.

@@ -300,43 +300,44 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
   return std::move(res[0]);
 }
 
-absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunk(std::span<Sequence* const> seqs,
-                                                             std::span<const int32_t> tokens,
-                                                             Sequence& pf, int end) {
-  if (size() == 1) return ranks_[0]->engine->StepWithChunk(seqs, tokens, pf, end);
+absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunks(
+    std::span<Sequence* const> seqs, std::span<const int32_t> tokens,
+    std::span<const Engine::ChunkRef> chunks) {
+  if (size() == 1) return ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks);
   const int n = size();
-  std::vector<std::vector<Sequence>> copies(n);
-  std::vector<Sequence> pf_copies(n);
+  std::vector<std::vector<Sequence>> copies(n), pf_copies(n);
   for (int r = 1; r < n; ++r) {
     for (Sequence* s : seqs) copies[r].push_back(*s);  // before rank 0 starts changing them
-    pf_copies[r] = pf;
+    for (const Engine::ChunkRef& c : chunks) pf_copies[r].push_back(*c.seq);
   }
+  std::vector<Sequence*> pfs;
+  for (const Engine::ChunkRef& c : chunks) pfs.push_back(c.seq);
   std::vector<absl::StatusOr<Engine::MixedStep>> res(n, absl::UnknownError(""));
   RunOnAll([&](int r) {
     if (r == 0) {
-      res[0] = ranks_[0]->engine->StepWithChunk(seqs, tokens, pf, end);
+      res[0] = ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks);
       return;
     }
     std::vector<Sequence*> mine;
     for (Sequence& s : copies[r]) mine.push_back(&s);
-    res[r] = ranks_[r]->engine->StepWithChunk(mine, tokens, pf_copies[r], end);
+    std::vector<Engine::ChunkRef> my_chunks;
+    for (size_t j = 0; j < chunks.size(); ++j) my_chunks.push_back({&pf_copies[r][j], chunks[j].end});
+    res[r] = ranks_[r]->engine->StepWithChunks(mine, tokens, my_chunks);
   });
   RETURN_IF_ERROR(AllAlike(n, [&](int r) {
-    return SameCode(res, r) && pf_copies[r].blocks == pf.blocks &&
-           pf_copies[r].computed == pf.computed && SameSeqs(copies[r], seqs);
+    return SameCode(res, r) && SameSeqs(pf_copies[r], pfs) && SameSeqs(copies[r], seqs);
   }, "in a mixed prefill/decode step"));
   if (!res[0].ok()) return res[0].status();
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    std::vector<std::vector<float>> lg(n);
-    for (int r = 0; r < n; ++r) lg[r] = std::move(res[r]->decode[i]);
-    CheckLogits(lg);
-    res[0]->decode[i] = std::move(lg[0]);
-  }
-  if (!res[0]->prefill.empty()) {
-    std::vector<std::vector<float>> lg(n);
-    for (int r = 0; r < n; ++r) lg[r] = std::move(res[r]->prefill);
-    CheckLogits(lg);
-    res[0]->prefill = std::move(lg[0]);
+  // Every rank's logits of each decode row and completed chunk against rank 0's.
+  for (auto field : {&Engine::MixedStep::decode, &Engine::MixedStep::prefill}) {
+    std::vector<std::vector<float>>& out = (*res[0]).*field;
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i].empty()) continue;  // a chunk that did not complete its prompt
+      std::vector<std::vector<float>> lg(n);
+      for (int r = 0; r < n; ++r) lg[r] = std::move(((*res[r]).*field)[i]);
+      CheckLogits(lg);
+      out[i] = std::move(lg[0]);
+    }
   }
   return std::move(res[0]);
 }

@@ -59,9 +59,9 @@ class EngineGroup {
   absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
-  absl::StatusOr<Engine::MixedStep> StepWithChunk(std::span<Sequence* const> seqs,
-                                                  std::span<const int32_t> tokens, Sequence& pf,
-                                                  int end);
+  absl::StatusOr<Engine::MixedStep> StepWithChunks(std::span<Sequence* const> seqs,
+                                                   std::span<const int32_t> tokens,
+                                                   std::span<const Engine::ChunkRef> chunks);
   void RegisterPrefix(const Sequence& seq, int exact_upto = -1, bool approximate_rest = false);
   void Release(Sequence& seq);
   // ReuseEngine's, run on every rank over its own store (see ReuseEngine). Before a prefill,

@@ -411,8 +411,10 @@ void BatchScheduler::Iteration() {
     active_.push_back(std::move(a));
   }
 
-  // 3. One prefill unit (the oldest request still prefilling). 4. One decode step for every
-  // sequence that was decoding when the iteration started.
+  // 3. Prefill work: when the oldest request still prefilling is a plain one, the next chunks
+  // of the plain prefills (PlainChunks), else a slice of its reuse prefill. 4. One decode step
+  // for every sequence that was decoding when the iteration started (with mix_prefill_decode
+  // in the plain chunks' forward pass).
   std::vector<Active*> decoding;
   for (auto& a : active_) {
     if (a->state == Active::State::kDecode) decoding.push_back(a.get());
@@ -427,12 +429,17 @@ void BatchScheduler::Iteration() {
     }
   }
   if (pf != nullptr && pf->plain && opts_.mix_prefill_decode && !decoding.empty()) {
-    MixedStep(*pf, decoding);
+    PrefillChunks(PlainChunks(), decoding);
     prefilled = true;
     std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
     charge(EnginePhase::kMixed);
   } else {
-    if (pf != nullptr) prefilled = PrefillOne(*pf);
+    if (pf != nullptr && pf->plain) {
+      PrefillChunks(PlainChunks(), {});
+    } else if (pf != nullptr) {
+      ReusePrefillSlice(*pf);
+    }
+    prefilled = pf != nullptr;
     if (prefilled) charge(EnginePhase::kPrefill);
     std::erase_if(decoding, [](Active* a) { return a->state != Active::State::kDecode; });
     DecodeAll(decoding);
@@ -606,72 +613,66 @@ void BatchScheduler::DropOldestStore() {
   ++stores_dropped_;
 }
 
-bool BatchScheduler::PrefillOne(Active& a) {
-  std::vector<float> logits;
-  if (!a.plain) {
-    const ReuseOptions& o = a.w.reuse;
-    ReuseOptions po = a.w.reuse;
-    const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
-    if (defer) po.store_new_segments = false;  // the prefill reports them as missing instead
-    if (!a.reuse_running) {
-      absl::Status b = group_->BeginReusePrefill(a.w.segments, a.w.add_bos, &po);
-      if (!b.ok()) {
-        Finish(a, "", b);
-        return true;
-      }
-      a.reuse_running = true;
+void BatchScheduler::ReusePrefillSlice(Active& a) {
+  const ReuseOptions& o = a.w.reuse;
+  ReuseOptions po = a.w.reuse;
+  const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
+  if (defer) po.store_new_segments = false;  // the prefill reports them as missing instead
+  if (!a.reuse_running) {
+    absl::Status b = group_->BeginReusePrefill(a.w.segments, a.w.add_bos, &po);
+    if (!b.ok()) {
+      Finish(a, "", b);
+      return;
     }
-    auto step = group_->ReusePrefillStep(ReuseSliceRows());
-    if (!step.ok() || step->has_value()) a.reuse_running = false;  // ended either way
-    if (!step.ok()) {
-      Finish(a, "", step.status());
-      return true;
-    }
-    if (!step->has_value()) return true;  // more slices in later iterations
-    ReusePrefillResult* r = &**step;
-    a.seq = std::move(r->seq);
-    a.has_seq = true;
-    const ReuseStats& st = r->stats;
-    a.usage.prompt_tokens = st.prompt_tokens;
-    a.usage.prefix_tokens = st.prefix_tokens;
-    a.usage.reused_tokens = st.reused_tokens;
-    a.usage.recomputed_tokens = st.selected_tokens;
-    a.usage.new_tokens = st.new_tokens;
-    a.usage.segments_hit = st.segments_hit;
-    a.usage.compute_share = st.compute_share;
-    a.exact_tokens = st.exact_tokens;
-    if (defer) {
-      for (const auto& [i, fp] : r->missing) {
-        if (!AdmitStore(fp)) continue;
-        bool queued = false;
-        for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
-        if (!queued) pending_stores_.push_back({fp, a.w.segments[i].tokens, o});
-      }
-    }
-    const std::vector<std::pair<Hash128, int>>& stored = r->stored;
-    if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
-    logits = std::move(r->logits);
-    if (st.reused_tokens > 0) GateOffer(a, logits);
-  } else {
-    if (!EnsurePlainSeq(a)) return true;
-    const int total = static_cast<int>(a.prompt.size());
-    const int end = std::min(total, a.seq.computed + opts_.prefill_chunk);
-    // One chunk: the engine prefills [computed, size), so show it the prompt up to `end`.
-    std::vector<int32_t> full = std::move(a.seq.tokens);
-    a.seq.tokens.assign(full.begin(), full.begin() + end);
-    auto lg = group_->Prefill(a.seq);
-    a.seq.tokens = std::move(full);
-    if (!lg.ok()) {
-      Finish(a, "", lg.status());
-      return true;
-    }
-    if (end < total) return true;  // more chunks in later iterations
-    FinishPlainPrefill(a, *lg);
-    return true;
+    a.reuse_running = true;
   }
+  auto step = group_->ReusePrefillStep(ReuseSliceRows());
+  if (!step.ok() || step->has_value()) a.reuse_running = false;  // ended either way
+  if (!step.ok()) {
+    Finish(a, "", step.status());
+    return;
+  }
+  if (!step->has_value()) return;  // more slices in later iterations
+  ReusePrefillResult* r = &**step;
+  a.seq = std::move(r->seq);
+  a.has_seq = true;
+  const ReuseStats& st = r->stats;
+  a.usage.prompt_tokens = st.prompt_tokens;
+  a.usage.prefix_tokens = st.prefix_tokens;
+  a.usage.reused_tokens = st.reused_tokens;
+  a.usage.recomputed_tokens = st.selected_tokens;
+  a.usage.new_tokens = st.new_tokens;
+  a.usage.segments_hit = st.segments_hit;
+  a.usage.compute_share = st.compute_share;
+  a.exact_tokens = st.exact_tokens;
+  if (defer) {
+    for (const auto& [i, fp] : r->missing) {
+      if (!AdmitStore(fp)) continue;
+      bool queued = false;
+      for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
+      if (!queued) pending_stores_.push_back({fp, a.w.segments[i].tokens, o});
+    }
+  }
+  const std::vector<std::pair<Hash128, int>>& stored = r->stored;
+  if (!stored.empty() && hooks_.on_segments_stored) hooks_.on_segments_stored(stored);
+  std::vector<float> logits = std::move(r->logits);
+  if (st.reused_tokens > 0) GateOffer(a, logits);
   a.state = Active::State::kDecode;
   SampleAndEmit(a, logits);
-  return true;
+}
+
+void BatchScheduler::PlainChunk(Active& a, int end) {
+  const int total = static_cast<int>(a.prompt.size());
+  // The engine prefills [computed, size): show it the prompt up to `end`.
+  std::vector<int32_t> full = std::move(a.seq.tokens);
+  a.seq.tokens.assign(full.begin(), full.begin() + end);
+  auto lg = group_->Prefill(a.seq);
+  a.seq.tokens = std::move(full);
+  if (!lg.ok()) {
+    Finish(a, "", lg.status());
+    return;
+  }
+  if (end == total) FinishPlainPrefill(a, *lg);  // else more chunks in later iterations
 }
 
 bool BatchScheduler::EnsurePlainSeq(Active& a) {
@@ -696,22 +697,47 @@ void BatchScheduler::FinishPlainPrefill(Active& a, std::span<const float> logits
   SampleAndEmit(a, logits);
 }
 
-void BatchScheduler::MixedStep(Active& a, const std::vector<Active*>& step) {
-  if (!EnsurePlainSeq(a)) {
+std::vector<BatchScheduler::PlainChunkDue> BatchScheduler::PlainChunks() {
+  std::vector<PlainChunkDue> due;
+  int budget = opts_.prefill_chunk;
+  for (auto& p : active_) {
+    if (budget == 0) break;
+    Active& a = *p;
+    if (a.state != Active::State::kPrefill) continue;
+    // A reuse prefill runs alone (its slices hold engine state); the plain prefills admitted
+    // after it wait for it, so each request's prefill still starts in admission order.
+    if (!a.plain) break;
+    if (!EnsurePlainSeq(a)) continue;  // failed (finished) at admission
+    const int end = std::min(static_cast<int>(a.prompt.size()), a.seq.computed + budget);
+    budget -= end - a.seq.computed;
+    due.push_back({&a, end});
+  }
+  return due;
+}
+
+void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
+                                   const std::vector<Active*>& step) {
+  if (due.empty()) {  // every one failed at admission: a plain decode step
     DecodeAll(step);
     return;
   }
-  const int total = static_cast<int>(a.prompt.size());
-  const int end = std::min(total, a.seq.computed + opts_.prefill_chunk);
+  if (due.size() == 1 && step.empty()) {  // a chunk alone: the engine's plain prefill pass
+    PlainChunk(*due[0].a, due[0].end);
+    return;
+  }
+  std::vector<Engine::ChunkRef> chunks;
+  for (const PlainChunkDue& c : due) chunks.push_back({&c.a->seq, c.end});
   const auto [seqs, toks] = DecodeInputs(step);
-  auto m = group_->StepWithChunk(seqs, toks, a.seq, end);
-  if (!m.ok()) {  // nothing changed: the two halves separately, where errors stay per request
-    PrefillOne(a);
+  auto m = group_->StepWithChunks(seqs, toks, chunks);
+  if (!m.ok()) {  // nothing changed: each part separately, where errors stay per request
+    for (const PlainChunkDue& c : due) PlainChunk(*c.a, c.end);
     DecodeAll(step);
     return;
   }
-  // The prefilled request's first token first, as when its last chunk runs alone.
-  if (end == total) FinishPlainPrefill(a, m->prefill);
+  // The prefilled requests' first tokens first, as when their last chunks run alone.
+  for (size_t j = 0; j < due.size(); ++j) {
+    if (!m->prefill[j].empty()) FinishPlainPrefill(*due[j].a, m->prefill[j]);
+  }
   for (size_t i = 0; i < step.size(); ++i) SampleAndEmit(*step[i], m->decode[i]);
 }
 

@@ -4,12 +4,14 @@
 //   1. drops cancelled requests (their KV blocks go back to the pool at once),
 //   2. admits waiting requests while the KV reservation and max_running allow (a request
 //      waiting for its remote fetch joins when the fetch is done or at fetch_wait_ms),
-//   3. runs one prefill unit: a slice of a reuse prefill (whole layers of its sparse-recompute
-//      pass, about reuse_slice_tokens' worth), or one chunk of a plain prefill (prefill_chunk
-//      tokens),
+//   3. runs the prefill work of the oldest request still prefilling: a slice of its reuse
+//      prefill (whole layers of its sparse-recompute pass, about reuse_slice_tokens' worth),
+//      or, when it is a plain one, the next chunks of the plain prefills from it on (oldest
+//      first, up to the next reuse prefill) until prefill_chunk tokens are taken, all in one
+//      forward pass: a long prompt takes the whole budget, several short ones share it,
 //   4. runs one decode step for every sequence past its prefill, all in one batched forward
 //      pass (matmuls shared, attention per sequence) — with mix_prefill_decode, the same pass
-//      as 3's plain prefill chunk,
+//      as 3's plain prefill chunks,
 //   5. runs a slice (store_slice_layers layers) of the oldest deferred segment store,
 //   6. when nothing else ran, copies 2 layers of a device-tier-only segment to the host store,
 // and streams each new token to the request's RequestHandle, which the RPC thread drains.
@@ -54,12 +56,13 @@ struct SchedulerOptions {
   int max_running = 32;
   // Requests waiting for admission before Submit answers RESOURCE_EXHAUSTED. Default: 256
   int max_queue = 256;
-  // Tokens of a plain (reuse disabled) prefill run per iteration, so long prompts do not stall
-  // the decoding sequences. Default: 256
+  // Tokens of plain (reuse disabled) prefills run per iteration, so long prompts do not stall
+  // the decoding sequences: one chunk of a long prompt, or the chunks of several short ones
+  // (oldest first) in one forward pass. Default: 256
   int prefill_chunk = 256;
-  // When a plain prefill chunk and decode steps are due in the same iteration, run them as one
-  // forward pass (the chunk's rows share every matmul with the decode rows, as vLLM v1 does):
-  // the decode step then costs little more than the weights the chunk reads anyway. A reuse
+  // When plain prefill chunks and decode steps are due in the same iteration, run them as one
+  // forward pass (the chunks' rows share every matmul with the decode rows, as vLLM v1 does):
+  // the decode step then costs little more than the weights the chunks read anyway. A reuse
   // prefill's slices still alternate with decode steps. Default: true
   bool mix_prefill_decode = true;
   // Prefill work of a reuse prefill per iteration, in tokens through every layer: its layers
@@ -178,7 +181,7 @@ class RequestHandle {
 };
 
 // The parts of an engine iteration, timed separately (SchedulerLoad::phase_seconds).
-// kMixed: a plain prefill chunk and the decode step in one forward pass (mix_prefill_decode).
+// kMixed: plain prefill chunks and the decode step in one forward pass (mix_prefill_decode).
 enum class EnginePhase { kAdmission, kPrefill, kDecode, kStore, kSpill, kMixed };
 inline constexpr int kEnginePhases = 6;
 inline constexpr const char* kEnginePhaseNames[kEnginePhases] = {"admission", "prefill", "decode",
@@ -267,10 +270,22 @@ class BatchScheduler {
   void Loop(std::promise<absl::Status>* ready);
   void FetchLoop();
   void Iteration();
-  bool PrefillOne(Active& a);
-  // A plain prefill chunk of `a` and a decode step of `step` in one forward pass; falls back to
-  // PrefillOne + DecodeAll when the pass fails (e.g. no KV block left for one of them).
-  void MixedStep(Active& a, const std::vector<Active*>& step);
+  // One slice of a's reuse prefill (its first token when it is the last).
+  void ReusePrefillSlice(Active& a);
+  // The plain prefills' chunks due this iteration: the prefilling requests from the oldest on,
+  // up to the first reuse prefill, each's next tokens until prefill_chunk tokens in all are
+  // taken (several short prompts share the pass; a long one takes the whole budget).
+  struct PlainChunkDue {
+    Active* a;
+    int end;  // its chunk is a->seq's tokens [computed, end)
+  };
+  std::vector<PlainChunkDue> PlainChunks();
+  // The chunks and a decode step of `step` (may be empty) in one forward pass (a lone chunk
+  // without decode rows: the engine's plain Prefill); when the pass fails (e.g. no KV block
+  // left for one of them), each chunk alone and then DecodeAll.
+  void PrefillChunks(const std::vector<PlainChunkDue>& due, const std::vector<Active*>& step);
+  // One chunk of a plain prefill, ending at prompt position `end`, in a pass of its own.
+  void PlainChunk(Active& a, int end);
   static std::pair<std::vector<Sequence*>, std::vector<int32_t>> DecodeInputs(
       const std::vector<Active*>& step);
   // The plain prefill's sequence (admitted on its first chunk): false when it failed.

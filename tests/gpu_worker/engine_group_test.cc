@@ -53,6 +53,68 @@ TEST(EngineGroup, RanksInLockstepMatchTheUnshardedEngine) {
   }
 }
 
+// Two prompts' chunks beside a decode row in one pass on every rank (the scheduler's short
+// prompts prefilled together): each prompt gets the unsharded engine's next-token logits, and the
+// ranks' block tables and logits stay alike.
+TEST(EngineGroup, ChunksOfSeveralSequencesInOnePassMatchTheUnshardedEngine) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  const char* prompts[] = {"Tom had a little dog named Max.", "The sun"};
+  EngineOptions o;
+  o.kv.num_blocks = 256;
+  o.kv.enable_prefix_caching = false;
+  auto ref = Engine::Create(*model, o);
+  ASSERT_TRUE(ref.ok());
+  std::vector<std::vector<float>> want;
+  for (const char* p : prompts) {
+    auto s = (*ref)->Admit(model->tokenizer().Encode(p, true));
+    ASSERT_TRUE(s.ok());
+    auto lg = (*ref)->Prefill(*s);
+    ASSERT_TRUE(lg.ok());
+    want.push_back(std::move(*lg));
+  }
+  for (int tp : {2, 4}) {
+    o.tp.size = tp;
+    auto g = EngineGroup::Create(*model, o);
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto d = (*g)->Admit(model->tokenizer().Encode("Once upon a time", true));
+    ASSERT_TRUE(d.ok());
+    auto dl = (*g)->Prefill(*d);
+    ASSERT_TRUE(dl.ok());
+    std::vector<Sequence*> dec = {&*d};
+    std::vector<int32_t> tok = {Argmax(*dl)};
+    std::vector<Sequence> ps;
+    for (const char* p : prompts) {
+      auto s = (*g)->Admit(model->tokenizer().Encode(p, true));
+      ASSERT_TRUE(s.ok());
+      ps.push_back(std::move(*s));
+    }
+    std::vector<std::vector<float>> got(ps.size());
+    for (bool more = true; more;) {
+      std::vector<Engine::ChunkRef> chunks;
+      for (Sequence& s : ps) {
+        const int total = static_cast<int>(s.tokens.size());
+        if (s.computed < total) chunks.push_back({&s, std::min(total, s.computed + 5)});
+      }
+      auto m = (*g)->StepWithChunks(dec, tok, chunks);
+      ASSERT_TRUE(m.ok()) << m.status();
+      tok[0] = Argmax(m->decode[0]);
+      more = false;
+      for (size_t j = 0; j < chunks.size(); ++j) {
+        const size_t i = static_cast<size_t>(chunks[j].seq - ps.data());
+        if (!m->prefill[j].empty()) got[i] = std::move(m->prefill[j]);
+        more = more || chunks[j].end < static_cast<int>(ps[i].tokens.size());
+      }
+    }
+    for (size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_LT(testing::MaxAbsDiff(got[i], want[i]), 1e-3) << "tp " << tp << " " << prompts[i];
+      (*g)->Release(ps[i]);
+    }
+    (*g)->Release(*d);
+    EXPECT_EQ((*g)->divergences(), 0);
+  }
+}
+
 TEST(EngineGroup, ReusePrefillKeepsRankStoresInStep) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);

@@ -279,7 +279,8 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
   const int total = static_cast<int>(prompt.size());
   for (int end = 9; pa->computed < total; end = std::min(total, end + 9)) {
     std::vector<Sequence*> ptrs = {&a[0], &a[1]};
-    auto m = e.StepWithChunk(ptrs, tok, *pa, end);
+    const Engine::ChunkRef chunk[] = {{&*pa, end}};
+    auto m = e.StepWithChunks(ptrs, tok, chunk);
     ASSERT_TRUE(m.ok()) << m.status();
     EXPECT_EQ(pa->computed, end);
     std::vector<Sequence*> bp = {&b[0], &b[1]};
@@ -289,21 +290,117 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
       EXPECT_LT(testing::MaxAbsDiff(m->decode[i], (*sep)[i]), 1e-4) << "sequence " << i << " end " << end;
       tok[i] = Argmax(m->decode[i]);
     }
+    ASSERT_EQ(m->prefill.size(), 1u);
     if (end < total) {
-      EXPECT_TRUE(m->prefill.empty());
+      EXPECT_TRUE(m->prefill[0].empty());
     } else {
-      EXPECT_LT(testing::MaxAbsDiff(m->prefill, *whole), 1e-4);
+      EXPECT_LT(testing::MaxAbsDiff(m->prefill[0], *whole), 1e-4);
     }
   }
   // A chunk that does not advance, or the prefilled sequence also decoding: clear errors.
   std::vector<Sequence*> ptrs = {&a[0]};
   std::vector<int32_t> t1 = {tok[0]};
-  EXPECT_EQ(e.StepWithChunk(ptrs, t1, *pa, total).status().code(),
+  const Engine::ChunkRef done[] = {{&*pa, total}}, decoding[] = {{&a[0], total}};
+  EXPECT_EQ(e.StepWithChunks(ptrs, t1, done).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.StepWithChunks(ptrs, t1, decoding).status().code(),
             absl::StatusCode::kInvalidArgument);
   for (auto* v : {&a, &b})
     for (Sequence& s : *v) e.Release(s);
   e.Release(*pa);
   e.Release(*pb);
+}
+
+// Several prompts' chunks in one pass (the scheduler's short prompts prefilled together), with
+// and without decode rows: each prompt gets the next-token logits a lone Prefill gives it, the
+// decoding sequences what StepBatch gives them.
+TEST(Engine, ChunksOfSeveralSequencesInOnePassEqualSeparatePrefills) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  auto engine = EngineWithoutPrefixCache(*model);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day"};
+  const char* prompts[] = {"Lily went to the park with her mom and saw a big red ball.", "The sun",
+                           "Tom and Sam built a tall tower of blocks, and then the cat came in "
+                           "and knocked it down."};
+  const size_t n = std::size(prompts);
+  std::vector<std::vector<float>> ref(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto s = e.Admit(model->tokenizer().Encode(prompts[i], true));
+    ASSERT_TRUE(s.ok());
+    auto lg = e.Prefill(*s);
+    ASSERT_TRUE(lg.ok());
+    ref[i] = std::move(*lg);
+    e.Release(*s);
+  }
+  for (bool decode : {false, true}) {
+    SCOPED_TRACE(decode ? "with decode rows" : "chunks only");
+    std::vector<Sequence> a, b;  // decoding sequences: a in the chunks' passes, b separately
+    std::vector<int32_t> tok;
+    if (decode) tok = PrefillTwice(e, *model, texts, &a, &b);
+    std::vector<Sequence> ps;
+    for (const char* p : prompts) {
+      auto s = e.Admit(model->tokenizer().Encode(p, true));
+      ASSERT_TRUE(s.ok());
+      ps.push_back(std::move(*s));
+    }
+    // Up to 6 tokens of every unfinished prompt per pass: the prompts end in different passes.
+    std::vector<std::vector<float>> got(n);
+    for (int pass = 0;; ++pass) {
+      std::vector<Engine::ChunkRef> chunks;
+      std::vector<size_t> which;
+      for (size_t i = 0; i < n; ++i) {
+        const int total = static_cast<int>(ps[i].tokens.size());
+        if (ps[i].computed == total) continue;
+        chunks.push_back({&ps[i], std::min(total, ps[i].computed + 6)});
+        which.push_back(i);
+      }
+      if (chunks.empty()) break;
+      std::vector<Sequence*> ptrs;
+      for (Sequence& s : a) ptrs.push_back(&s);
+      auto m = e.StepWithChunks(ptrs, tok, chunks);
+      ASSERT_TRUE(m.ok()) << m.status();
+      ASSERT_EQ(m->prefill.size(), chunks.size());
+      for (size_t j = 0; j < chunks.size(); ++j) {
+        Sequence& s = *chunks[j].seq;
+        EXPECT_EQ(s.computed, chunks[j].end);
+        EXPECT_EQ(m->prefill[j].empty(), s.computed < static_cast<int>(s.tokens.size()));
+        if (!m->prefill[j].empty()) got[which[j]] = std::move(m->prefill[j]);
+      }
+      if (!decode) continue;
+      std::vector<Sequence*> bp;
+      for (Sequence& s : b) bp.push_back(&s);
+      auto sep = e.StepBatch(bp, tok);
+      ASSERT_TRUE(sep.ok());
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_LT(testing::MaxAbsDiff(m->decode[i], (*sep)[i]), 1e-4)
+            << "sequence " << i << " pass " << pass;
+        tok[i] = Argmax(m->decode[i]);
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_LT(testing::MaxAbsDiff(got[i], ref[i]), 1e-4) << prompts[i];
+    }
+    // Two chunks of one sequence, or a chunk of a decoding one: clear errors, nothing changed.
+    auto q = e.Admit(model->tokenizer().Encode(prompts[0], true));
+    ASSERT_TRUE(q.ok());
+    const std::vector<Engine::ChunkRef> twice = {{&*q, 3}, {&*q, 5}};
+    EXPECT_EQ(e.StepWithChunks({}, {}, twice).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(q->computed, 0);
+    if (decode) {
+      std::vector<Sequence*> ptrs = {&a[0]};
+      std::vector<int32_t> t1 = {tok[0]};
+      const size_t len = a[0].tokens.size();
+      const std::vector<Engine::ChunkRef> mixed = {{&*q, 4}, {&a[0], static_cast<int>(len)}};
+      EXPECT_EQ(e.StepWithChunks(ptrs, t1, mixed).status().code(),
+                absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(a[0].tokens.size(), len);
+      EXPECT_EQ(q->computed, 0);
+    }
+    e.Release(*q);
+    for (auto* v : {&a, &b, &ps})
+      for (Sequence& s : *v) e.Release(s);
+  }
 }
 
 }  // namespace

@@ -529,10 +529,10 @@ TEST_F(AttentionConsistency, BatchedSequences) {
 
 void AttentionConsistency::RunBatched(int H, int KV, int hd) {
   const int bs = 16, kv_dim = KV * hd;
-  // {.., 300}: a mixed prefill/decode step (Engine::StepWithChunk): the leading decode rows in
-  // one batched launch, the chunk on its own.
+  // {.., 300}: a mixed prefill/decode step (Engine::StepWithChunks): the leading decode rows in
+  // one batched launch, the chunk on its own; {.., 250, 300}: two sequences' chunks in it.
   for (std::vector<int> rows_per : {std::vector<int>{1, 1, 1, 1, 1}, {1, 3, 2, 1, 1},
-                                    {1, 40, 1, 1, 1}, {1, 1, 1, 1, 300}}) {
+                                    {1, 40, 1, 1, 1}, {1, 1, 1, 1, 300}, {1, 1, 1, 250, 300}}) {
     const std::vector<int> ctx = {300, 8192, 1, 4096, 777};
     int total_blocks = 0;
     for (int c : ctx) total_blocks += (c + bs - 1) / bs;

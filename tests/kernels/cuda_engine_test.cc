@@ -123,6 +123,91 @@ TEST(CudaEngine, BatchedDecodeMatchesOneSequenceAtATime) {
   }
 }
 
+// Several prompts' chunks and the decode rows of running sequences in one forward pass (the
+// scheduler's short prompts prefilled together; Engine::StepWithChunks): each prompt's
+// next-token logits stay close to its own Prefill's, each decoding sequence's to StepBatch's.
+TEST(CudaEngine, ChunksOfSeveralSequencesWithDecodeRowsMatchSeparatePasses) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
+  auto model = LoadStories();
+  ASSERT_NE(model, nullptr);
+  auto gpu = CudaEngineWithoutPrefixCache(*model);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  Engine& e = **gpu;
+  auto rel = [](const std::vector<float>& x, const std::vector<float>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      num += (x[i] - ref[i]) * (x[i] - ref[i]);
+      den += ref[i] * ref[i];
+    }
+    return x.size() == ref.size() ? std::sqrt(num / den) : 1e9;
+  };
+  const char* decoding[] = {"Once upon a time", "Tom had a dog named Max. One day"};
+  const char* prompts[] = {"Lily went to the park with her mom and saw a big red ball.", "The sun",
+                           "Tom and Sam built a tall tower of blocks, and then the cat came in "
+                           "and knocked it down."};
+  const size_t n = std::size(prompts);
+  std::vector<Sequence> a, b;  // twins: a steps in the chunks' passes, b in StepBatch
+  std::vector<int32_t> next;
+  for (const char* t : decoding) {
+    for (auto* v : {&a, &b}) {
+      auto s = e.Admit(model->tokenizer().Encode(t, true));
+      ASSERT_TRUE(s.ok());
+      auto lg = e.Prefill(*s);
+      ASSERT_TRUE(lg.ok()) << lg.status();
+      if (v == &a) next.push_back(Argmax(*lg));
+      v->push_back(std::move(*s));
+    }
+  }
+  std::vector<Sequence> ps;
+  std::vector<std::vector<float>> ref(n), got(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::vector<int32_t> p = model->tokenizer().Encode(prompts[i], true);
+    auto s = e.Admit(p);
+    ASSERT_TRUE(s.ok());
+    auto lg = e.Prefill(*s);
+    ASSERT_TRUE(lg.ok()) << lg.status();
+    ref[i] = std::move(*lg);
+    e.Release(*s);
+    s = e.Admit(p);
+    ASSERT_TRUE(s.ok());
+    ps.push_back(std::move(*s));
+  }
+  std::vector<Sequence*> ap, bp;
+  for (Sequence& s : a) ap.push_back(&s);
+  for (Sequence& s : b) bp.push_back(&s);
+  // Up to 12 tokens of every unfinished prompt per pass: the prompts end in different passes.
+  for (int pass = 0;; ++pass) {
+    std::vector<Engine::ChunkRef> chunks;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < n; ++i) {
+      const int total = static_cast<int>(ps[i].tokens.size());
+      if (ps[i].computed == total) continue;
+      chunks.push_back({&ps[i], std::min(total, ps[i].computed + 12)});
+      which.push_back(i);
+    }
+    if (chunks.empty()) break;
+    auto m = e.StepWithChunks(ap, next, chunks);
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto sep = e.StepBatch(bp, next);
+    ASSERT_TRUE(sep.ok()) << sep.status();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_LT(rel(m->decode[i], (*sep)[i]), 3e-2) << "sequence " << i << " pass " << pass;
+      next[i] = Argmax((*sep)[i]);
+    }
+    for (size_t j = 0; j < chunks.size(); ++j) {
+      if (!m->prefill[j].empty()) got[which[j]] = std::move(m->prefill[j]);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_LT(rel(got[i], ref[i]), 3e-2) << prompts[i];
+    if (!got[i].empty()) {
+      EXPECT_EQ(Argmax(got[i]), Argmax(ref[i])) << prompts[i];
+    }
+  }
+  for (auto* v : {&a, &b, &ps})
+    for (Sequence& s : *v) e.Release(s);
+}
+
 TEST(CudaEngine, ReuseFromPinnedHostTierEqualsDeviceTier) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
   auto model = LoadStories();

@@ -4,6 +4,7 @@
 #include "gpu_worker/scheduler/scheduler.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -98,6 +99,70 @@ TEST_F(SchedulerTest, ConcurrentPlainRequestsMatchALoneEngine) {
   } else {
     EXPECT_EQ(mixed_s, 0.0);
   }
+ }
+}
+
+// Short prompts queued together share one forward pass (their chunks fill prefill_chunk
+// tokens): all six reach their first token in the same iteration, where one chunk per
+// iteration took six, and each still gets a lone engine's answer. A first request, decoding
+// meanwhile, gives the pass its decode rows under mix_prefill_decode.
+TEST_F(SchedulerTest, ShortPromptsQueuedTogetherPrefillInOnePass) {
+ for (bool mix : {true, false}) {
+  SCOPED_TRACE(mix ? "mixed passes" : "separate passes");
+  std::mutex mu;
+  std::condition_variable cv;
+  bool queued = false;
+  int firsts = 0;
+  std::vector<int64_t> first_at;  // iterations finished before each short prompt's first token
+  BatchScheduler* sp = nullptr;
+  // Holds the engine thread in the first request's first token until all six are queued, so
+  // that one iteration admits them all.
+  hooks_.on_first_token = [&](double) {
+    std::unique_lock<std::mutex> l(mu);
+    if (firsts++ == 0) {
+      cv.notify_all();
+      cv.wait(l, [&] { return queued; });
+      return;
+    }
+    first_at.push_back(sp->load().iterations);
+  };
+  SchedulerOptions o;
+  o.mix_prefill_decode = mix;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  sp = s.get();
+  const std::vector<std::string> prompts = {
+      "Once upon a time", "The cat sat on the mat and", "Tom had a little dog named Max.",
+      "Lily went to the park with her mom.", "One day, a big bird flew", "The sun was hot and"};
+  int total = 0;
+  for (const auto& p : prompts) total += static_cast<int>(Enc(p).size()) + 1;
+  ASSERT_LE(total, o.prefill_chunk);
+  auto first = s->Submit(Item({{Enc(kDocA)}}, 30, /*reuse=*/false));
+  ASSERT_TRUE(first.ok());
+  {
+    std::unique_lock<std::mutex> l(mu);
+    ASSERT_TRUE(cv.wait_for(l, 30s, [&] { return firsts > 0; }));
+  }
+  std::vector<absl::StatusOr<std::shared_ptr<RequestHandle>>> hs;
+  for (const auto& p : prompts) hs.push_back(s->Submit(Item({{Enc(p)}}, 12, /*reuse=*/false)));
+  {
+    std::lock_guard<std::mutex> l(mu);
+    queued = true;
+  }
+  cv.notify_all();
+  Collected c0 = Drain(**first);
+  ASSERT_TRUE(c0.final.status.ok()) << c0.final.status;
+  EXPECT_EQ(c0.ids, Reference({{Enc(kDocA)}}, 30));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(hs[i].ok()) << hs[i].status();
+    Collected c = Drain(**hs[i]);
+    ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+    EXPECT_EQ(c.ids, Reference({{Enc(prompts[i])}}, 12)) << prompts[i];
+  }
+  std::lock_guard<std::mutex> l(mu);
+  ASSERT_EQ(first_at.size(), prompts.size());
+  for (int64_t it : first_at) EXPECT_EQ(it, first_at[0]) << "first tokens in different passes";
+  s.reset();  // before the hook's captures go
  }
 }
 

@@ -276,8 +276,9 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   int64_t max_rows = 0;
   for (const SeqRows& sq : a.seqs) max_rows = std::max(max_rows, sq.row_end - sq.row_begin);
   if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
-    // A mixed step (Engine::StepWithChunk): the leading decode rows stay one batched launch,
-    // the prefill chunk (and any other long sequence) gets its own.
+    // A mixed step (Engine::StepWithChunks): the leading decode rows (and short chunks among
+    // them) stay one batched launch, the sequences from the first long one on (the prefill
+    // chunks) get a call each.
     const int64_t limit = kernels::PagedAttentionMaxRowsPerSeq(p);
     size_t k = 0;
     while (k < a.seqs.size() && a.seqs[k].row_end - a.seqs[k].row_begin <= limit) ++k;
