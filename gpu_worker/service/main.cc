@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   int replication = static_cast<int>(o.cluster.replication);
   int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
   float recompute_ratio = o.scheduler.reuse.budget.ratio;
-  std::string budget = "quality";
+  std::string budget;  // empty: o.auto_budget
   float quality_target = o.scheduler.reuse.budget.target_drop;
   std::string quality_calibration;
   sparsex::service::QualityGateOptions& gate = o.scheduler.gate;
@@ -78,14 +78,15 @@ int main(int argc, char** argv) {
   f.Add("budget", &budget,
         "reuse: how many reused tokens are recomputed: quality (the fewest whose predicted "
         "relative quality drop is at most --quality_target, docs/fidelity.md) | fixed "
-        "(--recompute_ratio) | adaptive (default quality)");
+        "(--recompute_ratio) | adaptive (default: quality where the served model has a "
+        "calibration, --quality_calibration or the built-in stories260K one, else fixed)");
   f.Add("recompute_ratio", &recompute_ratio,
         "reuse, --budget fixed: share of reused tokens recomputed (default 0.15)");
   f.Add("quality_target", &quality_target,
         "reuse, --budget quality: predicted relative quality drop per request (default 0.01)");
   f.Add("quality_calibration", &quality_calibration,
         "reuse, --budget quality: the model's calibration JSON written by `sparsex fidelity "
-        "--calibration-out` (default: none, the built-in stories260K slope)");
+        "--calibration-out` (default: none; stories260K's is built in)");
   f.Add("gate", &gate.enabled,
         "correctness gate: replay sampled reuse requests with full prefill in idle time, step "
         "reuse up or disable it when quality drops (docs/reliability.md) (default 1)");
@@ -157,13 +158,14 @@ int main(int argc, char** argv) {
   o.scheduler.engine.kv.enable_prefix_caching = prefix_caching;
   o.scheduler.reuse.budget.ratio = recompute_ratio;
   o.scheduler.reuse.budget.target_drop = quality_target;
+  o.auto_budget = budget.empty();
   if (budget == "quality") {
     o.scheduler.reuse.budget.mode = sparsex::BudgetOptions::Mode::kQuality;
   } else if (budget == "fixed") {
     o.scheduler.reuse.budget.mode = sparsex::BudgetOptions::Mode::kFixed;
   } else if (budget == "adaptive") {
     o.scheduler.reuse.budget.mode = sparsex::BudgetOptions::Mode::kAdaptive;
-  } else {
+  } else if (!o.auto_budget) {
     std::cerr << "sparsex-worker: --budget must be quality, fixed or adaptive\n";
     return 2;
   }

@@ -42,9 +42,42 @@ using internal::Clock;
 using internal::LogLine;
 namespace wpb = sparsex::worker::v1;
 
+
 WorkerServer::WorkerServer() : s_(std::make_unique<State>()) {}
 
 WorkerServer::~WorkerServer() { Shutdown(); }
+
+namespace internal {
+
+absl::StatusOr<std::string> ResolveReuseBudget(const std::string& model_fingerprint,
+                                               bool auto_budget, ReuseOptions& reuse) {
+  // The calibration known without a file: stories260K's, measured by `sparsex fidelity
+  // --calibration-out` (docs/quality_calibration.stories260K.json).
+  static const QualityCalibration kBuiltin{.selector = "sparsex",
+                                           .model_fingerprint = "8fa7d654353b45a8f6cacbc13e2d9a46",
+                                           .drop_per_uncovered = {-1.0f, 0.08785f, 0.06518f}};
+  QualityCalibration& calib = reuse.calibration;
+  if (calib.drop_per_uncovered.empty() && model_fingerprint == kBuiltin.model_fingerprint) {
+    calib = kBuiltin;
+  }
+  const bool calibrated = !calib.drop_per_uncovered.empty();
+  BudgetOptions& b = reuse.budget;
+  if (!auto_budget) {
+    if (b.mode == BudgetOptions::Mode::kQuality && !calibrated) {
+      return absl::InvalidArgumentError(
+          "worker: --budget quality needs a calibration of this model (--quality_calibration "
+          "FILE from `sparsex fidelity --calibration-out`), or use --budget fixed");
+    }
+    return std::string();
+  }
+  b.mode = calibrated ? BudgetOptions::Mode::kQuality : BudgetOptions::Mode::kFixed;
+  if (calibrated) return absl::StrCat("reuse budget: quality (target drop ", b.target_drop, ")");
+  return absl::StrCat("reuse budget: fixed r = ", b.ratio,
+                      " (no quality calibration of this model: `sparsex fidelity "
+                      "--calibration-out`, then --quality_calibration)");
+}
+
+}  // namespace internal
 
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOptions& options) {
   std::unique_ptr<WorkerServer> w(new WorkerServer());
@@ -73,6 +106,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
         "worker: --quality_calibration was measured on model ", calib_fp, ", this worker serves ",
         s.model->fingerprint().Hex(), " (recalibrate with `sparsex fidelity --calibration-out`)"));
   }
+  ASSIGN_OR_RETURN(const std::string budget_note,
+                   internal::ResolveReuseBudget(s.model->fingerprint().Hex(),
+                                                options.auto_budget, s.opts.scheduler.reuse));
   if (absl::Status v = ValidateTensorParallel(s.model->config(), tp); !v.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("worker: ", v.message()));
   }
@@ -256,6 +292,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
                                     tp > 1 ? absl::StrCat(", tp ", tp) : "", ") on ", advertise,
                                     ", metrics port ", s.http ? s.http->port() : -1,
                                     s.tier ? ", cache cluster on" : ", no cache cluster"));
+  if (!budget_note.empty()) LogLine(s.worker_id, budget_note);
   return w;
 }
 

@@ -36,6 +36,14 @@ struct WorkerOptions {
   // Engine, batching and default reuse options. Default: SchedulerOptions{} with a KV pool of
   // 4096 16-token blocks
   SchedulerOptions scheduler;
+  // Pick the reuse budget for the served model: the quality budget where a calibration of this
+  // model is known (scheduler.reuse.calibration, or the built-in one when the model is
+  // stories260K), else the fixed budget at scheduler.reuse.budget.ratio, with a log line.
+  // Another model's slope picks the wrong share: on the synthetic Llama-3-8B the stories260K
+  // slope recomputed ~80% of the reused tokens. false: scheduler.reuse.budget.mode as given
+  // (kQuality then needs a calibration of this model). Default: false (sparsex-worker: true
+  // unless --budget is given)
+  bool auto_budget = false;
   size_t host_store_bytes = size_t{1} << 30;  // host segment store. Default: 1 GiB
   ClusterTierOptions cluster;  // cache servers; empty: no cluster tier. Default: none
   bool write_back = true;      // write newly computed segments to the cluster. Default: true

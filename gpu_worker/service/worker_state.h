@@ -36,6 +36,13 @@ namespace wpb = sparsex::worker::v1;
 wpb::CacheTier ToProtoTier(EventTier t);
 void LogLine(const std::string& id, const std::string& msg);
 
+// WorkerOptions::auto_budget for the model of this fingerprint: sets reuse.calibration (the
+// built-in one for stories260K when none is given) and, with auto_budget, reuse.budget.mode;
+// returns the log line saying which budget serves (empty without auto_budget).
+// INVALID_ARGUMENT: the quality budget asked for without a calibration of this model.
+absl::StatusOr<std::string> ResolveReuseBudget(const std::string& model_fingerprint,
+                                               bool auto_budget, ReuseOptions& reuse);
+
 }  // namespace internal
 
 // Metric handles (children resolved once; registered in worker_metrics.cc).
