@@ -214,7 +214,7 @@ int Main(const Options& o) {
     records.push_back({"full_prefill", n, med, *std::min_element(times.begin(), times.end()),
                        o.reps, mem.JsonFields()});
     std::printf("full prefill %6d tokens: %9.2f ms (min %.2f, %d reps), memory peak %.1f GiB "
-                "(weights + KV pool %.1f, pool peak %.1f)\n",
+                "(cudaMalloc'd %.1f, stream-ordered pool peak %.1f)\n",
                 n, med, records.back().min_ms, o.reps, mem.peak_gib(), mem.static_gib,
                 mem.pool_peak_gib);
     std::fflush(stdout);
