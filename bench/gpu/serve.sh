@@ -73,7 +73,7 @@ for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
       --content numbers --max_tokens 32 --requests "$REQS" --warmup "$WARM" --sweep "$sweep" \
       --sweep_vary_seed --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}${SPX_SERVE_TAG:-}.json" \
       ${SPX_SERVE_LOADGEN_ARGS:-} >>"$LOG" 2>&1 || stamp "loadgen exit $?"
-    { echo "## $wl reuse $mode ${SPX_SERVE_TAG:-}"; curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue|pending_stores|unspilled|stores_dropped|iterations|engine_)' ;
+    { echo "## $wl reuse $mode ${SPX_SERVE_TAG:-}"; curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue|pending_stores|unspilled|stores_dropped|iterations|engine_|gate|reuse_disabled)' ;
       curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_(memory|disk|hits|misses|evictions|corrupt|bytes)' ; } \
       | grep -v _bucket >>"$OUT/metrics.txt" 2>&1
     grep -h "cache cluster:\|error\|Error" "$RUN"/worker0.log | tail -n 5 >>"$LOG" 2>&1
