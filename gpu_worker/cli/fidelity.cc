@@ -226,7 +226,17 @@ absl::Status Fidelity(const Args& a) {
   SparsexWeights weights;
   {
     std::vector<std::string> w = list("sparsex-weights", "");
-    if (w.size() == 3) weights = {std::stof(w[0]), std::stof(w[1]), std::stof(w[2])};
+    // cross,recv,dev[,product,successor_window,successor_weight]
+    if (w.size() == 3 || w.size() == 6) {
+      weights.cross = std::stof(w[0]);
+      weights.recv = std::stof(w[1]);
+      weights.deviation = std::stof(w[2]);
+    }
+    if (w.size() == 6) {
+      weights.product = std::stof(w[3]);
+      weights.successor_window = std::stoi(w[4]);
+      weights.successor_weight = std::stof(w[5]);
+    }
   }
   const int cont_len = std::stoi(get("continuation", "32"));
   const int resamples = std::stoi(get("bootstrap", "2000"));

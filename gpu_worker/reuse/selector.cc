@@ -28,8 +28,8 @@ std::vector<float> Normalized(const std::vector<float>& v) {
 
 class SparsexSelector final : public Selector {
  public:
-  explicit SparsexSelector(const SparsexWeights& w) : w_(w) {}
-  std::string name() const override { return "sparsex"; }
+  SparsexSelector(const SparsexWeights& w, std::string name) : w_(w), name_(std::move(name)) {}
+  std::string name() const override { return name_; }
   bool needs_attention_stats() const override { return true; }
   bool needs_kv_deviation() const override { return w_.deviation > 0; }
   std::vector<float> Score(const SelectionInput& in) const override {
@@ -39,15 +39,49 @@ class SparsexSelector final : public Selector {
     // distribution so neither dominates by scale.
     std::vector<float> a = Normalized(in.cross_mass), b = Normalized(in.new_recv);
     std::vector<float> c = Normalized(in.kv_deviation);
-    std::vector<float> s(a.size());
-    for (size_t i = 0; i < s.size(); ++i) {
+    const size_t n = a.size();
+    std::vector<float> s(n);
+    for (size_t i = 0; i < n; ++i) {
       s[i] = w_.cross * a[i] + w_.recv * b[i] + (c.empty() ? 0.0f : w_.deviation * c[i]);
+    }
+    if (w_.product > 0) {
+      // The error a new token reads from a stale reused token is about its attention to it
+      // times how far the token's K/V are off: the new tokens' attention times the staleness
+      // (cross-segment mass, and the deviation's norm, i.e. the square root of the squared
+      // distance the executor measures).
+      std::vector<float> d = in.kv_deviation;
+      for (float& x : d) x = std::sqrt(std::max(0.0f, x));
+      d = Normalized(d);
+      std::vector<float> p(n);
+      for (size_t i = 0; i < n; ++i) {
+        p[i] = b[i] * (w_.cross * a[i] + (d.empty() ? 0.0f : w_.deviation * d[i]));
+      }
+      p = Normalized(p);
+      for (size_t i = 0; i < n; ++i) s[i] += w_.product * p[i];
+    }
+    if (w_.successor_window > 0 && w_.successor_weight != 0) {
+      // Successor prior: + the mean score of the preceding tokens of the same segment (reused
+      // tokens of a segment are contiguous and in offset order).
+      std::vector<float> out = s;
+      for (size_t i = 0; i < n; ++i) {
+        double sum = 0;
+        int cnt = 0;
+        for (int k = 1; k <= w_.successor_window && static_cast<int>(i) - k >= 0; ++k) {
+          const size_t j = i - k;
+          if (in.segment[j] != in.segment[i]) break;
+          sum += s[j];
+          ++cnt;
+        }
+        if (cnt > 0) out[i] += w_.successor_weight * static_cast<float>(sum / cnt);
+      }
+      s = std::move(out);
     }
     return s;
   }
 
  private:
   SparsexWeights w_;
+  std::string name_;
 };
 
 class CacheBlendSelector final : public Selector {
@@ -267,7 +301,13 @@ absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name
                      CreateSelector(name.substr(0, name.size() - kSmoothSuffix.size()), w));
     return std::unique_ptr<Selector>(new SmoothSelector(std::move(inner)));
   }
-  if (name == "sparsex") return std::unique_ptr<Selector>(new SparsexSelector(w));
+  if (name == "sparsex") return std::unique_ptr<Selector>(new SparsexSelector(w, name));
+  if (name == "sparsex-sum") {
+    SparsexWeights sum = w;
+    sum.product = 0;
+    sum.successor_window = 0;
+    return std::unique_ptr<Selector>(new SparsexSelector(sum, name));
+  }
   if (name == "cacheblend") return std::unique_ptr<Selector>(new CacheBlendSelector());
   if (name == "epic") return std::unique_ptr<Selector>(new EpicSelector());
   if (name == "random") return std::unique_ptr<Selector>(new RandomSelector());
@@ -275,8 +315,8 @@ absl::StatusOr<std::unique_ptr<Selector>> CreateSelector(const std::string& name
   if (name == "a3") return std::unique_ptr<Selector>(new A3Selector());
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown selector '", name,
-      "' (expected sparsex, cacheblend, epic, random, prophetkv or a3, optionally with "
-      "':block' or ':smooth')"));
+      "' (expected sparsex, sparsex-sum, cacheblend, epic, random, prophetkv or a3, optionally "
+      "with ':block' or ':smooth')"));
 }
 
 std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOptions& b) {

@@ -27,11 +27,24 @@ struct SelectionInput {
   uint64_t seed = 0;               // for the random control
 };
 
-// Weights of the normalised signals in the "sparsex" score.
+// Weights of the normalised signals in the "sparsex" score (docs/fidelity.md, "Selector
+// score"): per token
+//   base    = cross x C + recv x R + deviation x D   (C, R, D: the signals, each scaled to sum 1;
+//                                                     D from the deviation itself)
+//   product = R x (cross x C + deviation x D'), scaled to sum 1 (D' from the square root of the
+//             squared deviation): what the new tokens read from the token times how stale it is
+//   s       = base + product x product
+// and then the successor prior: each token adds successor_weight x the mean s of the up to
+// successor_window tokens before it in its segment, so the tokens right after important ones
+// are recomputed with them (the new tokens' attention in the sparse layers reaches them).
+// product = 0 and successor_window = 0 give the additive score of before ("sparsex-sum").
 struct SparsexWeights {
   float cross = 1.0f;      // cross-segment mass of the token's own query. Default: 1
   float recv = 1.0f;       // attention paid by new tokens. Default: 1
   float deviation = 1.0f;  // KV deviation at the first sparse layer. Default: 1
+  float product = 1.0f;    // weight of the query-attention x staleness term. Default: 1
+  int successor_window = 2;       // preceding tokens whose mean score a token adds. Default: 2
+  float successor_weight = 1.0f;  // weight of that mean. Default: 1
 };
 
 // Budget: how many of the ranked tokens to keep.
@@ -53,8 +66,8 @@ struct BudgetOptions {
   float target_drop = 0.01f;   // quality: predicted relative quality drop. Default: 0.01 (1%)
   // quality: predicted relative drop per unit of uncovered score share (the calibration's
   // slope for this request's F; the reuse prefill sets it from ReuseOptions::calibration).
-  // Default: 0.065 (stories260K, F = 2: docs/quality_calibration.stories260K.json)
-  float drop_per_uncovered = 0.065f;
+  // Default: 0.060 (stories260K, F = 2: docs/quality_calibration.stories260K.json)
+  float drop_per_uncovered = 0.060f;
 };
 
 // Per-model calibration of the quality budget: for each F, the relative quality drop per unit
@@ -96,7 +109,9 @@ class Selector {
   virtual bool needs_kv_deviation() const { return false; }
 };
 
-// "sparsex" (cross-segment mass + new-token attention + KV deviation), "cacheblend" (KV
+// "sparsex" (cross-segment mass + new-token attention + KV deviation, with the product term and
+// the successor prior of SparsexWeights), "sparsex-sum" (the same signals added only, the
+// default before: product 0, no successor prior), "cacheblend" (KV
 // deviation), "epic" (first tokens of each segment), "random" (control), and the query-aware
 // baselines of docs/fidelity.md: "prophetkv" (the new tokens' attention splits the budget
 // over segments in proportion to each segment's share of it, then ranks tokens inside each

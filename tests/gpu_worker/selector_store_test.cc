@@ -85,6 +85,53 @@ TEST(Selectors, EachRanksByItsOwnSignal) {
   EXPECT_FALSE(CreateSelector("bogus").ok());
 }
 
+// The sparsex score of docs/fidelity.md ("Selector score"): the product term ranks first, among
+// tokens of equal additive score, the ones the new tokens read AND whose K/V are stale; the
+// successor prior pulls in the tokens right after important ones, never across a segment
+// boundary. "sparsex-sum" is the additive score alone (the default before).
+TEST(Selectors, SparsexProductAndSuccessorPrior) {
+  SelectionInput in;
+  in.segment = {0, 0, 0, 0};
+  in.offset = {0, 1, 2, 3};
+  in.cross_mass = {0, 0, 0, 0};
+  // Additive scores all 0.5: token 0 is read but not stale, token 1 stale but not read,
+  // tokens 2 and 3 both.
+  in.new_recv = {1.0f, 0.0f, 0.5f, 0.5f};
+  in.kv_deviation = {0.0f, 1.0f, 0.5f, 0.5f};
+  BudgetOptions b;
+  b.ratio = 0.5f;
+  SparsexWeights w;
+  w.successor_window = 0;
+  auto sx = CreateSelector("sparsex", w);
+  ASSERT_TRUE(sx.ok());
+  EXPECT_EQ((*sx)->Rank(in, b), (std::vector<int32_t>{2, 3}));
+  auto sum = CreateSelector("sparsex-sum");
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ((*sum)->name(), "sparsex-sum");
+  EXPECT_EQ((*sum)->Rank(in, b), (std::vector<int32_t>{0, 1}));  // all tie: token order
+  w.product = 0;
+  auto no_product = CreateSelector("sparsex", w);
+  ASSERT_TRUE(no_product.ok());
+  EXPECT_EQ((*no_product)->Score(in), (*sum)->Score(in));
+
+  // Successor prior (window 2, the default): segment 0 = tokens 0-5, segment 1 = tokens 6-9;
+  // the new tokens read tokens 2 and 5 only. Tokens 3 and 4 follow token 2 and get half its
+  // score (the mean over their two predecessors); token 6 follows token 5 but starts segment 1.
+  SelectionInput s2;
+  for (int i = 0; i < 10; ++i) {
+    s2.segment.push_back(i < 6 ? 0 : 1);
+    s2.offset.push_back(i < 6 ? i : i - 6);
+  }
+  s2.cross_mass.assign(10, 0.0f);
+  s2.new_recv.assign(10, 0.0f);
+  s2.new_recv[2] = s2.new_recv[5] = 1.0f;
+  auto prior = CreateSelector("sparsex");
+  ASSERT_TRUE(prior.ok());
+  EXPECT_EQ((*prior)->Rank(s2, b), (std::vector<int32_t>{2, 5, 3, 4, 0}));
+  EXPECT_EQ((*sum)->Rank(s2, b), (std::vector<int32_t>{2, 5, 0, 1, 3}));
+  EXPECT_TRUE(CreateSelector("sparsex-sum:block").ok());
+}
+
 // ProphetKV-style: the budget is split over segments by their share of the new tokens'
 // attention, then each segment keeps its own top tokens; A³-style ranks all tokens together.
 TEST(Selectors, QueryAwareBaselines) {
