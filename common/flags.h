@@ -1,5 +1,6 @@
 // A tiny command-line flag parser for the service binaries (--name=value or --name value,
-// --flag / --noflag for booleans, --help). Header-only, no dependencies beyond absl.
+// --flag, --noflag or --flag true/false/1/0 for booleans, --help; any other word is an error).
+// Header-only, no dependencies beyond absl.
 //
 //   FlagSet flags("sparsex-worker");
 //   flags.Add("port", &opts.port, "gRPC port (0 = any free)");
@@ -93,8 +94,8 @@ class FlagSet {
         continue;
       }
       if (a.rfind("--", 0) != 0) {
-        positional_.push_back(a);
-        continue;
+        // No program takes operands: a stray word is a mistyped flag, never ignored.
+        return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "'"));
       }
       a = a.substr(2);
       std::string value;
@@ -116,6 +117,12 @@ class FlagSet {
       if (it == flags_.end()) {
         return absl::InvalidArgumentError(absl::StrCat("unknown flag --", a, " (see --help)"));
       }
+      // A bool flag takes its value from the next word when that word is one
+      // (`--gate 0`); it used to be set to true and the 0 dropped.
+      if (!has_value && it->second.is_bool && i + 1 < argc && IsBoolWord(argv[i + 1])) {
+        value = argv[++i];
+        has_value = true;
+      }
       if (!has_value && !it->second.is_bool) {
         if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", a, " needs a value"));
         value = argv[++i];
@@ -126,7 +133,6 @@ class FlagSet {
   }
 
   bool help() const { return help_; }
-  const std::vector<std::string>& positional() const { return positional_; }
 
   std::string Usage() const {
     std::string out = "usage: " + program_ + " [--flag=value ...]\n";
@@ -146,6 +152,9 @@ class FlagSet {
     bool is_bool = false;
     std::function<absl::Status(const std::string&)> set;
   };
+  static bool IsBoolWord(const std::string& v) {
+    return v == "0" || v == "1" || v == "true" || v == "false" || v == "yes" || v == "no";
+  }
   static absl::Status Bad(const std::string& name, const std::string& v) {
     return absl::InvalidArgumentError(absl::StrCat("bad value '", v, "' for --", name));
   }
@@ -155,7 +164,6 @@ class FlagSet {
   }
   std::string program_;
   std::map<std::string, Flag> flags_;
-  std::vector<std::string> positional_;
   bool help_ = false;
 };
 

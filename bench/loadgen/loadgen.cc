@@ -797,7 +797,6 @@ int main(int argc, char** argv) {
     std::cout << f.Usage();
     return 0;
   }
-  if (!f.positional().empty()) return fail("unexpected argument '" + f.positional()[0] + "'");
   if (o.content == "numbers")
     c.content = lg::Content::kNumbers;
   else if (o.content == "text")

@@ -221,7 +221,11 @@ absl::StatusOr<StoreProgress> ReuseEngine::StoreStep(const std::vector<int32_t>&
     RETURN_IF_ERROR(BeginEncoding(fp, tokens, o.encoding));
   }
   RETURN_IF_ERROR(StepEncoding(max_layers));
-  if (job_->next_layer < engine_->model().config().n_layers) return StoreProgress::kRunning;
+  if (job_->next_layer < engine_->model().config().n_layers) {
+    // A slice ends when its GPU work has (see PrefillStep).
+    RETURN_IF_ERROR(engine_->runner().backend().Synchronize());
+    return StoreProgress::kRunning;
+  }
   ASSIGN_OR_RETURN(const bool in_store, FinishEncoding());
   return in_store ? StoreProgress::kInStore : StoreProgress::kInTier;
 }
@@ -499,7 +503,14 @@ absl::StatusOr<std::optional<ReusePrefillResult>> ReuseEngine::PrefillStep(
     prefill_.reset();
     return done.status();
   }
-  if (!*done) return std::optional<ReusePrefillResult>();
+  if (!*done) {
+    // The slice ends when its GPU work has: kernels are queued asynchronously, and a slice
+    // that returned at once let the scheduler queue the whole pass before a newly arrived
+    // request's work (on the H200 a correctness-gate replay of a 32K prompt, sliced by
+    // layers, still held every request that arrived during it for 1.1 s).
+    RETURN_IF_ERROR(prefill_->be->Synchronize());
+    return std::optional<ReusePrefillResult>();
+  }
   absl::StatusOr<ReusePrefillResult> r = FinishPrefill();
   prefill_.reset();
   if (!r.ok()) return r.status();

@@ -130,6 +130,8 @@ class ReuseEngine {
   // (at least one layer; a full layer's rows are every non-prefix token, a sparse layer's the
   // recomputed ones) and returns the result after the last layer. An error ends the prefill;
   // AbortPrefill drops it (a cancelled request): either way its KV blocks go back to the pool.
+  // A step that leaves work returns once the backend has run its slice, so that work queued
+  // next (another request's) waits for one slice, not the whole pass.
   // Prefill() is BeginPrefill + PrefillStep(unbounded).
   absl::Status BeginPrefill(const std::vector<PromptSegment>& segments, bool add_bos = true,
                             const ReuseOptions* override_opts = nullptr);
@@ -145,7 +147,8 @@ class ReuseEngine {
                             const ReuseOptions* override_opts = nullptr);
   // EnsureStored in slices of at most max_layers layers, for a caller that interleaves it with
   // other work (the scheduler between decode steps): starts the segment's encoding (ending
-  // one of another segment in progress) or continues it. kRunning until the last slice.
+  // one of another segment in progress) or continues it. kRunning until the last slice (each
+  // returned once the backend has run it).
   absl::StatusOr<StoreProgress> StoreStep(const std::vector<int32_t>& tokens,
                                           const ReuseOptions* override_opts, int max_layers);
   // Copies the oldest segment stored only in the device tier into the host store (where the
