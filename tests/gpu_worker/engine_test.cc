@@ -347,14 +347,8 @@ TEST(Engine, ChunksOfSeveralSequencesInOnePassEqualSeparatePrefills) {
     // Up to 6 tokens of every unfinished prompt per pass: the prompts end in different passes.
     std::vector<std::vector<float>> got(n);
     for (int pass = 0;; ++pass) {
-      std::vector<Engine::ChunkRef> chunks;
       std::vector<size_t> which;
-      for (size_t i = 0; i < n; ++i) {
-        const int total = static_cast<int>(ps[i].tokens.size());
-        if (ps[i].computed == total) continue;
-        chunks.push_back({&ps[i], std::min(total, ps[i].computed + 6)});
-        which.push_back(i);
-      }
+      const std::vector<Engine::ChunkRef> chunks = testing::NextChunks(ps, 6, &which);
       if (chunks.empty()) break;
       std::vector<Sequence*> ptrs;
       for (Sequence& s : a) ptrs.push_back(&s);

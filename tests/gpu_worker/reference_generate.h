@@ -88,5 +88,21 @@ inline absl::StatusOr<GenerateResult> Generate(Engine& engine, const GenerateReq
   return res;
 }
 
+// The next pass's chunks when several prompts prefill together (Engine::StepWithChunks): up
+// to `per_pass` more tokens of every unfinished prompt in `ps`; `which` gets each chunk's
+// index into ps. Empty when every prompt is computed.
+inline std::vector<Engine::ChunkRef> NextChunks(std::vector<Sequence>& ps, int per_pass,
+                                                std::vector<size_t>* which) {
+  std::vector<Engine::ChunkRef> chunks;
+  which->clear();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const int total = static_cast<int>(ps[i].tokens.size());
+    if (ps[i].computed == total) continue;
+    chunks.push_back({&ps[i], std::min(total, ps[i].computed + per_pass)});
+    which->push_back(i);
+  }
+  return chunks;
+}
+
 }  // namespace testing
 }  // namespace sparsex

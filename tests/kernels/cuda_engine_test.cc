@@ -177,14 +177,8 @@ TEST(CudaEngine, ChunksOfSeveralSequencesWithDecodeRowsMatchSeparatePasses) {
   for (Sequence& s : b) bp.push_back(&s);
   // Up to 12 tokens of every unfinished prompt per pass: the prompts end in different passes.
   for (int pass = 0;; ++pass) {
-    std::vector<Engine::ChunkRef> chunks;
     std::vector<size_t> which;
-    for (size_t i = 0; i < n; ++i) {
-      const int total = static_cast<int>(ps[i].tokens.size());
-      if (ps[i].computed == total) continue;
-      chunks.push_back({&ps[i], std::min(total, ps[i].computed + 12)});
-      which.push_back(i);
-    }
+    const std::vector<Engine::ChunkRef> chunks = testing::NextChunks(ps, 12, &which);
     if (chunks.empty()) break;
     auto m = e.StepWithChunks(ap, next, chunks);
     ASSERT_TRUE(m.ok()) << m.status();
