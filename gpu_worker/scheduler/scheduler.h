@@ -5,7 +5,8 @@
 //   2. admits waiting requests while the KV reservation and max_running allow (a request
 //      waiting for its remote fetch joins when the fetch is done or at fetch_wait_ms),
 //   3. runs the prefill work of the oldest request still prefilling: a slice of its reuse
-//      prefill (whole layers of its sparse-recompute pass, about reuse_slice_tokens' worth),
+//      prefill (whole layers of its sparse-recompute pass, about reuse_slice_tokens' worth,
+//      returned once the backend has run them: the next request's work waits for one slice),
 //      or, when it is a plain one, the next chunks of the plain prefills from it on (oldest
 //      first, up to the next reuse prefill) until prefill_chunk tokens are taken, all in one
 //      forward pass: a long prompt takes the whole budget, several short ones share it,
