@@ -227,6 +227,10 @@ absl::Status Fidelity(const Args& a) {
   {
     std::vector<std::string> w = list("sparsex-weights", "");
     // cross,recv,dev[,product,successor_window,successor_weight]
+    if (!w.empty() && w.size() != 3 && w.size() != 6) {
+      return absl::InvalidArgumentError(
+          "--sparsex-weights takes 3 or 6 values: cross,recv,dev[,product,window,weight]");
+    }
     if (w.size() == 3 || w.size() == 6) {
       weights.cross = std::stof(w[0]);
       weights.recv = std::stof(w[1]);

@@ -59,6 +59,17 @@ int IntField(const std::string& text, const std::string& key) {
 // 32-token continuation reach the limit without passing it; the run completes with JSON
 // (every setting, intervals, per-prompt records). At 100 tokens some prompts cannot hold even
 // one document: they are skipped and counted, the rest still run.
+// --sparsex-weights with a count the harness does not know is refused, never ignored.
+TEST(Fidelity, SparsexWeightsOfAnUnknownCountAreRefused) {
+  const char* bin = std::getenv("SPARSEX_BIN_DIR");
+  ASSERT_NE(bin, nullptr) << "SPARSEX_BIN_DIR is set by ctest";
+  const std::string cmd = std::string(bin) + "/sparsex fidelity --model " +
+                          testing::Stories260KPath() + " --docs " + testing::TinyStoriesPath() +
+                          " --json " + ::testing::TempDir() + "/fidelity_w.json" +
+                          " --sparsex-weights 1,2 > /dev/null 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0) << cmd;
+}
+
 TEST(Fidelity, PromptsSizedToTheContextNeverAbort) {
   const char* bin = std::getenv("SPARSEX_BIN_DIR");
   ASSERT_NE(bin, nullptr) << "SPARSEX_BIN_DIR is set by ctest";
