@@ -1,13 +1,14 @@
 // sparsex-fetch-bench: where a worker's cache-cluster fetch spends its time, on this machine.
 //
 //   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
-//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 64] [--json OUT.json]
+//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 64] [--wire_dtype f32|bf16] [--json OUT.json]
 //
 // Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
 // given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
 // worker's host store keeps them, ~1 GiB each) through ClusterKvTier::Put, then fetches them
 // `iters` times into a fresh SegmentStore with ClusterKvTier::FetchMissing, the worker's own
-// fetch path, and prints each fetch's phases (FetchOutcome::phases: lookup, lock, transfer,
+// fetch path (blocks travel as --wire_dtype: f32, or bf16 as a CUDA worker writes them), and
+// prints each fetch's phases (FetchOutcome::phases: lookup, lock, transfer,
 // decode, put) and GB/s. The server's arena holds every segment (no disk promotion).
 #include <algorithm>
 #include <chrono>
@@ -76,6 +77,7 @@ int Run(const Args& a) {
   t.servers = {(*server)->address()};
   t.ucx_tls = tls;
   t.fetch_batch_bytes = a.U("fetch_batch_mb", 64) << 20;
+  t.wire_dtype = a.Get("wire_dtype", "f32");
   const Hash128 model{0x5eed, 8};
   auto tier = ClusterKvTier::Connect(t, model, layers, kv_dim);
   if (!tier.ok()) {
@@ -130,8 +132,8 @@ int Run(const Args& a) {
   if (const std::string path = a.Get("json", ""); !path.empty()) {
     std::ofstream out(path);
     out << absl::StrFormat("{\"segments\": %d, \"tokens\": %d, \"layers\": %d, \"kv_dim\": %d, "
-                           "\"ucx_tls\": \"%s\", \"fetches\": [\n%s\n]}\n",
-                           segments, tokens, layers, kv_dim, tls, records);
+                           "\"ucx_tls\": \"%s\", \"wire_dtype\": \"%s\", \"fetches\": [\n%s\n]}\n",
+                           segments, tokens, layers, kv_dim, tls, t.wire_dtype, records);
   }
   return 0;
 }

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "common/thread_pool.h"
+
 namespace sparsex {
 
 size_t SegmentKv::bytes() const {
@@ -11,17 +13,23 @@ size_t SegmentKv::bytes() const {
 namespace {
 
 std::vector<uint64_t> Checksums(const SegmentKv& kv, int bt) {
-  std::vector<uint64_t> out;
   const int nb = (kv.n_tokens + bt - 1) / bt;
-  for (int l = 0; l < kv.n_layers; ++l) {
-    for (int b = 0; b < nb; ++b) {
-      const size_t off = static_cast<size_t>(b) * bt * kv.kv_dim;
-      const size_t len =
-          static_cast<size_t>(std::min(bt, kv.n_tokens - b * bt)) * kv.kv_dim * sizeof(float);
-      const uint64_t hk = Hash64(kv.k[l].data() + off, len, l);
-      out.push_back(Hash64(kv.v[l].data() + off, len, hk));
+  std::vector<uint64_t> out(static_cast<size_t>(kv.n_layers) * nb);
+  auto layers = [&](int64_t lo, int64_t hi) {
+    for (int64_t l = lo; l < hi; ++l) {
+      for (int b = 0; b < nb; ++b) {
+        const size_t off = static_cast<size_t>(b) * bt * kv.kv_dim;
+        const size_t len =
+            static_cast<size_t>(std::min(bt, kv.n_tokens - b * bt)) * kv.kv_dim * sizeof(float);
+        const uint64_t hk = Hash64(kv.k[l].data() + off, len, static_cast<uint64_t>(l));
+        out[l * nb + b] = Hash64(kv.v[l].data() + off, len, hk);
+      }
     }
-  }
+  };
+  // An 8B model's segment is ~1 GiB (tens to hundreds of ms of hashing on one core, paid on
+  // every put and every use); small ones stay on the calling thread.
+  if (kv.bytes() >= (size_t{64} << 20)) ParallelFor(kv.n_layers, layers);
+  else layers(0, kv.n_layers);
   return out;
 }
 

@@ -2,16 +2,98 @@
 
 #include <chrono>
 #include <cstring>
+#include <future>
 
 #include "cache_client/cluster_client.h"
 #include "common/huge_pages.h"
 #include "common/kv_block.h"
+#include "common/thread_pool.h"
 
 namespace sparsex::service {
 
+namespace {
+
+// bf16 is the upper half of an fp32: to nearest, ties to even; NaN stays a (quiet) NaN.
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0) {
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float FromBf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Copies n elements of dtype `dt` at src into dst as fp32.
+void CopyToF32(const uint8_t* src, KvDtype dt, size_t n, float* dst) {
+  if (dt == KvDtype::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t b;
+    std::memcpy(&b, src + 2 * i, 2);
+    dst[i] = FromBf16(b);
+  }
+}
+
+// The header of a fetched block checked against the segment layer it must be; with
+// verify_payload its payload checksum too (skipped when the cache client already checked the
+// whole block's).
+absl::StatusOr<KvBlockView> CheckSegmentLayer(std::span<const uint8_t> block,
+                                              const Hash128& model_fp, const Hash128& fp,
+                                              int layer, const SegmentKv& kv, bool verify_payload) {
+  ASSIGN_OR_RETURN(KvBlockView v, verify_payload ? VerifyKvBlock(block) : DecodeKvBlock(block));
+  RETURN_IF_ERROR(CheckKvLayout(v.header));
+  const KvBlockHeader& h = v.header;
+  if (!(h.model_fp == model_fp) || !(h.segment_fp == fp)) {
+    return absl::DataLossError("fetched block belongs to another model or segment");
+  }
+  if (h.layer_begin != static_cast<uint32_t>(layer) ||
+      h.layer_end != static_cast<uint32_t>(layer + 1) ||
+      (h.dtype != KvDtype::kF32 && h.dtype != KvDtype::kBF16) ||
+      h.num_tokens != static_cast<uint32_t>(kv.n_tokens) ||
+      h.kv_dim != static_cast<uint32_t>(kv.kv_dim)) {
+    return absl::DataLossError(absl::StrCat("fetched block has the wrong shape: layers [",
+                                            h.layer_begin, ",", h.layer_end, ") tokens ",
+                                            h.num_tokens, " kv_dim ", h.kv_dim, " dtype ",
+                                            KvDtypeName(h.dtype)));
+  }
+  return v;
+}
+
+// K (half 0) or V (half 1) of a checked block into layer `layer` of *kv. Fresh memory: the
+// resize is its first touch, which dominates a fetch (docs/benchmarks.md), so halves of
+// different blocks run on different threads.
+void CopyHalf(const KvBlockView& v, int layer, int half, SegmentKv* kv) {
+  const size_t n = static_cast<size_t>(kv->n_tokens) * kv->kv_dim;
+  std::vector<float>& dst = half == 0 ? kv->k[layer] : kv->v[layer];
+  ResizeHuge(dst, n);
+  const size_t es = KvDtypeSize(v.header.dtype);
+  CopyToF32(v.payload.data() + half * n * es, v.header.dtype, n, dst.data());
+}
+
+}  // namespace
+
+absl::StatusOr<KvDtype> ParseWireDtype(std::string_view name) {
+  if (name == "f32") return KvDtype::kF32;
+  if (name == "bf16") return KvDtype::kBF16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("cache cluster: wire dtype must be f32 or bf16, not '", std::string(name), "'"));
+}
+
 absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Hash128& fp,
-                                               const SegmentKv& kv, int layer) {
+                                               const SegmentKv& kv, int layer, KvDtype dtype) {
   if (layer < 0 || layer >= kv.n_layers) return absl::InvalidArgumentError("layer out of range");
+  if (dtype != KvDtype::kF32 && dtype != KvDtype::kBF16) {
+    return absl::InvalidArgumentError("segment KV travels as f32 or bf16");
+  }
   const size_t n = static_cast<size_t>(kv.n_tokens) * kv.kv_dim;
   if (kv.k[layer].size() != n || kv.v[layer].size() != n) {
     return absl::InvalidArgumentError("segment KV has the wrong shape");
@@ -23,41 +105,36 @@ absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Ha
   h.layer_end = static_cast<uint32_t>(layer + 1);
   h.num_tokens = static_cast<uint32_t>(kv.n_tokens);
   h.kv_dim = static_cast<uint32_t>(kv.kv_dim);
-  h.dtype = KvDtype::kF32;
-  // K and V are copied once, straight behind the header (the payload is then encoded in place).
+  h.dtype = dtype;
+  // K and V are written once, straight behind the header (the payload is then encoded in place).
   ASSIGN_OR_RETURN(const uint64_t total, KvBlockEncodedBytes(h));
   std::string out;
   ResizeHuge(out, total);
   uint8_t* payload = reinterpret_cast<uint8_t*>(out.data()) + kKvBlockHeaderBytes;
-  std::memcpy(payload, kv.k[layer].data(), n * sizeof(float));
-  std::memcpy(payload + n * sizeof(float), kv.v[layer].data(), n * sizeof(float));
-  RETURN_IF_ERROR(EncodeKvBlockInto(h, {payload, 2 * n * sizeof(float)},
+  const size_t es = KvDtypeSize(dtype);
+  if (dtype == KvDtype::kF32) {
+    std::memcpy(payload, kv.k[layer].data(), n * sizeof(float));
+    std::memcpy(payload + n * sizeof(float), kv.v[layer].data(), n * sizeof(float));
+  } else {
+    for (int half = 0; half < 2; ++half) {
+      const float* src = (half == 0 ? kv.k[layer] : kv.v[layer]).data();
+      uint8_t* dst = payload + half * n * es;
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t b = ToBf16(src[i]);
+        std::memcpy(dst + 2 * i, &b, 2);
+      }
+    }
+  }
+  RETURN_IF_ERROR(EncodeKvBlockInto(h, {payload, 2 * n * es},
                                     {reinterpret_cast<uint8_t*>(out.data()), out.size()}));
   return out;
 }
 
 absl::Status DecodeSegmentLayer(std::span<const uint8_t> block, const Hash128& model_fp,
                                 const Hash128& fp, int layer, SegmentKv* kv) {
-  ASSIGN_OR_RETURN(KvBlockView v, VerifyKvBlock(block));
-  RETURN_IF_ERROR(CheckKvLayout(v.header));
-  const KvBlockHeader& h = v.header;
-  if (!(h.model_fp == model_fp) || !(h.segment_fp == fp)) {
-    return absl::DataLossError("fetched block belongs to another model or segment");
-  }
-  if (h.layer_begin != static_cast<uint32_t>(layer) ||
-      h.layer_end != static_cast<uint32_t>(layer + 1) || h.dtype != KvDtype::kF32 ||
-      h.num_tokens != static_cast<uint32_t>(kv->n_tokens) ||
-      h.kv_dim != static_cast<uint32_t>(kv->kv_dim)) {
-    return absl::DataLossError(absl::StrCat("fetched block has the wrong shape: layers [",
-                                            h.layer_begin, ",", h.layer_end, ") tokens ",
-                                            h.num_tokens, " kv_dim ", h.kv_dim, " dtype ",
-                                            KvDtypeName(h.dtype)));
-  }
-  const size_t n = static_cast<size_t>(kv->n_tokens) * kv->kv_dim;
-  ResizeHuge(kv->k[layer], n);
-  ResizeHuge(kv->v[layer], n);
-  std::memcpy(kv->k[layer].data(), v.payload.data(), n * sizeof(float));
-  std::memcpy(kv->v[layer].data(), v.payload.data() + n * sizeof(float), n * sizeof(float));
+  ASSIGN_OR_RETURN(KvBlockView v, CheckSegmentLayer(block, model_fp, fp, layer, *kv, true));
+  CopyHalf(v, layer, 0, kv);
+  CopyHalf(v, layer, 1, kv);
   return absl::OkStatus();
 }
 
@@ -71,9 +148,12 @@ absl::StatusOr<std::unique_ptr<ClusterKvTier>> ClusterKvTier::Connect(
   co.client.transport = o.transport;
   co.client.ucx_tls = o.ucx_tls;
   co.client.rpc_timeout_ms = o.rpc_timeout_ms;
+  ASSIGN_OR_RETURN(const KvDtype wire, ParseWireDtype(o.wire_dtype.empty() ? "f32" : o.wire_dtype));
   ASSIGN_OR_RETURN(auto client, cache::ClusterClient::Connect(co));
   std::unique_ptr<ClusterKvTier> t(new ClusterKvTier());
   t->opts_ = o;
+  t->wire_ = wire;
+  t->payload_verified_ = co.client.verify;
   t->model_fp_ = model_fp;
   t->n_layers_ = n_layers;
   t->kv_dim_ = kv_dim;
@@ -172,19 +252,33 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
     kvs[s].v.resize(n_layers_);
   }
   std::vector<cache::BlockKey> bad;  // blocks that are not what their key says
-  // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each), into
-  // the staging buffer; each round's blocks are decoded into their segments before the next.
-  for (size_t begin = 0; begin < keys.size();) {
+  // Per key (segment-major, layer order): why it cannot be used ("" when decoded).
+  std::vector<std::string> key_reason(keys.size());
+  // Lease and transfer in rounds of at most fetch_batch_bytes (at least one block each). Two
+  // staging buffers: round r+1 is transferred into one while round r is decoded out of the
+  // other on the thread pool (decoding into fresh host memory costs about as much as the
+  // transfer, docs/benchmarks.md), so decode_ms counts only the wait for a decode.
+  std::future<void> decoding[2];
+  auto wait_decode = [&](int b) {
+    if (!decoding[b].valid()) return;
+    const Clock::time_point w = Clock::now();
+    decoding[b].get();
+    out.phases.decode_ms += ms_since(w);
+  };
+  for (size_t begin = 0, round = 0; begin < keys.size(); ++round) {
     size_t end = begin;
     uint64_t bytes = 0;
     while (end < keys.size() &&
            (end == begin || bytes + layer_bytes[end] <= opts_.fetch_batch_bytes)) {
       bytes += layer_bytes[end++];
     }
-    if (staging_bytes_ < bytes) {
-      staging_.reset(new uint8_t[bytes]);  // uninitialised: every byte is written by a transfer
-      staging_bytes_ = bytes;
+    const int b = static_cast<int>(round & 1);
+    wait_decode(b);  // its staging buffer is free again
+    if (staging_bytes_[b] < bytes) {
+      staging_[b].reset(new uint8_t[bytes]);  // uninitialised: every byte is written by a transfer
+      staging_bytes_[b] = bytes;
     }
+    uint8_t* const buf = staging_[b].get();
     std::vector<uint64_t> offset(end - begin), size(end - begin, 0);
     uint64_t at = 0;
     for (size_t i = begin; i < end; ++i) {
@@ -199,32 +293,53 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
           // does not fit: no destination, the client reports it as failed.
           if (n > layer_bytes[begin + i]) return nullptr;
           size[i] = n;
-          return staging_.get() + offset[i];
+          return buf + offset[i];
         },
         {});
     out.phases.transfer_ms += ms_since(t);
-    t = Clock::now();
+    std::vector<size_t> ok_keys;  // keys of this round whose bytes arrived verified
     for (size_t i = begin; i < end; ++i) {
-      const size_t s = i / n_layers_;
-      const int layer = static_cast<int>(i % n_layers_);
-      if (!reason[s].empty()) continue;
       const absl::Status ks = st.ok() ? (*st)[i - begin] : st.status();
-      if (!ks.ok()) {
-        // NOT_FOUND after a positive lookup: evicted meanwhile ("incomplete"), or its bytes
-        // failed the checksum ("corrupt"; the client already reported it to the server, which
-        // verifies before dropping it, so it is not evicted here: marked "corrupt_reported").
-        if (cache::FailedVerification(ks)) reason[s] = "corrupt_reported";
-        else reason[s] = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
+      if (ks.ok()) {
+        out.bytes += size[i - begin];
+        ok_keys.push_back(i);
         continue;
       }
-      out.bytes += size[i - begin];
-      absl::Status ds = DecodeSegmentLayer(
-          std::span<const uint8_t>(staging_.get() + offset[i - begin], size[i - begin]),
-          model_fp_, key(present[s].fp), layer, &kvs[s]);
-      if (!ds.ok()) reason[s] = "corrupt";
+      // NOT_FOUND after a positive lookup: evicted meanwhile ("incomplete"), or its bytes
+      // failed the checksum ("corrupt"; the client already reported it to the server, which
+      // verifies before dropping it, so it is not evicted here: marked "corrupt_reported").
+      if (cache::FailedVerification(ks)) key_reason[i] = "corrupt_reported";
+      else key_reason[i] = ks.code() == absl::StatusCode::kNotFound ? "incomplete" : "transport";
     }
-    out.phases.decode_ms += ms_since(t);
+    // Headers are checked here (cheap); the copies (K and V of each block) run on the pool.
+    // Different keys write different layers' vectors, so rounds never share a destination.
+    std::vector<std::pair<KvBlockView, size_t>> views;
+    for (size_t i : ok_keys) {
+      const size_t s = i / n_layers_;
+      const int layer = static_cast<int>(i % n_layers_);
+      auto v = CheckSegmentLayer(
+          std::span<const uint8_t>(buf + offset[i - begin], size[i - begin]), model_fp_,
+          key(present[s].fp), layer, kvs[s], !payload_verified_);
+      if (v.ok()) views.emplace_back(*v, i);
+      else key_reason[i] = "corrupt";
+    }
+    decoding[b] = std::async(std::launch::async, [this, &kvs, views = std::move(views)] {
+      ParallelFor(static_cast<int64_t>(views.size()) * 2, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          const auto& [v, i] = views[j / 2];
+          CopyHalf(v, static_cast<int>(i % n_layers_), static_cast<int>(j % 2),
+                   &kvs[i / n_layers_]);
+        }
+      });
+    });
     begin = end;
+  }
+  wait_decode(0);
+  wait_decode(1);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::string& r = reason[i / n_layers_];
+    // "corrupt" (evict every layer) outranks the others; otherwise the first reason stands.
+    if (!key_reason[i].empty() && (r.empty() || key_reason[i] == "corrupt")) r = key_reason[i];
   }
   t = Clock::now();
   for (size_t s = 0; s < present.size(); ++s) {
@@ -258,7 +373,7 @@ absl::Status ClusterKvTier::Put(const Hash128& base_fp, const SegmentKv& kv, int
   const Hash128 fp = ShareKey(base_fp, tp_rank, tp_size);
   std::vector<std::string> blocks;
   for (int l = 0; l < kv.n_layers; ++l) {
-    ASSIGN_OR_RETURN(std::string b, EncodeSegmentLayer(model_fp_, fp, kv, l));
+    ASSIGN_OR_RETURN(std::string b, EncodeSegmentLayer(model_fp_, fp, kv, l, wire_));
     blocks.push_back(std::move(b));
   }
   // Layer 0 last: a reader that finds layer 0 (the presence probe) finds every layer. The

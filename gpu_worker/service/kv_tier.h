@@ -5,8 +5,9 @@
 // that fails (e.g. the cache server restarted under the worker) is a "transport" failure and
 // evicts nothing; the cache client re-exchanges endpoints with a restarted server by itself.
 //
-// A segment's KV travels as one KV block per layer (common/kv_block.h, fp32, K before RoPE
-// then V, [n_tokens][kv_dim] each), keyed by the segment fingerprint and the layer. Under tensor
+// A segment's KV travels as one KV block per layer (common/kv_block.h, K before RoPE then V,
+// [n_tokens][kv_dim] each, fp32 or bf16: ClusterTierOptions::wire_dtype), keyed by the segment
+// fingerprint and the layer. A fetch decodes either dtype into the fp32 host store. Under tensor
 // parallelism each rank moves only its KV heads' share, stored in the cluster under the share's
 // own key (ShareKey: the fingerprint mixed with rank and degree); the local store keeps the
 // plain fingerprint.
@@ -21,10 +22,12 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "common/hash.h"
+#include "common/kv_block.h"
 #include "common/status.h"
 #include "gpu_worker/reuse/segment_store.h"
 
@@ -45,6 +48,10 @@ struct ClusterTierOptions {
   // memory arena (promoting blocks from disk), so one lease larger than a server's arena can
   // never be granted whole. Default: 64 MiB
   uint64_t fetch_batch_bytes = uint64_t{64} << 20;
+  // Element type of K/V written to the cluster: "f32" or "bf16" (half the bytes on the wire
+  // and in the cache servers; exact for KV a bf16 backend computed, which is why the worker
+  // picks it for --device cuda). Fetches decode both. "" = f32. Default: ""
+  std::string wire_dtype;
 };
 
 struct SegmentRef {
@@ -84,11 +91,16 @@ struct FetchOutcome {
 // size 1: fp itself.
 Hash128 ShareKey(const Hash128& fp, int rank, int size);
 
-// Encodes layer `layer` of a segment as one KV block (fp32).
+// "f32" or "bf16"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<KvDtype> ParseWireDtype(std::string_view name);
+
+// Encodes layer `layer` of a segment as one KV block of `dtype` (f32, or bf16 rounded to
+// nearest even).
 absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Hash128& fp,
-                                               const SegmentKv& kv, int layer);
+                                               const SegmentKv& kv, int layer,
+                                               KvDtype dtype = KvDtype::kF32);
 // Checks a fetched block (header, checksum, model, segment, layer, shape) and copies its K/V
-// into layer `layer` of *kv (already shaped: n_tokens, n_layers, kv_dim). DATA_LOSS or
+// (f32 or bf16) into layer `layer` of *kv as fp32 (already shaped: n_tokens, n_layers, kv_dim). DATA_LOSS or
 // FAILED_PRECONDITION when it does not match.
 absl::Status DecodeSegmentLayer(std::span<const uint8_t> block, const Hash128& model_fp,
                                 const Hash128& fp, int layer, SegmentKv* kv);
@@ -119,11 +131,13 @@ class ClusterKvTier {
   Hash128 model_fp_;
   int n_layers_ = 0, kv_dim_ = 0;
   std::mutex mu_;  // one transfer at a time (fetch rounds, write-back layers); lookups run without it
-  // Where a fetch round's blocks land (under mu_), kept across rounds and fetches: a fresh
-  // zero-filled buffer per block cost page faults and data-plane registration on every round
-  // (on the H200 a 32K-token fetch ran at 0.54 GB/s, docs/benchmarks.md).
-  std::unique_ptr<uint8_t[]> staging_;
-  size_t staging_bytes_ = 0;
+  KvDtype wire_ = KvDtype::kF32;
+  bool payload_verified_ = true;  // the cache client checks each whole block's checksum
+  // Where fetch rounds' blocks land (under mu_), two so that one round decodes while the next
+  // transfers; kept across rounds and fetches: a fresh zero-filled buffer per block cost page
+  // faults and data-plane registration on every round (docs/benchmarks.md).
+  std::unique_ptr<uint8_t[]> staging_[2];
+  size_t staging_bytes_[2] = {0, 0};
   std::unique_ptr<cache::ClusterClient> client_;
 };
 

@@ -136,6 +136,9 @@ int main(int argc, char** argv) {
   f.Add("cache_replication", &replication, "copies of each segment in the cache cluster");
   f.Add("cache_transport", &o.cluster.transport, "cache data plane: ucx | grpc");
   f.Add("ucx_tls", &o.cluster.ucx_tls, "UCX transports (as UCX_TLS)");
+  f.Add("cache_wire_dtype", &o.cluster.wire_dtype,
+        "K/V element type written to the cache cluster: f32 | bf16 (default: bf16 with "
+        "--device cuda, whose KV is bf16 already, else f32); fetches read both");
   f.Add("cache_rpc_timeout_ms", &cache_rpc_timeout_ms, "cache control RPC deadline");
   f.Add("write_back", &o.write_back, "write computed segments to the cache cluster");
   f.Add("etcd", &o.etcd_endpoints, "etcd client URLs host:port (comma-separated); empty = no registration");

@@ -129,7 +129,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   const ModelConfig& mc = s.model->config();
   // With tensor parallelism each rank fetches and writes back its own KV-head share (kv_tier.h).
   if (!options.cluster.servers.empty()) {
-    auto tier = ClusterKvTier::Connect(options.cluster, s.model->fingerprint(), mc.n_layers,
+    // A bf16 backend's KV is bf16-exact: bf16 on the wire halves the bytes and loses nothing.
+    ClusterTierOptions cluster = options.cluster;
+    if (cluster.wire_dtype.empty()) cluster.wire_dtype = options.device == "cuda" ? "bf16" : "f32";
+    auto tier = ClusterKvTier::Connect(cluster, s.model->fingerprint(), mc.n_layers,
                                        mc.n_kv_heads * mc.head_dim);
     if (!tier.ok()) {
       return absl::Status(tier.status().code(),

@@ -58,6 +58,44 @@ TEST(KvTierCodecTest, RoundTripAndRejects) {
   EXPECT_FALSE(DecodeSegmentLayer(KvBlockBytes(*b), model, seg, 1, &out).ok());
 }
 
+// bf16 on the wire (what a CUDA worker writes): half the payload, rounded to nearest even,
+// exact for values that are bf16 already (a bf16 backend's KV).
+TEST(KvTierCodecTest, Bf16OnTheWireHalvesThePayloadAndRoundsToNearestEven) {
+  const Hash128 model{1, 2}, seg{3, 4};
+  SegmentKv kv = MakeKv(5, 1.0f);
+  for (int l = 0; l < kLayers; ++l) {
+    for (size_t i = 0; i < kv.k[l].size(); ++i) {
+      kv.k[l][i] = 1.0f + l + static_cast<float>(i) / 64;  // bf16-exact
+      kv.v[l][i] = -0.5f - static_cast<float>(i) / 128;
+    }
+  }
+  auto f32 = EncodeSegmentLayer(model, seg, kv, 1, KvDtype::kF32);
+  auto bf16 = EncodeSegmentLayer(model, seg, kv, 1, KvDtype::kBF16);
+  ASSERT_TRUE(f32.ok() && bf16.ok());
+  EXPECT_EQ(bf16->size() - kKvBlockHeaderBytes, (f32->size() - kKvBlockHeaderBytes) / 2);
+  SegmentKv out;
+  out.n_tokens = 5;
+  out.n_layers = kLayers;
+  out.kv_dim = kDim;
+  out.k.resize(kLayers);
+  out.v.resize(kLayers);
+  ASSERT_TRUE(DecodeSegmentLayer(KvBlockBytes(*bf16), model, seg, 1, &out).ok());
+  EXPECT_EQ(out.k[1], kv.k[1]);
+  EXPECT_EQ(out.v[1], kv.v[1]);
+  // Ties go to the even mantissa; other values to the nearest bf16.
+  kv.k[1][0] = 1.0f + 1.0f / 256;      // tie between 1 and 1 + 2^-7: 1
+  kv.k[1][1] = 1.0f + 3.0f / 256;      // tie between 1 + 2^-7 and 1 + 2^-6: 1 + 2^-6
+  kv.k[1][2] = 1.0f + 1.0f / 256 + 1e-6f;  // above the tie: 1 + 2^-7
+  auto r = EncodeSegmentLayer(model, seg, kv, 1, KvDtype::kBF16);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(DecodeSegmentLayer(KvBlockBytes(*r), model, seg, 1, &out).ok());
+  EXPECT_EQ(out.k[1][0], 1.0f);
+  EXPECT_EQ(out.k[1][1], 1.0f + 1.0f / 64);
+  EXPECT_EQ(out.k[1][2], 1.0f + 1.0f / 128);
+  EXPECT_FALSE(EncodeSegmentLayer(model, seg, kv, 1, KvDtype::kF16).ok());
+  EXPECT_EQ(ParseWireDtype("fp8").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 class KvTierServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -125,6 +163,45 @@ TEST_F(KvTierServerTest, WriteBackThenFetchIntoAnotherWorkersStore) {
   EXPECT_EQ(again.fetched, 0);
   EXPECT_EQ(again.absent, 1);
   EXPECT_EQ(again.phases.transfer_ms, 0);  // nothing present: no data-plane work
+}
+
+// A CUDA worker writes bf16; it fetches half the bytes, and an f32 worker reads the same blocks.
+TEST_F(KvTierServerTest, Bf16WriterHalvesTheFetchAndAnF32TierReadsItToo) {
+  ClusterTierOptions t;
+  t.servers = {server_->grpc_address()};
+  t.wire_dtype = "bf16";
+  auto bf = ClusterKvTier::Connect(t, model_, kLayers, kDim);
+  ASSERT_TRUE(bf.ok()) << bf.status();
+  SegmentKv kv = MakeKv(40, 1.0f);
+  for (int l = 0; l < kLayers; ++l) {
+    for (size_t i = 0; i < kv.k[l].size(); ++i) {
+      kv.k[l][i] = static_cast<float>(l) + static_cast<float>(i % 50) / 32;  // bf16-exact
+      kv.v[l][i] = -static_cast<float>(i % 70) / 16;
+    }
+  }
+  const Hash128 seg{150, 1}, plain{150, 2};
+  ASSERT_TRUE((*bf)->Put(seg, kv).ok());
+  ASSERT_TRUE(tier_->Put(plain, kv).ok());  // f32, for the byte count
+  std::vector<SegmentRef> refs = {{seg, 40}}, plain_refs = {{plain, 40}};
+  SegmentStore a(SegmentStoreOptions{}), b(SegmentStoreOptions{});
+  FetchOutcome fb = (*bf)->FetchMissing(refs, &a);
+  FetchOutcome ff = tier_->FetchMissing(plain_refs, &b);
+  ASSERT_EQ(fb.fetched, 1);
+  ASSERT_EQ(ff.fetched, 1);
+  EXPECT_LT(fb.bytes, ff.bytes * 6 / 10);
+  FetchOutcome cross = tier_->FetchMissing(refs, &b);  // the f32 tier reads the bf16 blocks
+  ASSERT_EQ(cross.fetched, 1);
+  for (SegmentStore* st : {&a, &b}) {
+    auto got = st->Get(seg);
+    ASSERT_NE(got, nullptr);
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(got->k[l], kv.k[l]);
+      EXPECT_EQ(got->v[l], kv.v[l]);
+    }
+  }
+  t.wire_dtype = "f16";
+  EXPECT_EQ(ClusterKvTier::Connect(t, model_, kLayers, kDim).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {

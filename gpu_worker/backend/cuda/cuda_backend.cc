@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "gpu_worker/backend/cuda/cuda_backend_internal.h"
 #include "gpu_worker/backend/rope.h"
 #include "kernels/gemm.h"
@@ -34,6 +35,10 @@ CudaBackend::~CudaBackend() {
   for (auto& [k, p] : rope_tables_) cudaFree(p);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
+  for (int b = 0; b < 2; ++b) {
+    if (upload_done_[b]) cudaEventDestroy(upload_done_[b]);
+    if (upload_pinned_[b]) cudaFreeHost(upload_pinned_[b]);
+  }
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -150,9 +155,12 @@ absl::Status CudaBackend::Upload(std::span<const float> host, Tensor& dst) {
   if (host.empty()) return absl::OkStatus();
   if (dst.host) {
     bf16* d = B(dst);
-    for (size_t i = 0; i < host.size(); ++i) d[i] = __float2bfloat16_rn(host[i]);
+    ParallelFor(static_cast<int64_t>(host.size()), [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) d[i] = __float2bfloat16_rn(host[i]);
+    }, int64_t{1} << 18);
     return absl::OkStatus();
   }
+  if (static_cast<int64_t>(host.size()) >= kUploadChunk / 4) return UploadViaPinned(host, B(dst));
   ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
   CUDA_RETURN(cudaMemcpyAsync(tmp, host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
                               stream_),
@@ -160,6 +168,37 @@ absl::Status CudaBackend::Upload(std::span<const float> host, Tensor& dst) {
   CUDA_RETURN(kernels::F32ToBf16(static_cast<float*>(tmp), B(dst),
                                  static_cast<int64_t>(host.size()), stream_),
               "Upload convert");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::UploadViaPinned(std::span<const float> host, bf16* dst) {
+  for (int b = 0; b < 2; ++b) {
+    if (upload_pinned_[b] != nullptr) continue;
+    CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&upload_pinned_[b]),
+                              kUploadChunk * sizeof(bf16), cudaHostAllocDefault),
+                "Upload staging");
+    CUDA_RETURN(cudaEventCreateWithFlags(&upload_done_[b], cudaEventDisableTiming),
+                "Upload event");
+  }
+  const int64_t n = static_cast<int64_t>(host.size());
+  for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
+    const int b = static_cast<int>(c & 1);
+    if (upload_pending_[b]) {  // the copy out of this chunk must be done before it is refilled
+      CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "Upload wait");
+      upload_pending_[b] = false;
+    }
+    const int64_t m = std::min(kUploadChunk, n - off);
+    bf16* buf = upload_pinned_[b];
+    const float* src = host.data() + off;
+    ParallelFor(m, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) buf[i] = __float2bfloat16_rn(src[i]);
+    }, int64_t{1} << 18);
+    CUDA_RETURN(cudaMemcpyAsync(dst + off, buf, m * sizeof(bf16), cudaMemcpyHostToDevice,
+                                stream_),
+                "Upload copy");
+    CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "Upload record");
+    upload_pending_[b] = true;
+  }
   return absl::OkStatus();
 }
 

@@ -172,6 +172,14 @@ class CudaBackend final : public Backend {
   const CudaBackendOptions options_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;  // Prefetch copies, beside the compute stream
+  // Large fp32 uploads (segment KV from the host store) are converted to bf16 on host threads
+  // into two pinned chunks and copied from there: half the bytes, at the pinned rate, where a
+  // pageable fp32 copy plus a device conversion took ~2 s for a 32K-token fetched prompt.
+  static constexpr int64_t kUploadChunk = int64_t{4} << 20;  // elements per pinned chunk
+  absl::Status UploadViaPinned(std::span<const float> host, bf16* dst);
+  bf16* upload_pinned_[2] = {nullptr, nullptr};
+  cudaEvent_t upload_done_[2] = {nullptr, nullptr};
+  bool upload_pending_[2] = {false, false};
   IndexStager stager_;
   std::map<int64_t, cudaEvent_t> tickets_;
   int64_t last_ticket_ = 0;
