@@ -1,7 +1,7 @@
 // sparsex-fetch-bench: where a worker's cache-cluster fetch spends its time, on this machine.
 //
 //   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
-//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 64] [--wire_dtype f32|bf16] [--json OUT.json]
+//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 512] [--wire_dtype f32|bf16] [--json OUT.json]
 //
 // Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
 // given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
@@ -76,7 +76,7 @@ int Run(const Args& a) {
   ClusterTierOptions t;
   t.servers = {(*server)->address()};
   t.ucx_tls = tls;
-  t.fetch_batch_bytes = a.U("fetch_batch_mb", 64) << 20;
+  t.fetch_batch_bytes = a.U("fetch_batch_mb", 512) << 20;
   t.wire_dtype = a.Get("wire_dtype", "f32");
   const Hash128 model{0x5eed, 8};
   auto tier = ClusterKvTier::Connect(t, model, layers, kv_dim);

@@ -44,10 +44,14 @@ struct ClusterTierOptions {
   std::string transport = "ucx";  // data plane: ucx | grpc. Default: ucx
   std::string ucx_tls;          // UCX transports (as UCX_TLS); "": UCX's choice. Default: ""
   uint32_t rpc_timeout_ms = 5000;  // per control RPC. Default: 5000
-  // Bytes leased and transferred per fetch round: a cache server serves a lease from its
-  // memory arena (promoting blocks from disk), so one lease larger than a server's arena can
-  // never be granted whole. Default: 64 MiB
-  uint64_t fetch_batch_bytes = uint64_t{64} << 20;
+  // Bytes leased and transferred per fetch round, at most; capped at a quarter of the smallest
+  // cache server's memory arena (asked at Connect): a server serves a lease from its arena
+  // (promoting blocks from disk), so one lease larger than the arena can never be granted
+  // whole. Each round costs a fixed ~20-40 ms besides its bytes (two RPCs, the last block's
+  // check): 64 MiB rounds moved 1.3 GB/s on the H200, 1.6-1.9 GB/s here where 256 MiB-1 GiB
+  // rounds reach 3.7-5.5 (docs/benchmarks.md). Two staging buffers of this size are kept.
+  // Default: 512 MiB
+  uint64_t fetch_batch_bytes = uint64_t{512} << 20;
   // Element type of K/V written to the cluster: "f32" or "bf16" (half the bytes on the wire
   // and in the cache servers; exact for KV a bf16 backend computed, which is why the worker
   // picks it for --device cuda). Fetches decode both. "" = f32. Default: ""
@@ -132,10 +136,12 @@ class ClusterKvTier {
   int n_layers_ = 0, kv_dim_ = 0;
   std::mutex mu_;  // one transfer at a time (fetch rounds, write-back layers); lookups run without it
   KvDtype wire_ = KvDtype::kF32;
+  uint64_t round_bytes_ = 0;  // fetch_batch_bytes capped by the members' arenas
   bool payload_verified_ = true;  // the cache client checks each whole block's checksum
   // Where fetch rounds' blocks land (under mu_), two so that one round decodes while the next
-  // transfers; kept across rounds and fetches: a fresh zero-filled buffer per block cost page
-  // faults and data-plane registration on every round (docs/benchmarks.md).
+  // transfers; allocated at Connect and kept: fresh memory per round cost page faults on every
+  // round (docs/benchmarks.md).
+  void GrowStaging(int b, size_t bytes);  // allocated, advised for huge pages, touched
   std::unique_ptr<uint8_t[]> staging_[2];
   size_t staging_bytes_[2] = {0, 0};
   std::unique_ptr<cache::ClusterClient> client_;
