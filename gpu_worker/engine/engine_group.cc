@@ -484,4 +484,11 @@ bool EngineGroup::Holds(const Hash128& fp) const {
 
 size_t EngineGroup::unspilled() { return has_reuse() ? ranks_[0]->reuse->unspilled() : 0; }
 
+size_t EngineGroup::device_tier_bytes() {
+  size_t bytes = 0;
+  if (!has_reuse()) return 0;
+  for (auto& r : ranks_) bytes += r->reuse->device_tier().bytes();
+  return bytes;
+}
+
 }  // namespace sparsex

@@ -86,6 +86,8 @@ class EngineGroup {
   absl::StatusOr<std::optional<std::pair<Hash128, int>>> SpillOne(int max_layers = 1 << 30);
   bool Holds(const Hash128& fp) const;
   size_t unspilled();
+  // Segment KV bytes held in the ranks' device (or pinned host) tiers.
+  size_t device_tier_bytes();
 
   // Calls fn(rank) on every rank at once (rank 0 on the caller's thread) and waits for all.
   void RunOnAll(const std::function<void(int rank)>& fn);

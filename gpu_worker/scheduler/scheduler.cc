@@ -874,6 +874,7 @@ void BatchScheduler::PublishLoad() {
   load_.pending_stores = static_cast<int>(pending_stores_.size());
   load_.stores_dropped = stores_dropped_;
   if (group_) load_.unspilled_segments = static_cast<int>(group_->unspilled());
+  if (group_) load_.device_tier_bytes = group_->device_tier_bytes();
   for (int p = 0; p < kEnginePhases; ++p) {
     load_.phase_seconds[p] = phase_seconds_[p];
     load_.phase_longest_s[p] = phase_longest_[p];

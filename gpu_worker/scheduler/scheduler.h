@@ -199,6 +199,7 @@ struct SchedulerLoad {
   int pending_stores = 0;  // deferred segment stores not yet run
   int64_t stores_dropped = 0;  // deferred stores dropped (store_while_busy off, backlog full)
   int unspilled_segments = 0;  // stored in the device tier, not yet in the host store
+  size_t device_tier_bytes = 0;  // segment KV held in the device (or pinned host) tier, all ranks
   // Engine-thread seconds per EnginePhase since start, and the longest single phase run.
   double phase_seconds[kEnginePhases] = {};
   double phase_longest_s[kEnginePhases] = {};

@@ -230,6 +230,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->kv_usage->Get({"host"}).Set(static_cast<double>(host_bytes) /
                                        static_cast<double>(sp->opts.host_store_bytes));
     sp->m->kv_bytes->Get({"host"}).Set(static_cast<double>(host_bytes));
+    sp->m->kv_bytes->Get({"device"}).Set(static_cast<double>(l.device_tier_bytes));
     sp->m->host_entries->Set(static_cast<double>(st.entries));
     sp->m->draining->Set(sp->draining ? 1 : 0);
     sp->m->iterations->Set(static_cast<double>(l.iterations));

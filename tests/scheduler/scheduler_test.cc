@@ -231,6 +231,9 @@ TEST_F(SchedulerTest, SlicedStoresFillTheDeviceTierAndSpillWhenIdle) {
     }
     EXPECT_EQ(s->load().pending_stores, 0);
     EXPECT_EQ(s->load().unspilled_segments, 0);
+    // The worker exports these as sparsex_worker_kv_bytes{tier="device"}.
+    if (tiered) EXPECT_GT(s->load().device_tier_bytes, 0u);
+    else EXPECT_EQ(s->load().device_tier_bytes, 0u);
     {
       std::lock_guard<std::mutex> l(mu);
       EXPECT_EQ(stored.size(), 2u) << "tiered " << tiered;
