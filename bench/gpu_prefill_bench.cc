@@ -4,9 +4,12 @@
 // swiglu, down, add; final norm + last-token logits), so the sparse-recompute executor built on
 // the same runner is measured the same way. Timing: CUDA events on the backend's stream, median
 // of --reps runs after --warmup runs. Also times single ops (attention per layer, the four
-// GEMMs) to place the time. Prints a table and writes JSON (--out).
+// GEMMs) to place the time. Prints a table and writes JSON (--out). --small-n measures only the
+// decode matmuls: every small-n kernel variant per decode shape, gate_up + SwiGLU fused or not,
+// and decode steps per backend configuration (SmallNMain).
 //
 //   gpu_prefill_bench --lengths 2048,8192,16384,32768 --reps 3 --out gpu_prefill_raw.json
+//   gpu_prefill_bench --small-n --decode-steps 40 --out small_n.json
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -32,6 +35,7 @@
 #include "kernels/attention.h"
 #include "kernels/attention_sm90.h"
 #include "kernels/gemm.h"
+#include "kernels/ops.h"
 #endif
 
 namespace sparsex {
@@ -46,6 +50,7 @@ struct Options {
   int decode_batch = 32;  // sequences of the batched decode case (0 skips it)
   int layers = 0;  // 0: the model's 32
   bool micro = true;
+  bool small_n = false;  // --small-n: the decode matmul section alone (SmallNMain)
   std::string out = "gpu_prefill_raw.json";
 };
 
@@ -136,11 +141,306 @@ struct Record {
   std::string extra;  // additional JSON fields, starting with ','
 };
 
+// Decode steps of B sequences (one row each) after ctx tokens of context, sequence b's
+// positions at slots[b]: the engine's decode pass (ModelRunner::Forward, greedy next token),
+// as plain launches or (graph) a recorded scope replayed as a CUDA graph. Median and minimum
+// ms per step over the steps after the first 3 (warm-up, recording, capture).
+std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
+                                      const std::vector<std::vector<int32_t>>& slots, int ctx,
+                                      int steps, int B, bool graph) {
+  const int vocab = runner.config().vocab_size;
+  std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<double> times;
+  for (int t = 0; t < steps; ++t) {
+    const int p = ctx + t;
+    std::vector<RowGroup> groups(B);
+    for (int b = 0; b < B; ++b) {
+      pos[b] = p;
+      wslots[b] = slots[b][p];
+      groups[b] = {b, b + 1, std::span<const int32_t>(slots[b].data(), p + 1)};
+    }
+    timer.Start();
+    LayerRows rows{pos, wslots, {}, groups};
+    std::vector<float> logits = Unwrap(runner.Forward(toks, rows, all, graph), "decode");
+    const double ms = timer.StopMs();
+    for (int b = 0; b < B; ++b) {
+      auto first = logits.begin() + static_cast<int64_t>(b) * vocab;
+      toks[b] = static_cast<int32_t>(std::max_element(first, first + vocab) - first);
+    }
+    if (t >= 3) times.push_back(ms);  // first steps warm up (and record, then capture)
+  }
+  if (times.empty()) return {NAN, NAN};
+  return std::make_pair(Median(times), *std::min_element(times.begin(), times.end()));
+}
+
+// Slot tables of `batch` sequences that each own consecutive blocks of the pool, room for
+// ctx + steps positions; *num_blocks gets the blocks they use.
+std::vector<std::vector<int32_t>> DecodeSlots(int batch, int ctx, int steps, int bs,
+                                              int* num_blocks) {
+  const int per = (ctx + steps + bs) / bs + 1;  // blocks per sequence
+  std::vector<std::vector<int32_t>> slots(batch);
+  for (int b = 0; b < batch; ++b) {
+    slots[b].resize(ctx + steps);
+    for (int p = 0; p < ctx + steps; ++p) slots[b][p] = (b * per + p / bs) * bs + p % bs;
+  }
+  *num_blocks = batch * per;
+  return slots;
+}
+
+void WriteJson(const std::string& path, const cudaDeviceProp& prop,
+               const std::string& dense_attention, int layers,
+               const std::vector<Record>& records) {
+  std::ofstream f(path);
+  f << "{\n  \"device\": \"" << prop.name << "\",\n  \"model\": \"synthetic:llama3-8b\",\n"
+    << "  \"dense_attention\": \"" << dense_attention << "\",\n"
+    << "  \"layers\": " << layers << ",\n  \"records\": [\n";
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Record& r = records[i];
+    char buf[512];
+    std::snprintf(buf, sizeof buf,
+                  "    {\"case\": \"%s\", \"tokens\": %d, \"ms\": %.4f, \"min_ms\": %.4f, "
+                  "\"reps\": %d%s}%s\n",
+                  r.name.c_str(), r.tokens, r.ms, r.min_ms, r.reps, r.extra.c_str(),
+                  i + 1 < records.size() ? "," : "");
+    f << buf;
+  }
+  f << "  ]\n}\n";
+  std::printf("wrote %s\n", path.c_str());
+}
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// --small-n: the decode matmuls alone (issue 15, docs/perf-notes.md v8). For every small-n
+// kernel variant (and cuBLASLt), every decode shape and 1, 2, 4, 8 rows: time per call and
+// TB/s of weight bytes; the gate_up projection with SwiGLU fused against the two kernels; then
+// whole decode steps (batch 1 and min(--decode-batch, 8)) per backend configuration: the
+// environment's, with SPX_FUSED_SWIGLU flipped, and each variant. Calls run back to back (the
+// next one's blocks start under the previous one with PDL, as in a decode step) over copies of
+// each weight matrix, 512 MiB in all, so no call finds its weights in the 50 MB L2.
+int SmallNMain(const Options& o) {
+  const CudaBackendOptions env = CudaBackendOptionsFromEnv();
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  Check(cudaSetDevice(0), "cudaSetDevice");
+  ModelConfig cfg = Unwrap(MakeSyntheticModel("llama3-8b"), "synthetic model")->config();
+  if (o.layers > 0) cfg.n_layers = o.layers;
+  std::printf("device: %s, %d SMs; synthetic llama3-8b decode matmuls; PDL %s\n", prop.name,
+              prop.multiProcessorCount, std::getenv("SPX_PDL") && std::string(std::getenv(
+              "SPX_PDL")) == "0" ? "off (SPX_PDL=0)" : "on");
+  std::vector<Record> records;
+  using kernels::bf16;
+  using kernels::SmallNGemmVariant;
+  cudaStream_t stream = nullptr;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  {
+    EventTimer timer(stream);
+    const int H = cfg.n_heads, KV = cfg.n_kv_heads, hd = cfg.head_dim;
+    struct Shape {
+      const char* name;
+      int64_t m, k;
+    } shapes[] = {{"qkv", static_cast<int64_t>(H + 2 * KV) * hd, cfg.dim},
+                  {"o", cfg.dim, static_cast<int64_t>(H) * hd},
+                  {"gate_up", 2LL * cfg.ffn_dim, cfg.dim},
+                  {"down", cfg.dim, cfg.ffn_dim},
+                  {"lm_head", cfg.vocab_size, cfg.dim}};
+    const int kRows[] = {1, 2, 4, 8};
+    constexpr double kCycledBytes = 512.0 * (1 << 20);
+    int64_t max_k = 0, max_m = 0;
+    for (const Shape& sh : shapes) {
+      max_k = std::max(max_k, sh.k);
+      max_m = std::max(max_m, sh.m);
+    }
+    bf16 *x = nullptr, *y = nullptr, *act = nullptr;
+    Check(cudaMalloc(&x, 8 * max_k * sizeof(bf16)), "cudaMalloc");
+    Check(cudaMalloc(&y, 8 * max_m * sizeof(bf16)), "cudaMalloc");
+    Check(cudaMalloc(&act, 8 * max_m * sizeof(bf16)), "cudaMalloc");
+    Check(kernels::FillUniform(x, 8 * max_k, 1.0f, 77, stream), "fill");
+    kernels::LtGemm lt;
+    lt.Init(64u << 20);
+    // Median and minimum of 7 samples (after 2) of `calls` launches each, per launch.
+    auto per_call = [&](int calls, auto&& launch) {
+      std::vector<double> t;
+      for (int r = 0; r < 2 + 7; ++r) {
+        timer.Start();
+        for (int i = 0; i < calls; ++i) launch(i);
+        const double ms = timer.StopMs() / calls;
+        if (r >= 2) t.push_back(ms);
+      }
+      return std::make_pair(Median(t), *std::min_element(t.begin(), t.end()));
+    };
+    auto copies_of = [&](int64_t m, int64_t k) {
+      const int c = std::max(2, static_cast<int>(std::ceil(kCycledBytes / (2.0 * m * k))));
+      std::vector<bf16*> w(c);
+      for (int i = 0; i < c; ++i) {
+        Check(cudaMalloc(&w[i], m * k * sizeof(bf16)), "cudaMalloc weights");
+        Check(kernels::FillUniform(w[i], m * k, 1.0f / std::sqrt(static_cast<float>(k)),
+                                   1000 + i, stream), "fill");
+      }
+      return w;
+    };
+    std::printf("\nsmall-n matmuls: us per call / TB/s of weights (median of 7)\n%-8s %5s ",
+                "shape", "rows");
+    for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
+      std::printf(" %14s", kernels::SmallNGemmVariantName(static_cast<SmallNGemmVariant>(v)));
+    }
+    std::printf(" %14s\n", "cuBLASLt");
+    for (const Shape& sh : shapes) {
+      const std::vector<bf16*> w = copies_of(sh.m, sh.k);
+      const int c = static_cast<int>(w.size());
+      const int calls = std::max(20, 2 * c);
+      const double bytes = 2.0 * sh.m * sh.k;
+      for (int n : kRows) {
+        std::printf("%-8s %5d ", sh.name, n);
+        auto cell = [&](const std::string& impl, std::pair<double, double> t) {
+          const double tbs = bytes / t.first * 1e-9;
+          std::printf(" %7.2f / %4.2f", t.first * 1e3, tbs);
+          char extra[200];
+          std::snprintf(extra, sizeof extra,
+                        ", \"shape\": \"%s\", \"m\": %lld, \"k\": %lld, \"rows\": %d, "
+                        "\"impl\": \"%s\", \"us\": %.2f, \"tb_s\": %.3f",
+                        sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.k), n,
+                        impl.c_str(), t.first * 1e3, tbs);
+          records.push_back({"small_n_gemm", n, t.first, t.second, 7, extra});
+        };
+        for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
+          const auto variant = static_cast<SmallNGemmVariant>(v);
+          cell(kernels::SmallNGemmVariantName(variant), per_call(calls, [&](int i) {
+            Check(kernels::SmallNGemm(x, sh.k, w[i % c], sh.k, y, sh.m, n, sh.m, sh.k, 0.0f,
+                                      stream, variant), "SmallNGemm");
+          }));
+        }
+        cell("cublaslt", per_call(calls, [&](int i) {
+          if (lt.Run(x, sh.k, w[i % c], sh.k, y, sh.m, n, sh.m, sh.k, 0.0f, stream) !=
+              CUBLAS_STATUS_SUCCESS) {
+            Check(cudaErrorLaunchFailure, "cuBLASLt");
+          }
+        }));
+        std::printf("\n");
+        std::fflush(stdout);
+      }
+      for (bf16* p : w) cudaFree(p);
+    }
+
+    // gate_up + SwiGLU: the two kernels against the fused one, per variant.
+    const int64_t half = cfg.ffn_dim, k = cfg.dim;
+    const std::vector<bf16*> w = copies_of(2 * half, k);
+    const int c = static_cast<int>(w.size());
+    const int calls = std::max(20, 2 * c);
+    std::printf("\ngate_up + SwiGLU (%lld x %lld): us per call, separate (small-n matmul, then "
+                "SwiGLU) -> fused\n%5s ", static_cast<long long>(2 * half),
+                static_cast<long long>(k), "rows");
+    for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
+      std::printf(" %20s", kernels::SmallNGemmVariantName(static_cast<SmallNGemmVariant>(v)));
+    }
+    std::printf("\n");
+    for (int n : kRows) {
+      std::printf("%5d ", n);
+      for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
+        const auto variant = static_cast<SmallNGemmVariant>(v);
+        const auto sep = per_call(calls, [&](int i) {
+          Check(kernels::SmallNGemm(x, k, w[i % c], k, y, 2 * half, n, 2 * half, k, 0.0f, stream,
+                                    variant), "SmallNGemm");
+          Check(kernels::SwiGlu(y, 2 * half, act, half, n, half, stream), "SwiGlu");
+        });
+        const auto fused = per_call(calls, [&](int i) {
+          Check(kernels::SmallNGemmSwiGlu(x, k, w[i % c], k, act, half, n, half, k, stream,
+                                          variant), "SmallNGemmSwiGlu");
+        });
+        std::printf("   %7.2f -> %7.2f", sep.first * 1e3, fused.first * 1e3);
+        for (auto [name, t] : {std::pair{"separate", sep}, {"fused", fused}}) {
+          char extra[200];
+          std::snprintf(extra, sizeof extra,
+                        ", \"rows\": %d, \"variant\": \"%s\", \"path\": \"%s\", "
+                        "\"us\": %.2f, \"tb_s\": %.3f", n,
+                        kernels::SmallNGemmVariantName(variant), name, t.first * 1e3,
+                        4.0 * half * k / t.first * 1e-9);
+          records.push_back({"gate_up_swiglu", n, t.first, t.second, 7, extra});
+        }
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    for (bf16* p : w) cudaFree(p);
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(act);
+  }
+  cudaStreamDestroy(stream);
+
+  // Whole decode steps per configuration, each its own backend and random weights (seed 1234,
+  // the same values): the context's KV written by one prefill of sequence 0, the other
+  // sequences reading whatever their blocks hold (the cost does not depend on it).
+  if (o.decode_steps > 3) {
+    const int bs = 16, ctx = o.decode_ctx;
+    std::vector<int> batches = {1};
+    const int big = std::min(o.decode_batch, kernels::kSmallNGemmMaxRows);
+    if (big > 1) batches.push_back(big);
+    int num_blocks = 0;
+    const auto slots = DecodeSlots(batches.back(), ctx, o.decode_steps, bs, &num_blocks);
+    struct Config {
+      std::string name;
+      CudaBackendOptions opts;
+    };
+    std::vector<Config> configs = {{"environment", env}};
+    configs.push_back({env.fused_swiglu ? "SPX_FUSED_SWIGLU=0" : "SPX_FUSED_SWIGLU=1", env});
+    configs.back().opts.fused_swiglu = !env.fused_swiglu;
+    for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
+      configs.push_back({std::string("SPX_SMALL_N_VARIANT=") +
+                             kernels::SmallNGemmVariantName(static_cast<SmallNGemmVariant>(v)),
+                         env});
+      configs.back().opts.small_n_variant = v;
+    }
+    std::printf("\ndecode steps at %d context, CUDA graphs %s; environment: small-n %s, "
+                "variant %d, fused SwiGLU %s\n", ctx, env.cuda_graphs ? "on" : "off",
+                env.small_n_gemm ? "on" : "off", env.small_n_variant,
+                env.fused_swiglu ? "on" : "off");
+    for (const Config& c : configs) {
+      auto be = Unwrap(CreateCudaBackend(0, c.opts), "CreateCudaBackend");
+      KvCacheOptions kv;
+      kv.block_size = bs;
+      kv.num_blocks = num_blocks;
+      auto runner = Unwrap(ModelRunner::CreateRandom(cfg, 1234, be.get(), kv), "CreateRandom");
+      EventTimer timer(CudaBackendStream(*be));
+      {
+        SeqLayout seq(ctx, num_blocks, bs, cfg.vocab_size, 4242);
+        std::vector<int32_t> sl(slots[0].begin(), slots[0].begin() + ctx);
+        LayerRows rows{seq.pos, sl, sl};
+        CHECK_OK(runner->Forward(seq.ids, rows, {}).status());
+        CHECK_OK(be->Synchronize());
+      }
+      std::printf("%-32s", c.name.c_str());
+      for (int B : batches) {
+        auto [med, mn] = DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B,
+                                     c.opts.cuda_graphs);
+        std::printf("  batch %d: %.3f ms/step (min %.3f)", B, med, mn);
+        char extra[240];
+        std::snprintf(extra, sizeof extra,
+                      ", \"config\": \"%s\", \"batch\": %d, \"context\": %d, "
+                      "\"tokens_per_s\": %.1f, \"cuda_graph\": %s",
+                      c.name.c_str(), B, ctx, 1000.0 * B / med,
+                      c.opts.cuda_graphs ? "true" : "false");
+        records.push_back({"decode_step", ctx, med, mn, o.decode_steps - 3, extra});
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  WriteJson(o.out, prop, "n/a", cfg.n_layers, records);
+  return 0;
+}
+
 int Main(const Options& o) {
   if (!CudaAvailable()) {
     std::printf("gpu_prefill_bench: no CUDA device; nothing measured\n");
     return 0;
   }
+  if (o.small_n) return SmallNMain(o);
   // The SPX_* kernel switches (docs/operations.md), read once.
   const CudaBackendOptions cuda_opts = CudaBackendOptionsFromEnv();
   auto be = Unwrap(CreateCudaBackend(0, cuda_opts), "CreateCudaBackend");
@@ -591,28 +891,7 @@ int Main(const Options& o) {
       be->Free(att);
     }
     auto decode = [&](int B, bool graph) {
-      std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
-      std::iota(all.begin(), all.end(), 0);
-      std::vector<double> times;
-      for (int t = 0; t < o.decode_steps; ++t) {
-        const int p = ctx + t;
-        std::vector<RowGroup> groups(B);
-        for (int b = 0; b < B; ++b) {
-          pos[b] = p;
-          wslots[b] = slots[b][p];
-          groups[b] = {b, b + 1, std::span<const int32_t>(slots[b].data(), p + 1)};
-        }
-        timer.Start();
-        LayerRows rows{pos, wslots, {}, groups};
-        std::vector<float> logits = Unwrap(runner->Forward(toks, rows, all, graph), "decode");
-        const double ms = timer.StopMs();
-        for (int b = 0; b < B; ++b) {
-          auto first = logits.begin() + static_cast<int64_t>(b) * cfg.vocab_size;
-          toks[b] = static_cast<int32_t>(std::max_element(first, first + cfg.vocab_size) - first);
-        }
-        if (t >= 3) times.push_back(ms);  // first steps warm up (and record, then capture)
-      }
-      return std::make_pair(Median(times), *std::min_element(times.begin(), times.end()));
+      return DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B, graph);
     };
     std::vector<int> batches = {1};
     if (o.decode_batch > 1) batches.push_back(o.decode_batch);
@@ -639,22 +918,7 @@ int Main(const Options& o) {
     }
   }
 
-  std::ofstream f(o.out);
-  f << "{\n  \"device\": \"" << prop.name << "\",\n  \"model\": \"synthetic:llama3-8b\",\n"
-    << "  \"dense_attention\": \"" << dense_attention << "\",\n"
-    << "  \"layers\": " << cfg.n_layers << ",\n  \"records\": [\n";
-  for (size_t i = 0; i < records.size(); ++i) {
-    const Record& r = records[i];
-    char buf[512];
-    std::snprintf(buf, sizeof buf,
-                  "    {\"case\": \"%s\", \"tokens\": %d, \"ms\": %.3f, \"min_ms\": %.3f, "
-                  "\"reps\": %d%s}%s\n",
-                  r.name.c_str(), r.tokens, r.ms, r.min_ms, r.reps, r.extra.c_str(),
-                  i + 1 < records.size() ? "," : "");
-    f << buf;
-  }
-  f << "  ]\n}\n";
-  std::printf("wrote %s\n", o.out.c_str());
+  WriteJson(o.out, prop, dense_attention, cfg.n_layers, records);
   return 0;
 }
 #else
@@ -694,13 +958,15 @@ int main(int argc, char** argv) {
       o.layers = std::atoi(next());
     } else if (a == "--no-micro") {
       o.micro = false;
+    } else if (a == "--small-n") {
+      o.small_n = true;
     } else if (a == "--out") {
       o.out = next();
     } else {
       std::fprintf(stderr,
                    "usage: gpu_prefill_bench [--lengths 2048,8192,16384,32768] [--reps 3] "
                    "[--warmup 1] [--decode-ctx 8192] [--decode-steps 32] [--decode-batch 32] [--layers N] "
-                   "[--no-micro] [--out file.json]\n");
+                   "[--no-micro] [--small-n] [--out file.json]\n");
       return 2;
     }
   }

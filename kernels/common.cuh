@@ -67,6 +67,10 @@ cudaError_t LaunchPdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
+// SiLU as the SwiGLU kernels compute it (ops.cu and the fused gate_up epilogue in gemm.cu share
+// it so their results are bit-identical).
+__device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

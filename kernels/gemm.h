@@ -55,13 +55,46 @@ class LtGemm {
 const char* CublasStatusName(cublasStatus_t s);
 
 // Weight-streaming GEMM for few rows (decode): out[n, m] = x[n, k] @ w[m, k]^T + beta * out.
-// Each warp owns two output features and streams their weight rows once with 16-byte loads;
-// x rows come through L1. fp32 accumulation. Supported when SmallNGemmSupported(...).
+// Weight rows are streamed once with 16-byte loads (evict-first); x rows come through L1; fp32
+// accumulation. Supported when SmallNGemmSupported(...).
 constexpr int kSmallNGemmMaxRows = 8;
+
+// How the warps cover the weight rows (docs/perf-notes.md v2, v8). The matrices of a decode
+// step are small enough (qkv, o: 50 and 34 MB) that the bytes each SM has in flight, not the
+// bandwidth, bound the v2 kernel; the later variants put more 16-byte loads in flight per warp
+// or split k over the warps of a block.
+enum class SmallNGemmVariant : int {
+  kAuto = -1,      // SmallNGemmAutoVariant(n, m, k)
+  kWarp2 = 0,      // v2: a warp per 2 output features, 4 warps per block, compiler-unrolled
+  kWarp2Deep = 1,  // a warp per 2 features, 8 loads per row issued before the first is used
+  kWarp4 = 2,      // a warp per 4 features, 4 loads per row in flight (x read once per 4)
+  kSplitK4 = 3,    // 4 warps share 4 features, each a quarter of k; sums meet in shared memory
+  kSplitK8 = 4,    // 8 warps share 4 features, each an eighth of k
+};
+constexpr int kSmallNGemmVariants = 5;
+// "warp2", "warp2-deep", "warp4", "splitk4", "splitk8" ("auto" for kAuto).
+const char* SmallNGemmVariantName(SmallNGemmVariant v);
+// The variant kAuto runs for a shape (m output features of k inputs, n rows). Variant 0 for
+// every shape until the others are measured on the GPU (gpu_prefill_bench --small-n).
+SmallNGemmVariant SmallNGemmAutoVariant(int64_t n, int64_t m, int64_t k);
+
 bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                          int64_t w_stride, int64_t n, int64_t k);
 cudaError_t SmallNGemm(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                        int64_t w_stride, __nv_bfloat16* out, int64_t out_stride, int64_t n,
-                       int64_t m, int64_t k, float beta, cudaStream_t stream);
+                       int64_t m, int64_t k, float beta, cudaStream_t stream,
+                       SmallNGemmVariant variant = SmallNGemmVariant::kAuto);
+
+// The MLP's gate_up projection with SwiGLU in its epilogue, for decode rows:
+//   out[r, j] = silu(x[r] . w[j]) * (x[r] . w[half + j])      j < half, r < n
+// w: [2*half, k] (the gate rows, then the up rows), out: [n, half]. The [n, 2*half]
+// intermediate is never written. Gate and up are rounded to bf16 before the product, as
+// SmallNGemm then SwiGlu (ops.h) round them, and each variant sums a feature in the same order
+// as SmallNGemm of that variant: the result is bit-identical to those two calls. Supported
+// when SmallNGemmSupported(x, x_stride, w, w_stride, n, k).
+cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                             int64_t w_stride, __nv_bfloat16* out, int64_t out_stride,
+                             int64_t n, int64_t half, int64_t k, cudaStream_t stream,
+                             SmallNGemmVariant variant = SmallNGemmVariant::kAuto);
 
 }  // namespace sparsex::kernels

@@ -165,7 +165,7 @@ __global__ void AddKernel(bf16* a, int64_t a_stride, const bf16* b, int64_t b_st
   }
 }
 
-__device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
+using detail::Silu;
 
 template <int VEC>
 __global__ void SwiGluKernel(const bf16* x, int64_t x_stride, bf16* out, int64_t out_stride,

@@ -9,6 +9,23 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   CudaBackendOptions o;
   const char* env = std::getenv("SPX_SMALL_N_GEMM");
   o.small_n_gemm = env == nullptr || std::string(env) != "0";
+  if (const char* v = std::getenv("SPX_SMALL_N_VARIANT")) {
+    static constexpr const char* kNames[] = {"warp2", "warp2-deep", "warp4", "splitk4",
+                                             "splitk8"};
+    const std::string s = v;
+    int chosen = -2;
+    if (s.empty() || s == "auto") chosen = -1;
+    for (int i = 0; i < 5; ++i) {
+      if (s == kNames[i] || s == std::to_string(i)) chosen = i;
+    }
+    if (chosen == -2) {
+      std::fprintf(stderr, "SPX_SMALL_N_VARIANT=%s is not one of auto, warp2, warp2-deep, "
+                   "warp4, splitk4, splitk8 or 0-4: automatic choice used\n", v);
+      chosen = -1;
+    }
+    o.small_n_variant = chosen;
+  }
+  if (const char* f = std::getenv("SPX_FUSED_SWIGLU")) o.fused_swiglu = std::string(f) != "0";
   if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
   if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) o.fused_residual = std::string(f) == "1";
   if (const char* im = std::getenv("SPX_ATTN_IMPL")) {
@@ -73,6 +90,15 @@ absl::Status Backend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) {
   ASSIGN_OR_RETURN(Tensor tmp, Alloc(out.rows, out.cols));
   absl::Status s = MatMul(x, w, tmp);
   if (s.ok()) s = Add(out, tmp);
+  Free(tmp);
+  return s;
+}
+
+absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) {
+  if (w.rows % 2 != 0) return absl::InvalidArgumentError("MatMulSwiGLU: odd gate_up rows");
+  ASSIGN_OR_RETURN(Tensor tmp, Alloc(x.rows, w.rows));
+  absl::Status s = MatMul(x, w, tmp);
+  if (s.ok()) s = SwiGLU(tmp, out);
   Free(tmp);
   return s;
 }

@@ -111,6 +111,16 @@ struct CudaBackendOptions {
   // Decode-sized matmuls on the weight-streaming small-n kernel; false sends them to cuBLASLt
   // (comparisons). SPX_SMALL_N_GEMM=0 sets false. Default: true
   bool small_n_gemm = true;
+  // Which small-n kernel (kernels::SmallNGemmVariant, kernels/gemm.h): 0 warp2 (the v2 kernel),
+  // 1 warp2-deep, 2 warp4, 3 splitk4, 4 splitk8; -1 the per-shape choice of
+  // kernels::SmallNGemmAutoVariant (variant 0 for every shape until the others are measured).
+  // SPX_SMALL_N_VARIANT=auto|warp2|warp2-deep|warp4|splitk4|splitk8 or the number. Default: -1
+  int small_n_variant = -1;
+  // Backend::MatMulSwiGLU on decode rows (at most kernels::kSmallNGemmMaxRows) as one kernel:
+  // the gate_up projection with SwiGLU in its epilogue, bit-identical to the small-n matmul
+  // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
+  // SPX_FUSED_SWIGLU=0 sets false. Default: true
+  bool fused_swiglu = true;
   // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
   // SPX_ATTN_WARPS. Default: 0
   int attn_warps = 0;
@@ -232,6 +242,11 @@ class Backend {
   }
   // out[:, j] = silu(x[:, j]) * x[:, j + half]   (x [n, 2*half], out [n, half])
   virtual absl::Status SwiGLU(const Tensor& x, Tensor& out) = 0;
+  // out = SwiGLU(x @ w^T)   (x [n, k], w [2*half, k]: gate rows then up rows, out [n, half]):
+  // the MLP's gate_up projection and activation as one operation, so a backend can skip the
+  // [n, 2*half] intermediate. Results equal MatMul then SwiGLU. Default: exactly that, through
+  // a temporary.
+  virtual absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out);
   // Rotates columns [col_offset, col_offset + n_heads*head_dim) of x in place, row i at pos[i].
   virtual absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads,
                             std::span<const int32_t> pos, const RopeParams& p) = 0;

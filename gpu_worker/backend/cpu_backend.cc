@@ -228,6 +228,30 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // The same dot products and the same expression as MatMul then SwiGLU, so results are
+  // bit-identical either way; no [n, 2*half] intermediate.
+  absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) override {
+    if (x.cols != w.cols) {
+      return absl::InvalidArgumentError(absl::StrCat("MatMulSwiGLU: inner dims ", x.cols,
+                                                     " vs ", w.cols));
+    }
+    if (w.rows % 2 != 0) return absl::InvalidArgumentError("MatMulSwiGLU: odd gate_up rows");
+    RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows / 2, "MatMulSwiGLU"));
+    const int64_t n = x.rows, h = out.cols, k = x.cols;
+    ParallelFor(h, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        const float* wg = F(w) + j * k;
+        const float* wu = F(w) + (h + j) * k;
+        for (int64_t i = 0; i < n; ++i) {
+          const float g = Dot(F(x) + i * k, wg, k);
+          const float u = Dot(F(x) + i * k, wu, k);
+          F(out)[i * h + j] = g / (1.0f + std::exp(-g)) * u;
+        }
+      }
+    }, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, n * k / 64)));
+    return absl::OkStatus();
+  }
+
   absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads, std::span<const int32_t> pos,
                     const RopeParams& p) override {
     if (static_cast<int64_t>(pos.size()) != x.rows) {

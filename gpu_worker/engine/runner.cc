@@ -162,10 +162,10 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
   if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
   RETURN_IF_ERROR(be_->AddRmsNorm(x, *o, w.ffn_norm, cfg_.rms_eps, *h));
-  ASSIGN_OR_RETURN(Tensor* gu, s.Get(n, 2 * static_cast<int64_t>(cfg_.ffn_dim)));
-  RETURN_IF_ERROR(be_->MatMul(*h, w.w_gate_up, *gu));
+  // gate_up and SwiGLU as one operation: the CUDA backend runs decode rows as one kernel that
+  // never writes the [n, 2*ffn] intermediate; other row counts and backends compute the same.
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
-  RETURN_IF_ERROR(be_->SwiGLU(*gu, *act));
+  RETURN_IF_ERROR(be_->MatMulSwiGLU(*h, w.w_gate_up, *act));
   if (comm_ == nullptr) return be_->MatMulAdd(*act, w.w_down, x);
   RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
   RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));

@@ -50,6 +50,38 @@ std::vector<int32_t> PrefillTwice(Engine& e, const Model& model, std::span<const
   return tok;
 }
 
+// The layer's gate_up + SwiGLU is one backend operation (Backend::MatMulSwiGLU); on the CPU
+// reference it must equal MatMul then SwiGLU bit for bit, so the engine's CPU path is unchanged.
+TEST(CpuBackend, MatMulSwiGLUEqualsMatMulThenSwiGLU) {
+  auto be = CreateCpuBackend();
+  ASSERT_TRUE(be.ok()) << be.status();
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  struct Shape {
+    int64_t n, half, k;
+  };
+  for (Shape s : {Shape{1, 172, 64}, Shape{8, 37, 200}, Shape{67, 512, 256}}) {
+    std::vector<float> xh(s.n * s.k), wh(2 * s.half * s.k);
+    for (float& v : xh) v = d(rng);
+    for (float& v : wh) v = d(rng) * 0.2f;
+    auto x = (*be)->Alloc(s.n, s.k), w = (*be)->Alloc(2 * s.half, s.k);
+    auto gu = (*be)->Alloc(s.n, 2 * s.half), a = (*be)->Alloc(s.n, s.half),
+         b = (*be)->Alloc(s.n, s.half);
+    ASSERT_TRUE(x.ok() && w.ok() && gu.ok() && a.ok() && b.ok());
+    ASSERT_TRUE((*be)->Upload(xh, *x).ok());
+    ASSERT_TRUE((*be)->Upload(wh, *w).ok());
+    ASSERT_TRUE((*be)->MatMulSwiGLU(*x, *w, *a).ok());
+    ASSERT_TRUE((*be)->MatMul(*x, *w, *gu).ok());
+    ASSERT_TRUE((*be)->SwiGLU(*gu, *b).ok());
+    std::vector<float> fa(s.n * s.half), fb(s.n * s.half);
+    ASSERT_TRUE((*be)->Download(*a, fa).ok());
+    ASSERT_TRUE((*be)->Download(*b, fb).ok());
+    EXPECT_EQ(fa, fb) << s.n << " x " << s.k << " -> " << s.half;
+    EXPECT_FALSE((*be)->MatMulSwiGLU(*x, *w, *gu).ok());  // out must be [n, half]
+    for (auto* t : {&*x, &*w, &*gu, &*a, &*b}) (*be)->Free(*t);
+  }
+}
+
 TEST(Engine, GreedyFromBosReproducesTheOracle) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);

@@ -5,9 +5,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -243,6 +245,141 @@ TEST_F(BackendConsistency, MatMulAddFoldsTheResidual) {
     Free(x);
     Free(w);
     Free(out);
+  }
+}
+
+// ---- decode matmuls: every small-n kernel variant, and gate_up + SwiGLU fused ----
+// Llama-3-8B's decode shapes plus small odd ones: feature counts that leave a block's (and a
+// fused group's) last features empty, k not a multiple of a warp's 256-element segment (and
+// below it: most split-k warps get nothing). Weights scaled like a model's (|w| < 1/sqrt(k)),
+// so the SwiGLU sees gate values around its bend.
+struct DecodeShape {
+  const char* name;
+  int64_t m, k;
+};
+constexpr DecodeShape kDecodeShapes[] = {{"qkv", 6144, 4096},     {"o", 4096, 4096},
+                                         {"gate_up", 28672, 4096}, {"down", 4096, 14336},
+                                         {"odd", 74, 200},         {"tiny", 6, 8}};
+constexpr int kDecodeRows[] = {1, 2, 8};
+constexpr int kVariants = 5;  // kernels::kSmallNGemmVariants (kernels/gemm.h)
+
+class DecodeMatMulConsistency : public BackendConsistency {
+ protected:
+  // A CUDA backend running decode matmuls on small-n variant v (-1: auto), SwiGLU fused or not.
+  std::unique_ptr<Backend> VariantBackend(int v, bool fused = true) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.small_n_gemm = true;
+    o.small_n_variant = v;
+    o.fused_swiglu = fused;
+    auto b = CreateBackend({.kind = "cuda", .cuda = o});
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? std::move(*b) : nullptr;
+  }
+  static Tensor Put(Backend& b, int64_t rows, int64_t cols, const std::vector<float>& host) {
+    auto t = b.Alloc(rows, cols);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (!t.ok()) return Tensor{};
+    EXPECT_TRUE(b.Upload(host, *t).ok());
+    return *t;
+  }
+  static std::vector<float> Poison(int64_t n) { return std::vector<float>(n, NAN); }
+};
+
+TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
+  std::vector<std::unique_ptr<Backend>> gpus;
+  for (int v = 0; v < kVariants; ++v) gpus.push_back(VariantBackend(v));
+  for (const auto& g : gpus) ASSERT_NE(g, nullptr);
+  CudaBackendOptions bad;
+  bad.small_n_variant = kVariants;
+  EXPECT_FALSE(CreateBackend({.kind = "cuda", .cuda = bad}).ok());
+  for (const DecodeShape& s : kDecodeShapes) {
+    const std::vector<float> xh = Rand(8 * s.k);
+    const std::vector<float> wh = Rand(s.m * s.k, 1.0f / std::sqrt(static_cast<float>(s.k)));
+    Tensor xc = Put(*cpu_, 8, s.k, xh), wc = Put(*cpu_, s.m, s.k, wh);
+    std::vector<std::vector<float>> ref;
+    for (int n : kDecodeRows) {
+      Tensor oc = Put(*cpu_, n, s.m, Poison(n * s.m));
+      ASSERT_TRUE(cpu_->MatMul(RowView(xc, 0, n), wc, oc).ok());
+      ref.push_back(Get(*cpu_, oc));
+      cpu_->Free(oc);
+    }
+    for (int v = 0; v < kVariants; ++v) {
+      Backend& g = *gpus[v];
+      Tensor xg = Put(g, 8, s.k, xh), wg = Put(g, s.m, s.k, wh);
+      for (size_t i = 0; i < std::size(kDecodeRows); ++i) {
+        const int n = kDecodeRows[i];
+        Tensor og = Put(g, n, s.m, Poison(n * s.m));
+        absl::Status st = g.MatMul(RowView(xg, 0, n), wg, og);
+        ASSERT_TRUE(st.ok()) << st;
+        EXPECT_LT(RelErr(Get(g, og), ref[i]), kTol)
+            << s.name << " " << s.m << "x" << s.k << ", rows " << n << ", variant " << v;
+        g.Free(og);
+      }
+      g.Free(xg);
+      g.Free(wg);
+    }
+    cpu_->Free(xc);
+    cpu_->Free(wc);
+  }
+}
+
+// MatMulSwiGLU: the fused kernel of every variant against the CPU, and bit-identical to the
+// same backend's MatMul then SwiGLU (its kernel sums each feature in that variant's order and
+// rounds gate and up to bf16 as the separate path stores them). Also the paths that do not
+// fuse: a backend with SPX_FUSED_SWIGLU=0 and more rows than the small-n kernel takes.
+TEST_F(DecodeMatMulConsistency, FusedGateUpSwiGluOnDecodeShapes) {
+  std::vector<std::unique_ptr<Backend>> gpus;
+  for (int v = 0; v < kVariants; ++v) gpus.push_back(VariantBackend(v));
+  gpus.push_back(VariantBackend(-1, /*fused=*/false));
+  for (const auto& g : gpus) ASSERT_NE(g, nullptr);
+  const DecodeShape shapes[] = {{"gate_up", 28672, 4096}, {"small gate_up", 1024, 256},
+                                {"odd", 74, 200}, {"tiny", 6, 8}};
+  for (const DecodeShape& s : shapes) {
+    const int64_t half = s.m / 2;
+    const int max_rows = 13;  // one past the small-n kernel's rows: the unfused fallback
+    const std::vector<float> xh = Rand(max_rows * s.k);
+    const std::vector<float> wh = Rand(s.m * s.k, 1.0f / std::sqrt(static_cast<float>(s.k)));
+    Tensor xc = Put(*cpu_, max_rows, s.k, xh), wc = Put(*cpu_, s.m, s.k, wh);
+    std::vector<int> rows(std::begin(kDecodeRows), std::end(kDecodeRows));
+    rows.push_back(max_rows);
+    std::vector<std::vector<float>> ref;
+    for (int n : rows) {
+      Tensor oc = Put(*cpu_, n, half, Poison(n * half));
+      ASSERT_TRUE(cpu_->MatMulSwiGLU(RowView(xc, 0, n), wc, oc).ok());
+      ref.push_back(Get(*cpu_, oc));
+      cpu_->Free(oc);
+    }
+    for (size_t v = 0; v < gpus.size(); ++v) {
+      Backend& g = *gpus[v];
+      const std::string what = std::string(s.name) + (v < kVariants ? ", variant " +
+                               std::to_string(v) : ", not fused");
+      Tensor xg = Put(g, max_rows, s.k, xh), wg = Put(g, s.m, s.k, wh);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const int n = rows[i];
+        const Tensor xn = RowView(xg, 0, n);
+        Tensor fused = Put(g, n, half, Poison(n * half));
+        Tensor gu = Put(g, n, s.m, Poison(n * s.m));
+        Tensor sep = Put(g, n, half, Poison(n * half));
+        absl::Status st = g.MatMulSwiGLU(xn, wg, fused);
+        ASSERT_TRUE(st.ok()) << st;
+        ASSERT_TRUE(g.MatMul(xn, wg, gu).ok());
+        ASSERT_TRUE(g.SwiGLU(gu, sep).ok());
+        const std::vector<float> f = Get(g, fused);
+        EXPECT_LT(RelErr(f, ref[i]), kTol) << what << ", rows " << n;
+        EXPECT_TRUE(f == Get(g, sep)) << what << ", rows " << n
+                                      << ": fused differs from MatMul then SwiGLU";
+        g.Free(fused);
+        g.Free(gu);
+        g.Free(sep);
+      }
+      Tensor bad = Put(g, 1, half + 1, Poison(half + 1));
+      EXPECT_FALSE(g.MatMulSwiGLU(RowView(xg, 0, 1), wg, bad).ok());
+      g.Free(bad);
+      g.Free(xg);
+      g.Free(wg);
+    }
+    cpu_->Free(xc);
+    cpu_->Free(wc);
   }
 }
 

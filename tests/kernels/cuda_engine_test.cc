@@ -371,5 +371,32 @@ TEST(CudaGraphs, GraphDecodeMatchesPlainLaunches) {
   EXPECT_GE(same_top, static_cast<int>(lw.size()) * 9 / 10);
 }
 
+// The decode steps' gate_up + SwiGLU as one kernel (CudaBackendOptions::fused_swiglu, the
+// default) against the two kernels, for every small-n variant: the same tokens and
+// bit-identical logits through recorded and replayed graphs.
+TEST(CudaGraphs, FusedSwiGluDecodeEqualsSeparateKernels) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device in this process";
+  auto model = Small();
+  ASSERT_NE(model, nullptr);
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(70, 6), Prompt(9, 7), Prompt(33, 8)};
+  for (int variant = 0; variant < 5; ++variant) {
+    std::vector<std::vector<int32_t>> tokens[2];
+    std::vector<std::vector<float>> logits[2];
+    for (int fused = 0; fused < 2; ++fused) {
+      EngineOptions go;
+      go.backend.kind = "cuda";
+      go.backend.cuda.small_n_variant = variant;
+      go.backend.cuda.fused_swiglu = fused == 1;
+      go.kv.enable_prefix_caching = false;
+      auto e = Engine::Create(*model, go);
+      ASSERT_TRUE(e.ok()) << e.status();
+      tokens[fused] = BatchedDecode(**e, prompts, 20, nullptr, &logits[fused]);
+      EXPECT_GT((*e)->runner().backend().graph_stats().replayed, 10);
+    }
+    EXPECT_EQ(tokens[0], tokens[1]) << "variant " << variant;
+    EXPECT_TRUE(logits[0] == logits[1]) << "variant " << variant;
+  }
+}
+
 }  // namespace
 }  // namespace sparsex

@@ -44,6 +44,10 @@ CudaBackend::~CudaBackend() {
 }
 
 absl::Status CudaBackend::Init() {
+  if (options_.small_n_variant < -1 || options_.small_n_variant >= kernels::kSmallNGemmVariants) {
+    return absl::InvalidArgumentError(absl::StrCat("small_n_variant ", options_.small_n_variant,
+                                                   ": not -1 (auto) or a kernel variant"));
+  }
   CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
   CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking),
@@ -451,9 +455,10 @@ absl::Status CudaBackend::Gemm(const Tensor& x, const Tensor& w, Tensor& out, fl
   if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
   if (options_.small_n_gemm &&
       kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
+    const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);
     return Run("MatMul (small n)", [=, this] {
       return kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
-                                 x.cols, beta, stream_);
+                                 x.cols, beta, stream_, variant);
     }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols, beta);
   }
   // cuBLASLt reports a status of its own: a failed launch is mapped onto a CUDA error for the
@@ -508,6 +513,30 @@ absl::Status CudaBackend::SwiGLU(const Tensor& x, Tensor& out) {
   return Run("SwiGLU", [=, this] {
     return kernels::SwiGlu(B(x), x.cols, B(out), out.cols, x.rows, out.cols, stream_);
   }, x.data, x.rows, x.cols, out.data, out.cols);
+}
+
+// Decode rows: one kernel, the small-n matmul with SwiGLU in its epilogue (bit-identical to
+// MatMul then SwiGLU with the same variant). Otherwise those two through a temporary.
+absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) {
+  RETURN_IF_ERROR(CheckBf16(x, "MatMulSwiGLU x"));
+  RETURN_IF_ERROR(CheckBf16(w, "MatMulSwiGLU w"));
+  RETURN_IF_ERROR(CheckBf16(out, "MatMulSwiGLU out"));
+  if (x.cols != w.cols) {
+    return absl::InvalidArgumentError(absl::StrCat("MatMulSwiGLU: inner dims ", x.cols, " vs ",
+                                                   w.cols));
+  }
+  if (w.rows % 2 != 0) return absl::InvalidArgumentError("MatMulSwiGLU: odd gate_up rows");
+  RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows / 2, "MatMulSwiGLU"));
+  if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
+  if (!options_.fused_swiglu || !options_.small_n_gemm ||
+      !kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
+    return Backend::MatMulSwiGLU(x, w, out);
+  }
+  const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);
+  return Run("MatMulSwiGLU (small n)", [=, this] {
+    return kernels::SmallNGemmSwiGlu(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
+                                     out.cols, x.cols, stream_, variant);
+  }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
 }
 
 absl::Status CudaBackend::Rope(Tensor& x, int64_t col_offset, int n_heads,

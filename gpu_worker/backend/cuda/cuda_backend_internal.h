@@ -97,6 +97,7 @@ class CudaBackend final : public Backend {
   absl::Status AddRmsNorm(Tensor& x, const Tensor& b, const Tensor& w, float eps,
                           Tensor& out) override;
   absl::Status SwiGLU(const Tensor& x, Tensor& out) override;
+  absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) override;
   absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads, std::span<const int32_t> pos,
                     const RopeParams& p) override;
   absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
