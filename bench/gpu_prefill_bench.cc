@@ -219,7 +219,7 @@ void Check(cudaError_t e, const char* what) {
 // --small-n: the decode matmuls alone (issue 15, docs/perf-notes.md v8). For every small-n
 // kernel variant (and cuBLASLt), every decode shape and 1, 2, 4, 8 rows: time per call and
 // TB/s of weight bytes; the gate_up projection with SwiGLU fused against the two kernels; then
-// whole decode steps (batch 1 and min(--decode-batch, 8)) per backend configuration: the
+// whole decode steps (batch 1, 2, 4, ... up to min(--decode-batch, 8)) per configuration: the
 // environment's, with SPX_FUSED_SWIGLU flipped, and each variant. Calls run back to back (the
 // next one's blocks start under the previous one with PDL, as in a decode step) over copies of
 // each weight matrix, 512 MiB in all, so no call finds its weights in the 50 MB L2.
@@ -378,9 +378,10 @@ int SmallNMain(const Options& o) {
   // sequences reading whatever their blocks hold (the cost does not depend on it).
   if (o.decode_steps > 3) {
     const int bs = 16, ctx = o.decode_ctx;
+    // 1, 2, 4, ... up to the small-n kernel's row limit: the auto policy switches at 2 rows.
     std::vector<int> batches = {1};
     const int big = std::min(o.decode_batch, kernels::kSmallNGemmMaxRows);
-    if (big > 1) batches.push_back(big);
+    for (int b = 2; b <= big; b *= 2) batches.push_back(b);
     int num_blocks = 0;
     const auto slots = DecodeSlots(batches.back(), ctx, o.decode_steps, bs, &num_blocks);
     struct Config {
@@ -390,6 +391,8 @@ int SmallNMain(const Options& o) {
     std::vector<Config> configs = {{"environment", env}};
     configs.push_back({env.fused_swiglu ? "SPX_FUSED_SWIGLU=0" : "SPX_FUSED_SWIGLU=1", env});
     configs.back().opts.fused_swiglu = !env.fused_swiglu;
+    configs.push_back({"SPX_SMALL_N_GEMM=0 (cuBLASLt)", env});
+    configs.back().opts.small_n_gemm = false;
     for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
       configs.push_back({std::string("SPX_SMALL_N_VARIANT=") +
                              kernels::SmallNGemmVariantName(static_cast<SmallNGemmVariant>(v)),

@@ -433,11 +433,22 @@ const char* SmallNGemmVariantName(SmallNGemmVariant v) {
   return "unknown";
 }
 
+// H200, gpu_prefill_bench --small-n (perf-notes v8), us per call at 1 row, best small-n vs
+// cuBLASLt: qkv 6144x4096 16.2 (splitk8) vs 17.6; o 4096x4096 11.3 (splitk4) vs 13.4; gate_up
+// 28672x4096 61.4 (splitk8) vs 60.1 + a separate SwiGLU; down 4096x14336 34.6 vs 32.8;
+// lm_head 128256x4096 263 vs 248. At 2 rows only o is level (13.2 vs 13.3); from 4 rows
+// cuBLASLt wins every shape, by up to 2.6x at 8 rows (down 33 vs 85 us).
+constexpr int64_t kSmallNSquare = int64_t{4096} * 4096;
+
 SmallNGemmVariant SmallNGemmAutoVariant(int64_t n, int64_t m, int64_t k) {
   (void)n;
-  (void)m;
-  (void)k;
-  return SmallNGemmVariant::kWarp2;
+  return m * k <= kSmallNSquare ? SmallNGemmVariant::kSplitK4 : SmallNGemmVariant::kSplitK8;
+}
+
+bool SmallNGemmPreferred(int64_t n, int64_t m, int64_t k) {
+  if (n == 1) return m <= 65536 && k <= 8192;
+  if (n == 2) return m * k <= kSmallNSquare;
+  return false;
 }
 
 bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,

@@ -74,9 +74,15 @@ enum class SmallNGemmVariant : int {
 constexpr int kSmallNGemmVariants = 5;
 // "warp2", "warp2-deep", "warp4", "splitk4", "splitk8" ("auto" for kAuto).
 const char* SmallNGemmVariantName(SmallNGemmVariant v);
-// The variant kAuto runs for a shape (m output features of k inputs, n rows). Variant 0 for
-// every shape until the others are measured on the GPU (gpu_prefill_bench --small-n).
+// The variant kAuto runs for a shape (m output features of k inputs, n rows), from the H200
+// measurement of every variant per Llama-3-8B decode shape (docs/perf-notes.md v8):
+// splitk4 up to 4096 x 4096 weights, splitk8 above.
 SmallNGemmVariant SmallNGemmAutoVariant(int64_t n, int64_t m, int64_t k);
+// Whether the small-n kernel (at its auto variant) beats cuBLASLt for the shape, from the same
+// measurement: only at 1 row (except very wide outputs, lm_head, or long k, down) and at 2
+// rows up to 4096 x 4096 weights. At 4-8 rows cuBLASLt streams the weights once for all rows
+// at 3.5-3.9 TB/s while the small-n variants fall to 1.2-2.5 TB/s.
+bool SmallNGemmPreferred(int64_t n, int64_t m, int64_t k);
 
 bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                          int64_t w_stride, int64_t n, int64_t k);

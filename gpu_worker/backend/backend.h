@@ -112,8 +112,10 @@ struct CudaBackendOptions {
   // (comparisons). SPX_SMALL_N_GEMM=0 sets false. Default: true
   bool small_n_gemm = true;
   // Which small-n kernel (kernels::SmallNGemmVariant, kernels/gemm.h): 0 warp2 (the v2 kernel),
-  // 1 warp2-deep, 2 warp4, 3 splitk4, 4 splitk8; -1 the per-shape choice of
-  // kernels::SmallNGemmAutoVariant (variant 0 for every shape until the others are measured).
+  // 1 warp2-deep, 2 warp4, 3 splitk4, 4 splitk8, each for every supported shape (comparisons);
+  // -1 the measured per-shape choice: the small-n kernel only where it beats cuBLASLt
+  // (kernels::SmallNGemmPreferred: 1 row, and 2 rows of small weights) at the variant of
+  // kernels::SmallNGemmAutoVariant, cuBLASLt elsewhere.
   // SPX_SMALL_N_VARIANT=auto|warp2|warp2-deep|warp4|splitk4|splitk8 or the number. Default: -1
   int small_n_variant = -1;
   // Backend::MatMulSwiGLU on decode rows (at most kernels::kSmallNGemmMaxRows) as one kernel:

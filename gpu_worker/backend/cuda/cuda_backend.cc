@@ -442,6 +442,17 @@ absl::Status CudaBackend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& ou
   return Gemm(x, w, out, 1.0f);
 }
 
+// The small-n kernel for x @ w^T when it is on and supports the operands; at the auto
+// variant only for the shapes where it beats cuBLASLt (kernels::SmallNGemmPreferred), a
+// variant chosen explicitly (SPX_SMALL_N_VARIANT) for every supported shape (comparisons).
+bool CudaBackend::UseSmallN(const Tensor& x, const Tensor& w, int64_t m) const {
+  if (!options_.small_n_gemm ||
+      !kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
+    return false;
+  }
+  return options_.small_n_variant >= 0 || kernels::SmallNGemmPreferred(x.rows, m, x.cols);
+}
+
 // out = x @ w^T + beta * out (beta = 1: the residual add in the GEMM epilogue).
 absl::Status CudaBackend::Gemm(const Tensor& x, const Tensor& w, Tensor& out, float beta) {
   RETURN_IF_ERROR(CheckBf16(x, "MatMul x"));
@@ -453,8 +464,7 @@ absl::Status CudaBackend::Gemm(const Tensor& x, const Tensor& w, Tensor& out, fl
   }
   RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows, "MatMul"));
   if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
-  if (options_.small_n_gemm &&
-      kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
+  if (UseSmallN(x, w, w.rows)) {
     const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);
     return Run("MatMul (small n)", [=, this] {
       return kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
@@ -528,8 +538,7 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
   if (w.rows % 2 != 0) return absl::InvalidArgumentError("MatMulSwiGLU: odd gate_up rows");
   RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows / 2, "MatMulSwiGLU"));
   if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
-  if (!options_.fused_swiglu || !options_.small_n_gemm ||
-      !kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
+  if (!options_.fused_swiglu || !UseSmallN(x, w, w.rows)) {
     return Backend::MatMulSwiGLU(x, w, out);
   }
   const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);

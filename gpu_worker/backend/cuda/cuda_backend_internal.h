@@ -130,6 +130,7 @@ class CudaBackend final : public Backend {
   // ---- op helpers (cuda_backend.cc) ----
   // out = x @ w^T + beta * out (beta = 1: the residual add in the GEMM epilogue).
   absl::Status Gemm(const Tensor& x, const Tensor& w, Tensor& out, float beta);
+  bool UseSmallN(const Tensor& x, const Tensor& w, int64_t m) const;
   absl::Status CheckLayer(const KvPool& pool, int layer);
   kernels::KvPoolView View(const KvPool& pool, int layer);
   absl::StatusOr<const float*> RopeTable(const RopeParams& p);
