@@ -46,6 +46,8 @@
 #   SPX_STEADY_CACHE_DISK   4G                   4M        its disk tier (RocksDB) bound
 #   SPX_STEADY_WORKER_ARGS  ""                             extra sparsex-worker flags (win)
 #   SPX_STEADY_LOADGEN_ARGS ""                             extra loadgen flags (win)
+#   SPX_STEADY_ORACLE_DOCS  device tier's docs,pool/2  ""  k list: flatness of a cache always
+#                                                holding the k most popular documents
 # The worker runs with --gate 0: on random weights the correctness gate's replays disagree
 # with any reuse and would disable it (docs/benchmarks.md, "The correctness gate on random
 # weights"). A CPU smoke run of the script with a local build:
@@ -78,6 +80,9 @@ MAX_TOKENS=${SPX_STEADY_MAX_TOKENS:-4}
 KV_BLOCKS=${SPX_STEADY_KV_BLOCKS:-$(pick 4096 1024)}
 DEVICE_MB=${SPX_STEADY_DEVICE_MB:-$(pick 3000 0)}
 HOST_MB=${SPX_STEADY_HOST_MB:-$(pick 6000 4)}
+# The oracle's sizes (steady_windows.py --oracle_docs): the documents the device tier holds
+# (Llama-3-8B: 128 KiB of bf16 K/V per token) and half the pool.
+ORACLE_DOCS=${SPX_STEADY_ORACLE_DOCS:-$(pick "$((DEVICE_MB * 8 / DOC_TOKENS)),$((${SPX_STEADY_POOL:-64} / 2))" "")}
 CACHES=${SPX_STEADY_CACHE_SERVERS:-1}
 CACHE_MEMORY=${SPX_STEADY_CACHE_MEMORY:-$(pick 4G 4M)}
 CACHE_DISK=${SPX_STEADY_CACHE_DISK:-$(pick 4G 4M)}
@@ -165,7 +170,7 @@ stamp "cluster down; analysis"
 python3 "$ROOT/bench/gpu/steady_windows.py" analyze --records "$OUT/steady_records.jsonl" \
   --memory "$OUT/steady_memory.jsonl" --orderings "$OUT/steady_orderings.txt" --t0 "$LG_T0" \
   --window "$WINDOW" --min_requests "$REQS" --host_bound $((HOST_MB << 20)) \
-  --device_bound $((DEVICE_MB << 20)) --out "$OUT/steady.json" 2>&1 | tee -a "$LOG"
+  --device_bound $((DEVICE_MB << 20)) --oracle_docs "$ORACLE_DOCS" --out "$OUT/steady.json" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 stamp "done (analysis exit $rc)"
 exit "$rc"

@@ -221,6 +221,30 @@ def cmd_analyze(a):
                     "distinct_document_sets": len(set(frozenset(o) for o in sent)),
                     "documents_used": len(set(d for o in sent for d in o))}
 
+    # The workload's own spread: a cache that always held the k documents most popular over the
+    # whole run (an oracle no online policy beats on average) hits, per window, the share of the
+    # window's document draws that fall on them. Its worst/best window says how flat any cache
+    # of k documents can be on this request stream: Zipf draws of 100 requests vary by window.
+    oracle = None
+    if orders and a.oracle_docs:
+        sent_ids = [r["index"] for r in recs if r.get("index") in orders]
+        pop = {}
+        for i in sent_ids:
+            for d in orders[i]:
+                pop[d] = pop.get(d, 0) + 1
+        ranked = sorted(pop, key=lambda d: (-pop[d], d))
+        oracle = []
+        for k in (int(x) for x in a.oracle_docs.split(",") if x):
+            top = set(ranked[:k])
+            shares = []
+            for w in range(n_win):
+                ids = [r.get("index") for r in recs[w * a.window:(w + 1) * a.window]]
+                draws = [d for i in ids if i in orders for d in orders[i]]
+                shares.append(sum(d in top for d in draws) / len(draws) if draws else None)
+            aft = [x for w, x in zip(windows[1:], shares[1:]) if w["full"] and x is not None]
+            oracle.append({"docs": k, "window_draw_share": shares,
+                           "worst_over_best": min(aft) / max(aft) if aft and max(aft) else None})
+
     # Memory against bounds. The device tier's bytes are checked when the worker exports them
     # (sparsex_worker_kv_bytes{tier="device"}); GPU memory (nvidia-smi) is reported beside them:
     # its growth after start-up includes the device tier and the transient prefill buffers.
@@ -269,7 +293,7 @@ def cmd_analyze(a):
         "after_warmup": {"windows": len(after), "best_reused_share": best,
                          "worst_reused_share": worst, "worst_over_best": ratio,
                          "threshold": a.flat},
-        "orderings": ord_info, "memory": memory, "checks": checks,
+        "orderings": ord_info, "oracle": oracle, "memory": memory, "checks": checks,
         "pass": all(checks.values()) if checks else False,
     }
     if a.out:
@@ -292,6 +316,10 @@ def cmd_analyze(a):
           f"p99 {f2(total['ttft_p99_ms'], '.1f')} ms")
     print(f"after warm-up: worst/best window {f2(ratio, '.3f')} (worst {f2(worst, '.3f')}, best "
           f"{f2(best, '.3f')}; threshold {a.flat})")
+    for o in oracle or []:
+        print(f"oracle holding the {o['docs']} most popular documents: window draw shares "
+              + " ".join(f2(x, '.3f') for x in o["window_draw_share"])
+              + f"; worst/best after warm-up {f2(o['worst_over_best'], '.3f')}")
     if ord_info:
         print(f"orderings: {ord_info['distinct_orderings']} distinct of {ord_info['requests']} "
               f"({ord_info['requests_with_a_repeated_ordering']} requests share an ordering with "
@@ -328,6 +356,9 @@ def main():
     z.add_argument("--orderings", help="sparsex-loadgen --dry_run output of the same workload")
     z.add_argument("--t0", type=float, default=0.0, help="wall time the load generator started")
     z.add_argument("--window", type=int, default=100)
+    z.add_argument("--oracle_docs", default="",
+                   help="comma-separated k: the flatness of a cache always holding the k most "
+                        "popular documents (the workload's own spread), e.g. what each tier holds")
     z.add_argument("--flat", type=float, default=0.9, help="worst / best window must reach this")
     z.add_argument("--min_requests", type=int, default=1000)
     z.add_argument("--host_bound", type=float, default=0, help="host store bound, bytes")
