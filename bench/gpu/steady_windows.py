@@ -234,7 +234,7 @@ def cmd_analyze(a):
                 pop[d] = pop.get(d, 0) + 1
         ranked = sorted(pop, key=lambda d: (-pop[d], d))
         oracle = []
-        for k in (int(x) for x in a.oracle_docs.split(",") if x):
+        for k in sorted({int(x) for x in a.oracle_docs.split(",") if x}):
             top = set(ranked[:k])
             shares = []
             for w in range(n_win):
