@@ -161,16 +161,4 @@ SegmentStoreStats SegmentStore::stats() const {
   return stats_;
 }
 
-bool SegmentStore::CorruptForTest(const Hash128& fp) {
-  std::lock_guard<std::mutex> l(mu_);
-  auto it = map_.find(fp);
-  if (it == map_.end() || it->second.kv->k.empty() || it->second.kv->k[0].empty()) return false;
-  float& x = it->second.kv->k[0][0];
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u ^= 0x00400000u;
-  std::memcpy(&x, &u, 4);
-  return true;
-}
-
 }  // namespace sparsex

@@ -54,8 +54,6 @@ class SegmentStore {
   bool Verify(const Hash128& fp);
   void Erase(const Hash128& fp);
   SegmentStoreStats stats() const;
-  // Test hook for fault injection: flips one byte of a stored block.
-  bool CorruptForTest(const Hash128& fp);
 
  private:
   struct Entry {

@@ -9,6 +9,7 @@
 #include "tests/gpu_worker/engine_group_util.h"
 #include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
+#include "tests/gpu_worker/segment_faults.h"
 
 namespace sparsex {
 namespace {
@@ -182,7 +183,7 @@ TEST(EngineGroup, ReusePrefillKeepsRankStoresInStep) {
   // recomputed by every rank alike (no divergence, no hang).
   const Hash128 fp1 = (*g)->reuse().Fingerprint(segs[1].tokens, "none");
   ASSERT_TRUE(s2[0]->Contains(fp1) && s2[1]->Contains(fp1));
-  ASSERT_TRUE(s2[1]->CorruptForTest(fp1));
+  ASSERT_TRUE(testing::CorruptStoredSegment(*s2[1], fp1));
   auto c = (*g)->ReusePrefill(swapped);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(s2[1]->stats().corrupt, 1);

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "tests/gpu_worker/test_util.h"
+#include "tests/gpu_worker/segment_faults.h"
 
 namespace sparsex {
 namespace {
@@ -432,8 +433,8 @@ TEST_F(ReuseTest, CorruptStoredSegmentIsAMissAndRecomputed) {
   std::vector<int32_t> a = Enc(kDocA), b = Enc(kDocB);
   ASSERT_TRUE(reuse_->EnsureStored(a).ok());
   ASSERT_TRUE(reuse_->EnsureStored(b).ok());
-  ASSERT_TRUE(store_->CorruptForTest(reuse_->Fingerprint(a, "none")));
-  ASSERT_TRUE(store_->CorruptForTest(reuse_->Fingerprint(b, "none")));
+  ASSERT_TRUE(testing::CorruptStoredSegment(*store_, reuse_->Fingerprint(a, "none")));
+  ASSERT_TRUE(testing::CorruptStoredSegment(*store_, reuse_->Fingerprint(b, "none")));
   std::vector<PromptSegment> segs = {{a}, {b}, {Enc(kQ), false}};
   ReuseOptions o;
   o.store_new_segments = false;

@@ -6,6 +6,7 @@
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/selector.h"
 #include "gtest/gtest.h"
+#include "tests/gpu_worker/segment_faults.h"
 
 namespace sparsex {
 namespace {
@@ -264,7 +265,7 @@ TEST(SegmentStore, CapacityLruAndChecksums) {
   EXPECT_EQ(got->k[1][5], 4.0f);
   EXPECT_EQ(got->v[0][0], -4.0f);
   // Corruption: detected on use, reported as a miss, entry dropped.
-  ASSERT_TRUE(store.CorruptForTest(c));
+  ASSERT_TRUE(testing::CorruptStoredSegment(store, c));
   EXPECT_EQ(store.Get(c), nullptr);
   EXPECT_EQ(store.stats().corrupt, 1);
   EXPECT_FALSE(store.Contains(c));
