@@ -1,7 +1,8 @@
 // sparsex-fetch-bench: where a worker's cache-cluster fetch spends its time, on this machine.
 //
 //   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
-//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 512] [--wire_dtype f32|bf16] [--json OUT.json]
+//       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 512] [--wire_dtype f32|bf16]
+//       [--arena_mb N] [--json OUT.json]
 //
 // Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
 // given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
@@ -59,7 +60,10 @@ int Run(const Args& a) {
   const std::string tls = a.Get("ucx_tls", "");
   const uint64_t layer_bytes = static_cast<uint64_t>(tokens) * kv_dim * 2 * sizeof(float);
   const uint64_t total = layer_bytes * layers * segments;
-  const uint64_t arena = total + total / 8 + (256ull << 20);
+  // The server's arena: every segment with room to spare, or --arena_mb (the cluster run of
+  // bench/gpu/fetch.sh gives its cache server 32 GB: a larger arena than the bytes it holds).
+  const uint64_t arena_mb = a.U("arena_mb", 0);
+  const uint64_t arena = arena_mb ? arena_mb << 20 : total + total / 8 + (256ull << 20);
 
   const std::string dir = sparsex::cache::testing::MakeTempDir("sparsex-fetch-bench-");
   std::vector<std::string> env;
@@ -132,8 +136,9 @@ int Run(const Args& a) {
   if (const std::string path = a.Get("json", ""); !path.empty()) {
     std::ofstream out(path);
     out << absl::StrFormat("{\"segments\": %d, \"tokens\": %d, \"layers\": %d, \"kv_dim\": %d, "
-                           "\"ucx_tls\": \"%s\", \"wire_dtype\": \"%s\", \"fetches\": [\n%s\n]}\n",
-                           segments, tokens, layers, kv_dim, tls, t.wire_dtype, records);
+                           "\"ucx_tls\": \"%s\", \"wire_dtype\": \"%s\", \"arena_bytes\": %d, "
+                           "\"fetches\": [\n%s\n]}\n",
+                           segments, tokens, layers, kv_dim, tls, t.wire_dtype, arena, records);
   }
   return 0;
 }

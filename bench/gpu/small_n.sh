@@ -9,6 +9,8 @@
 # Writes to $OUT: small_n.log, small_n_tests.log, small_n.json, fetch_bench_{default,shm}.json.
 #
 #   OUT=/tmp/out bench/gpu/small_n.sh      # SPX_SKIP_FETCH=1 skips the fetch bench
+# The cross-worker run's shape (8 segments, a 32 GB arena): SPX_FETCH_SEGMENTS=8
+# SPX_FETCH_BENCH_ARGS="--arena_mb 32768".
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/spx-small-n-out}
@@ -39,7 +41,7 @@ if [ "${SPX_SKIP_FETCH:-0}" != 1 ]; then
     arg=""; [ "$tls" = shm ] && arg="--ucx_tls sysv,posix,self"
     stamp "sparsex-fetch-bench ($tls transports)"
     timeout 150 "$SPX/bin/sparsex-fetch-bench" --segments ${SPX_FETCH_SEGMENTS:-4} --iters 2 \
-      --wire_dtype bf16 $arg --json "$OUT/fetch_bench_$tls.json" >>"$LOG" 2>&1
+      --wire_dtype bf16 $arg ${SPX_FETCH_BENCH_ARGS:-} --json "$OUT/fetch_bench_$tls.json" >>"$LOG" 2>&1
     stamp "sparsex-fetch-bench exit $?"
   done
 fi
