@@ -220,9 +220,10 @@ void Check(cudaError_t e, const char* what) {
 // kernel variant (and cuBLASLt), every decode shape and 1, 2, 4, 8 rows: time per call and
 // TB/s of weight bytes; the gate_up projection with SwiGLU fused against the two kernels; then
 // whole decode steps (batch 1, 2, 4, ... up to min(--decode-batch, 8)) per configuration: the
-// environment's, with SPX_FUSED_SWIGLU flipped, and each variant. Calls run back to back (the
-// next one's blocks start under the previous one with PDL, as in a decode step) over copies of
-// each weight matrix, 512 MiB in all, so no call finds its weights in the 50 MB L2.
+// environment's, with SPX_FUSED_SWIGLU flipped, cuBLASLt only, SPX_FUSED_RESIDUAL flipped, and
+// each variant. Calls run back to back (the next one's blocks start under the previous one with
+// PDL, as in a decode step) over copies of each weight matrix, 512 MiB in all, so no call finds
+// its weights in the 50 MB L2.
 int SmallNMain(const Options& o) {
   const CudaBackendOptions env = CudaBackendOptionsFromEnv();
   cudaDeviceProp prop{};
@@ -393,6 +394,10 @@ int SmallNMain(const Options& o) {
     configs.back().opts.fused_swiglu = !env.fused_swiglu;
     configs.push_back({"SPX_SMALL_N_GEMM=0 (cuBLASLt)", env});
     configs.back().opts.small_n_gemm = false;
+    // The down projection's residual add in the matmul's epilogue (beta = 1): one launch fewer
+    // per layer, measured ~1% at prefill sizes before the decode step's launches were counted.
+    configs.push_back({env.fused_residual ? "SPX_FUSED_RESIDUAL=0" : "SPX_FUSED_RESIDUAL=1", env});
+    configs.back().opts.fused_residual = !env.fused_residual;
     for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
       configs.push_back({std::string("SPX_SMALL_N_VARIANT=") +
                              kernels::SmallNGemmVariantName(static_cast<SmallNGemmVariant>(v)),
