@@ -2,7 +2,7 @@
 //
 //   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
 //       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 512] [--wire_dtype f32|bf16]
-//       [--arena_mb N] [--json OUT.json]
+//       [--arena_mb N] [--dead_peers N] [--json OUT.json]
 //
 // Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
 // given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
@@ -11,12 +11,18 @@
 // fetch path (blocks travel as --wire_dtype: f32, or bf16 as a CUDA worker writes them), and
 // prints each fetch's phases (FetchOutcome::phases: lookup, lock, transfer,
 // decode, put) and GB/s. The server's arena holds every segment (no disk promotion).
+// --dead_peers N first starts N other fetchers (this binary, --peer mode: each connects and
+// fetches every segment once), then kills them with SIGKILL before the measured fetches, as
+// bench/gpu/fetch.sh kills worker A before worker B fetches: whether a dead peer's endpoints
+// slow the cache server's data plane for the others.
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -51,7 +57,37 @@ SegmentKv MakeSegment(int tokens, int layers, int kv_dim, float base) {
   return kv;
 }
 
+// --peer ADDR: connect, fetch the segments once, write --ready, then wait to be killed.
+int Peer(const Args& a) {
+  const int segments = static_cast<int>(a.U("segments", 2));
+  const int tokens = static_cast<int>(a.U("tokens", 4064));
+  const int layers = static_cast<int>(a.U("layers", 32));
+  const int kv_dim = static_cast<int>(a.U("kv_dim", 1024));
+  ClusterTierOptions t;
+  t.servers = {a.Get("peer", "")};
+  t.ucx_tls = a.Get("ucx_tls", "");
+  t.fetch_batch_bytes = a.U("fetch_batch_mb", 512) << 20;
+  auto tier = ClusterKvTier::Connect(t, Hash128{0x5eed, 8}, layers, kv_dim);
+  if (!tier.ok()) {
+    std::fprintf(stderr, "peer connect: %s\n", tier.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<SegmentRef> refs;
+  for (int s = 0; s < segments; ++s) refs.push_back({Hash128{0xfe7c4, uint64_t(s + 1)}, tokens});
+  SegmentStoreOptions so;
+  so.capacity_bytes = uint64_t(2) * tokens * kv_dim * sizeof(float) * layers * segments +
+                      (64ull << 20);
+  SegmentStore store(so);
+  FetchOutcome f = (*tier)->FetchMissing(refs, &store);
+  std::printf("peer: fetched %d of %d segments\n", f.fetched, segments);
+  std::fflush(stdout);
+  std::ofstream(a.Get("ready", "")) << f.fetched << "\n";
+  std::this_thread::sleep_for(std::chrono::minutes(10));  // killed long before
+  return 0;
+}
+
 int Run(const Args& a) {
+  if (!a.Get("peer", "").empty()) return Peer(a);
   const int segments = static_cast<int>(a.U("segments", 2));
   const int tokens = static_cast<int>(a.U("tokens", 4064));
   const int layers = static_cast<int>(a.U("layers", 32));
@@ -105,6 +141,41 @@ int Run(const Args& a) {
               "written back in %.2f s\n",
               segments, tokens, layers, kv_dim, layer_bytes * layers / 1048576.0, put_s);
 
+  // Dead peers: started, each fetches every segment once, then SIGKILL (no disconnect).
+  const int dead = static_cast<int>(a.U("dead_peers", 0));
+  std::vector<std::unique_ptr<sparsex::cache::testing::ChildProcess>> peers;
+  for (int p = 0; p < dead; ++p) {
+    const std::string ready = absl::StrCat(dir, "/peer", p, ".ready");
+    std::vector<std::string> argv = {
+        "/proc/self/exe", "--peer", (*server)->address(), "--ready", ready,
+        "--segments", absl::StrCat(segments), "--tokens", absl::StrCat(tokens),
+        "--layers", absl::StrCat(layers), "--kv_dim", absl::StrCat(kv_dim),
+        "--fetch_batch_mb", absl::StrCat(a.U("fetch_batch_mb", 512))};
+    if (!tls.empty()) argv.insert(argv.end(), {"--ucx_tls", tls});
+    std::vector<std::string> penv;
+    if (!tls.empty()) penv.push_back("UCX_TLS=" + tls);
+    auto child = sparsex::cache::testing::ChildProcess::Spawn(
+        argv, absl::StrCat(dir, "/peer", p, ".log"), penv);
+    if (!child.ok()) {
+      std::fprintf(stderr, "peer: %s\n", child.status().ToString().c_str());
+      return 1;
+    }
+    const Clock::time_point until = Clock::now() + std::chrono::seconds(120);
+    while (!std::ifstream(ready).good() && (*child)->Running() && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (!std::ifstream(ready).good()) {
+      std::fprintf(stderr, "peer %d did not fetch (see %s/peer%d.log)\n", p, dir.c_str(), p);
+      return 1;
+    }
+    peers.push_back(std::move(*child));
+  }
+  for (auto& p : peers) {
+    p->Signal(SIGKILL);
+    (void)p->Wait(std::chrono::seconds(10));
+  }
+  if (dead > 0) std::printf("%d peer(s) fetched every segment, then were killed (SIGKILL)\n", dead);
+
   std::string records;
   for (int it = 0; it < iters; ++it) {
     SegmentStoreOptions so;
@@ -137,8 +208,9 @@ int Run(const Args& a) {
     std::ofstream out(path);
     out << absl::StrFormat("{\"segments\": %d, \"tokens\": %d, \"layers\": %d, \"kv_dim\": %d, "
                            "\"ucx_tls\": \"%s\", \"wire_dtype\": \"%s\", \"arena_bytes\": %d, "
-                           "\"fetches\": [\n%s\n]}\n",
-                           segments, tokens, layers, kv_dim, tls, t.wire_dtype, arena, records);
+                           "\"dead_peers\": %d, \"fetches\": [\n%s\n]}\n",
+                           segments, tokens, layers, kv_dim, tls, t.wire_dtype, arena, dead,
+                           records);
   }
   return 0;
 }
