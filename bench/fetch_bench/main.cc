@@ -2,7 +2,7 @@
 //
 //   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
 //       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 512] [--wire_dtype f32|bf16]
-//       [--arena_mb N] [--dead_peers N] [--json OUT.json]
+//       [--arena_mb N] [--dead_peers N] [--writer_process 1] [--json OUT.json]
 //
 // Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
 // given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
@@ -57,7 +57,22 @@ SegmentKv MakeSegment(int tokens, int layers, int kv_dim, float base) {
   return kv;
 }
 
-// --peer ADDR: connect, fetch the segments once, write --ready, then wait to be killed.
+// Writes segments 1..n through ClusterKvTier::Put; *put_s: the write-backs alone.
+absl::Status WriteSegments(ClusterKvTier& tier, int segments, int tokens, int layers,
+                           int kv_dim, double* put_s) {
+  *put_s = 0;
+  for (int s = 0; s < segments; ++s) {
+    const Hash128 fp{0xfe7c4, static_cast<uint64_t>(s + 1)};
+    SegmentKv kv = MakeSegment(tokens, layers, kv_dim, static_cast<float>(s));
+    const Clock::time_point put0 = Clock::now();
+    RETURN_IF_ERROR(tier.Put(fp, kv));
+    *put_s += std::chrono::duration<double>(Clock::now() - put0).count();
+  }
+  return absl::OkStatus();
+}
+
+// --peer ADDR: connect, then with --put 1 write the segments (the writer process), else fetch
+// them once (a peer to be killed); write --ready (the put seconds), then wait to be killed.
 int Peer(const Args& a) {
   const int segments = static_cast<int>(a.U("segments", 2));
   const int tokens = static_cast<int>(a.U("tokens", 4064));
@@ -67,10 +82,21 @@ int Peer(const Args& a) {
   t.servers = {a.Get("peer", "")};
   t.ucx_tls = a.Get("ucx_tls", "");
   t.fetch_batch_bytes = a.U("fetch_batch_mb", 512) << 20;
+  t.wire_dtype = a.Get("wire_dtype", "f32");
   auto tier = ClusterKvTier::Connect(t, Hash128{0x5eed, 8}, layers, kv_dim);
   if (!tier.ok()) {
     std::fprintf(stderr, "peer connect: %s\n", tier.status().ToString().c_str());
     return 1;
+  }
+  if (a.U("put", 0) != 0) {
+    double put_s = 0;
+    if (absl::Status st = WriteSegments(**tier, segments, tokens, layers, kv_dim, &put_s);
+        !st.ok()) {
+      std::fprintf(stderr, "writer: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    std::ofstream(a.Get("ready", "")) << put_s << "\n";
+    return 0;
   }
   std::vector<SegmentRef> refs;
   for (int s = 0; s < segments; ++s) refs.push_back({Hash128{0xfe7c4, uint64_t(s + 1)}, tokens});
@@ -125,21 +151,39 @@ int Run(const Args& a) {
     return 1;
   }
   std::vector<SegmentRef> refs;
-  const Clock::time_point put0 = Clock::now();
-  for (int s = 0; s < segments; ++s) {
-    const Hash128 fp{0xfe7c4, static_cast<uint64_t>(s + 1)};
-    SegmentKv kv = MakeSegment(tokens, layers, kv_dim, static_cast<float>(s));
-    absl::Status st = (*tier)->Put(fp, kv);
-    if (!st.ok()) {
-      std::fprintf(stderr, "put: %s\n", st.ToString().c_str());
+  // The segments are written by this process, or with --writer_process 1 by a child process
+  // (as worker A writes what worker B fetches: B's mapping of the server's arena is fresh).
+  double put_s = 0;
+  const bool writer_process = a.U("writer_process", 0) != 0;
+  for (int s = 0; s < segments; ++s) refs.push_back({Hash128{0xfe7c4, uint64_t(s + 1)}, tokens});
+  if (writer_process) {
+    const std::string ready = absl::StrCat(dir, "/writer.ready");
+    std::vector<std::string> argv = {
+        "/proc/self/exe", "--peer", (*server)->address(), "--put", "1", "--ready", ready,
+        "--segments", absl::StrCat(segments), "--tokens", absl::StrCat(tokens),
+        "--layers", absl::StrCat(layers), "--kv_dim", absl::StrCat(kv_dim),
+        "--wire_dtype", t.wire_dtype};
+    if (!tls.empty()) argv.insert(argv.end(), {"--ucx_tls", tls});
+    auto child = sparsex::cache::testing::ChildProcess::Spawn(
+        argv, absl::StrCat(dir, "/writer.log"), env);
+    if (!child.ok()) {
+      std::fprintf(stderr, "writer: %s\n", child.status().ToString().c_str());
       return 1;
     }
-    refs.push_back({fp, tokens});
+    auto st = (*child)->Wait(std::chrono::minutes(5));
+    if (!st.ok() || *st != 0 || !(std::ifstream(ready) >> put_s)) {
+      std::fprintf(stderr, "writer process failed (see %s/writer.log)\n", dir.c_str());
+      return 1;
+    }
+  } else if (absl::Status st = WriteSegments(**tier, segments, tokens, layers, kv_dim, &put_s);
+             !st.ok()) {
+    std::fprintf(stderr, "put: %s\n", st.ToString().c_str());
+    return 1;
   }
-  const double put_s = std::chrono::duration<double>(Clock::now() - put0).count();
   std::printf("%d segments of %d tokens x %d layers x kv_dim %d (fp32 K+V: %.1f MiB each) "
-              "written back in %.2f s\n",
-              segments, tokens, layers, kv_dim, layer_bytes * layers / 1048576.0, put_s);
+              "written back%s in %.2f s (%.2f GB/s of fp32 K/V)\n",
+              segments, tokens, layers, kv_dim, layer_bytes * layers / 1048576.0,
+              writer_process ? " by another process" : "", put_s, total / put_s * 1e-9);
 
   // Dead peers: started, each fetches every segment once, then SIGKILL (no disconnect).
   const int dead = static_cast<int>(a.U("dead_peers", 0));
@@ -208,9 +252,9 @@ int Run(const Args& a) {
     std::ofstream out(path);
     out << absl::StrFormat("{\"segments\": %d, \"tokens\": %d, \"layers\": %d, \"kv_dim\": %d, "
                            "\"ucx_tls\": \"%s\", \"wire_dtype\": \"%s\", \"arena_bytes\": %d, "
-                           "\"dead_peers\": %d, \"fetches\": [\n%s\n]}\n",
+                           "\"dead_peers\": %d, \"writer_process\": %s, \"put_s\": %.3f, \"fetches\": [\n%s\n]}\n",
                            segments, tokens, layers, kv_dim, tls, t.wire_dtype, arena, dead,
-                           records);
+                           writer_process ? "true" : "false", put_s, records);
   }
   return 0;
 }

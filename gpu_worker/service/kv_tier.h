@@ -98,8 +98,14 @@ Hash128 ShareKey(const Hash128& fp, int rank, int size);
 // "f32" or "bf16"; INVALID_ARGUMENT otherwise.
 absl::StatusOr<KvDtype> ParseWireDtype(std::string_view name);
 
+// Bytes of one layer of kv encoded as a KV block of `dtype`.
+absl::StatusOr<uint64_t> SegmentLayerBytes(const SegmentKv& kv, KvDtype dtype);
 // Encodes layer `layer` of a segment as one KV block of `dtype` (f32, or bf16 rounded to
-// nearest even).
+// nearest even) into `out` of exactly SegmentLayerBytes bytes.
+absl::Status EncodeSegmentLayerInto(const Hash128& model_fp, const Hash128& fp,
+                                    const SegmentKv& kv, int layer, KvDtype dtype,
+                                    std::span<uint8_t> out);
+// The same into a new string.
 absl::StatusOr<std::string> EncodeSegmentLayer(const Hash128& model_fp, const Hash128& fp,
                                                const SegmentKv& kv, int layer,
                                                KvDtype dtype = KvDtype::kF32);
@@ -144,6 +150,11 @@ class ClusterKvTier {
   void GrowStaging(int b, size_t bytes);  // allocated, advised for huge pages, touched
   std::unique_ptr<uint8_t[]> staging_[2];
   size_t staging_bytes_[2] = {0, 0};
+  // Write-back: one Put at a time encodes its layers into these two buffers (under put_mu_),
+  // the next layer while the current one transfers; grown to the largest layer, then kept.
+  std::mutex put_mu_;
+  std::unique_ptr<uint8_t[]> put_staging_[2];
+  size_t put_staging_bytes_[2] = {0, 0};
   std::unique_ptr<cache::ClusterClient> client_;
 };
 
