@@ -96,6 +96,28 @@ TEST(KvTierCodecTest, Bf16OnTheWireHalvesThePayloadAndRoundsToNearestEven) {
   EXPECT_EQ(ParseWireDtype("fp8").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Into caller memory (the write-back's kept buffers): the same bytes as the string form, and a
+// buffer of any other size is refused before anything is written.
+TEST(KvTierCodecTest, EncodeIntoCallerMemory) {
+  const Hash128 model{1, 2}, seg{3, 4};
+  SegmentKv kv = MakeKv(7, 2.0f);
+  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+    auto want = EncodeSegmentLayer(model, seg, kv, 2, d);
+    auto bytes = SegmentLayerBytes(kv, d);
+    ASSERT_TRUE(want.ok() && bytes.ok());
+    ASSERT_EQ(*bytes, want->size());
+    std::vector<uint8_t> buf(*bytes + 1, 0xab);
+    EXPECT_EQ(EncodeSegmentLayerInto(model, seg, kv, 2, d, {buf.data(), buf.size()}).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(buf[0], 0xab);
+    ASSERT_TRUE(EncodeSegmentLayerInto(model, seg, kv, 2, d, {buf.data(), *bytes}).ok());
+    EXPECT_EQ(std::string(buf.begin(), buf.begin() + *bytes), *want);
+  }
+  std::vector<uint8_t> buf(64);
+  EXPECT_FALSE(
+      EncodeSegmentLayerInto(model, seg, kv, kLayers, KvDtype::kF32, {buf.data(), 64}).ok());
+}
+
 class KvTierServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
