@@ -16,7 +16,9 @@
 # (4000), SPX_FETCH_CACHE_MEMORY (32G), SPX_FETCH_WORKER_ARGS (below), SPX_FETCH_LOADGEN_ARGS
 # (extra loadgen flags). A CPU
 # smoke run of the script: SPX_FETCH_DEVICE=cpu SPX_FETCH_MODEL=synthetic:tiny
-# SPX_FETCH_DOC_TOKENS=600 SPX_FETCH_LOADGEN_ARGS="--min_id 3 --max_id 900".
+# SPX_FETCH_DOC_TOKENS=600 SPX_FETCH_CACHE_MEMORY=2G SPX_FETCH_LOADGEN_ARGS="--min_id 3
+# --max_id 900" (the default 32G arena does not fit a small machine: the cache server is
+# killed, and the shared-memory file UCX made for its arena stays in /dev/shm until removed).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/spx-fetch-out}
