@@ -398,6 +398,11 @@ int SmallNMain(const Options& o) {
     // per layer, measured ~1% at prefill sizes before the decode step's launches were counted.
     configs.push_back({env.fused_residual ? "SPX_FUSED_RESIDUAL=0" : "SPX_FUSED_RESIDUAL=1", env});
     configs.back().opts.fused_residual = !env.fused_residual;
+    // Split-K of the decode attention (batch 1: 8 KV-head blocks, split to ~2 blocks per SM).
+    for (int waves : {1, 3, 4}) {
+      configs.push_back({"SPX_SPLIT_WAVES=" + std::to_string(waves), env});
+      configs.back().opts.split_waves = waves;
+    }
     for (int v = 0; v < kernels::kSmallNGemmVariants; ++v) {
       configs.push_back({std::string("SPX_SMALL_N_VARIANT=") +
                              kernels::SmallNGemmVariantName(static_cast<SmallNGemmVariant>(v)),
@@ -863,9 +868,18 @@ int Main(const Options& o) {
       p.max_seq_ctx = ctx;
       p.max_seq_rows = 1;
       const double bytes = 2.0 * B * ctx * KV * hd * 2;
-      for (auto [kernel, name] : {std::pair{1, "tile"}, {0, "packed 16 keys"},
-                                  {2, "packed 32 keys"}}) {
+      struct KernelCase {
+        int kernel, waves;
+        const char* name;
+      };
+      // Batch 1 fills 8 blocks: its split-K (about `waves` blocks per SM) decides the time.
+      for (auto [kernel, waves, name] :
+           {KernelCase{1, 0, "tile"}, {0, 0, "packed 16 keys"}, {2, 0, "packed 32 keys"},
+            {0, 1, "packed 16 keys, split waves 1"}, {0, 3, "packed 16 keys, split waves 3"},
+            {0, 4, "packed 16 keys, split waves 4"}}) {
+        if (waves > 0 && B > 1) continue;  // 256 blocks already fill the GPU: no split
         p.decode_kernel = kernel;
+        p.split_waves = waves;
         const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
         void* ws = nullptr;
         if (ws_bytes) cudaMalloc(&ws, ws_bytes);

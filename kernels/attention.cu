@@ -37,6 +37,9 @@ constexpr bool kDefaultSm90 = true;
 constexpr bool kDefaultPipelined = false;
 constexpr int kBN = 64;       // keys per step
 constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
+// Split-K partials per row at most; the combine keeps their weights in shared memory, one per
+// thread (head_dim >= 64 threads).
+constexpr int kMaxSplits = 64;
 
 
 template <int HD, bool STATS, int NW>
@@ -365,25 +368,44 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   }
 }
 
-// Merges split-K partials: one block of head_dim threads per (query row, head).
+// Merges split-K partials: one block of head_dim threads per (query row, head). The splits'
+// weights go through shared memory once, so each thread's pass over the splits is independent
+// loads of its output column, issued back to back (the first version chained two dependent
+// global loads per split: ~10 us for decode batch 1 at 32 splits, a third of its attention).
+// Same arithmetic in the same order as before: bit-identical results.
 __global__ void CombineKernel(const PagedAttentionParams p, const float* ws_o,
                               const float* ws_lse, int splits) {
+  __shared__ float s_w[kMaxSplits];
+  __shared__ float s_mx;
   detail::PdlWait();
   detail::PdlLaunchDependents();
   const int64_t rh = blockIdx.x;  // qrow * H + head
   const int qrow = static_cast<int>(rh / p.n_heads), head = static_cast<int>(rh % p.n_heads);
   const int d = threadIdx.x;
   const int64_t stride = (int64_t)p.num_q * p.n_heads;
-  float mx = kNegInf;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ws_lse[s * stride + rh]);
+  if (d < splits) s_w[d] = ws_lse[d * stride + rh];
+  __syncthreads();
+  if (d == 0) {
+    float mx = kNegInf;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, s_w[s]);
+    s_mx = mx;
+  }
+  __syncthreads();
+  const float mx = s_mx;
+  // Thread s turns split s's log-sum-exp into its weight (0: empty split, never read).
+  float lse_d = kNegInf;
+  if (d < splits) lse_d = s_w[d];
+  __syncthreads();
+  if (d < splits) s_w[d] = (mx == kNegInf || lse_d == kNegInf) ? 0.0f : exp2f(lse_d - mx);
+  __syncthreads();
   float acc = 0.0f, wsum = 0.0f;
-  if (mx != kNegInf) {
-    for (int s = 0; s < splits; ++s) {
-      const float l = ws_lse[s * stride + rh];
-      if (l == kNegInf) continue;
-      const float w = exp2f(l - mx);
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {
+    const float w = s_w[s];
+    const float o = ws_o[(s * stride + rh) * p.head_dim + d];
+    if (w != 0.0f) {
       wsum += w;
-      acc += w * ws_o[(s * stride + rh) * p.head_dim + d];
+      acc += w * o;
     }
   }
   const float v = wsum > 0.0f ? acc / wsum : 0.0f;
@@ -528,8 +550,12 @@ SplitPlan PlanSplits(const PagedAttentionParams& p) {
   const int tiles = static_cast<int>(CeilDiv(p.num_seqs > 0 ? p.max_seq_ctx : p.ctx_len, kBN));
   const int sms = NumSms();
   if (blocks >= sms || tiles < 4) return plan;
-  int want = static_cast<int>(CeilDiv(2 * sms, blocks));
-  want = want > 64 ? 64 : want;
+  // About two blocks per SM for the smallest launches (decode batch 1-2: 8-16 KV-head blocks),
+  // one from 32 blocks: on the H200 at 8K context, batch 4 took 6.45 vs 6.73 ms per step and
+  // batch 8 7.88 vs 8.46 with one wave, batch 2 5.55 vs 5.81 with two (docs/perf-notes.md v9).
+  const int waves = p.split_waves > 0 ? p.split_waves : blocks <= 16 ? 2 : 1;
+  int want = static_cast<int>(CeilDiv(static_cast<int64_t>(waves) * sms, blocks));
+  want = want > kMaxSplits ? kMaxSplits : want;
   want = want > tiles / 2 ? tiles / 2 : want;
   if (want <= 1) return plan;
   plan.tiles_per_split = static_cast<int>(CeilDiv(tiles, want));

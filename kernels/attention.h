@@ -83,6 +83,10 @@ struct PagedAttentionParams {
   // Batched-call kernel: 0 auto (packed decode kernel when it fits), 1 the general tile kernel,
   // 2 the packed kernel with 32-key tiles (comparisons). Default: 0
   int decode_kernel = 0;
+  // Split-K of short launches (decode): the key axis is divided so the launch fills about
+  // split_waves blocks per SM (capped at 64 splits and two 64-key tiles per split). 0: two for
+  // launches of at most 16 blocks, else one (measured, docs/perf-notes.md v9).
+  int split_waves = 0;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

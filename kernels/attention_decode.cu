@@ -66,22 +66,6 @@ __global__ void __launch_bounds__(32 * NW)
     lim[i] = m / G < R ? max(min(p.q_pos[q0 + m / G], ctx_len - 1), -1) : -1;
   }
 
-  for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
-    const int m = idx / CH, c = idx % CH;
-    const bool valid = m / G < R;
-    const int64_t off =
-        valid ? (int64_t)(q0 + m / G) * p.q_stride + (kvh * G + m % G) * HD + c * 8 : 0;
-    CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
-  }
-  detail::CpAsyncCommit();
-  detail::CpAsyncWait<0>();
-  __syncthreads();
-  uint32_t qf[HD / 16][4];
-#pragma unroll
-  for (int ks = 0; ks < HD / 16; ++ks)
-    LdMatrixX4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3],
-               sQ + Swz<HD>(lane & 15, ks * 2 + (lane >> 4)));
-
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, BN));
   int t_begin = 0, t_end = n_tiles;
   if (ws_o != nullptr) {  // this block's own key range divided over the splits
@@ -104,11 +88,27 @@ __global__ void __launch_bounds__(32 * NW)
       CpAsync16(dv + Swz<HD>(r, c), p.v_pool + off, valid);
     }
   };
+  // Q and the first key tiles are requested together: the tiles do not wait for Q to land.
+  for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
+    const int m = idx / CH, c = idx % CH;
+    const bool valid = m / G < R;
+    const int64_t off =
+        valid ? (int64_t)(q0 + m / G) * p.q_stride + (kvh * G + m % G) * HD + c * 8 : 0;
+    CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
+  }
+  detail::CpAsyncCommit();
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < my_n) load(s, first + s * NW);
     detail::CpAsyncCommit();  // empty groups keep the count the wait below relies on
   }
+  detail::CpAsyncWait<ST - 1>();  // Q's group (the oldest) has landed
+  __syncthreads();
+  uint32_t qf[HD / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks)
+    LdMatrixX4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3],
+               sQ + Swz<HD>(lane & 15, ks * 2 + (lane >> 4)));
 
   const float scale_log2 = p.scale * kLog2e;
   float o[HD / 8][4];

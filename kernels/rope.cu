@@ -65,7 +65,75 @@ __global__ void WriteKvKernel(bf16* pk, bf16* pv, int64_t num_slots, int kv_dim,
   }
 }
 
+// One thread per (row, rotated pair) of the Q and K heads, then per 16-byte chunk of V. A pair
+// of a K head is stored both in place and in the pool, with the same rounded values.
+__global__ void RopeWriteKvKernel(bf16* qkv, int64_t stride, int64_t rows, int n_heads,
+                                  int n_kv_heads, const int32_t* pos, const int32_t* slots,
+                                  bf16* pk, bf16* pv, int64_t num_slots, const float* inv_freq,
+                                  int head_dim, bool halves) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
+  const int half = head_dim / 2;
+  const int kv_dim = n_kv_heads * head_dim;
+  const int64_t n_pairs = static_cast<int64_t>(n_heads + n_kv_heads) * half;
+  const int64_t per_row = n_pairs + kv_dim / 8;
+  const int64_t total = rows * per_row;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = t / per_row;
+    const int64_t rem = t % per_row;
+    bf16* row = qkv + r * stride;
+    const int64_t slot = slots[r];
+    const bool store = slot >= 0 && slot < num_slots;
+    if (rem < n_pairs) {
+      const int h = static_cast<int>(rem / half), j = static_cast<int>(rem % half);
+      const int i0 = h * head_dim + (halves ? j : 2 * j);
+      const int i1 = i0 + (halves ? half : 1);
+      const float x0 = __bfloat162float(row[i0]), x1 = __bfloat162float(row[i1]);
+      const float angle = static_cast<float>(pos[r]) * inv_freq[j];
+      float sn, cs;
+      sincosf(angle, &sn, &cs);
+      const bf16 y0 = __float2bfloat16_rn(x0 * cs - x1 * sn);
+      const bf16 y1 = __float2bfloat16_rn(x0 * sn + x1 * cs);
+      row[i0] = y0;
+      row[i1] = y1;
+      if (h >= n_heads && store) {
+        bf16* d = pk + slot * kv_dim - static_cast<int64_t>(n_heads) * head_dim;
+        d[i0] = y0;
+        d[i1] = y1;
+      }
+    } else if (store) {
+      const int64_t c = (rem - n_pairs) * 8;
+      *reinterpret_cast<uint4*>(pv + slot * kv_dim + c) = *reinterpret_cast<const uint4*>(
+          row + static_cast<int64_t>(n_heads + n_kv_heads) * head_dim + c);
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t RopeWriteKv(const KvPoolView& pool, bf16* qkv, int64_t qkv_stride, int64_t rows,
+                        int n_heads, const int32_t* pos, const int32_t* slots,
+                        const RopeArgs& rope, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (rope.head_dim <= 0 || rope.head_dim % 2 != 0 || rope.inv_freq == nullptr ||
+      pool.kv_dim % rope.head_dim != 0 || n_heads < 0)
+    return cudaErrorInvalidValue;
+  const int n_kv_heads = pool.kv_dim / rope.head_dim;
+  const int64_t k_col = static_cast<int64_t>(n_heads) * rope.head_dim;
+  const int64_t v_col = k_col + pool.kv_dim;
+  if (pool.kv_dim % 8 != 0 || qkv_stride % 8 != 0 || !detail::Aligned16(qkv) ||
+      !detail::Aligned16(pool.k) || !detail::Aligned16(pool.v)) {
+    cudaError_t e = Rope(qkv, qkv_stride, rows, n_heads + n_kv_heads, pos, rope, stream);
+    if (e != cudaSuccess) return e;
+    return WriteKv(pool, qkv + k_col, qkv_stride, qkv + v_col, qkv_stride, slots, rows, stream);
+  }
+  const int64_t total =
+      rows * (static_cast<int64_t>(n_heads + n_kv_heads) * (rope.head_dim / 2) + pool.kv_dim / 8);
+  return detail::LaunchPdl(RopeWriteKvKernel, GridFor(total), kThreads, 0, stream, qkv,
+                           qkv_stride, rows, n_heads, n_kv_heads, pos, slots, pool.k, pool.v,
+                           pool.num_slots, rope.inv_freq, rope.head_dim, rope.halves);
+}
 
 cudaError_t Rope(bf16* x, int64_t x_stride, int64_t rows, int n_heads, const int32_t* pos,
                  const RopeArgs& rope, cudaStream_t stream) {

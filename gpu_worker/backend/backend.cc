@@ -1,5 +1,6 @@
 #include "gpu_worker/backend/backend.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -27,6 +28,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* f = std::getenv("SPX_FUSED_SWIGLU")) o.fused_swiglu = std::string(f) != "0";
   if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
+  if (const char* w = std::getenv("SPX_SPLIT_WAVES")) o.split_waves = std::max(0, std::atoi(w));
   if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) o.fused_residual = std::string(f) == "1";
   if (const char* im = std::getenv("SPX_ATTN_IMPL")) {
     using Impl = CudaBackendOptions::AttentionImpl;
@@ -101,6 +103,18 @@ absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out
   if (s.ok()) s = SwiGLU(tmp, out);
   Free(tmp);
   return s;
+}
+
+absl::Status Backend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,
+                                  std::span<const int32_t> pos, std::span<const int32_t> slots,
+                                  const RopeParams& p) {
+  if (p.head_dim <= 0 || pool.kv_dim % p.head_dim != 0 || n_heads < 0) {
+    return absl::InvalidArgumentError("RopeWriteKv: kv_dim is not a multiple of head_dim");
+  }
+  const int kv_heads = pool.kv_dim / p.head_dim;
+  const int64_t k_col = static_cast<int64_t>(n_heads) * p.head_dim;
+  RETURN_IF_ERROR(Rope(qkv, 0, n_heads + kv_heads, pos, p));
+  return WriteKv(pool, layer, qkv, k_col, qkv, k_col + pool.kv_dim, slots);
 }
 
 absl::Status Backend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,

@@ -137,6 +137,11 @@ struct CudaBackendOptions {
   // Default: kAuto
   enum class DecodeAttention { kAuto = 0, kTile = 1, kPacked32 = 2 };
   DecodeAttention decode_attn = DecodeAttention::kAuto;
+  // Split-K of attention launches too small to fill the GPU (decode): about this many blocks
+  // per SM (PagedAttentionParams::split_waves); 0 the kernel's default (2 for at most 16
+  // blocks, else 1). SPX_SPLIT_WAVES.
+  // Default: 0
+  int split_waves = 0;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;
@@ -256,6 +261,13 @@ class Backend {
   virtual absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
                                const Tensor& v_src, int64_t v_col,
                                std::span<const int32_t> slots) = 0;
+  // A layer's RoPE and KV write: qkv [n, (n_heads + 2 * pool.kv_dim / head_dim) * head_dim]
+  // holds Q heads, K heads, V; rotates the Q and K heads in place (row i at pos[i]) and writes
+  // the rotated K and V rows to the pool at slots. Equals Rope(qkv, 0, Q + K heads) then
+  // WriteKv (that is the default; the CUDA backend runs one kernel).
+  virtual absl::Status RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,
+                                   std::span<const int32_t> pos, std::span<const int32_t> slots,
+                                   const RopeParams& p);
   // KV assembly of a reused segment: rows [row0, row0 + pos.size()) of k_pre (K before RoPE)
   // rotated to positions pos and written with the same rows of v to the pool at slots.
   // Default: CopyRows, Rope, WriteKv through temporaries (backends fuse it into one pass).

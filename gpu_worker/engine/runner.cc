@@ -113,10 +113,8 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v.begin() + i * kd);
     }
   }
-  // Q and K heads are adjacent columns: one rotation pass over both.
-  RETURN_IF_ERROR(be_->Rope(*qkv, 0, H + KV, rows.pos, rope_));
-  RETURN_IF_ERROR(be_->WriteKv(pool_, l, *qkv, static_cast<int64_t>(H) * hd, *qkv,
-                               static_cast<int64_t>(H + KV) * hd, rows.slots));
+  // Q and K heads are adjacent columns: one rotation pass over both, fused with the KV write.
+  RETURN_IF_ERROR(be_->RopeWriteKv(pool_, l, *qkv, H, rows.pos, rows.slots, rope_));
   AttentionArgs args;
   // Under tensor parallelism each rank sees only its heads: statistics are gathered into
   // zeroed local arrays, summed over ranks and averaged, so every rank selects identically.

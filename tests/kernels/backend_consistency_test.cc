@@ -117,6 +117,26 @@ TEST_F(BackendConsistency, Embedding) {
   Free(out);
 }
 
+// Uploads and downloads large enough for the pinned chunks (4M elements each): values round
+// to bf16 on the way up and come back exactly; the sizes cross chunk boundaries unevenly, and
+// an upload between two downloads shares the chunks.
+TEST_F(BackendConsistency, LargeTransfersThroughPinnedChunks) {
+  for (int64_t rows : {3, 32, 70}) {
+    const int64_t cols = 128256;
+    std::vector<float> host = Rand(rows * cols, 3.0f);
+    for (size_t i = 0; i < host.size(); i += 7) host[i] *= 1.0001f;  // not all bf16-exact
+    auto t = gpu_->Alloc(rows, cols);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(gpu_->Upload(host, *t).ok());
+    std::vector<float> back(host.size(), NAN);
+    ASSERT_TRUE(gpu_->Download(*t, back).ok());
+    for (size_t i = 0; i < host.size(); ++i) {
+      ASSERT_EQ(back[i], RoundBf16(host[i])) << "rows " << rows << " element " << i;
+    }
+    gpu_->Free(*t);
+  }
+}
+
 TEST_F(BackendConsistency, RmsNorm) {
   for (int dim : {4096, 64, 100}) {
     Pair x = MakeRand(37, dim, 2.0f);
@@ -487,6 +507,63 @@ TEST_F(BackendConsistency, WriteKvReadKv) {
   Free(src);
 }
 
+// RoPE + KV write in one operation against the CPU, and on the GPU bit-identical to the two
+// operations it replaces (Rope over Q and K heads, WriteKv): both layouts, head_dim 128 / 64 /
+// 8, and an unaligned shape (head_dim 6: the kernel falls back to the two launches). Slots
+// outside the pool are refused.
+TEST_F(BackendConsistency, RopeWriteKvEqualsRopeThenWriteKv) {
+  struct Shape {
+    int H, KV, hd;
+  };
+  for (RopeLayout layout : {RopeLayout::kAdjacentPairs, RopeLayout::kHalves}) {
+    for (Shape sh : {Shape{32, 8, 128}, Shape{16, 2, 64}, Shape{8, 4, 8}, Shape{4, 2, 6}}) {
+      SCOPED_TRACE(testing::Message() << "heads " << sh.H << "/" << sh.KV << " hd " << sh.hd
+                                      << " halves " << (layout == RopeLayout::kHalves));
+      RopeParams p;
+      p.head_dim = sh.hd;
+      p.theta = 500000.0f;
+      p.layout = layout;
+      const int kv_dim = sh.KV * sh.hd, blocks = 8, bs = 16, n = 37;
+      const int64_t cols = static_cast<int64_t>(sh.H + 2 * sh.KV) * sh.hd;
+      auto pc = cpu_->AllocKvPool(2, blocks, bs, kv_dim);
+      auto pg = gpu_->AllocKvPool(2, blocks, bs, kv_dim);
+      auto pg2 = gpu_->AllocKvPool(2, blocks, bs, kv_dim);
+      ASSERT_TRUE(pc.ok() && pg.ok() && pg2.ok());
+      const std::vector<float> host = Rand(n * cols, 2.0f);
+      Pair x = Make(n, cols, host);
+      Pair x2 = Make(n, cols, host);
+      std::vector<int32_t> pos(n), slots(n), all(blocks * bs);
+      for (auto& v : pos) v = std::uniform_int_distribution<int>(0, 40000)(rng_);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng_);
+      std::copy_n(all.begin(), n, slots.begin());
+      ASSERT_TRUE(cpu_->RopeWriteKv(*pc, 1, x.c, sh.H, pos, slots, p).ok());
+      ASSERT_TRUE(gpu_->RopeWriteKv(*pg, 1, x.g, sh.H, pos, slots, p).ok());
+      // The base class's RopeWriteKv: the backend's own Rope then WriteKv.
+      ASSERT_TRUE(gpu_->Backend::RopeWriteKv(*pg2, 1, x2.g, sh.H, pos, slots, p).ok());
+      EXPECT_LT(Compare(x), kTol);
+      EXPECT_EQ(RelErr(Get(*gpu_, x.g), Get(*gpu_, x2.g)), 0.0);
+      std::vector<float> kc(n * kv_dim), vc(n * kv_dim), kg(n * kv_dim), vg(n * kv_dim),
+          kg2(n * kv_dim), vg2(n * kv_dim);
+      ASSERT_TRUE(cpu_->ReadKv(*pc, 1, slots, kc, vc).ok());
+      ASSERT_TRUE(gpu_->ReadKv(*pg, 1, slots, kg, vg).ok());
+      ASSERT_TRUE(gpu_->ReadKv(*pg2, 1, slots, kg2, vg2).ok());
+      EXPECT_LT(RelErr(kg, kc), kTol);
+      EXPECT_EQ(RelErr(vg, vc), 0.0);
+      EXPECT_EQ(RelErr(kg, kg2), 0.0);
+      EXPECT_EQ(RelErr(vg, vg2), 0.0);
+      std::vector<int32_t> bad = slots;
+      bad[5] = blocks * bs;
+      EXPECT_FALSE(gpu_->RopeWriteKv(*pg, 1, x.g, sh.H, pos, bad, p).ok());
+      cpu_->FreeKvPool(*pc);
+      gpu_->FreeKvPool(*pg);
+      gpu_->FreeKvPool(*pg2);
+      Free(x);
+      Free(x2);
+    }
+  }
+}
+
 // Attention over a paged pool with shuffled blocks; q_pos chooses the case.
 struct AttnCase {
   const char* name;
@@ -639,6 +716,23 @@ TEST_F(AttentionConsistency, DecodeSplitK) {
   Run({"decode 3 rows", 32, 8, 128, 5000, {4997, 4998, 4999}});
   Run({"decode mid-context", 32, 8, 128, 4096, {1234}});
   Run({"decode tiny", 8, 4, 8, 400, {399}});
+}
+
+// The split-K combine at every split count the planner picks for decode (about 1-4 blocks per
+// SM: 17-64 splits of an 8K context at 8 KV heads), single and batched sequences.
+TEST_F(AttentionConsistency, DecodeSplitKAtEverySplitCount) {
+  for (int waves : {1, 2, 3, 4, 8}) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.split_waves = waves;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    SCOPED_TRACE(testing::Message() << "split waves " << waves);
+    Run({"decode 8k", 32, 8, 128, 8192, {8191}});
+    Run({"decode 600 keys", 32, 8, 128, 600, {599}});
+    Run({"decode hd64", 16, 2, 64, 3000, {2999}});
+    RunBatched(32, 8, 128);
+  }
 }
 
 // Several sequences in one call (batched decode): each row attends only over its own

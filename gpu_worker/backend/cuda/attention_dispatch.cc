@@ -78,6 +78,7 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
   p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));
   p.warps = options_.attn_warps;
   p.impl = static_cast<int>(options_.attn_impl);
+  p.split_waves = options_.split_waves;
 
   // Workspace: [split-K partials | lse (n*H) | cross (n) | recv (ctx)], 256-byte aligned parts.
   auto align = [](size_t b) { return (b + 255) / 256 * 256; };
@@ -273,6 +274,7 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
   p.warps = options_.attn_warps;
   p.impl = static_cast<int>(options_.attn_impl);
+  p.split_waves = options_.split_waves;
   int64_t max_rows = 0;
   for (const SeqRows& sq : a.seqs) max_rows = std::max(max_rows, sq.row_end - sq.row_begin);
   if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {

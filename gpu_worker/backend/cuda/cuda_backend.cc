@@ -175,7 +175,7 @@ absl::Status CudaBackend::Upload(std::span<const float> host, Tensor& dst) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::UploadViaPinned(std::span<const float> host, bf16* dst) {
+absl::Status CudaBackend::EnsurePinnedChunks() {
   for (int b = 0; b < 2; ++b) {
     if (upload_pinned_[b] != nullptr) continue;
     CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&upload_pinned_[b]),
@@ -184,6 +184,48 @@ absl::Status CudaBackend::UploadViaPinned(std::span<const float> host, bf16* dst
     CUDA_RETURN(cudaEventCreateWithFlags(&upload_done_[b], cudaEventDisableTiming),
                 "Upload event");
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> host) {
+  RETURN_IF_ERROR(EnsurePinnedChunks());
+  const int64_t n = static_cast<int64_t>(host.size());
+  // Chunk c is widened while chunk c + 1 copies.
+  auto widen = [&](int b, int64_t off, int64_t m) -> absl::Status {
+    CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "Download wait");
+    upload_pending_[b] = false;
+    const bf16* buf = upload_pinned_[b];
+    float* out = host.data() + off;
+    ParallelFor(m, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) out[i] = __bfloat162float(buf[i]);
+    }, int64_t{1} << 18);
+    return absl::OkStatus();
+  };
+  int prev_b = -1;
+  int64_t prev_off = 0, prev_m = 0;
+  for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
+    const int b = static_cast<int>(c & 1);
+    if (upload_pending_[b]) {  // an upload's copy out of this chunk, or an unread download
+      CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "Download wait");
+      upload_pending_[b] = false;
+    }
+    const int64_t m = std::min(kUploadChunk, n - off);
+    CUDA_RETURN(cudaMemcpyAsync(upload_pinned_[b], src + off, m * sizeof(bf16),
+                                cudaMemcpyDeviceToHost, stream_),
+                "Download copy");
+    CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "Download record");
+    upload_pending_[b] = true;
+    if (prev_b >= 0) RETURN_IF_ERROR(widen(prev_b, prev_off, prev_m));
+    prev_b = b;
+    prev_off = off;
+    prev_m = m;
+  }
+  if (prev_b >= 0) RETURN_IF_ERROR(widen(prev_b, prev_off, prev_m));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::UploadViaPinned(std::span<const float> host, bf16* dst) {
+  RETURN_IF_ERROR(EnsurePinnedChunks());
   const int64_t n = static_cast<int64_t>(host.size());
   for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
     const int b = static_cast<int>(c & 1);
@@ -218,6 +260,9 @@ absl::Status CudaBackend::Download(const Tensor& src, std::span<float> host) {
     const bf16* d = B(src);
     for (size_t i = 0; i < host.size(); ++i) host[i] = __bfloat162float(d[i]);
     return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(host.size()) >= kDownloadPinnedMin) {
+    return DownloadViaPinned(B(src), host);
   }
   ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
   CUDA_RETURN(kernels::Bf16ToF32(B(src), static_cast<float*>(tmp),
@@ -606,6 +651,34 @@ absl::Status CudaBackend::WriteKv(KvPool& pool, int layer, const Tensor& k_src, 
                             ds, n, stream_);
   }, view.k, view.v, view.num_slots, view.kv_dim, k_src.data, k_src.cols, k_col, v_src.data,
              v_src.cols, v_col, ds, n);
+}
+
+absl::Status CudaBackend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,
+                                      std::span<const int32_t> pos,
+                                      std::span<const int32_t> slots, const RopeParams& p) {
+  RETURN_IF_ERROR(CheckLayer(pool, layer));
+  RETURN_IF_ERROR(CheckBf16(qkv, "RopeWriteKv"));
+  RETURN_IF_ERROR(ValidateSlots(pool, slots));
+  const int64_t n = qkv.rows;
+  if (static_cast<int64_t>(pos.size()) != n || static_cast<int64_t>(slots.size()) != n) {
+    return absl::InvalidArgumentError("RopeWriteKv: one position and one slot per row required");
+  }
+  if (p.head_dim <= 0 || p.head_dim % 2 || pool.kv_dim % p.head_dim || n_heads < 0 ||
+      static_cast<int64_t>(n_heads) * p.head_dim + 2 * pool.kv_dim > qkv.cols) {
+    return absl::InvalidArgumentError("RopeWriteKv: columns out of range or odd head_dim");
+  }
+  if (n == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
+  ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
+                                  {slots.data(), slots.size_bytes()}}));
+  const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
+  const auto* dp = static_cast<const int32_t*>(d[0]);
+  const auto* ds = static_cast<const int32_t*>(d[1]);
+  const kernels::KvPoolView view = View(pool, layer);
+  return Run("RopeWriteKv", [=, this] {
+    return kernels::RopeWriteKv(view, B(qkv), qkv.cols, n, n_heads, dp, ds, r, stream_);
+  }, view.k, view.v, view.num_slots, view.kv_dim, qkv.data, qkv.rows, qkv.cols, n_heads, dp, ds,
+             inv, r.head_dim, r.halves);
 }
 
 absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
