@@ -127,7 +127,9 @@ struct CudaBackendOptions {
   // SPX_ATTN_WARPS. Default: 0
   int attn_warps = 0;
   // The down projection's residual add folded into the GEMM epilogue (cuBLASLt beta = 1):
-  // ~1% faster, rounds once instead of twice. SPX_FUSED_RESIDUAL=1 sets true. Default: false
+  // rounds once instead of twice; no faster at decode (docs/perf-notes.md v9). Applies where
+  // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
+  // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
   // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;

@@ -79,7 +79,7 @@ absl::StatusOr<Tensor> ModelRunner::Embed(std::span<const int32_t> ids) {
 }
 
 absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats,
-                                KvCapture* capture) {
+                                KvCapture* capture, NormCarry* carry) {
   const int64_t n = x.rows;
   if (n == 0) return absl::OkStatus();
   if (static_cast<int64_t>(rows.pos.size()) != n || static_cast<int64_t>(rows.slots.size()) != n) {
@@ -88,8 +88,14 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   const BackendLayer& w = w_.layers[l];
   const int H = cfg_.n_heads, KV = cfg_.n_kv_heads, hd = cfg_.head_dim;
   Scratch s(be_);
-  ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
-  RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
+  Tensor* h = carry != nullptr ? &carry->h : nullptr;
+  if (h == nullptr) {
+    ASSIGN_OR_RETURN(h, s.Get(n, cfg_.dim));
+  }
+  if (carry == nullptr || !carry->ready) {
+    RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
+  }
+  if (carry != nullptr) carry->ready = false;
   ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
   RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
   if (capture != nullptr && capture->on_backend) {
@@ -164,6 +170,13 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   // never writes the [n, 2*ffn] intermediate; other row counts and backends compute the same.
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
   RETURN_IF_ERROR(be_->MatMulSwiGLU(*h, w.w_gate_up, *act));
+  if (comm_ == nullptr && carry != nullptr && l + 1 < cfg_.n_layers) {
+    RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
+    RETURN_IF_ERROR(
+        be_->AddRmsNorm(x, *o, w_.layers[l + 1].attn_norm, cfg_.rms_eps, carry->h));
+    carry->ready = true;
+    return absl::OkStatus();
+  }
   if (comm_ == nullptr) return be_->MatMulAdd(*act, w.w_down, x);
   RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
   RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
@@ -179,11 +192,24 @@ absl::StatusOr<std::vector<float>> ModelRunner::Forward(std::span<const int32_t>
   absl::StatusOr<std::vector<float>> logits = std::vector<float>{};
   absl::StatusOr<Tensor> x = Embed(ids);
   if (!x.ok()) logits = x.status();
+  NormCarry carry;  // one attention-norm buffer for all layers
+  bool have_carry = false;
+  if (x.ok() && x->rows > 0) {
+    absl::StatusOr<Tensor> h = be_->Alloc(x->rows, cfg_.dim);
+    if (h.ok()) {
+      carry.h = *h;
+      have_carry = true;
+    } else {
+      logits = h.status();
+    }
+  }
   for (int l = 0; l < cfg_.n_layers && logits.ok(); ++l) {
-    if (absl::Status st = Layer(l, *x, rows); !st.ok()) logits = st;
+    absl::Status st = Layer(l, *x, rows, nullptr, nullptr, have_carry ? &carry : nullptr);
+    if (!st.ok()) logits = st;
   }
   if (logits.ok() && !out_rows.empty()) logits = Logits(*x, out_rows);
   if (x.ok()) be_->Free(*x);
+  if (have_carry) be_->Free(carry.h);
   if (graph) {
     absl::Status st = be_->EndGraph();
     if (!st.ok() && logits.ok()) logits = st;

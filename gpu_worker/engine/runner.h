@@ -64,8 +64,18 @@ class ModelRunner {
   absl::StatusOr<Tensor> Embed(std::span<const int32_t> ids);
   // Runs layer l over the rows of x (residual stream, [rows, dim]) in place: writes their K/V
   // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
+  //
+  // `carry` (Forward's consecutive layers over the same rows) folds a layer's closing residual
+  // add into the next layer's attention norm: one AddRmsNorm launch instead of an Add and a
+  // RmsNorm (bit-identical, ~3 us a layer at decode). With carry->ready on entry, carry->h
+  // holds RmsNorm(x) under this layer's attn_norm; on return it holds the next layer's (ready)
+  // unless l is the last layer or tensor parallelism all-reduces the MLP output.
+  struct NormCarry {
+    Tensor h;  // [rows, dim], allocated by the caller
+    bool ready = false;
+  };
   absl::Status Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats = nullptr,
-                     KvCapture* capture = nullptr);
+                     KvCapture* capture = nullptr, NormCarry* carry = nullptr);
   // The pre-RoPE Q|K|V projection layer l would compute for the rows of x (no KV write, no
   // attention), in backend memory (caller frees): the CacheBlend deviation signal at the first
   // sparse layer. Columns: [q (H*hd) | k (kv_dim) | v (kv_dim)].
