@@ -152,6 +152,7 @@ absl::StatusOr<std::unique_ptr<CacheClient>> CacheClient::Connect(
     TransportOptions to;
     to.kind = "ucx";
     to.ucx_tls = options.ucx_tls;
+    to.mapped_copies = options.mapped_copies;
     auto t = CreateClientTransport(to, ep);
     if (t.ok()) {
       impl->transport = std::move(*t);
@@ -541,5 +542,10 @@ uint64_t CacheClient::instance_id() const { return impl_->instance_id.load(); }
 uint64_t CacheClient::reconnects() const { return impl_->reconnects.load(); }
 const std::string& CacheClient::address() const { return impl_->opt.address; }
 const std::string& CacheClient::data_plane() const { return impl_->data_plane; }
+
+bool CacheClient::mapped_copies() const {
+  std::lock_guard<std::mutex> lock(impl_->transport_mu);
+  return impl_->transport != nullptr && impl_->transport->mapped();
+}
 
 }  // namespace sparsex::cache

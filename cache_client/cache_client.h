@@ -59,6 +59,9 @@ struct CacheClientOptions {
   // Verify on a helper thread, overlapped with the transfer of the next block (on_block then
   // runs on that thread, still one block at a time and in order). Default: true.
   bool verify_in_background = true;
+  // UCX with a same-host server: copy through the mapped arena on several threads
+  // (TransportOptions::mapped_copies). Default: true.
+  bool mapped_copies = true;
 };
 
 struct LookupInfo {
@@ -133,6 +136,8 @@ class CacheClient {
   const std::string& address() const;
   // "ucx" or "grpc".
   const std::string& data_plane() const;
+  // Whether transfers copy through a local mapping of the server's arena (UCX, same host).
+  bool mapped_copies() const;
 
   struct Impl;
 

@@ -39,6 +39,11 @@ struct TransportOptions {
   // server does not link CUDA): "auto" when a CUDA device is visible, "on" (fail without
   // one), "off". Default: "auto".
   std::string cuda_pin = "auto";
+  // Client: when the server's arena is mapped into this process (UCX on one host: shared
+  // memory), gets and puts copy through that mapping on up to 8 threads instead of UCX's one
+  // progress thread (single-threaded copies held a cross-worker fetch on the H200 at ~4 GB/s).
+  // false: always UCX's gets and puts. Default: true.
+  bool mapped_copies = true;
 };
 
 
@@ -100,6 +105,9 @@ class ClientTransport {
   // which takes the zero-copy paths). nullptr when unsupported. Freed by FreeMemory.
   virtual void* AllocateMemory(size_t n) { return nullptr; }
   virtual void FreeMemory(void* p) {}
+  // True when gets and puts copy through a local mapping of the arena
+  // (TransportOptions::mapped_copies and a same-host server).
+  virtual bool mapped() const { return false; }
 };
 
 namespace internal {

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -220,6 +221,7 @@ class UcxClientTransport final : public ClientTransport {
   static absl::StatusOr<std::unique_ptr<ClientTransport>> Create(const TransportOptions& o,
                                                                  const EndpointInfo& ep) {
     auto t = std::unique_ptr<UcxClientTransport>(new UcxClientTransport());
+    t->mapped_copies_ = o.mapped_copies;
     absl::Status st;
     t->ctx_ = SharedClientContext(o.ucx_tls, &st);
     if (t->ctx_ == nullptr) return st;
@@ -251,6 +253,10 @@ class UcxClientTransport final : public ClientTransport {
   absl::Status Get(std::span<const RemoteOp> ops, const std::function<void(size_t)>& on_done,
                    Deadline deadline) override {
     RETURN_IF_ERROR(Usable(ops));
+    if (mapped_ != nullptr) {
+      CopyMapped(ops, /*to_arena=*/false, on_done);
+      return absl::OkStatus();
+    }
     std::deque<std::pair<size_t, void*>> pending;  // (op index, request or nullptr = done)
     absl::Status err;
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -270,6 +276,13 @@ class UcxClientTransport final : public ClientTransport {
 
   absl::Status Put(std::span<const RemoteOp> ops, Deadline deadline) override {
     RETURN_IF_ERROR(Usable(ops));
+    if (mapped_ != nullptr) {
+      // Stores to the shared segment are visible to the server once they retire; it reads the
+      // blocks only after the Commit RPC that follows.
+      CopyMapped(ops, /*to_arena=*/true, {});
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      return absl::OkStatus();
+    }
     std::deque<std::pair<size_t, void*>> pending;
     absl::Status err;
     for (size_t i = 0; i < ops.size() && err.ok(); ++i) {
@@ -329,6 +342,8 @@ class UcxClientTransport final : public ClientTransport {
 
   void FreeMemory(void* p) override { UnregisterMemory(p); }
 
+  bool mapped() const override { return mapped_ != nullptr; }
+
   void UnregisterMemory(void* p) override {
     auto it = memh_.find(reinterpret_cast<uintptr_t>(p));
     if (it == memh_.end()) return;
@@ -368,14 +383,62 @@ class UcxClientTransport final : public ClientTransport {
     void* mapped = nullptr;
     if (ucp_rkey_ptr(rkey_, base_, &mapped) == UCS_OK && mapped != nullptr) {
       prefault_ = std::make_unique<Prefaulter>(mapped, arena_bytes_);
+      if (mapped_copies_) mapped_ = static_cast<uint8_t*>(mapped);
     }
     return absl::OkStatus();
+  }
+
+  // Gets (to_arena false) or puts through the mapping: windows of up to kWindow bytes, each
+  // cut into kChunk pieces copied on up to kThreads threads (this one included); on_done(i)
+  // runs, in order, for the ops of a window once it has landed, so a consumer (the cache
+  // client's checksum check) works on one window while the next copies.
+  void CopyMapped(std::span<const RemoteOp> ops, bool to_arena,
+                  const std::function<void(size_t)>& on_done) {
+    constexpr uint64_t kChunk = uint64_t{4} << 20, kWindow = uint64_t{128} << 20;
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    const unsigned threads = std::min(8u, hw);
+    struct Piece {
+      uint8_t* dst;
+      const uint8_t* src;
+      size_t n;
+    };
+    std::vector<Piece> pieces;
+    for (size_t i = 0; i < ops.size();) {
+      size_t j = i;
+      uint64_t bytes = 0;
+      while (j < ops.size() && (j == i || bytes + ops[j].size <= kWindow)) bytes += ops[j++].size;
+      pieces.clear();
+      for (size_t k = i; k < j; ++k) {
+        uint8_t* remote = mapped_ + ops[k].remote_offset;
+        for (uint64_t off = 0; off < ops[k].size; off += kChunk) {
+          const size_t n = static_cast<size_t>(std::min(kChunk, ops[k].size - off));
+          if (to_arena) pieces.push_back({remote + off, ops[k].local + off, n});
+          else pieces.push_back({ops[k].local + off, remote + off, n});
+        }
+      }
+      std::atomic<size_t> next{0};
+      auto work = [&] {
+        for (size_t p; (p = next.fetch_add(1)) < pieces.size();) {
+          std::memcpy(pieces[p].dst, pieces[p].src, pieces[p].n);
+        }
+      };
+      std::vector<std::thread> helpers;
+      const size_t want = std::min<size_t>(threads, pieces.size());
+      for (size_t t = 1; t < want; ++t) helpers.emplace_back(work);
+      work();
+      for (std::thread& t : helpers) t.join();
+      if (on_done) {
+        for (size_t k = i; k < j; ++k) on_done(k);
+      }
+      i = j;
+    }
   }
 
   // Destroys the remote key (unmapping the peer's segment) and closes the endpoint; `force`
   // does not flush outstanding operations to the peer (it may be dead).
   void CloseEndpoint(bool force) {
     prefault_.reset();  // joined before the mapping goes with the remote key
+    mapped_ = nullptr;
     if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
     rkey_ = nullptr;
     if (ep_ == nullptr) return;
@@ -446,6 +509,7 @@ class UcxClientTransport final : public ClientTransport {
         // error before the caller's buffers go away.
         broken_ = true;
         prefault_.reset();
+        mapped_ = nullptr;
         if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
         rkey_ = nullptr;
         ucp_request_param_t prm{};
@@ -477,6 +541,9 @@ class UcxClientTransport final : public ClientTransport {
   uint64_t base_ = 0, arena_bytes_ = 0;
   // Maps the server's arena into this process (one host); joined before the key is destroyed.
   std::unique_ptr<Prefaulter> prefault_;
+  // That mapping, when gets and puts copy through it (TransportOptions::mapped_copies).
+  bool mapped_copies_ = true;
+  uint8_t* mapped_ = nullptr;
   bool broken_ = false;
   std::map<uintptr_t, std::pair<size_t, ucp_mem_h>> memh_;
 };

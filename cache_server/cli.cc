@@ -96,6 +96,7 @@ int Main(int argc, char** argv) {
   co.client.model_fp = SyntheticModel(a.U("model_seed", seed));
   co.client.transport = a.Get("transport", "ucx");
   co.client.ucx_tls = a.Get("ucx_tls");
+  co.client.mapped_copies = a.Get("mapped_copies", "true") != "false";
   co.client.lease_ttl_ms = static_cast<uint32_t>(a.U("lease_ms", 0));
   if (co.members.empty()) {
     std::cerr << "--address or --members is required\n";
@@ -126,13 +127,16 @@ int Main(int argc, char** argv) {
     }
     auto m0 = c.Member(c.Owners(keys.empty() ? Hash128{} : keys[0].segment)[0]);
     std::cout << "{\"ok\":true,\"stored\":" << stored << ",\"existed\":" << existed
-              << ",\"data_plane\":\"" << (m0.ok() ? (*m0)->data_plane() : "?") << "\"}"
+              << ",\"data_plane\":\"" << (m0.ok() ? (*m0)->data_plane() : "?")
+              << "\",\"mapped_copies\":" << (m0.ok() && (*m0)->mapped_copies() ? "true" : "false")
+              << "}"
               << std::endl;
     return 0;
   }
   if (cmd == "get") {
     std::vector<std::string> bufs(keys.size());
     uint64_t ok = 0, missing = 0, mismatched = 0;
+    auto m0 = c.Member(c.Owners(keys.empty() ? Hash128{} : keys[0].segment)[0]);
     const size_t batch = std::max<uint32_t>(1, layers);  // one segment per lease
     for (size_t base = 0; base < keys.size(); base += batch) {
       std::span<const BlockKey> ks(keys.data() + base, std::min(batch, keys.size() - base));
@@ -154,7 +158,8 @@ int Main(int argc, char** argv) {
     }
     std::cout << "{\"ok\":" << (missing == 0 && mismatched == 0 ? "true" : "false")
               << ",\"matched\":" << ok << ",\"missing\":" << missing
-              << ",\"mismatched\":" << mismatched << "}" << std::endl;
+              << ",\"mismatched\":" << mismatched << ",\"mapped_copies\":"
+              << (m0.ok() && (*m0)->mapped_copies() ? "true" : "false") << "}" << std::endl;
     return mismatched ? 3 : missing ? 4 : 0;
   }
   if (cmd == "lookup") {

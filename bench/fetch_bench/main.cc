@@ -2,7 +2,8 @@
 //
 //   build/bin/sparsex-fetch-bench [--segments 2] [--tokens 4064] [--layers 32] [--kv_dim 1024]
 //       [--iters 3] [--ucx_tls ...] [--fetch_batch_mb 512] [--wire_dtype f32|bf16]
-//       [--arena_mb N] [--dead_peers N] [--writer_process 1] [--json OUT.json]
+//       [--arena_mb N] [--dead_peers N] [--writer_process 1] [--mapped_copies 0|1]
+//       [--json OUT.json]
 //
 // Starts sparsex-cache-server (memory only) on 127.0.0.1, writes `segments` segments of the
 // given shape (defaults: Llama-3-8B segments of the serving benchmark, fp32 K and V as the
@@ -14,7 +15,8 @@
 // --dead_peers N first starts N other fetchers (this binary, --peer mode: each connects and
 // fetches every segment once), then kills them with SIGKILL before the measured fetches, as
 // bench/gpu/fetch.sh kills worker A before worker B fetches: whether a dead peer's endpoints
-// slow the cache server's data plane for the others.
+// slow the cache server's data plane for the others. --mapped_copies 0 moves the bytes with
+// UCX's gets and puts instead of copies through the mapped arena (the default on one host).
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -81,6 +83,7 @@ int Peer(const Args& a) {
   ClusterTierOptions t;
   t.servers = {a.Get("peer", "")};
   t.ucx_tls = a.Get("ucx_tls", "");
+  t.mapped_copies = a.U("mapped_copies", 1) != 0;
   t.fetch_batch_bytes = a.U("fetch_batch_mb", 512) << 20;
   t.wire_dtype = a.Get("wire_dtype", "f32");
   auto tier = ClusterKvTier::Connect(t, Hash128{0x5eed, 8}, layers, kv_dim);
@@ -142,6 +145,7 @@ int Run(const Args& a) {
   ClusterTierOptions t;
   t.servers = {(*server)->address()};
   t.ucx_tls = tls;
+  t.mapped_copies = a.U("mapped_copies", 1) != 0;
   t.fetch_batch_bytes = a.U("fetch_batch_mb", 512) << 20;
   t.wire_dtype = a.Get("wire_dtype", "f32");
   const Hash128 model{0x5eed, 8};
@@ -162,7 +166,7 @@ int Run(const Args& a) {
         "/proc/self/exe", "--peer", (*server)->address(), "--put", "1", "--ready", ready,
         "--segments", absl::StrCat(segments), "--tokens", absl::StrCat(tokens),
         "--layers", absl::StrCat(layers), "--kv_dim", absl::StrCat(kv_dim),
-        "--wire_dtype", t.wire_dtype};
+        "--wire_dtype", t.wire_dtype, "--mapped_copies", t.mapped_copies ? "1" : "0"};
     if (!tls.empty()) argv.insert(argv.end(), {"--ucx_tls", tls});
     auto child = sparsex::cache::testing::ChildProcess::Spawn(
         argv, absl::StrCat(dir, "/writer.log"), env);
@@ -251,9 +255,10 @@ int Run(const Args& a) {
   if (const std::string path = a.Get("json", ""); !path.empty()) {
     std::ofstream out(path);
     out << absl::StrFormat("{\"segments\": %d, \"tokens\": %d, \"layers\": %d, \"kv_dim\": %d, "
-                           "\"ucx_tls\": \"%s\", \"wire_dtype\": \"%s\", \"arena_bytes\": %d, "
+                           "\"ucx_tls\": \"%s\", \"mapped_copies\": %s, \"wire_dtype\": \"%s\", \"arena_bytes\": %d, "
                            "\"dead_peers\": %d, \"writer_process\": %s, \"put_s\": %.3f, \"fetches\": [\n%s\n]}\n",
-                           segments, tokens, layers, kv_dim, tls, t.wire_dtype, arena, dead,
+                           segments, tokens, layers, kv_dim, tls,
+                           t.mapped_copies ? "true" : "false", t.wire_dtype, arena, dead,
                            writer_process ? "true" : "false", put_s, records);
   }
   return 0;

@@ -170,6 +170,7 @@ absl::StatusOr<std::unique_ptr<ClusterKvTier>> ClusterKvTier::Connect(
   co.client.transport = o.transport;
   co.client.ucx_tls = o.ucx_tls;
   co.client.rpc_timeout_ms = o.rpc_timeout_ms;
+  co.client.mapped_copies = o.mapped_copies;
   ASSIGN_OR_RETURN(const KvDtype wire, ParseWireDtype(o.wire_dtype.empty() ? "f32" : o.wire_dtype));
   ASSIGN_OR_RETURN(auto client, cache::ClusterClient::Connect(co));
   std::unique_ptr<ClusterKvTier> t(new ClusterKvTier());

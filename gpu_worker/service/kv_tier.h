@@ -56,6 +56,9 @@ struct ClusterTierOptions {
   // and in the cache servers; exact for KV a bf16 backend computed, which is why the worker
   // picks it for --device cuda). Fetches decode both. "" = f32. Default: ""
   std::string wire_dtype;
+  // Same-host cache server: copy through the mapped arena on several threads instead of UCX's
+  // gets and puts (cache::TransportOptions::mapped_copies). Default: true
+  bool mapped_copies = true;
 };
 
 struct SegmentRef {

@@ -242,6 +242,30 @@ TEST_F(ServerE2ETest, ManyConcurrentClientProcessesPutAndGetOverUcx) {
   EXPECT_EQ(JsonU(stats, "disk_blocks"), 5u * 24 + 6);
 }
 
+// On one host the client copies through its mapping of the server's arena (several threads)
+// unless told not to; blocks written one way read back byte for byte the other way, in leases
+// of several large blocks.
+TEST_F(ServerE2ETest, MappedAndUcxCopiesReadEachOthersBlocks) {
+  auto* s = StartServer("db", {"--memory_capacity=256M"});
+  ASSERT_NE(s, nullptr);
+  const std::string a = "--address=" + s->address() + " --segments=2 --layers=5 --tokens=2048 "
+                        "--kv_dim=1024";
+  auto [rc, out] = Cli("put " + a + " --seed=21");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("\"mapped_copies\":true"), std::string::npos) << out;
+  std::tie(rc, out) = Cli("get " + a + " --seed=21 --mapped_copies=false");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(JsonU(out, "matched"), 10u);
+  EXPECT_NE(out.find("\"mapped_copies\":false"), std::string::npos) << out;
+  std::tie(rc, out) = Cli("put " + a + " --seed=22 --mapped_copies=false");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("\"mapped_copies\":false"), std::string::npos) << out;
+  std::tie(rc, out) = Cli("get " + a + " --seed=22");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(JsonU(out, "matched"), 10u);
+  EXPECT_NE(out.find("\"mapped_copies\":true"), std::string::npos) << out;
+}
+
 TEST_F(ServerE2ETest, TransportsAreConfigurationTcpOnly) {
   auto* s = StartServer("db", {"--ucx_tls=tcp,self"});
   ASSERT_NE(s, nullptr);
@@ -253,6 +277,7 @@ TEST_F(ServerE2ETest, TransportsAreConfigurationTcpOnly) {
   std::tie(rc, out) = Cli("get " + a);
   EXPECT_EQ(rc, 0) << out << s->Log();
   EXPECT_EQ(JsonU(out, "matched"), 6u);
+  EXPECT_NE(out.find("\"mapped_copies\":false"), std::string::npos) << out;  // no shared memory
 }
 
 TEST_F(ServerE2ETest, ClientKilledMidPutLeavesNothingAndSpaceIsReclaimed) {
