@@ -5,11 +5,13 @@
 
 #include <set>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "cache_client/key_codec.h"
 #include "cache_client/transport.h"
@@ -302,7 +304,8 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
       }
     }
   };
-  auto landed = [&](size_t j) {
+  std::mutex mismatched_mu;  // check() runs on several verifier threads
+  auto check = [&](size_t j) {
     const size_t i = present[j];
     const auto& b = lease.blocks(static_cast<int>(i));
     if (impl_->opt.verify &&
@@ -310,31 +313,52 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
       status[i] = absl::NotFoundError(absl::StrCat("miss: ", keys[i].ToString(),
                                                    " failed checksum verification"));
       status[i].SetPayload(kFailedVerificationPayload, absl::Cord());
+      std::lock_guard<std::mutex> l(mismatched_mu);
       mismatched.push_back(i);
     }
-    report_until(i + 1);
+  };
+  auto landed = [&](size_t j) {
+    check(j);
+    report_until(present[j] + 1);
   };
 
   absl::Status transfer;
   if (!ops.empty()) {
     if (impl_->transport != nullptr && impl_->opt.verify && impl_->opt.verify_in_background &&
         present.size() > 1) {
-      // Pipeline: this thread drives the transfer, a helper verifies (and reports) block j
-      // while block j + 1 is being copied.
+      // Pipeline: this thread drives the transfer while helpers verify the blocks that have
+      // landed, each taking the next one (several at once: one thread's checksum held a
+      // cross-worker fetch on the H200 at ~4.4 GB/s); blocks are reported in key order as the
+      // verified prefix grows, one at a time.
       std::mutex qm;
       std::condition_variable qcv;
       size_t arrived = 0;
       bool finished = false;
-      std::thread verifier([&] {
-        for (size_t j = 0; j < present.size(); ++j) {
+      std::atomic<size_t> next_j{0};
+      std::mutex report_mu;
+      std::vector<char> verified(present.size(), 0);
+      size_t reported_j = 0;  // present[0, reported_j) reported
+      auto verify_loop = [&] {
+        for (;;) {
+          const size_t j = next_j.fetch_add(1);
+          if (j >= present.size()) return;
           {
             std::unique_lock<std::mutex> l(qm);
             qcv.wait(l, [&] { return arrived > j || finished; });
-            if (arrived <= j) return;
+            if (arrived <= j) return;  // the transfer ended before block j landed
           }
-          landed(j);
+          check(j);
+          std::lock_guard<std::mutex> l(report_mu);
+          verified[j] = 1;
+          for (; reported_j < present.size() && verified[reported_j]; ++reported_j) {
+            report_until(present[reported_j] + 1);
+          }
         }
-      });
+      };
+      const size_t n_verifiers = std::min<size_t>(
+          present.size(), std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 1, 8));
+      std::vector<std::thread> verifiers;
+      for (size_t v = 0; v < n_verifiers; ++v) verifiers.emplace_back(verify_loop);
       {
         std::lock_guard<std::mutex> lock(impl_->transport_mu);
         transfer = impl_->EnsureEndpointLocked(lease.instance_id());
@@ -346,7 +370,7 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
                   std::lock_guard<std::mutex> l(qm);
                   arrived = j + 1;
                 }
-                qcv.notify_one();
+                qcv.notify_all();
               },
               impl_->TransferDeadline());
         }
@@ -355,8 +379,8 @@ absl::StatusOr<std::vector<absl::Status>> CacheClient::FetchInto(std::span<const
         std::lock_guard<std::mutex> l(qm);
         finished = true;
       }
-      qcv.notify_one();
-      verifier.join();
+      qcv.notify_all();
+      for (std::thread& v : verifiers) v.join();
     } else if (impl_->transport != nullptr) {
       std::lock_guard<std::mutex> lock(impl_->transport_mu);
       transfer = impl_->EnsureEndpointLocked(lease.instance_id());

@@ -56,8 +56,9 @@ struct CacheClientOptions {
   uint32_t lease_ttl_ms = 0;
   // Verify the checksum of every fetched block. Default: true.
   bool verify = true;
-  // Verify on a helper thread, overlapped with the transfer of the next block (on_block then
-  // runs on that thread, still one block at a time and in order). Default: true.
+  // Verify on helper threads (half the hardware threads, 1 to 8), overlapped with the
+  // transfer of the next blocks (on_block then runs on those threads, still one block at a
+  // time and in key order). Default: true.
   bool verify_in_background = true;
   // UCX with a same-host server: copy through the mapped arena on several threads
   // (TransportOptions::mapped_copies). Default: true.
