@@ -78,10 +78,10 @@ const char* SmallNGemmVariantName(SmallNGemmVariant v);
 // measurement of every variant per Llama-3-8B decode shape (docs/perf-notes.md v8):
 // splitk4 up to 4096 x 4096 weights, splitk8 above.
 SmallNGemmVariant SmallNGemmAutoVariant(int64_t n, int64_t m, int64_t k);
-// Whether the small-n kernel (at its auto variant) beats cuBLASLt for the shape, from the same
-// measurement: only at 1 row (except very wide outputs, lm_head, or long k, down) and at 2
-// rows up to 4096 x 4096 weights. At 4-8 rows cuBLASLt streams the weights once for all rows
-// at 3.5-3.9 TB/s while the small-n variants fall to 1.2-2.5 TB/s.
+// Whether the automatic choice sends the shape to the small-n kernel (at its auto variant)
+// instead of cuBLASLt. Per call the small-n kernel wins only at 1 row (qkv, o) and for the o
+// projection at 2 rows (v8), but whole decode steps measured since session 11 are faster on
+// cuBLASLt at every batch (docs/perf-notes.md v9): false for every shape.
 bool SmallNGemmPreferred(int64_t n, int64_t m, int64_t k);
 
 bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,

@@ -113,9 +113,9 @@ struct CudaBackendOptions {
   bool small_n_gemm = true;
   // Which small-n kernel (kernels::SmallNGemmVariant, kernels/gemm.h): 0 warp2 (the v2 kernel),
   // 1 warp2-deep, 2 warp4, 3 splitk4, 4 splitk8, each for every supported shape (comparisons);
-  // -1 the measured per-shape choice: the small-n kernel only where it beats cuBLASLt
-  // (kernels::SmallNGemmPreferred: 1 row, and 2 rows of small weights) at the variant of
-  // kernels::SmallNGemmAutoVariant, cuBLASLt elsewhere.
+  // -1 the measured choice (kernels::SmallNGemmPreferred): since session 11 cuBLASLt for every
+  // shape, whose whole decode steps were faster (docs/perf-notes.md v9); the small-n kernels
+  // run only when a variant is named.
   // SPX_SMALL_N_VARIANT=auto|warp2|warp2-deep|warp4|splitk4|splitk8 or the number. Default: -1
   int small_n_variant = -1;
   // Backend::MatMulSwiGLU on decode rows (at most kernels::kSmallNGemmMaxRows) as one kernel:
