@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 namespace sparsex {
 
@@ -103,6 +105,15 @@ absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out
   if (s.ok()) s = SwiGLU(tmp, out);
   Free(tmp);
   return s;
+}
+
+absl::Status Backend::UploadBf16(std::span<const uint16_t> host, Tensor& dst) {
+  std::vector<float> wide(host.size());
+  for (size_t i = 0; i < host.size(); ++i) {
+    const uint32_t u = static_cast<uint32_t>(host[i]) << 16;
+    std::memcpy(&wide[i], &u, sizeof u);
+  }
+  return Upload(wide, dst);
 }
 
 absl::Status Backend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,

@@ -482,6 +482,16 @@ bool EngineGroup::Holds(const Hash128& fp) const {
   return has_reuse() && ranks_[0]->reuse->Holds(fp);
 }
 
+bool EngineGroup::TakesFetched() const {
+  return ranks_.size() == 1 && has_reuse() && ranks_[0]->reuse->TakesFetched();
+}
+
+bool EngineGroup::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
+  if (!TakesFetched()) return false;
+  ranks_[0]->reuse->OfferFetched(fp, std::move(kv));
+  return true;
+}
+
 size_t EngineGroup::unspilled() { return has_reuse() ? ranks_[0]->reuse->unspilled() : 0; }
 
 size_t EngineGroup::device_tier_bytes() {

@@ -85,6 +85,10 @@ class EngineGroup {
   // ReuseEngine::Holds / unspilled on rank 0 (Holds from any thread: the ranks hold alike).
   absl::StatusOr<std::optional<std::pair<Hash128, int>>> SpillOne(int max_layers = 1 << 30);
   bool Holds(const Hash128& fp) const;
+  // ReuseEngine::OfferFetched, without tensor parallelism only (a rank's share travels in the
+  // fp32 store); false when the segment was not taken (then the caller stores it). Any thread.
+  bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
+  bool TakesFetched() const;
   size_t unspilled();
   // Segment KV bytes held in the ranks' device (or pinned host) tiers.
   size_t device_tier_bytes();

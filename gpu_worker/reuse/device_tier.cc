@@ -73,6 +73,26 @@ absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
   return std::shared_ptr<const DeviceSegment>(seg);
 }
 
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadBf16(
+    const Hash128& fp, const SegmentKvBf16& kv) {
+  std::shared_ptr<DeviceSegment> seg = NewSegment();
+  seg->n_tokens = kv.n_tokens;
+  auto alloc = [&](int64_t rows, int64_t cols) {
+    return host_ ? be_->AllocHost(rows, cols) : be_->Alloc(rows, cols);
+  };
+  for (int l = 0; l < kv.n_layers; ++l) {
+    ASSIGN_OR_RETURN(Tensor k, alloc(kv.n_tokens, kv.kv_dim));
+    seg->k.push_back(k);
+    ASSIGN_OR_RETURN(Tensor v, alloc(kv.n_tokens, kv.kv_dim));
+    seg->v.push_back(v);
+    RETURN_IF_ERROR(be_->UploadBf16(kv.k[l], seg->k.back()));
+    RETURN_IF_ERROR(be_->UploadBf16(kv.v[l], seg->v.back()));
+    seg->bytes += k.bytes() + v.bytes();
+  }
+  Insert(fp, seg);
+  return std::shared_ptr<const DeviceSegment>(seg);
+}
+
 bool DeviceSegmentTier::Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k,
                               std::vector<Tensor> v) {
   std::shared_ptr<DeviceSegment> seg = NewSegment();

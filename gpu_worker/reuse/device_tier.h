@@ -34,6 +34,9 @@ class DeviceSegmentTier {
   // Copies a host segment into backend memory, caching it when capacity allows.
   absl::StatusOr<std::shared_ptr<const DeviceSegment>> Upload(const Hash128& fp,
                                                               const SegmentKv& kv);
+  // The same from a bf16 segment (a cluster fetch's, without the fp32 store).
+  absl::StatusOr<std::shared_ptr<const DeviceSegment>> UploadBf16(const Hash128& fp,
+                                                                  const SegmentKvBf16& kv);
   // Takes backend tensors already holding a segment's KV (an encoding pass captured them; the
   // tier frees them); false when the segment exceeds the capacity (then nothing is kept).
   bool Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k, std::vector<Tensor> v);

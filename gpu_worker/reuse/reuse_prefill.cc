@@ -231,7 +231,37 @@ absl::StatusOr<StoreProgress> ReuseEngine::StoreStep(const std::vector<int32_t>&
 }
 
 bool ReuseEngine::Holds(const Hash128& fp) const {
-  return tier_.Resident(fp) || host_tier_.Resident(fp) || store_->Contains(fp);
+  if (tier_.Resident(fp) || host_tier_.Resident(fp) || store_->Contains(fp)) return true;
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  for (const auto& [f, kv] : fetched_) {
+    if (f == fp) return true;
+  }
+  return false;
+}
+
+void ReuseEngine::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  fetched_.emplace_back(fp, std::move(kv));
+}
+
+void ReuseEngine::AdoptFetched() {
+  std::vector<std::pair<Hash128, SegmentKvBf16>> in;
+  {
+    std::lock_guard<std::mutex> l(fetched_mu_);
+    in.swap(fetched_);
+  }
+  const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
+  for (auto& [fp, kv] : in) {
+    if (kv.n_layers != L || kv.kv_dim != kd || kv.n_tokens <= 0) continue;  // not this model's
+    DeviceSegmentTier& t = tier_.capacity() > 0 ? tier_ : host_tier_;
+    if (t.capacity() == 0 || t.Peek(fp) != nullptr) continue;
+    // A segment that cannot be uploaded (memory) is dropped: the planner then misses it and
+    // the prefill recomputes it, as for any miss. One in the device tier reaches the host
+    // store (and from there the router's index) through SpillOne, like an encoded one.
+    if (t.UploadBf16(fp, kv).ok() && &t == &tier_ && t.Peek(fp) != nullptr) {
+      unspilled_.emplace_back(fp, kv.n_tokens);
+    }
+  }
 }
 
 absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,
@@ -371,6 +401,7 @@ void ReuseEngine::AbortPrefill() { prefill_.reset(); }
 absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, bool add_bos,
                                        const ReuseOptions* override_opts) {
   prefill_.reset();
+  AdoptFetched();
   auto j = std::make_unique<PrefillJob>();
   j->engine = engine_;
   j->be = &engine_->runner().backend();

@@ -15,6 +15,7 @@
 
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -163,6 +164,13 @@ class ReuseEngine {
   // In any tier or the host store: the worker's one "is it local?" (the planner's lookup
   // consults the same tiers in the same order). Callable from any thread.
   bool Holds(const Hash128& fp) const;
+  // Whether fetched segments can go straight to a tier (device or pinned host capacity).
+  bool TakesFetched() const { return tier_.capacity() > 0 || host_tier_.capacity() > 0; }
+  // A segment a cluster fetch delivered in bf16 (any thread): kept in an inbox the engine
+  // thread empties into the device tier (else the pinned host tier) at the next BeginPrefill,
+  // so the fp32 host store, its checksums and the conversion at first use are skipped (a
+  // fetched 32K prompt's first prefill paid ~0.7 s for them on the H200). Holds() counts it.
+  void OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
 
  private:
@@ -201,10 +209,13 @@ class ReuseEngine {
     int next_layer = 0;
   };
   std::optional<SpillJob> spill_;
+  void AdoptFetched();  // the inbox into the tiers (engine thread)
   Engine* engine_;
   SegmentStore* store_;
   ReuseOptions opts_;
   DeviceSegmentTier tier_, host_tier_;
+  mutable std::mutex fetched_mu_;
+  std::vector<std::pair<Hash128, SegmentKvBf16>> fetched_;  // the inbox
 };
 
 }  // namespace sparsex

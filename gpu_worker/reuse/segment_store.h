@@ -27,6 +27,16 @@ struct SegmentKv {
   size_t bytes() const;
 };
 
+// A segment's KV in bf16 (the upper halves of fp32, as the cluster's bf16 wire and a GPU's
+// tiers hold it): what a cluster fetch hands to the engine's tier without the fp32 store.
+struct SegmentKvBf16 {
+  int n_tokens = 0, n_layers = 0, kv_dim = 0;
+  std::vector<std::vector<uint16_t>> k, v;  // [n_layers][n_tokens * kv_dim], K before RoPE
+  size_t bytes() const {
+    return static_cast<size_t>(2) * n_layers * n_tokens * kv_dim * sizeof(uint16_t);
+  }
+};
+
 // Computes (or checks) the per-block checksums of kv.
 void SealSegmentKv(SegmentKv& kv, int block_tokens = 16);
 bool VerifySegmentKv(const SegmentKv& kv, int block_tokens = 16);

@@ -275,6 +275,16 @@ bool BatchScheduler::HoldsLocally(const Hash128& fp) const {
   return group_ != nullptr && group_->Holds(fp);
 }
 
+bool BatchScheduler::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
+  std::lock_guard<std::mutex> l(mu_);
+  return group_ != nullptr && group_->OfferFetched(fp, std::move(kv));
+}
+
+bool BatchScheduler::TakesFetched() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return group_ != nullptr && group_->TakesFetched();
+}
+
 SchedulerLoad BatchScheduler::load() const {
   std::lock_guard<std::mutex> l(mu_);
   return load_;

@@ -257,6 +257,10 @@ class BatchScheduler {
   // Whether a segment's KV is local (device tier, pinned host tier or host store): what the
   // worker asks before it fetches the segment from the cache cluster. Any thread.
   bool HoldsLocally(const Hash128& fp) const;
+  // A fetched bf16 segment for the engine's tiers (EngineGroup::OfferFetched); false when not
+  // taken (no tier, tensor parallelism, engine stopped). Any thread.
+  bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
+  bool TakesFetched() const;
   // Fails every queued and running request with UNAVAILABLE and joins the engine thread.
   void Stop();
   const SchedulerOptions& options() const { return opts_; }

@@ -80,6 +80,23 @@ void CopyHalf(const KvBlockView& v, int layer, int half, SegmentKv* kv) {
   CopyToF32(v.payload.data() + half * n * es, v.header.dtype, n, dst.data());
 }
 
+// The same into a bf16 segment: bf16 blocks copied as they are, f32 ones rounded.
+void CopyHalfBf16(const KvBlockView& v, int layer, int half, SegmentKvBf16* kv) {
+  const size_t n = static_cast<size_t>(kv->n_tokens) * kv->kv_dim;
+  std::vector<uint16_t>& dst = half == 0 ? kv->k[layer] : kv->v[layer];
+  ResizeHuge(dst, n);
+  if (v.header.dtype == KvDtype::kBF16) {
+    std::memcpy(dst.data(), v.payload.data() + half * n * 2, n * 2);
+    return;
+  }
+  const uint8_t* src = v.payload.data() + half * n * 4;
+  for (size_t i = 0; i < n; ++i) {
+    float f;
+    std::memcpy(&f, src + 4 * i, 4);
+    dst[i] = ToBf16(f);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<KvDtype> ParseWireDtype(std::string_view name) {
@@ -214,10 +231,12 @@ Hash128 ShareKey(const Hash128& fp, int rank, int size) {
   return h.Finish();
 }
 
-FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
-                                         SegmentStore* store, int tp_rank, int tp_size) {
+FetchOutcome ClusterKvTier::FetchMissing(
+    std::span<const SegmentRef> segments, SegmentStore* store, int tp_rank, int tp_size,
+    std::vector<std::pair<SegmentRef, SegmentKvBf16>>* bf16) {
   FetchOutcome out;
-  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || kv_dim_ % tp_size != 0) {
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || kv_dim_ % tp_size != 0 ||
+      (bf16 != nullptr && tp_size != 1)) {
     out.failures = static_cast<int>(segments.size());
     out.failure_reasons.assign(segments.size(), "incomplete");
     return out;
@@ -286,11 +305,20 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
   // Each segment's KV is assembled layer by layer as its rounds arrive; `reason` marks one
   // that cannot be used.
   std::vector<SegmentKv> kvs(present.size());
+  std::vector<SegmentKvBf16> kvs16(bf16 != nullptr ? present.size() : 0);
   std::vector<std::string> reason(present.size());
   for (size_t s = 0; s < present.size(); ++s) {
     kvs[s].n_tokens = present[s].num_tokens;
     kvs[s].n_layers = n_layers_;
     kvs[s].kv_dim = kv_dim;
+    if (bf16 != nullptr) {
+      kvs16[s].n_tokens = present[s].num_tokens;
+      kvs16[s].n_layers = n_layers_;
+      kvs16[s].kv_dim = kv_dim;
+      kvs16[s].k.resize(n_layers_);
+      kvs16[s].v.resize(n_layers_);
+      continue;
+    }
     kvs[s].k.resize(n_layers_);
     kvs[s].v.resize(n_layers_);
   }
@@ -363,12 +391,14 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
       if (v.ok()) views.emplace_back(*v, i);
       else key_reason[i] = "corrupt";
     }
-    decoding[b] = std::async(std::launch::async, [this, &kvs, views = std::move(views)] {
+    decoding[b] = std::async(std::launch::async, [this, &kvs, &kvs16, to16 = bf16 != nullptr,
+                                                  views = std::move(views)] {
       ParallelFor(static_cast<int64_t>(views.size()) * 2, [&](int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
           const auto& [v, i] = views[j / 2];
-          CopyHalf(v, static_cast<int>(i % n_layers_), static_cast<int>(j % 2),
-                   &kvs[i / n_layers_]);
+          const int layer = static_cast<int>(i % n_layers_), half = static_cast<int>(j % 2);
+          if (to16) CopyHalfBf16(v, layer, half, &kvs16[i / n_layers_]);
+          else CopyHalf(v, layer, half, &kvs[i / n_layers_]);
         }
       });
     });
@@ -394,7 +424,11 @@ FetchOutcome ClusterKvTier::FetchMissing(std::span<const SegmentRef> segments,
       }
       continue;
     }
-    if (store->Put(present[s].fp, std::move(kvs[s])).ok()) {
+    if (bf16 != nullptr) {
+      bf16->emplace_back(present[s], std::move(kvs16[s]));
+      ++out.fetched;
+      out.stored.push_back(present[s]);
+    } else if (store->Put(present[s].fp, std::move(kvs[s])).ok()) {
       ++out.fetched;
       out.stored.push_back(present[s]);
     }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -355,6 +356,81 @@ TEST_F(ReuseTest, DeviceTierServesRepeatsWithIdenticalResults) {
   engine_->Release(c->seq);
   EXPECT_EQ(c->stats.segments_hit, 2);
   EXPECT_EQ(tiny.device_tier().bytes(), 0u);
+}
+
+// A cluster fetch hands segments over in bf16 (ReuseEngine::OfferFetched): the next prefill
+// finds them in the device tier, with the same logits as the same bf16 values served from the
+// host store; they count as held before that, and reach the store through SpillOne.
+TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  auto round = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  auto widen = [](uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  SegmentStore rounded(SegmentStoreOptions{}), empty(SegmentStoreOptions{});
+  ReuseEngine fetched(engine_.get(), &empty, {}, size_t{64} << 20);
+  std::vector<Hash128> fps;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(reuse_->EnsureStored(segs[i].tokens).ok());
+    const Hash128 fp = reuse_->Fingerprint(segs[i].tokens, ReuseOptions{}.encoding);
+    fps.push_back(fp);
+    auto kv = store_->Get(fp);
+    ASSERT_NE(kv, nullptr);
+    SegmentKvBf16 b;
+    b.n_tokens = kv->n_tokens;
+    b.n_layers = kv->n_layers;
+    b.kv_dim = kv->kv_dim;
+    SegmentKv r;
+    r.n_tokens = kv->n_tokens;
+    r.n_layers = kv->n_layers;
+    r.kv_dim = kv->kv_dim;
+    for (int l = 0; l < kv->n_layers; ++l) {
+      auto& bk = b.k.emplace_back();
+      auto& bv = b.v.emplace_back();
+      auto& rk = r.k.emplace_back();
+      auto& rv = r.v.emplace_back();
+      for (float x : kv->k[l]) {
+        bk.push_back(round(x));
+        rk.push_back(widen(bk.back()));
+      }
+      for (float x : kv->v[l]) {
+        bv.push_back(round(x));
+        rv.push_back(widen(bv.back()));
+      }
+    }
+    ASSERT_TRUE(rounded.Put(fp, std::move(r)).ok());
+    EXPECT_FALSE(fetched.Holds(fp));
+    fetched.OfferFetched(fp, std::move(b));
+    EXPECT_TRUE(fetched.Holds(fp));  // held from the offer on: not fetched twice
+  }
+  auto a = fetched.Prefill(segs);
+  ASSERT_TRUE(a.ok()) << a.status();
+  engine_->Release(a->seq);
+  EXPECT_EQ(a->stats.segments_device_hit, 2);
+  EXPECT_EQ(fetched.unspilled(), 2u);
+  ReuseEngine from_store(engine_.get(), &rounded, {}, size_t{64} << 20);
+  auto b = from_store.Prefill(segs);
+  ASSERT_TRUE(b.ok()) << b.status();
+  engine_->Release(b->seq);
+  EXPECT_EQ(b->stats.segments_device_hit, 0);
+  EXPECT_EQ(b->stats.segments_hit, 2);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b->logits), 0.0);
+  // The idle-time spill copies them into the host store.
+  for (int guard = 0; guard < 100 && fetched.unspilled() > 0; ++guard) {
+    ASSERT_TRUE(fetched.SpillOne().ok());
+  }
+  for (const Hash128& fp : fps) EXPECT_TRUE(empty.Contains(fp));
+  // Without a tier nothing is taken.
+  EXPECT_FALSE(reuse_->TakesFetched());
+  EXPECT_TRUE(fetched.TakesFetched());
 }
 
 // The scheduler runs a reuse prefill in slices between other sequences' decode steps: any

@@ -3,6 +3,8 @@
 // segment's (wrong shape) or is corrupt is never used, and the failure is reported.
 #include "gpu_worker/service/kv_tier.h"
 
+#include <cmath>
+#include <cstring>
 #include <tuple>
 
 #include "cache_client/cache_client.h"
@@ -224,6 +226,63 @@ TEST_F(KvTierServerTest, Bf16WriterHalvesTheFetchAndAnF32TierReadsItToo) {
   t.wire_dtype = "f16";
   EXPECT_EQ(ClusterKvTier::Connect(t, model_, kLayers, kDim).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// For a worker with a device tier the fetch hands the segments over in bf16 instead of putting
+// them into the store: bf16 blocks as they are (their widening equals what the fp32 path
+// stores), f32 blocks rounded to nearest even; the store stays empty. Not under tensor
+// parallelism.
+TEST_F(KvTierServerTest, FetchHandsBf16SegmentsToTheTierWithoutTheStore) {
+  ClusterTierOptions t;
+  t.servers = {server_->grpc_address()};
+  t.wire_dtype = "bf16";
+  auto bf = ClusterKvTier::Connect(t, model_, kLayers, kDim);
+  ASSERT_TRUE(bf.ok()) << bf.status();
+  const Hash128 wire16{160, 1}, wire32{160, 2};
+  const SegmentKv kv = MakeKv(33, 1.5f);
+  ASSERT_TRUE((*bf)->Put(wire16, kv).ok());
+  ASSERT_TRUE(tier_->Put(wire32, kv).ok());
+  auto widen = [](uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  for (const Hash128& fp : {wire16, wire32}) {
+    SegmentStore store(SegmentStoreOptions{}), plain(SegmentStoreOptions{});
+    std::vector<SegmentRef> refs = {{fp, 33}};
+    std::vector<std::pair<SegmentRef, SegmentKvBf16>> out;
+    FetchOutcome f = tier_->FetchMissing(refs, &store, 0, 1, &out);
+    ASSERT_EQ(f.fetched, 1);
+    ASSERT_EQ(f.stored.size(), 1u);
+    EXPECT_FALSE(store.Contains(fp));
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].first.fp, fp);
+    const SegmentKvBf16& got = out[0].second;
+    ASSERT_EQ(got.n_tokens, 33);
+    ASSERT_EQ(got.n_layers, kLayers);
+    ASSERT_EQ(got.kv_dim, kDim);
+    // The fp32 path's store content, rounded to bf16 where the wire was f32.
+    ASSERT_EQ(tier_->FetchMissing(refs, &plain).fetched, 1);
+    auto ref = plain.Get(fp);
+    ASSERT_NE(ref, nullptr);
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_EQ(got.k[l].size(), ref->k[l].size());
+      for (size_t i = 0; i < got.k[l].size(); ++i) {
+        const float rk = fp == wire16 ? ref->k[l][i] : widen(got.k[l][i]);
+        const float rv = fp == wire16 ? ref->v[l][i] : widen(got.v[l][i]);
+        EXPECT_EQ(widen(got.k[l][i]), rk);
+        EXPECT_EQ(widen(got.v[l][i]), rv);
+        EXPECT_NEAR(widen(got.k[l][i]), kv.k[l][i], std::abs(kv.k[l][i]) / 128 + 1e-6f);
+        EXPECT_NEAR(widen(got.v[l][i]), kv.v[l][i], std::abs(kv.v[l][i]) / 128 + 1e-6f);
+      }
+    }
+  }
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<SegmentRef> refs = {{wire16, 33}};
+  std::vector<std::pair<SegmentRef, SegmentKvBf16>> out;
+  EXPECT_EQ(tier_->FetchMissing(refs, &store, 0, 2, &out).fetched, 0);  // not under TP
+  EXPECT_TRUE(out.empty());
 }
 
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {

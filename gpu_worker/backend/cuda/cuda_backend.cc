@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -221,6 +222,46 @@ absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> ho
     prev_m = m;
   }
   if (prev_b >= 0) RETURN_IF_ERROR(widen(prev_b, prev_off, prev_m));
+  return absl::OkStatus();
+}
+
+// bf16 as it is: into a pinned tensor by host threads, else through the two pinned chunks (a
+// chunk refilled while the other copies) to the device.
+absl::Status CudaBackend::UploadBf16(std::span<const uint16_t> host, Tensor& dst) {
+  RETURN_IF_ERROR(FlushGraph());
+  RETURN_IF_ERROR(CheckBf16(dst, "UploadBf16"));
+  if (host.size() != static_cast<size_t>(dst.rows * dst.cols)) {
+    return absl::InvalidArgumentError("UploadBf16: size mismatch");
+  }
+  const int64_t n = static_cast<int64_t>(host.size());
+  if (n == 0) return absl::OkStatus();
+  if (dst.host) {
+    auto* d = static_cast<uint16_t*>(dst.data);
+    ParallelFor(n, [&](int64_t lo, int64_t hi) {
+      std::memcpy(d + lo, host.data() + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
+    }, int64_t{1} << 19);
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(EnsurePinnedChunks());
+  bf16* out = B(dst);
+  for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
+    const int b = static_cast<int>(c & 1);
+    if (upload_pending_[b]) {
+      CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "UploadBf16 wait");
+      upload_pending_[b] = false;
+    }
+    const int64_t m = std::min(kUploadChunk, n - off);
+    auto* buf = reinterpret_cast<uint16_t*>(upload_pinned_[b]);
+    const uint16_t* src = host.data() + off;
+    ParallelFor(m, [&](int64_t lo, int64_t hi) {
+      std::memcpy(buf + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
+    }, int64_t{1} << 19);
+    CUDA_RETURN(cudaMemcpyAsync(out + off, buf, m * sizeof(bf16), cudaMemcpyHostToDevice,
+                                stream_),
+                "UploadBf16 copy");
+    CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "UploadBf16 record");
+    upload_pending_[b] = true;
+  }
   return absl::OkStatus();
 }
 
