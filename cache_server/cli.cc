@@ -116,6 +116,10 @@ int Main(int argc, char** argv) {
     }
   }
 
+  // The client of the server owning the first key (what put and get report on).
+  auto first_member = [&] {
+    return c.Member(c.Owners(keys.empty() ? Hash128{} : keys[0].segment)[0]);
+  };
   if (cmd == "put") {
     uint64_t stored = 0, existed = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -125,7 +129,7 @@ int Main(int argc, char** argv) {
       else if (!s.ok()) return Fail(s);
       else ++stored;
     }
-    auto m0 = c.Member(c.Owners(keys.empty() ? Hash128{} : keys[0].segment)[0]);
+    auto m0 = first_member();
     std::cout << "{\"ok\":true,\"stored\":" << stored << ",\"existed\":" << existed
               << ",\"data_plane\":\"" << (m0.ok() ? (*m0)->data_plane() : "?")
               << "\",\"mapped_copies\":" << (m0.ok() && (*m0)->mapped_copies() ? "true" : "false")
@@ -136,7 +140,7 @@ int Main(int argc, char** argv) {
   if (cmd == "get") {
     std::vector<std::string> bufs(keys.size());
     uint64_t ok = 0, missing = 0, mismatched = 0;
-    auto m0 = c.Member(c.Owners(keys.empty() ? Hash128{} : keys[0].segment)[0]);
+    auto m0 = first_member();
     const size_t batch = std::max<uint32_t>(1, layers);  // one segment per lease
     for (size_t base = 0; base < keys.size(); base += batch) {
       std::span<const BlockKey> ks(keys.data() + base, std::min(batch, keys.size() - base));

@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
+
+#include "common/bf16.h"
 
 namespace sparsex {
 
@@ -109,10 +110,7 @@ absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out
 
 absl::Status Backend::UploadBf16(std::span<const uint16_t> host, Tensor& dst) {
   std::vector<float> wide(host.size());
-  for (size_t i = 0; i < host.size(); ++i) {
-    const uint32_t u = static_cast<uint32_t>(host[i]) << 16;
-    std::memcpy(&wide[i], &u, sizeof u);
-  }
+  for (size_t i = 0; i < host.size(); ++i) wide[i] = FromBf16(host[i]);
   return Upload(wide, dst);
 }
 

@@ -181,10 +181,10 @@ class Backend {
   // ---- memory ----
   virtual absl::StatusOr<Tensor> Alloc(int64_t rows, int64_t cols) = 0;
   virtual void Free(Tensor& t) = 0;
-  virtual absl::Status Upload(std::span<const float> host, Tensor& dst) = 0;
+  virtual absl::Status Upload(std::span<const float> host, Tensor& dst) = 0;  // fp32 -> dtype
   // Uploads bf16 values (the upper halves of fp32). Default: widened to fp32, then Upload (exact
   // on any backend); the CUDA backend copies them as they are.
-  virtual absl::Status UploadBf16(std::span<const uint16_t> host, Tensor& dst);  // fp32 -> dtype
+  virtual absl::Status UploadBf16(std::span<const uint16_t> host, Tensor& dst);
   virtual absl::Status Download(const Tensor& src, std::span<float> host) = 0;
   virtual absl::StatusOr<BackendWeights> LoadWeights(const Model& model) = 0;
   // Seeded random weights of the given shapes generated in backend memory (speed work only:

@@ -53,44 +53,44 @@ bool DeviceSegmentTier::Resident(const Hash128& fp) const {
   return resident_.contains(fp);
 }
 
-absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
-    const Hash128& fp, const SegmentKv& kv) {
+// Allocates every layer's K and V in the tier's memory, fills them with upload(l, k, v) and
+// caches the segment when it fits: the one body behind Upload (fp32) and UploadBf16.
+template <class UploadLayer>
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadLayers(
+    const Hash128& fp, int n_tokens, int n_layers, int kv_dim, UploadLayer upload) {
   std::shared_ptr<DeviceSegment> seg = NewSegment();
-  seg->n_tokens = kv.n_tokens;
+  seg->n_tokens = n_tokens;
   auto alloc = [&](int64_t rows, int64_t cols) {
     return host_ ? be_->AllocHost(rows, cols) : be_->Alloc(rows, cols);
   };
-  for (int l = 0; l < kv.n_layers; ++l) {
-    ASSIGN_OR_RETURN(Tensor k, alloc(kv.n_tokens, kv.kv_dim));
+  for (int l = 0; l < n_layers; ++l) {
+    ASSIGN_OR_RETURN(Tensor k, alloc(n_tokens, kv_dim));
     seg->k.push_back(k);
-    ASSIGN_OR_RETURN(Tensor v, alloc(kv.n_tokens, kv.kv_dim));
+    ASSIGN_OR_RETURN(Tensor v, alloc(n_tokens, kv_dim));
     seg->v.push_back(v);
-    RETURN_IF_ERROR(be_->Upload(kv.k[l], seg->k.back()));
-    RETURN_IF_ERROR(be_->Upload(kv.v[l], seg->v.back()));
+    RETURN_IF_ERROR(upload(l, seg->k.back(), seg->v.back()));
     seg->bytes += k.bytes() + v.bytes();
   }
   Insert(fp, seg);
   return std::shared_ptr<const DeviceSegment>(seg);
 }
 
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::Upload(
+    const Hash128& fp, const SegmentKv& kv) {
+  return UploadLayers(fp, kv.n_tokens, kv.n_layers, kv.kv_dim,
+                      [&](int l, Tensor& k, Tensor& v) -> absl::Status {
+                        RETURN_IF_ERROR(be_->Upload(kv.k[l], k));
+                        return be_->Upload(kv.v[l], v);
+                      });
+}
+
 absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadBf16(
     const Hash128& fp, const SegmentKvBf16& kv) {
-  std::shared_ptr<DeviceSegment> seg = NewSegment();
-  seg->n_tokens = kv.n_tokens;
-  auto alloc = [&](int64_t rows, int64_t cols) {
-    return host_ ? be_->AllocHost(rows, cols) : be_->Alloc(rows, cols);
-  };
-  for (int l = 0; l < kv.n_layers; ++l) {
-    ASSIGN_OR_RETURN(Tensor k, alloc(kv.n_tokens, kv.kv_dim));
-    seg->k.push_back(k);
-    ASSIGN_OR_RETURN(Tensor v, alloc(kv.n_tokens, kv.kv_dim));
-    seg->v.push_back(v);
-    RETURN_IF_ERROR(be_->UploadBf16(kv.k[l], seg->k.back()));
-    RETURN_IF_ERROR(be_->UploadBf16(kv.v[l], seg->v.back()));
-    seg->bytes += k.bytes() + v.bytes();
-  }
-  Insert(fp, seg);
-  return std::shared_ptr<const DeviceSegment>(seg);
+  return UploadLayers(fp, kv.n_tokens, kv.n_layers, kv.kv_dim,
+                      [&](int l, Tensor& k, Tensor& v) -> absl::Status {
+                        RETURN_IF_ERROR(be_->UploadBf16(kv.k[l], k));
+                        return be_->UploadBf16(kv.v[l], v);
+                      });
 }
 
 bool DeviceSegmentTier::Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k,

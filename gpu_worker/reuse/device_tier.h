@@ -52,6 +52,11 @@ class DeviceSegmentTier {
 
  private:
   std::shared_ptr<DeviceSegment> NewSegment() const;
+  template <class UploadLayer>
+  absl::StatusOr<std::shared_ptr<const DeviceSegment>> UploadLayers(const Hash128& fp,
+                                                                    int n_tokens, int n_layers,
+                                                                    int kv_dim,
+                                                                    UploadLayer upload);
   // Caches seg when it fits, evicting least recently used entries; false when it cannot fit.
   bool Insert(const Hash128& fp, const std::shared_ptr<DeviceSegment>& seg);
   struct Entry {

@@ -6,6 +6,7 @@
 #include <future>
 
 #include "cache_client/cluster_client.h"
+#include "common/bf16.h"
 #include "common/huge_pages.h"
 #include "common/kv_block.h"
 #include "common/thread_pool.h"
@@ -14,21 +15,13 @@ namespace sparsex::service {
 
 namespace {
 
-// bf16 is the upper half of an fp32: to nearest, ties to even; NaN stays a (quiet) NaN.
-inline uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0) {
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float FromBf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// A kept transfer buffer (re)allocated to `bytes`: advised for huge pages and touched now, not
+// in a request's transfer (fresh memory's first touch cost more than the copy into it).
+void Reallocate(std::unique_ptr<uint8_t[]>* buf, size_t* cap, size_t bytes) {
+  buf->reset(new uint8_t[bytes]);
+  AdviseHugePages(buf->get(), bytes);
+  std::memset(buf->get(), 0, bytes);
+  *cap = bytes;
 }
 
 // Copies n elements of dtype `dt` at src into dst as fp32.
@@ -210,18 +203,14 @@ absl::StatusOr<std::unique_ptr<ClusterKvTier>> ClusterKvTier::Connect(
   t->round_bytes_ = arena > 0 ? std::min(o.fetch_batch_bytes, arena / 4) : o.fetch_batch_bytes;
   // Touched now, not in a request's fetch: the first touch of fresh memory costs more than the
   // transfer into it (on this VM the first 512 MiB-round fetch took 4.7 s, the next 0.3 s).
-  for (int b = 0; b < 2; ++b) t->GrowStaging(b, t->round_bytes_);
+  for (int b = 0; b < 2; ++b) {
+    Reallocate(&t->staging_[b], &t->staging_bytes_[b], t->round_bytes_);
+  }
   return t;
 }
 
 ClusterKvTier::~ClusterKvTier() = default;
 
-void ClusterKvTier::GrowStaging(int b, size_t bytes) {
-  staging_[b].reset(new uint8_t[bytes]);
-  AdviseHugePages(staging_[b].get(), bytes);
-  std::memset(staging_[b].get(), 0, bytes);
-  staging_bytes_[b] = bytes;
-}
 
 Hash128 ShareKey(const Hash128& fp, int rank, int size) {
   if (size <= 1) return fp;
@@ -345,7 +334,9 @@ FetchOutcome ClusterKvTier::FetchMissing(
     }
     const int b = static_cast<int>(round & 1);
     wait_decode(b);  // its staging buffer is free again
-    if (staging_bytes_[b] < bytes) GrowStaging(b, bytes);  // a block larger than a round
+    if (staging_bytes_[b] < bytes) {  // a block larger than a round
+      Reallocate(&staging_[b], &staging_bytes_[b], bytes);
+    }
     uint8_t* const buf = staging_[b].get();
     std::vector<uint64_t> offset(end - begin), size(end - begin, 0);
     uint64_t at = 0;
@@ -453,10 +444,7 @@ absl::Status ClusterKvTier::Put(const Hash128& base_fp, const SegmentKv& kv, int
   std::lock_guard<std::mutex> put_lock(put_mu_);
   for (int b = 0; b < 2; ++b) {
     if (put_staging_bytes_[b] < bytes) {
-      put_staging_[b].reset(new uint8_t[bytes]);
-      AdviseHugePages(put_staging_[b].get(), bytes);
-      std::memset(put_staging_[b].get(), 0, bytes);
-      put_staging_bytes_[b] = bytes;
+      Reallocate(&put_staging_[b], &put_staging_bytes_[b], bytes);
     }
   }
   auto buf = [&](int l) { return std::span<uint8_t>(put_staging_[l & 1].get(), bytes); };

@@ -161,7 +161,6 @@ class ClusterKvTier {
   // Where fetch rounds' blocks land (under mu_), two so that one round decodes while the next
   // transfers; allocated at Connect and kept: fresh memory per round cost page faults on every
   // round (docs/benchmarks.md).
-  void GrowStaging(int b, size_t bytes);  // allocated, advised for huge pages, touched
   std::unique_ptr<uint8_t[]> staging_[2];
   size_t staging_bytes_[2] = {0, 0};
   // Write-back: one Put at a time encodes its layers into these two buffers (under put_mu_),

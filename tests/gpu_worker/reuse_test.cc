@@ -1,11 +1,11 @@
 // Segment reuse with sparse recompute on the real stories260K model.
 #include "gpu_worker/reuse/reuse_prefill.h"
 
+#include "common/bf16.h"
 #include "common/fingerprint.h"
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -363,18 +363,6 @@ TEST_F(ReuseTest, DeviceTierServesRepeatsWithIdenticalResults) {
 // host store; they count as held before that, and reach the store through SpillOne.
 TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
   std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
-  auto round = [](float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-  };
-  auto widen = [](uint16_t b) {
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  };
   SegmentStore rounded(SegmentStoreOptions{}), empty(SegmentStoreOptions{});
   ReuseEngine fetched(engine_.get(), &empty, {}, size_t{64} << 20);
   std::vector<Hash128> fps;
@@ -398,12 +386,12 @@ TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
       auto& rk = r.k.emplace_back();
       auto& rv = r.v.emplace_back();
       for (float x : kv->k[l]) {
-        bk.push_back(round(x));
-        rk.push_back(widen(bk.back()));
+        bk.push_back(ToBf16(x));
+        rk.push_back(FromBf16(bk.back()));
       }
       for (float x : kv->v[l]) {
-        bv.push_back(round(x));
-        rv.push_back(widen(bv.back()));
+        bv.push_back(ToBf16(x));
+        rv.push_back(FromBf16(bv.back()));
       }
     }
     ASSERT_TRUE(rounded.Put(fp, std::move(r)).ok());

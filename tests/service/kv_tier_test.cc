@@ -4,11 +4,11 @@
 #include "gpu_worker/service/kv_tier.h"
 
 #include <cmath>
-#include <cstring>
 #include <tuple>
 
 #include "cache_client/cache_client.h"
 #include "cache_server/server.h"
+#include "common/bf16.h"
 #include "common/kv_block.h"
 #include "gtest/gtest.h"
 #include "testing/server_process.h"
@@ -242,12 +242,6 @@ TEST_F(KvTierServerTest, FetchHandsBf16SegmentsToTheTierWithoutTheStore) {
   const SegmentKv kv = MakeKv(33, 1.5f);
   ASSERT_TRUE((*bf)->Put(wire16, kv).ok());
   ASSERT_TRUE(tier_->Put(wire32, kv).ok());
-  auto widen = [](uint16_t b) {
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  };
   for (const Hash128& fp : {wire16, wire32}) {
     SegmentStore store(SegmentStoreOptions{}), plain(SegmentStoreOptions{});
     std::vector<SegmentRef> refs = {{fp, 33}};
@@ -269,12 +263,12 @@ TEST_F(KvTierServerTest, FetchHandsBf16SegmentsToTheTierWithoutTheStore) {
     for (int l = 0; l < kLayers; ++l) {
       ASSERT_EQ(got.k[l].size(), ref->k[l].size());
       for (size_t i = 0; i < got.k[l].size(); ++i) {
-        const float rk = fp == wire16 ? ref->k[l][i] : widen(got.k[l][i]);
-        const float rv = fp == wire16 ? ref->v[l][i] : widen(got.v[l][i]);
-        EXPECT_EQ(widen(got.k[l][i]), rk);
-        EXPECT_EQ(widen(got.v[l][i]), rv);
-        EXPECT_NEAR(widen(got.k[l][i]), kv.k[l][i], std::abs(kv.k[l][i]) / 128 + 1e-6f);
-        EXPECT_NEAR(widen(got.v[l][i]), kv.v[l][i], std::abs(kv.v[l][i]) / 128 + 1e-6f);
+        const float rk = fp == wire16 ? ref->k[l][i] : FromBf16(got.k[l][i]);
+        const float rv = fp == wire16 ? ref->v[l][i] : FromBf16(got.v[l][i]);
+        EXPECT_EQ(FromBf16(got.k[l][i]), rk);
+        EXPECT_EQ(FromBf16(got.v[l][i]), rv);
+        EXPECT_NEAR(FromBf16(got.k[l][i]), kv.k[l][i], std::abs(kv.k[l][i]) / 128 + 1e-6f);
+        EXPECT_NEAR(FromBf16(got.v[l][i]), kv.v[l][i], std::abs(kv.v[l][i]) / 128 + 1e-6f);
       }
     }
   }

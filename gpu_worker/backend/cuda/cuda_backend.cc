@@ -165,7 +165,17 @@ absl::Status CudaBackend::Upload(std::span<const float> host, Tensor& dst) {
     }, int64_t{1} << 18);
     return absl::OkStatus();
   }
-  if (static_cast<int64_t>(host.size()) >= kUploadChunk / 4) return UploadViaPinned(host, B(dst));
+  if (static_cast<int64_t>(host.size()) >= kUploadChunk / 4) {
+    return UploadViaPinned(static_cast<int64_t>(host.size()), B(dst),
+                           [&](bf16* buf, int64_t off, int64_t m) {
+                             const float* src = host.data() + off;
+                             ParallelFor(m, [&](int64_t lo, int64_t hi) {
+                               for (int64_t i = lo; i < hi; ++i) {
+                                 buf[i] = __float2bfloat16_rn(src[i]);
+                               }
+                             }, int64_t{1} << 18);
+                           });
+  }
   ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(host.size_bytes(), stream_));
   CUDA_RETURN(cudaMemcpyAsync(tmp, host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
                               stream_),
@@ -242,32 +252,18 @@ absl::Status CudaBackend::UploadBf16(std::span<const uint16_t> host, Tensor& dst
     }, int64_t{1} << 19);
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(EnsurePinnedChunks());
-  bf16* out = B(dst);
-  for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
-    const int b = static_cast<int>(c & 1);
-    if (upload_pending_[b]) {
-      CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "UploadBf16 wait");
-      upload_pending_[b] = false;
-    }
-    const int64_t m = std::min(kUploadChunk, n - off);
-    auto* buf = reinterpret_cast<uint16_t*>(upload_pinned_[b]);
+  return UploadViaPinned(n, B(dst), [&](bf16* buf, int64_t off, int64_t m) {
+    auto* b16 = reinterpret_cast<uint16_t*>(buf);
     const uint16_t* src = host.data() + off;
     ParallelFor(m, [&](int64_t lo, int64_t hi) {
-      std::memcpy(buf + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
+      std::memcpy(b16 + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
     }, int64_t{1} << 19);
-    CUDA_RETURN(cudaMemcpyAsync(out + off, buf, m * sizeof(bf16), cudaMemcpyHostToDevice,
-                                stream_),
-                "UploadBf16 copy");
-    CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "UploadBf16 record");
-    upload_pending_[b] = true;
-  }
-  return absl::OkStatus();
+  });
 }
 
-absl::Status CudaBackend::UploadViaPinned(std::span<const float> host, bf16* dst) {
+absl::Status CudaBackend::UploadViaPinned(
+    int64_t n, bf16* dst, const std::function<void(bf16* buf, int64_t off, int64_t m)>& fill) {
   RETURN_IF_ERROR(EnsurePinnedChunks());
-  const int64_t n = static_cast<int64_t>(host.size());
   for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
     const int b = static_cast<int>(c & 1);
     if (upload_pending_[b]) {  // the copy out of this chunk must be done before it is refilled
@@ -275,13 +271,9 @@ absl::Status CudaBackend::UploadViaPinned(std::span<const float> host, bf16* dst
       upload_pending_[b] = false;
     }
     const int64_t m = std::min(kUploadChunk, n - off);
-    bf16* buf = upload_pinned_[b];
-    const float* src = host.data() + off;
-    ParallelFor(m, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) buf[i] = __float2bfloat16_rn(src[i]);
-    }, int64_t{1} << 18);
-    CUDA_RETURN(cudaMemcpyAsync(dst + off, buf, m * sizeof(bf16), cudaMemcpyHostToDevice,
-                                stream_),
+    fill(upload_pinned_[b], off, m);
+    CUDA_RETURN(cudaMemcpyAsync(dst + off, upload_pinned_[b], m * sizeof(bf16),
+                                cudaMemcpyHostToDevice, stream_),
                 "Upload copy");
     CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "Upload record");
     upload_pending_[b] = true;

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -181,7 +182,10 @@ class CudaBackend final : public Backend {
   // into two pinned chunks and copied from there: half the bytes, at the pinned rate, where a
   // pageable fp32 copy plus a device conversion took ~2 s for a 32K-token fetched prompt.
   static constexpr int64_t kUploadChunk = int64_t{4} << 20;  // elements per pinned chunk
-  absl::Status UploadViaPinned(std::span<const float> host, bf16* dst);
+  // Copies n elements to dst through the two pinned chunks; fill(buf, off, m) puts elements
+  // [off, off + m) into a chunk (converted or as they are) while the other chunk copies.
+  absl::Status UploadViaPinned(int64_t n, bf16* dst,
+                               const std::function<void(bf16* buf, int64_t off, int64_t m)>& fill);
   absl::Status UploadBf16(std::span<const uint16_t> host, Tensor& dst) override;
   // Large downloads (a decode batch's logits: 32 x 128256) the other way: bf16 copied into the
   // same two pinned chunks, widened to fp32 on host threads while the next chunk copies; the
