@@ -13,13 +13,8 @@
 #   OUT=/tmp/out bench/gpu/checks.sh          # SPX_CHECK_REQUESTS (default 48)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/spx-checks-out}
-mkdir -p "$OUT"
-LOG=$OUT/checks.log
-T0=$(date +%s)
-stamp() { echo "[checks.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-. "$ROOT/bench/gpu/staged_env.sh"
-export SPARSEX_MODELS=$SPX/models
+SPX_SCRIPT=checks
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 N=${SPX_CHECK_REQUESTS:-48}
 
 stamp "GPU tests"

@@ -10,13 +10,8 @@
 #   OUT=/tmp/out bench/gpu/decode.sh
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/spx-decode-out}
-mkdir -p "$OUT"
-LOG=$OUT/decode.log
-T0=$(date +%s)
-stamp() { echo "[decode.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-. "$ROOT/bench/gpu/staged_env.sh"
-export SPARSEX_MODELS=$SPX/models  # cuda_engine_test reads stories260K
+SPX_SCRIPT=decode
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader \
   >>"$LOG" 2>&1
 

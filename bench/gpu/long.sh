@@ -15,13 +15,8 @@
 #   OUT=/tmp/out bench/gpu/long.sh     # SPX_LONG_LENGTHS (32768 65536 131072), SPX_SKIP_TESTS=1
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/spx-long-out}
-mkdir -p "$OUT"
-LOG=$OUT/long.log
-T0=$(date +%s)
-stamp() { echo "[long.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-. "$ROOT/bench/gpu/staged_env.sh"
-export SPARSEX_MODELS=$SPX/models
+SPX_SCRIPT=long
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 LENGTHS=${SPX_LONG_LENGTHS:-32768 65536 131072}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
 # Host memory guard: a benchmark that would push the machine into swap or the OOM killer (the

@@ -6,18 +6,14 @@
 # bench/gpu/ncu_steps.py splits it into steps and sums the kernels by kind. The same binary's
 # own step times (without the profiler) come first, as the baseline the kernel sums are read
 # against: their difference is the launch gaps.
-# Writes to $OUT: profile.log, decode_plain_<n>.json, ncu_decode.csv.gz, ncu_steps.json.
+# Writes to $OUT: profile_decode.log, decode_plain_<n>.json, ncu_decode.csv.gz, ncu_steps.json.
 #
 #   OUT=/tmp/out bench/gpu/profile_decode.sh     # SPX_PROFILE_BATCH (32), SPX_PROFILE_CTX (8192),
 #                                                # SPX_PROFILE_REPEATS (2 unprofiled runs)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/spx-profile-out}
-mkdir -p "$OUT"
-LOG=$OUT/profile.log
-T0=$(date +%s)
-stamp() { echo "[profile_decode.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-. "$ROOT/bench/gpu/staged_env.sh"
+SPX_SCRIPT=profile_decode
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 ARGS="--lengths 16 --reps 1 --warmup 0 --no-micro --decode-ctx ${SPX_PROFILE_CTX:-8192} --decode-batch ${SPX_PROFILE_BATCH:-32}"
 for rep in $(seq 1 "${SPX_PROFILE_REPEATS:-2}"); do  # batch 32's step varies run to run
   stamp "decode steps without the profiler ($rep)"

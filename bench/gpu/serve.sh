@@ -24,13 +24,8 @@
 #   OUT=/tmp/out bench/gpu/serve.sh
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/spx-serve-out}
-mkdir -p "$OUT"
-LOG=$OUT/serve.log
-T0=$(date +%s)
-stamp() { echo "[serve.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-
-. "$ROOT/bench/gpu/staged_env.sh"
+SPX_SCRIPT=serve
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; nproc; free -g | head -2; } >>"$LOG" 2>&1
 
 MODEL=${SPX_SERVE_MODEL:-synthetic:llama3-8b}

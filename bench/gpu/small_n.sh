@@ -13,13 +13,8 @@
 # SPX_FETCH_BENCH_ARGS="--arena_mb 32768".
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/spx-small-n-out}
-mkdir -p "$OUT"
-LOG=$OUT/small_n.log
-T0=$(date +%s)
-stamp() { echo "[small_n.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-. "$ROOT/bench/gpu/staged_env.sh"
-export SPARSEX_MODELS=$SPX/models  # cuda_engine_test reads stories260K
+SPX_SCRIPT=small_n
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader \
   >>"$LOG" 2>&1
 

@@ -1,6 +1,19 @@
-# Sourced by the GPU machine's scripts (serve.sh, checks.sh, fetch.sh): unpacks the staged
-# binaries (bench/gpu/stage_serve.sh -> .stage/serve.tar.gz, carried by the device call) into
-# $SPX once per call and points the loader, UCX and PATH at them. Needs ROOT and stamp().
+# Sourced by the GPU machine's scripts (serve.sh, checks.sh, fetch.sh, ...) with ROOT and
+# SPX_SCRIPT (the script's name) set: OUT (default /tmp/spx-<name>-out), LOG ($OUT/<name>.log)
+# and stamp() (a timestamped line into LOG and stdout) unless the caller defined stamp()
+# already (a device command sourcing this file by hand); then unpacks the staged binaries
+# (bench/gpu/stage_serve.sh -> .stage/serve.tar.gz, carried by the device call) into $SPX once
+# per call, points the loader, UCX and PATH at them, and SPARSEX_MODELS at the staged test
+# models (stories260K, TinyStories text) unless set.
+SPX_SCRIPT=${SPX_SCRIPT:-gpu}
+OUT=${OUT:-/tmp/spx-$SPX_SCRIPT-out}
+mkdir -p "$OUT"
+if ! declare -F stamp >/dev/null; then
+  LOG=$OUT/$SPX_SCRIPT.log
+  T0=$(date +%s)
+  stamp() { echo "[$SPX_SCRIPT.sh +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+fi
+LOG=${LOG:-$OUT/$SPX_SCRIPT.log}
 SPX=/tmp/spx
 # A warm machine keeps /tmp between calls: unpack again whenever the tarball changed.
 STAGE_SUM=$(md5sum "$ROOT/.stage/serve.tar.gz" 2>/dev/null | cut -d' ' -f1)
@@ -10,6 +23,9 @@ if [ -z "$STAGE_SUM" ] || [ "$(cat "$SPX/.stage_sum" 2>/dev/null)" != "$STAGE_SU
 fi
 export LD_LIBRARY_PATH=$SPX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_MODULE_DIR=$SPX/lib/ucx PATH=$SPX/bin:$PATH
+# cuda_engine_test and the checks read stories260K from here (a device command that forgot
+# this failed the five stories260K tests on a missing model, not on the GPU).
+export SPARSEX_MODELS=${SPARSEX_MODELS:-$SPX/models}
 # cuDNN comes with the machine's PyTorch wheels, not with the CUDA toolkit.
 CUDNN_DIR=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
 [ -n "$CUDNN_DIR" ] && export LD_LIBRARY_PATH=$CUDNN_DIR:$LD_LIBRARY_PATH

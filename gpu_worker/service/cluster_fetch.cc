@@ -17,15 +17,23 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   // the engine's tier in bf16, skipping the fp32 host store: the first prefill then finds them
   // where a local segment would be (on the H200 it paid ~0.7 s for a 32K prompt's store
   // checksums, conversion and upload). They reach the host store, and the router's index, by
-  // the idle-time spill, like segments this worker encoded.
+  // the idle-time spill, like segments this worker encoded. Only on a bf16 wire (the CUDA
+  // worker's): an f32 wire means a backend that keeps fp32 KV, which rounding would degrade.
   std::vector<std::pair<SegmentRef, SegmentKvBf16>> to_tier;
-  const bool bf16 = tp == 1 && st.opts.cluster.fetch_to_tier && st.scheduler->TakesFetched();
+  const bool bf16 = tp == 1 && st.opts.cluster.fetch_to_tier &&
+                    st.tier->wire_dtype() == KvDtype::kBF16 && st.scheduler->TakesFetched();
   FetchOutcome f =
       st.tier->FetchMissing(refs, st.store.get(), 0, tp, bf16 ? &to_tier : nullptr);
   for (auto& [ref, kv] : to_tier) {
     if (!st.scheduler->OfferFetched(ref.fp, std::move(kv))) {
       std::erase_if(f.stored, [&](const SegmentRef& r) { return r.fp == ref.fp; });
       --f.fetched;  // the engine stopped meanwhile: not kept
+      continue;
+    }
+    std::lock_guard<std::mutex> l(st.wb_mu);
+    st.fetched_to_tier.push_back(ref.fp);
+    if (st.fetched_to_tier.size() > WorkerServer::State::kFetchedRemembered) {
+      st.fetched_to_tier.pop_front();
     }
   }
   for (size_t r = 0; r < st.rank_stores.size(); ++r) {

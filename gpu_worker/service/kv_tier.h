@@ -60,11 +60,12 @@ struct ClusterTierOptions {
   // gets and puts (cache::TransportOptions::mapped_copies). Default: true
   bool mapped_copies = true;
   // Fetched segments go to the engine's device (or pinned host) tier in bf16 instead of the
-  // fp32 host store (ReuseEngine::OfferFetched; not under tensor parallelism): the first prefill
-  // then skips the store's checksums, conversion and upload (~0.7 s of a 32K prompt on the
-  // H200). Off by default until a GPU run has measured it: its CUDA upload path
-  // (Backend::UploadBf16) has only run on the CPU backend. --cache_fetch_to_tier. Default: false
-  bool fetch_to_tier = false;
+  // fp32 host store (ReuseEngine::OfferFetched; not under tensor parallelism, and only with a
+  // bf16 wire_dtype, i.e. a bf16 backend that loses nothing by it): the first prefill
+  // then skips the store's checksums, conversion and upload (on the H200, same call: B's 32K
+  // fetch-and-prefill 3.5x its GPU-tier prefill this way, 5.2x through the store;
+  // docs/benchmarks.md). --cache_fetch_to_tier. Default: true
+  bool fetch_to_tier = true;
 };
 
 struct SegmentRef {
@@ -148,6 +149,7 @@ class ClusterKvTier {
   // success). Thread-safe.
   absl::Status Put(const Hash128& fp, const SegmentKv& kv, int tp_rank = 0, int tp_size = 1);
   const std::vector<std::string>& servers() const { return opts_.servers; }
+  KvDtype wire_dtype() const { return wire_; }
 
  private:
   ClusterKvTier() = default;

@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
         "--device cuda, whose KV is bf16 already, else f32); fetches read both");
   f.Add("cache_fetch_to_tier", &o.cluster.fetch_to_tier,
         "fetched segments go to the device (or pinned host) tier in bf16, not the fp32 host "
-        "store (not with --tp; default false: not yet measured on a GPU)");
+        "store (not with --tp)");
   f.Add("cache_rpc_timeout_ms", &cache_rpc_timeout_ms, "cache control RPC deadline");
   f.Add("write_back", &o.write_back, "write computed segments to the cache cluster");
   f.Add("etcd", &o.etcd_endpoints, "etcd client URLs host:port (comma-separated); empty = no registration");

@@ -149,7 +149,7 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
     requests->Get({o});
   }
   for (const char* why : {"transport", "corrupt", "incomplete"}) fetch_failures->Get({why});
-  for (const char* res : {"ok", "error", "evicted"}) writeback->Get({res});
+  for (const char* res : {"ok", "error", "evicted", "fetched"}) writeback->Get({res});
   for (const char* ph : {"lookup", "lock", "transfer", "decode", "put"}) fetch_phase->Get({ph});
   segments->Get({"hit"});
 }

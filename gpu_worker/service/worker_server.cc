@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <chrono>
@@ -149,7 +150,15 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     if (sp->tier && sp->opts.write_back) {
       {
         std::lock_guard<std::mutex> l(sp->wb_mu);
-        for (const auto& [fp, n] : stored) sp->wb_queue.push_back(fp);
+        for (const auto& [fp, n] : stored) {
+          auto it = std::find(sp->fetched_to_tier.begin(), sp->fetched_to_tier.end(), fp);
+          if (it != sp->fetched_to_tier.end()) {  // came from the cluster: nothing to write
+            sp->fetched_to_tier.erase(it);
+            sp->m->writeback->Get({"fetched"}).Inc();
+            continue;
+          }
+          sp->wb_queue.push_back(fp);
+        }
       }
       sp->wb_cv.notify_all();
     }

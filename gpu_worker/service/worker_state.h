@@ -90,6 +90,11 @@ struct WorkerServer::State {
   std::mutex wb_mu;
   std::condition_variable wb_cv;
   std::deque<Hash128> wb_queue;
+  // Segments the cluster fetch handed to the engine's tier (under wb_mu): the cluster holds
+  // them, so their idle-time spill to the host store queues no write-back (it encoded every
+  // layer only to hear ALREADY_EXISTS). The newest kFetchedRemembered are kept.
+  static constexpr size_t kFetchedRemembered = 4096;
+  std::deque<Hash128> fetched_to_tier;
   bool wb_stop = false;
   std::thread wb_thread;
 

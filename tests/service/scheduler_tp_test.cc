@@ -12,6 +12,7 @@
 #include "gpu_worker/scheduler/scheduler.h"
 #include "gpu_worker/service/worker_server.h"
 #include "proto/worker.grpc.pb.h"
+#include "testing/server_process.h"
 #include "tests/gpu_worker/test_util.h"
 #include "tests/service/test_util.h"
 
@@ -183,6 +184,65 @@ TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2) {
 // Two tensor-parallel workers share segments through a real cache server: the first computes
 // the documents and writes back each rank's share; the second fetches both ranks' shares,
 // reuses them, and answers with the same tokens as the first.
+// One Generate on a worker's gRPC port: the documents cacheable, the last segment (the
+// question) not; greedy, 12 tokens.
+struct Reply {
+  std::vector<int32_t> ids;
+  v1::Usage usage;
+};
+Reply GenerateOn(int port, const std::vector<std::vector<int32_t>>& docs) {
+  auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                grpc::InsecureChannelCredentials());
+  auto stub = worker::v1::Worker::NewStub(ch);
+  worker::v1::WorkerGenerateRequest req;
+  req.set_request_id("tp-cluster");
+  req.set_add_bos(true);
+  req.set_return_token_ids(true);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    auto* seg = req.add_segments();
+    seg->mutable_tokens()->Add(docs[i].begin(), docs[i].end());
+    seg->set_cacheable(i + 1 < docs.size());  // the question is not cached
+  }
+  req.mutable_sampling()->set_max_tokens(12);
+  req.mutable_sampling()->set_temperature(0.0f);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = stub->Generate(&ctx, req);
+  Reply r;
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    r.ids.insert(r.ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (msg.has_usage()) r.usage = msg.usage();
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return r;
+}
+
+// Whether the cluster holds every ref (each rank's share under tp), polled for up to 4 s: the
+// write-back runs in the background.
+bool ClusterHolds(const WorkerOptions& o, const Model& model, const std::vector<SegmentRef>& refs,
+                  int tp) {
+  ClusterTierOptions t;
+  t.servers = o.cluster.servers;
+  const ModelConfig& c = model.config();
+  auto probe = ClusterKvTier::Connect(t, model.fingerprint(), c.n_layers,
+                                      c.n_kv_heads * c.head_dim);
+  EXPECT_TRUE(probe.ok()) << probe.status();
+  if (!probe.ok()) return false;
+  for (int i = 0; i < 200; ++i) {
+    bool all = true;
+    for (int r = 0; r < tp; ++r) {
+      SegmentStore probe_store(SegmentStoreOptions{});
+      all = all && (*probe)->FetchMissing(refs, &probe_store, r, tp).fetched ==
+                       static_cast<int>(refs.size());
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
 TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
   auto server = testutil::StartMemoryCacheServer();
   ASSERT_TRUE(server.ok()) << server.status();
@@ -201,73 +261,81 @@ TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
   const std::vector<int32_t> d2 = tok.Encode("Tom had a little dog named Max.", false);
   const std::vector<int32_t> q = tok.Encode(" What did they do next?", false);
 
-  struct Reply {
-    std::vector<int32_t> ids;
-    v1::Usage usage;
-  };
-  auto generate = [&](int port, const std::vector<std::vector<int32_t>>& docs) {
-    auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                  grpc::InsecureChannelCredentials());
-    auto stub = worker::v1::Worker::NewStub(ch);
-    worker::v1::WorkerGenerateRequest req;
-    req.set_request_id("tp-cluster");
-    req.set_add_bos(true);
-    req.set_return_token_ids(true);
-    for (size_t i = 0; i < docs.size(); ++i) {
-      auto* seg = req.add_segments();
-      seg->mutable_tokens()->Add(docs[i].begin(), docs[i].end());
-      seg->set_cacheable(i + 1 < docs.size());  // the question is not cached
-    }
-    req.mutable_sampling()->set_max_tokens(12);
-    req.mutable_sampling()->set_temperature(0.0f);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-    auto reader = stub->Generate(&ctx, req);
-    Reply r;
-    v1::GenerateResponse msg;
-    while (reader->Read(&msg)) {
-      r.ids.insert(r.ids.end(), msg.token_ids().begin(), msg.token_ids().end());
-      if (msg.has_usage()) r.usage = msg.usage();
-    }
-    grpc::Status st = reader->Finish();
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    return r;
-  };
-  Reply first = generate((*a)->port(), {d1, d2, q});
+  Reply first = GenerateOn((*a)->port(), {d1, d2, q});
   ASSERT_FALSE(first.ids.empty());
   // Both ranks' shares of both documents reach the cache server (background write-back).
-  ClusterTierOptions t;
-  t.servers = o.cluster.servers;
-  const ModelConfig& c = model->config();
-  auto probe = ClusterKvTier::Connect(t, model->fingerprint(), c.n_layers,
-                                      c.n_kv_heads * c.head_dim);
-  ASSERT_TRUE(probe.ok()) << probe.status();
   std::vector<SegmentRef> refs;
   for (const auto* d : {&d1, &d2}) {
     refs.push_back({SegmentFingerprint(model->fingerprint(), *d, "none"),
                     static_cast<int>(d->size())});
   }
-  bool shares = false;
-  for (int i = 0; i < 200 && !shares; ++i) {
-    shares = true;
-    for (int r = 0; r < 2; ++r) {
-      SegmentStore probe_store(SegmentStoreOptions{});
-      shares = shares && (*probe)->FetchMissing(refs, &probe_store, r, 2).fetched == 2;
-    }
-    if (!shares) std::this_thread::sleep_for(20ms);
-  }
-  ASSERT_TRUE(shares) << "the worker did not write both ranks' shares back";
+  ASSERT_TRUE(ClusterHolds(o, *model, refs, 2)) << "the worker did not write both ranks' shares back";
 
   auto b = WorkerServer::Start(o);
   ASSERT_TRUE(b.ok()) << b.status();
-  Reply from_a = generate((*a)->port(), {d2, d1, q});  // reordered: local hits on A
-  Reply from_b = generate((*b)->port(), {d2, d1, q});  // fetched from the cluster on B
+  Reply from_a = GenerateOn((*a)->port(), {d2, d1, q});  // reordered: local hits on A
+  Reply from_b = GenerateOn((*b)->port(), {d2, d1, q});  // fetched from the cluster on B
   EXPECT_EQ(from_b.usage.segments_fetched(), 2);
   EXPECT_EQ(from_b.usage.fetch_failures(), 0);
   EXPECT_EQ(from_b.usage.segments_hit(), 2);
   EXPECT_EQ(from_a.usage.segments_hit(), 2);
   EXPECT_EQ(from_b.ids, from_a.ids) << "A: " << from_a.usage.ShortDebugString()
                                     << "\nB: " << from_b.usage.ShortDebugString();
+  (*b)->Shutdown();
+  (*a)->Shutdown();
+}
+
+// Without tensor parallelism, a worker with a device tier and a bf16 wire (the CUDA worker's;
+// here the CPU backend) takes fetched segments into its tier (ClusterTierOptions::
+// fetch_to_tier, the default), serves them, spills them to its host store when idle, and
+// writes none of them back: the cluster has them (write-back result "fetched").
+TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
+  auto server = testutil::StartMemoryCacheServer();
+  ASSERT_TRUE(server.ok()) << server.status();
+  WorkerOptions o;
+  o.model_path = testing::Stories260KPath();
+  o.scheduler.engine.kv.num_blocks = 256;
+  o.scheduler.device_tier_bytes = size_t{64} << 20;
+  o.cluster.servers = {(*server)->grpc_address()};
+  o.cluster.wire_dtype = "bf16";
+  ASSERT_TRUE(o.cluster.fetch_to_tier);
+  auto a = WorkerServer::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::vector<int32_t> d1 = Enc(kDocA), d2 = Enc(kDocB), q = Enc(kQ);
+  ASSERT_FALSE(GenerateOn((*a)->port(), {d1, d2, q}).ids.empty());
+  std::vector<SegmentRef> refs;
+  for (const auto* d : {&d1, &d2}) {
+    refs.push_back({SegmentFingerprint(model_->fingerprint(), *d, "none"),
+                    static_cast<int>(d->size())});
+  }
+  ASSERT_TRUE(ClusterHolds(o, *model_, refs, 1)) << "A did not write the documents back";
+
+  auto b = WorkerServer::Start(o);
+  ASSERT_TRUE(b.ok()) << b.status();
+  Reply from_b = GenerateOn((*b)->port(), {d2, d1, q});
+  EXPECT_EQ(from_b.usage.segments_fetched(), 2);
+  EXPECT_EQ(from_b.usage.fetch_failures(), 0);
+  EXPECT_EQ(from_b.usage.segments_hit(), 2);
+  EXPECT_GT(from_b.usage.reused_tokens(), 0);
+  EXPECT_EQ(from_b.ids.size(), 12u);
+  // B spills both to its host store when idle; neither is written back.
+  auto metric = [&](const std::string& sample) {
+    auto body = cache::testing::HttpGet((*b)->metrics_port(), "/metrics");
+    if (!body.ok()) return -1.0;
+    const size_t at = body->find(sample + " ");
+    return at == std::string::npos ? -1.0 : std::stod(body->substr(at + sample.size() + 1));
+  };
+  double fetched = 0;
+  for (int i = 0; i < 400 && fetched < 2; ++i) {
+    fetched = metric("sparsex_worker_writeback_total{result=\"fetched\"}");
+    if (fetched < 2) std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(fetched, 2);
+  EXPECT_EQ(metric("sparsex_worker_writeback_total{result=\"ok\"}"), 0);
+  // A third order on B: both from its own tiers now, nothing fetched.
+  Reply again = GenerateOn((*b)->port(), {d1, d2, q});
+  EXPECT_EQ(again.usage.segments_fetched(), 0);
+  EXPECT_EQ(again.usage.segments_hit(), 2);
   (*b)->Shutdown();
   (*a)->Shutdown();
 }
