@@ -492,6 +492,12 @@ bool EngineGroup::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
   return true;
 }
 
+int EngineGroup::AdoptFetched(int max_segments) {
+  return TakesFetched() ? ranks_[0]->reuse->AdoptFetched(max_segments) : 0;
+}
+
+bool EngineGroup::HasFetched() const { return TakesFetched() && ranks_[0]->reuse->HasFetched(); }
+
 size_t EngineGroup::unspilled() { return has_reuse() ? ranks_[0]->reuse->unspilled() : 0; }
 
 size_t EngineGroup::device_tier_bytes() {

@@ -89,6 +89,8 @@ class EngineGroup {
   // fp32 store); false when the segment was not taken (then the caller stores it). Any thread.
   bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
   bool TakesFetched() const;
+  int AdoptFetched(int max_segments);  // ReuseEngine::AdoptFetched on rank 0 (tp 1 only)
+  bool HasFetched() const;
   size_t unspilled();
   // Segment KV bytes held in the ranks' device (or pinned host) tiers.
   size_t device_tier_bytes();

@@ -244,11 +244,21 @@ void ReuseEngine::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
   fetched_.emplace_back(fp, std::move(kv));
 }
 
-void ReuseEngine::AdoptFetched() {
+bool ReuseEngine::HasFetched() const {
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  return !fetched_.empty();
+}
+
+int ReuseEngine::AdoptFetched(int max_segments) {
   std::vector<std::pair<Hash128, SegmentKvBf16>> in;
   {
     std::lock_guard<std::mutex> l(fetched_mu_);
-    in.swap(fetched_);
+    if (static_cast<int>(fetched_.size()) <= max_segments) {
+      in.swap(fetched_);
+    } else {
+      std::move(fetched_.begin(), fetched_.begin() + max_segments, std::back_inserter(in));
+      fetched_.erase(fetched_.begin(), fetched_.begin() + max_segments);
+    }
   }
   const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
   for (auto& [fp, kv] : in) {
@@ -262,6 +272,7 @@ void ReuseEngine::AdoptFetched() {
       unspilled_.emplace_back(fp, kv.n_tokens);
     }
   }
+  return static_cast<int>(in.size());
 }
 
 absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,

@@ -167,10 +167,15 @@ class ReuseEngine {
   // Whether fetched segments can go straight to a tier (device or pinned host capacity).
   bool TakesFetched() const { return tier_.capacity() > 0 || host_tier_.capacity() > 0; }
   // A segment a cluster fetch delivered in bf16 (any thread): kept in an inbox the engine
-  // thread empties into the device tier (else the pinned host tier) at the next BeginPrefill,
-  // so the fp32 host store, its checksums and the conversion at first use are skipped (a
-  // fetched 32K prompt's first prefill paid ~0.7 s for them on the H200). Holds() counts it.
+  // thread empties into the device tier (else the pinned host tier) by AdoptFetched, so the
+  // fp32 host store, its checksums and the conversion at first use are skipped (a fetched 32K
+  // prompt's first prefill paid ~0.7 s for them on the H200). Holds() counts it.
   void OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
+  // Uploads up to max_segments of the inbox into the tiers (engine thread; BeginPrefill takes
+  // all that wait). The scheduler calls it between iterations, so a fetch's segments upload
+  // while its later ones still transfer. Returns how many it took from the inbox.
+  int AdoptFetched(int max_segments = 1 << 30);
+  bool HasFetched() const;  // whether the inbox holds any (any thread)
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
 
  private:
@@ -209,7 +214,6 @@ class ReuseEngine {
     int next_layer = 0;
   };
   std::optional<SpillJob> spill_;
-  void AdoptFetched();  // the inbox into the tiers (engine thread)
   Engine* engine_;
   SegmentStore* store_;
   ReuseOptions opts_;

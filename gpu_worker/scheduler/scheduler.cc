@@ -276,8 +276,13 @@ bool BatchScheduler::HoldsLocally(const Hash128& fp) const {
 }
 
 bool BatchScheduler::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
-  std::lock_guard<std::mutex> l(mu_);
-  return group_ != nullptr && group_->OfferFetched(fp, std::move(kv));
+  bool taken = false;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    taken = group_ != nullptr && group_->OfferFetched(fp, std::move(kv));
+  }
+  if (taken) cv_.notify_all();  // the engine thread uploads it at its next iteration
+  return taken;
 }
 
 bool BatchScheduler::TakesFetched() const {
@@ -322,7 +327,7 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
         for (const auto& w : fetch_wait_) fetched = fetched || w.job->done.load();
         return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty() ||
                group_->unspilled() > 0 || fetched || fetch_wait_.size() > waiting ||
-               !gate_queue_.empty();
+               !gate_queue_.empty() || group_->HasFetched();
       };
       // A request waiting for its fetch is admitted at its deadline at the latest.
       Clock::time_point wake = Clock::time_point::max();
@@ -366,6 +371,10 @@ void BatchScheduler::Iteration() {
     longest = std::max(longest, s);
     mark = now;
   };
+  // 0. One segment a cluster fetch delivered goes into the tier (an upload: ~50 ms for a
+  // 4000-token segment of an 8B model on the H200), so a fetch's segments upload one per
+  // iteration while the rest transfer, instead of all at the prefill that needs them.
+  if (group_->AdoptFetched(1) > 0) charge(EnginePhase::kStore);
   // 1. Cancelled requests free their KV now.
   for (auto& a : active_) {
     if (a->state != Active::State::kDone && a->h->cancelled()) Finish(*a, "cancelled");

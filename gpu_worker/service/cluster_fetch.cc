@@ -19,23 +19,23 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   // checksums, conversion and upload). They reach the host store, and the router's index, by
   // the idle-time spill, like segments this worker encoded. Only on a bf16 wire (the CUDA
   // worker's): an f32 wire means a backend that keeps fp32 KV, which rounding would degrade.
-  std::vector<std::pair<SegmentRef, SegmentKvBf16>> to_tier;
+  // Each segment is handed over as soon as it is complete; the engine thread uploads it into
+  // its tier between iterations while the next one transfers.
   const bool bf16 = tp == 1 && st.opts.cluster.fetch_to_tier &&
                     st.tier->wire_dtype() == KvDtype::kBF16 && st.scheduler->TakesFetched();
-  FetchOutcome f =
-      st.tier->FetchMissing(refs, st.store.get(), 0, tp, bf16 ? &to_tier : nullptr);
-  for (auto& [ref, kv] : to_tier) {
-    if (!st.scheduler->OfferFetched(ref.fp, std::move(kv))) {
-      std::erase_if(f.stored, [&](const SegmentRef& r) { return r.fp == ref.fp; });
-      --f.fetched;  // the engine stopped meanwhile: not kept
-      continue;
-    }
-    std::lock_guard<std::mutex> l(st.wb_mu);
-    st.fetched_to_tier.push_back(ref.fp);
-    if (st.fetched_to_tier.size() > WorkerServer::State::kFetchedRemembered) {
-      st.fetched_to_tier.pop_front();
-    }
+  ClusterKvTier::ToTier to_tier;
+  if (bf16) {
+    to_tier = [&st](const SegmentRef& ref, SegmentKvBf16&& kv) {
+      if (!st.scheduler->OfferFetched(ref.fp, std::move(kv))) return false;  // engine stopped
+      std::lock_guard<std::mutex> l(st.wb_mu);
+      st.fetched_to_tier.push_back(ref.fp);
+      if (st.fetched_to_tier.size() > WorkerServer::State::kFetchedRemembered) {
+        st.fetched_to_tier.pop_front();
+      }
+      return true;
+    };
   }
+  FetchOutcome f = st.tier->FetchMissing(refs, st.store.get(), 0, tp, to_tier);
   for (size_t r = 0; r < st.rank_stores.size(); ++r) {
     FetchOutcome fr =
         st.tier->FetchMissing(refs, st.rank_stores[r].get(), static_cast<int>(r) + 1, tp);

@@ -1,6 +1,7 @@
 #include "gpu_worker/service/kv_tier.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -222,10 +223,11 @@ Hash128 ShareKey(const Hash128& fp, int rank, int size) {
 
 FetchOutcome ClusterKvTier::FetchMissing(
     std::span<const SegmentRef> segments, SegmentStore* store, int tp_rank, int tp_size,
-    std::vector<std::pair<SegmentRef, SegmentKvBf16>>* bf16) {
+    const ToTier& to_tier) {
+  const bool bf16 = static_cast<bool>(to_tier);
   FetchOutcome out;
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || kv_dim_ % tp_size != 0 ||
-      (bf16 != nullptr && tp_size != 1)) {
+      (bf16 && tp_size != 1)) {
     out.failures = static_cast<int>(segments.size());
     out.failure_reasons.assign(segments.size(), "incomplete");
     return out;
@@ -294,13 +296,17 @@ FetchOutcome ClusterKvTier::FetchMissing(
   // Each segment's KV is assembled layer by layer as its rounds arrive; `reason` marks one
   // that cannot be used.
   std::vector<SegmentKv> kvs(present.size());
-  std::vector<SegmentKvBf16> kvs16(bf16 != nullptr ? present.size() : 0);
+  std::vector<SegmentKvBf16> kvs16(bf16 ? present.size() : 0);
+  // bf16: halves (K or V of a layer) decoded per segment; the one that completes a segment
+  // hands it over, and `taken` records the answer (read after the decodes are joined).
+  std::vector<std::atomic<int>> halves(bf16 ? present.size() : 0);
+  std::vector<char> taken(present.size(), 0);
   std::vector<std::string> reason(present.size());
   for (size_t s = 0; s < present.size(); ++s) {
     kvs[s].n_tokens = present[s].num_tokens;
     kvs[s].n_layers = n_layers_;
     kvs[s].kv_dim = kv_dim;
-    if (bf16 != nullptr) {
+    if (bf16) {
       kvs16[s].n_tokens = present[s].num_tokens;
       kvs16[s].n_layers = n_layers_;
       kvs16[s].kv_dim = kv_dim;
@@ -382,14 +388,22 @@ FetchOutcome ClusterKvTier::FetchMissing(
       if (v.ok()) views.emplace_back(*v, i);
       else key_reason[i] = "corrupt";
     }
-    decoding[b] = std::async(std::launch::async, [this, &kvs, &kvs16, to16 = bf16 != nullptr,
-                                                  views = std::move(views)] {
+    decoding[b] = std::async(std::launch::async, [&, to16 = bf16, views = std::move(views)] {
       ParallelFor(static_cast<int64_t>(views.size()) * 2, [&](int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
           const auto& [v, i] = views[j / 2];
+          const size_t s = i / n_layers_;
           const int layer = static_cast<int>(i % n_layers_), half = static_cast<int>(j % 2);
-          if (to16) CopyHalfBf16(v, layer, half, &kvs16[i / n_layers_]);
-          else CopyHalf(v, layer, half, &kvs[i / n_layers_]);
+          if (!to16) {
+            CopyHalf(v, layer, half, &kvs[s]);
+            continue;
+          }
+          CopyHalfBf16(v, layer, half, &kvs16[s]);
+          // Only decoded halves count, and a key that failed is never decoded: the segment
+          // completes only when every layer arrived intact.
+          if (halves[s].fetch_add(1) + 1 == 2 * n_layers_) {
+            taken[s] = to_tier(present[s], std::move(kvs16[s])) ? 1 : 0;
+          }
         }
       });
     });
@@ -415,10 +429,11 @@ FetchOutcome ClusterKvTier::FetchMissing(
       }
       continue;
     }
-    if (bf16 != nullptr) {
-      bf16->emplace_back(present[s], std::move(kvs16[s]));
-      ++out.fetched;
-      out.stored.push_back(present[s]);
+    if (bf16) {
+      if (taken[s]) {
+        ++out.fetched;
+        out.stored.push_back(present[s]);
+      }
     } else if (store->Put(present[s].fp, std::move(kvs[s])).ok()) {
       ++out.fetched;
       out.stored.push_back(present[s]);

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -139,12 +140,15 @@ class ClusterKvTier {
   // reports (the server re-verifies before dropping anything). With tp_size > 1, fetches rank
   // tp_rank's share (kv_dim / tp_size columns) into that rank's store. Thread-safe.
   //
-  // With `bf16` (no tensor parallelism) the fetched segments are not put into the store but
-  // appended there in bf16 (blocks in bf16 copied as they are, f32 ones rounded), for the
-  // engine's tiers (ReuseEngine::OfferFetched); `stored` lists them all the same.
+  // With `to_tier` (no tensor parallelism) the fetched segments are not put into the store but
+  // handed to it in bf16 (blocks in bf16 copied as they are, f32 ones rounded), for the
+  // engine's tiers (ReuseEngine::OfferFetched), each as soon as its last layer is decoded, on
+  // whichever thread decoded it, while later segments still transfer (so the engine uploads
+  // one while the next arrives); to_tier's false (not taken) leaves it out of `fetched` and
+  // `stored`.
+  using ToTier = std::function<bool(const SegmentRef&, SegmentKvBf16&&)>;
   FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store,
-                            int tp_rank = 0, int tp_size = 1,
-                            std::vector<std::pair<SegmentRef, SegmentKvBf16>>* bf16 = nullptr);
+                            int tp_rank = 0, int tp_size = 1, const ToTier& to_tier = nullptr);
   // Writes a segment's KV (or a rank's share of it) to its owners (ALREADY_EXISTS counts as
   // success). Thread-safe.
   absl::Status Put(const Hash128& fp, const SegmentKv& kv, int tp_rank = 0, int tp_size = 1);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/bf16.h"
 #include "common/fingerprint.h"
 #include "tests/gpu_worker/reference_generate.h"
 #include "tests/gpu_worker/test_util.h"
@@ -275,6 +276,53 @@ TEST_F(SchedulerTest, HoldsLocallySeesEveryTier) {
     s->Stop();
     EXPECT_FALSE(s->HoldsLocally(fa));
   }
+}
+
+// A segment a cluster fetch offers (OfferFetched, on the fetch's thread) goes into the device
+// tier at the engine thread's next iteration, with no request asking for it (so a fetch's
+// segments upload while its later ones still transfer), then to the host store when idle,
+// reported like a segment the worker stored itself.
+TEST_F(SchedulerTest, OfferedSegmentsAreAdoptedBetweenIterations) {
+  std::mutex mu;
+  std::vector<std::pair<Hash128, int>> stored;
+  hooks_.on_segments_stored = [&](const std::vector<std::pair<Hash128, int>>& st) {
+    std::lock_guard<std::mutex> l(mu);
+    stored.insert(stored.end(), st.begin(), st.end());
+  };
+  SchedulerOptions o;
+  o.device_tier_bytes = size_t{64} << 20;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->TakesFetched());
+  const ModelConfig& c = model_->config();
+  auto segment = [&] {
+    SegmentKvBf16 kv;
+    kv.n_tokens = 10;
+    kv.n_layers = c.n_layers;
+    kv.kv_dim = c.n_kv_heads * c.head_dim;
+    kv.k.assign(kv.n_layers, std::vector<uint16_t>(10 * kv.kv_dim, ToBf16(0.25f)));
+    kv.v.assign(kv.n_layers, std::vector<uint16_t>(10 * kv.kv_dim, ToBf16(-0.5f)));
+    return kv;
+  };
+  const Hash128 fp{77, 7};
+  ASSERT_TRUE(s->OfferFetched(fp, segment()));
+  EXPECT_TRUE(s->HoldsLocally(fp));
+  bool reported = false;
+  for (int i = 0; i < 400 && !reported; ++i) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      reported = stored.size() == 1 && stored[0] == std::pair<Hash128, int>{fp, 10};
+    }
+    if (!reported) std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_TRUE(reported);
+  EXPECT_GT(s->load().device_tier_bytes, 0u);
+  auto kv = store_->Get(fp);
+  ASSERT_NE(kv, nullptr);
+  EXPECT_EQ(kv->k[c.n_layers - 1][3], 0.25f);
+  EXPECT_EQ(kv->v[0][0], -0.5f);
+  s->Stop();
+  EXPECT_FALSE(s->OfferFetched(Hash128{77, 8}, segment()));  // no engine to take it
 }
 
 // store_after_misses = 2 (the GPU default): content seen once is never stored; a segment is

@@ -4,6 +4,7 @@
 #include "gpu_worker/service/kv_tier.h"
 
 #include <cmath>
+#include <mutex>
 #include <tuple>
 
 #include "cache_client/cache_client.h"
@@ -143,6 +144,15 @@ class KvTierServerTest : public ::testing::Test {
     co.model_fp = model_;
     return cache::CacheClient::Connect(co);
   }
+  // A to_tier that keeps what it is handed (called on the fetch's decode threads).
+  static ClusterKvTier::ToTier Collect(std::vector<std::pair<SegmentRef, SegmentKvBf16>>& out) {
+    auto mu = std::make_shared<std::mutex>();
+    return [&out, mu](const SegmentRef& r, SegmentKvBf16&& kv) {
+      std::lock_guard<std::mutex> l(*mu);
+      out.emplace_back(r, std::move(kv));
+      return true;
+    };
+  }
   // The segment's fetch fails as "corrupt" and stores nothing.
   void ExpectCorruptFetch(const std::vector<SegmentRef>& refs, SegmentStore& store) {
     FetchOutcome f = tier_->FetchMissing(refs, &store);
@@ -246,7 +256,7 @@ TEST_F(KvTierServerTest, FetchHandsBf16SegmentsToTheTierWithoutTheStore) {
     SegmentStore store(SegmentStoreOptions{}), plain(SegmentStoreOptions{});
     std::vector<SegmentRef> refs = {{fp, 33}};
     std::vector<std::pair<SegmentRef, SegmentKvBf16>> out;
-    FetchOutcome f = tier_->FetchMissing(refs, &store, 0, 1, &out);
+    FetchOutcome f = tier_->FetchMissing(refs, &store, 0, 1, Collect(out));
     ASSERT_EQ(f.fetched, 1);
     ASSERT_EQ(f.stored.size(), 1u);
     EXPECT_FALSE(store.Contains(fp));
@@ -275,8 +285,46 @@ TEST_F(KvTierServerTest, FetchHandsBf16SegmentsToTheTierWithoutTheStore) {
   SegmentStore store(SegmentStoreOptions{});
   std::vector<SegmentRef> refs = {{wire16, 33}};
   std::vector<std::pair<SegmentRef, SegmentKvBf16>> out;
-  EXPECT_EQ(tier_->FetchMissing(refs, &store, 0, 2, &out).fetched, 0);  // not under TP
+  EXPECT_EQ(tier_->FetchMissing(refs, &store, 0, 2, Collect(out)).fetched, 0);  // not under TP
   EXPECT_TRUE(out.empty());
+  // A segment the tier does not take is neither fetched nor stored.
+  FetchOutcome refused = tier_->FetchMissing(
+      refs, &store, 0, 1, [](const SegmentRef&, SegmentKvBf16&&) { return false; });
+  EXPECT_EQ(refused.fetched, 0);
+  EXPECT_TRUE(refused.stored.empty());
+  EXPECT_EQ(refused.failures, 0);
+}
+
+// Several segments over several fetch rounds: each is handed over once, whole, and the ones
+// handed over are exactly those reported fetched.
+TEST_F(KvTierServerTest, FetchToTheTierHandsEachSegmentOverOnceWhole) {
+  ClusterTierOptions t;
+  t.servers = {server_->grpc_address()};
+  t.wire_dtype = "bf16";
+  t.fetch_batch_bytes = 1;  // one block per round: segments span rounds
+  auto bf = ClusterKvTier::Connect(t, model_, kLayers, kDim);
+  ASSERT_TRUE(bf.ok()) << bf.status();
+  std::vector<SegmentRef> refs;
+  for (int s = 0; s < 5; ++s) {
+    const Hash128 fp{170, static_cast<uint64_t>(s)};
+    ASSERT_TRUE((*bf)->Put(fp, MakeKv(20 + s, 0.5f * s)).ok());
+    refs.push_back({fp, 20 + s});
+  }
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<std::pair<SegmentRef, SegmentKvBf16>> out;
+  FetchOutcome f = (*bf)->FetchMissing(refs, &store, 0, 1, Collect(out));
+  EXPECT_EQ(f.fetched, 5);
+  EXPECT_EQ(f.failures, 0);
+  ASSERT_EQ(out.size(), 5u);
+  for (const auto& [ref, kv] : out) {
+    EXPECT_EQ(kv.n_tokens, ref.num_tokens);
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(kv.k[l].size(), static_cast<size_t>(ref.num_tokens) * kDim);
+      EXPECT_EQ(kv.v[l].size(), static_cast<size_t>(ref.num_tokens) * kDim);
+    }
+  }
+  EXPECT_EQ(f.stored.size(), 5u);
+  EXPECT_EQ(store.stats().entries, 0);
 }
 
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
