@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   int64_t host_tier_mb = 0;
   int replication = static_cast<int>(o.cluster.replication);
   int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
+  int64_t cache_fetch_batch_mb = static_cast<int64_t>(o.cluster.fetch_batch_bytes >> 20);
   float recompute_ratio = o.scheduler.reuse.budget.ratio;
   std::string budget;  // empty: o.auto_budget
   float quality_target = o.scheduler.reuse.budget.target_drop;
@@ -143,6 +144,9 @@ int main(int argc, char** argv) {
         "fetched segments go to the device (or pinned host) tier in bf16, not the fp32 host "
         "store (not with --tp)");
   f.Add("cache_rpc_timeout_ms", &cache_rpc_timeout_ms, "cache control RPC deadline");
+  f.Add("cache_fetch_batch_mb", &cache_fetch_batch_mb,
+        "MiB leased and transferred per cache fetch round (1-16384; capped at a quarter of the "
+        "smallest cache server's memory); two staging buffers of this size are kept");
   f.Add("write_back", &o.write_back, "write computed segments to the cache cluster");
   f.Add("etcd", &o.etcd_endpoints, "etcd client URLs host:port (comma-separated); empty = no registration");
   f.Add("etcd_prefix", &o.etcd_prefix, "etcd key prefix");
@@ -158,6 +162,12 @@ int main(int argc, char** argv) {
     std::cout << f.Usage();
     return 0;
   }
+  if (cache_fetch_batch_mb < 1 || cache_fetch_batch_mb > 16384) {
+    std::cerr << "sparsex-worker: --cache_fetch_batch_mb must be 1-16384, not "
+              << cache_fetch_batch_mb << "\n";
+    return 2;
+  }
+  o.cluster.fetch_batch_bytes = static_cast<uint64_t>(cache_fetch_batch_mb) << 20;
   o.scheduler.engine.backend.cuda = sparsex::CudaBackendOptionsFromEnv();
   o.scheduler.engine.kv.num_blocks = kv_blocks;
   o.scheduler.engine.kv.block_size = block_size;

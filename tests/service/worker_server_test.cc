@@ -3,6 +3,7 @@
 #include "gpu_worker/service/worker_state.h"
 
 #include "gtest/gtest.h"
+#include "testing/server_process.h"
 #include "tests/gpu_worker/test_util.h"
 
 namespace sparsex::service {
@@ -74,6 +75,21 @@ TEST(WorkerServer, AutoBudgetIsQualityOnlyForACalibratedModel) {
   ASSERT_TRUE(note.ok());
   EXPECT_EQ(r.budget.mode, BudgetOptions::Mode::kFixed);
   EXPECT_TRUE(note->empty());
+}
+
+// The worker binary refuses an out-of-range fetch round size with a clear message (exit 2)
+// before it loads anything.
+TEST(WorkerCli, RefusesAnOutOfRangeFetchRoundSize) {
+  for (const char* mb : {"0", "-5", "16385"}) {
+    auto r = cache::testing::RunCommand(cache::testing::BinDir() +
+                                            "/sparsex-worker --model /nonexistent "
+                                            "--cache_fetch_batch_mb " + mb + " 2>&1",
+                                        std::chrono::seconds(20));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->first, 2) << r->second;
+    EXPECT_NE(r->second.find("--cache_fetch_batch_mb must be 1-16384"), std::string::npos)
+        << r->second;
+  }
 }
 
 }  // namespace
