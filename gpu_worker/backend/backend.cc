@@ -30,6 +30,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
     o.small_n_variant = chosen;
   }
   if (const char* f = std::getenv("SPX_FUSED_SWIGLU")) o.fused_swiglu = std::string(f) != "0";
+  if (const char* u = std::getenv("SPX_UPLOAD_DIRECT")) o.upload_direct = std::string(u) == "1";
   if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
   if (const char* w = std::getenv("SPX_SPLIT_WAVES")) o.split_waves = std::max(0, std::atoi(w));
   if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) o.fused_residual = std::string(f) == "1";

@@ -123,6 +123,11 @@ struct CudaBackendOptions {
   // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
   // SPX_FUSED_SWIGLU=0 sets false. Default: true
   bool fused_swiglu = true;
+  // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
+  // the pageable buffer, staged by the driver, instead of through the backend's two pinned
+  // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
+  // uses: comparisons). SPX_UPLOAD_DIRECT=1 sets true. Default: false
+  bool upload_direct = false;
   // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
   // SPX_ATTN_WARPS. Default: 0
   int attn_warps = 0;

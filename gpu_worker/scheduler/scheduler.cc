@@ -326,8 +326,9 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
         bool fetched = false;
         for (const auto& w : fetch_wait_) fetched = fetched || w.job->done.load();
         return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty() ||
-               group_->unspilled() > 0 || fetched || fetch_wait_.size() > waiting ||
-               !gate_queue_.empty() || group_->HasFetched();
+               fetched || fetch_wait_.size() > waiting || group_->HasFetched() ||
+               // Idle-time work waits while a request waits for its fetch (see Iteration).
+               ((group_->unspilled() > 0 || !gate_queue_.empty()) && fetch_wait_.empty());
       };
       // A request waiting for its fetch is admitted at its deadline at the latest.
       Clock::time_point wake = Clock::time_point::max();
@@ -478,7 +479,16 @@ void BatchScheduler::Iteration() {
   charge(EnginePhase::kStore);
   // 6. Idle: copy one segment the device tier holds alone to the host store (download and
   // checksums: too slow for an iteration that decodes), then report it (write-back, events).
-  if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty()) {
+  // Not while a request waits for its cluster fetch: the host's memory bandwidth and threads
+  // go to that fetch and to uploading its segments (on the H200 spilling the first fetched
+  // segments during the rest of a 4 GB fetch left ~0.3 s of uploads to the request's prefill).
+  bool fetch_awaited = false;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    fetch_awaited = !fetch_wait_.empty();
+  }
+  if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty() &&
+      !fetch_awaited) {
     SpillOne();
     charge(EnginePhase::kSpill);
     // 7. Lowest priority: a slice of a correctness-gate replay, when nothing else waits.

@@ -325,6 +325,51 @@ TEST_F(SchedulerTest, OfferedSegmentsAreAdoptedBetweenIterations) {
   EXPECT_FALSE(s->OfferFetched(Hash128{77, 8}, segment()));  // no engine to take it
 }
 
+// While a request waits for its cluster fetch, segments the fetch already delivered are
+// uploaded into the tier but not spilled to the host store (the fetch and the uploads need the
+// host); the spill runs once no request waits.
+TEST_F(SchedulerTest, NoSpillWhileARequestWaitsForItsFetch) {
+  SchedulerOptions o;
+  o.device_tier_bytes = size_t{64} << 20;
+  o.fetch_threads = 1;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  const ModelConfig& c = model_->config();
+  SegmentKvBf16 kv;
+  kv.n_tokens = 8;
+  kv.n_layers = c.n_layers;
+  kv.kv_dim = c.n_kv_heads * c.head_dim;
+  kv.k.assign(kv.n_layers, std::vector<uint16_t>(8 * kv.kv_dim, ToBf16(0.125f)));
+  kv.v = kv.k;
+  std::atomic<bool> offered{false}, release{false};
+  WorkItem w = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
+  BatchScheduler* sp = s.get();
+  w.remote_fetch = [&, sp](WorkItem& item) {
+    offered = sp->OfferFetched(Hash128{91, 1}, std::move(kv));
+    while (!release.load()) std::this_thread::sleep_for(1ms);
+    item.segments_fetched = 1;
+  };
+  auto h = s->Submit(std::move(w));
+  ASSERT_TRUE(h.ok()) << h.status();
+  for (int i = 0; i < 400 && s->load().device_tier_bytes == 0; ++i) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_TRUE(offered.load());
+  EXPECT_GT(s->load().device_tier_bytes, 0u);  // uploaded while the fetch goes on
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(s->load().unspilled_segments, 1);  // but not spilled
+  EXPECT_FALSE(store_->Contains(Hash128{91, 1}));
+  release = true;
+  Collected r = Drain(**h);
+  ASSERT_TRUE(r.final.status.ok()) << r.final.status;
+  for (int i = 0; i < 400 && s->load().unspilled_segments > 0; ++i) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(s->load().unspilled_segments, 0);
+  EXPECT_TRUE(store_->Contains(Hash128{91, 1}));
+  s->Stop();
+}
+
 // store_after_misses = 2 (the GPU default): content seen once is never stored; a segment is
 // stored the second time a request misses it and reused from the third.
 TEST_F(SchedulerTest, SegmentsAreStoredOnTheirSecondMiss) {

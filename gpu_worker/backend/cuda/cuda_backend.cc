@@ -252,6 +252,12 @@ absl::Status CudaBackend::UploadBf16(std::span<const uint16_t> host, Tensor& dst
     }, int64_t{1} << 19);
     return absl::OkStatus();
   }
+  if (options_.upload_direct) {
+    CUDA_RETURN(cudaMemcpyAsync(B(dst), host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
+                                stream_),
+                "UploadBf16 direct copy");
+    return absl::OkStatus();
+  }
   return UploadViaPinned(n, B(dst), [&](bf16* buf, int64_t off, int64_t m) {
     auto* b16 = reinterpret_cast<uint16_t*>(buf);
     const uint16_t* src = host.data() + off;
