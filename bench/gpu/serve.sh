@@ -14,6 +14,9 @@
 #   SPX_SERVE_RATES_ON    "1 2 4 8"        req/s per sweep point (reuse on)
 #   SPX_SERVE_REQUESTS    30               requests per sweep point
 #   SPX_SERVE_WARMUP      16               closed-loop requests before the sweep (not measured)
+#   SPX_SERVE_PRIME       2                rag: every pool document this many times before the
+#                                          sweep (loadgen --prime; the GPU worker stores a
+#                                          segment at its second miss), so the first point is warm
 #   SPX_SERVE_MODEL       synthetic:llama3-8b
 #   SPX_SERVE_WORKER_ARGS (GPU sizes: 256K tokens of paged KV, 30 GB device tier)
 #   SPX_SERVE_LOADGEN_ARGS extra loadgen flags (all workloads; later flags win)
@@ -66,7 +69,7 @@ for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
     # shellcheck disable=SC2046
     timeout 420 "$SPX/bin/sparsex-loadgen" --target "$ROUTER_GRPC" --reuse "$mode" $(workload_args "$wl") \
       --content numbers --max_tokens 32 --requests "$REQS" --warmup "$WARM" --sweep "$sweep" \
-      --sweep_vary_seed --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}${SPX_SERVE_TAG:-}.json" \
+      --sweep_vary_seed --prime "${SPX_SERVE_PRIME:-2}" --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}${SPX_SERVE_TAG:-}.json" \
       ${SPX_SERVE_LOADGEN_ARGS:-} >>"$LOG" 2>&1 || stamp "loadgen exit $?"
     { echo "## $wl reuse $mode ${SPX_SERVE_TAG:-}"; curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue|pending_stores|unspilled|stores_dropped|iterations|engine_|gate|reuse_disabled)' ;
       curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_(memory|disk|hits|misses|evictions|corrupt|bytes)' ; } \

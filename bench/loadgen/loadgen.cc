@@ -51,6 +51,7 @@ struct Options {
   double rate = 0, duration_s = 0, temperature = 0, recompute_ratio = -1;
   double slo_ttft_ms = 2000, slo_tpot_ms = 50;
   int concurrency = 0, requests = -1, timeout_ms = 60000, max_tokens = 32, warmup = 0;
+  int prime = 0;  // passes over the document pool before the first run (Workload::Prime)
   int channels = 4, max_inflight = 4096, wait_ready_s = 10, doc_chars = 800, dry_run = 0;
   bool ignore_eos = true, progress = true, sweep_vary_seed = false;
   lg::WorkloadConfig wc;
@@ -738,6 +739,10 @@ int main(int argc, char** argv) {
         "0 = until --duration_s)");
   f.Add("duration_s", &o.duration_s, "stop sending after this many seconds (0 = off)");
   f.Add("warmup", &o.warmup, "requests sent first, one at a time, not measured");
+  f.Add("prime", &o.prime,
+        "rag: send every pool document this many times (docs_per_request a request, one at a "
+        "time, not measured) before the first run, so a worker that stores a segment at its "
+        "n-th miss holds them all (0 = off)");
   f.Add("seed", &c.seed, "workload and arrival seed");
   f.Add("pool_seed", &c.pool_seed, "rag: document pool seed (0: from --seed; fixed: same pool across sweep points)");
   f.Add("timeout_ms", &o.timeout_ms, "per-request deadline");
@@ -812,6 +817,7 @@ int main(int argc, char** argv) {
   if (o.max_tokens < 1) return fail("--max_tokens must be >= 1");
   if (o.timeout_ms < 1) return fail("--timeout_ms must be >= 1");
   if (o.warmup < 0 || o.concurrency < 0) return fail("--warmup and --concurrency must be >= 0");
+  if (o.prime < 0 || o.prime > 16) return fail("--prime must be 0-16");
   std::vector<double> xs;
   if (!o.sweep.empty()) {
     for (absl::string_view p : absl::StrSplit(o.sweep, ',', absl::SkipEmpty())) {
@@ -866,6 +872,18 @@ int main(int argc, char** argv) {
       std::cerr << "sparsex-loadgen: " << s.message() << "\n";
       return 1;
     }
+  }
+  if (o.prime > 0) {
+    absl::StatusOr<std::unique_ptr<lg::Workload>> gen = lg::MakeWorkload(o.wc, docs);
+    if (!gen.ok()) return fail(std::string(gen.status().message()));
+    const std::vector<lg::RequestSpec> prime = (*gen)->Prime(o.prime);
+    RunState p;
+    p.start = Clock::now();
+    for (const lg::RequestSpec& spec : prime) {
+      SendOne(client, o, p, Prepare(o, -1, spec, true), Clock::now());
+    }
+    std::fprintf(stderr, "prime: %zu requests (%d passes over the pool), %lld errors\n",
+                 prime.size(), o.prime, static_cast<long long>(p.errors.load()));
   }
   std::vector<Summary> rows;
   for (size_t i = 0; i < xs.size(); ++i) {

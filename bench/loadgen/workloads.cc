@@ -182,6 +182,29 @@ class RagWorkload : public Workload {
       docs_.push_back(std::move(s));
     }
   }
+  std::vector<RequestSpec> Prime(int passes) override {
+    std::vector<RequestSpec> out;
+    const int n = static_cast<int>(docs_.size()), k = c_.docs_per_request;
+    Rng rng(c_.seed ^ 0x9e3779b97f4a7c15ULL);  // its own stream: Next() is unchanged
+    for (int p = 0; p < passes; ++p) {
+      std::vector<int> order(static_cast<size_t>(n));
+      for (int d = 0; d < n; ++d) order[static_cast<size_t>(d)] = d;
+      Shuffle(order, rng);
+      for (int i = 0; i < n; i += k) {
+        RequestSpec r;
+        r.index = -1 - static_cast<int64_t>(out.size());  // outside the measured sequence
+        for (int j = i; j < std::min(n, i + k); ++j) {
+          r.segments.push_back(docs_[static_cast<size_t>(order[static_cast<size_t>(j)])]);
+        }
+        SegmentSpec q = content_.Make(SegmentSpec::Kind::kQuestion, c_.question_tokens,
+                                      "Question: ", "?\nAnswer:", rng);
+        q.cacheable = false;
+        r.segments.push_back(std::move(q));
+        out.push_back(std::move(r));
+      }
+    }
+    return out;
+  }
   RequestSpec Next() override {
     RequestSpec r;
     r.index = next_index_++;

@@ -119,6 +119,12 @@ class Workload {
  public:
   virtual ~Workload() = default;
   virtual RequestSpec Next() = 0;
+  // Requests that show the server every cacheable document `passes` times before a
+  // measurement (rag: the whole pool, docs_per_request documents a request, each pass in
+  // another grouping; a worker stores a segment at its n-th miss, --store_after_misses), so
+  // the first sweep point does not measure cold documents. Not part of Next()'s sequence.
+  // Empty for workloads without a pool. Default: none
+  virtual std::vector<RequestSpec> Prime(int /*passes*/) { return {}; }
 };
 
 // text_docs: the documents for --content text (LoadTextDocs); ignored for numbers.

@@ -72,6 +72,37 @@ TEST(Workloads, SameSeedSameSequence) {
   }
 }
 
+// Prime shows every pool document `passes` times in requests of distinct documents (each
+// pass grouped differently), a fresh question each, without touching Next()'s sequence; the
+// workloads without a pool prime nothing.
+TEST(Workloads, RagPrimeCoversThePool) {
+  WorkloadConfig c = Small("rag");
+  auto plain = Make(c), primed = Make(c);
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(primed, nullptr);
+  const std::vector<RequestSpec> prime = primed->Prime(2);
+  ASSERT_EQ(prime.size(), 2u * ((c.pool + c.docs_per_request - 1) / c.docs_per_request));
+  std::vector<int> seen(static_cast<size_t>(c.pool), 0);
+  std::set<std::vector<int>> groups;
+  for (const RequestSpec& r : prime) {
+    EXPECT_LT(r.index, 0);
+    ASSERT_GE(r.segments.size(), 2u);
+    std::vector<int> docs;
+    for (size_t i = 0; i + 1 < r.segments.size(); ++i) {
+      EXPECT_EQ(r.segments[i].kind, SegmentSpec::Kind::kDocument);
+      docs.push_back(r.segments[i].source);
+      ++seen[static_cast<size_t>(r.segments[i].source)];
+    }
+    EXPECT_EQ(std::set<int>(docs.begin(), docs.end()).size(), docs.size());
+    EXPECT_FALSE(r.segments.back().cacheable);
+    groups.insert(docs);
+  }
+  for (int n : seen) EXPECT_EQ(n, 2);
+  EXPECT_GT(groups.size(), prime.size() / 2);  // the second pass is grouped otherwise
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(SameRequest(plain->Next(), primed->Next()));
+  for (const char* name : {"chat", "agents"}) EXPECT_TRUE(Make(Small(name))->Prime(2).empty());
+}
+
 TEST(Workloads, ZipfSkewsTowardLowRanks) {
   ZipfSampler z(100, 1.0);
   double total = 0;
