@@ -492,6 +492,12 @@ bool EngineGroup::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
   return true;
 }
 
+bool EngineGroup::OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg) {
+  if (!TakesFetched()) return false;
+  ranks_[0]->reuse->OfferStreamed(fp, std::move(seg));
+  return true;
+}
+
 int EngineGroup::AdoptFetched(int max_segments) {
   return TakesFetched() ? ranks_[0]->reuse->AdoptFetched(max_segments) : 0;
 }

@@ -90,6 +90,7 @@ class EngineGroup {
   bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
   bool TakesFetched() const;
   int AdoptFetched(int max_segments);  // ReuseEngine::AdoptFetched on rank 0 (tp 1 only)
+  bool OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg);  // likewise
   bool HasFetched() const;
   size_t unspilled();
   // Segment KV bytes held in the ranks' device (or pinned host) tiers.

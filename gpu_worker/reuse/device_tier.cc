@@ -53,11 +53,9 @@ bool DeviceSegmentTier::Resident(const Hash128& fp) const {
   return resident_.contains(fp);
 }
 
-// Allocates every layer's K and V in the tier's memory, fills them with upload(l, k, v) and
-// caches the segment when it fits: the one body behind Upload (fp32) and UploadBf16.
-template <class UploadLayer>
-absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadLayers(
-    const Hash128& fp, int n_tokens, int n_layers, int kv_dim, UploadLayer upload) {
+absl::StatusOr<std::shared_ptr<DeviceSegment>> DeviceSegmentTier::Reserve(int n_tokens,
+                                                                          int n_layers,
+                                                                          int kv_dim) {
   std::shared_ptr<DeviceSegment> seg = NewSegment();
   seg->n_tokens = n_tokens;
   auto alloc = [&](int64_t rows, int64_t cols) {
@@ -68,9 +66,18 @@ absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadLa
     seg->k.push_back(k);
     ASSIGN_OR_RETURN(Tensor v, alloc(n_tokens, kv_dim));
     seg->v.push_back(v);
-    RETURN_IF_ERROR(upload(l, seg->k.back(), seg->v.back()));
     seg->bytes += k.bytes() + v.bytes();
   }
+  return seg;
+}
+
+// Reserves the segment, fills every layer with upload(l, k, v) and caches it when it fits:
+// the one body behind Upload (fp32) and UploadBf16.
+template <class UploadLayer>
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadLayers(
+    const Hash128& fp, int n_tokens, int n_layers, int kv_dim, UploadLayer upload) {
+  ASSIGN_OR_RETURN(std::shared_ptr<DeviceSegment> seg, Reserve(n_tokens, n_layers, kv_dim));
+  for (int l = 0; l < n_layers; ++l) RETURN_IF_ERROR(upload(l, seg->k[l], seg->v[l]));
   Insert(fp, seg);
   return std::shared_ptr<const DeviceSegment>(seg);
 }

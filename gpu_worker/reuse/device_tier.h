@@ -37,6 +37,11 @@ class DeviceSegmentTier {
   // The same from a bf16 segment (a cluster fetch's, without the fp32 store).
   absl::StatusOr<std::shared_ptr<const DeviceSegment>> UploadBf16(const Hash128& fp,
                                                                   const SegmentKvBf16& kv);
+  // Allocates a segment's tensors in the tier's memory without caching it (a streamed fetch
+  // fills it layer by layer, then Insert caches it).
+  absl::StatusOr<std::shared_ptr<DeviceSegment>> Reserve(int n_tokens, int n_layers, int kv_dim);
+  // Caches seg when it fits, evicting least recently used entries; false when it cannot fit.
+  bool Insert(const Hash128& fp, const std::shared_ptr<DeviceSegment>& seg);
   // Takes backend tensors already holding a segment's KV (an encoding pass captured them; the
   // tier frees them); false when the segment exceeds the capacity (then nothing is kept).
   bool Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k, std::vector<Tensor> v);
@@ -57,8 +62,6 @@ class DeviceSegmentTier {
                                                                     int n_tokens, int n_layers,
                                                                     int kv_dim,
                                                                     UploadLayer upload);
-  // Caches seg when it fits, evicting least recently used entries; false when it cannot fit.
-  bool Insert(const Hash128& fp, const std::shared_ptr<DeviceSegment>& seg);
   struct Entry {
     std::shared_ptr<const DeviceSegment> seg;
     std::list<Hash128>::iterator lru;

@@ -236,7 +236,38 @@ bool ReuseEngine::Holds(const Hash128& fp) const {
   for (const auto& [f, kv] : fetched_) {
     if (f == fp) return true;
   }
+  for (const auto& [f, s] : streamed_) {
+    if (f == fp && !s.seg->Failed()) return true;
+  }
   return false;
+}
+
+void ReuseEngine::OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg) {
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  for (const auto& [f, s] : streamed_) {
+    if (f == fp) return;  // another fetch streams it already
+  }
+  streamed_.push_back({fp, Streamed{std::move(seg), false}});
+}
+
+std::shared_ptr<StreamedSegment> ReuseEngine::ClaimStreamed(const Hash128& fp, int n) {
+  const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  for (auto& [f, s] : streamed_) {
+    if (f != fp || s.claimed || s.seg->Failed()) continue;
+    const SegmentKvBf16& kv = s.seg->kv();
+    if (kv.n_tokens != n || kv.n_layers != L || kv.kv_dim != kd) return nullptr;
+    s.claimed = true;
+    return s.seg;
+  }
+  return nullptr;
+}
+
+void ReuseEngine::UnclaimStreamed(const std::vector<Hash128>& fps) {
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  for (auto& [f, s] : streamed_) {
+    if (std::find(fps.begin(), fps.end(), f) != fps.end()) s.claimed = false;
+  }
 }
 
 void ReuseEngine::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
@@ -246,7 +277,11 @@ void ReuseEngine::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
 
 bool ReuseEngine::HasFetched() const {
   std::lock_guard<std::mutex> l(fetched_mu_);
-  return !fetched_.empty();
+  if (!fetched_.empty()) return true;
+  for (const auto& [f, s] : streamed_) {
+    if (!s.claimed && (s.seg->Complete() || s.seg->Failed())) return true;
+  }
+  return false;
 }
 
 int ReuseEngine::AdoptFetched(int max_segments) {
@@ -258,6 +293,17 @@ int ReuseEngine::AdoptFetched(int max_segments) {
     } else {
       std::move(fetched_.begin(), fetched_.begin() + max_segments, std::back_inserter(in));
       fetched_.erase(fetched_.begin(), fetched_.begin() + max_segments);
+    }
+    // Streamed segments no prefill reads: complete ones join the inbox's, failed ones go.
+    for (auto it = streamed_.begin(); it != streamed_.end();) {
+      Streamed& s = it->second;
+      if (s.claimed || !(s.seg->Failed() || s.seg->Complete()) ||
+          (!s.seg->Failed() && static_cast<int>(in.size()) >= max_segments)) {
+        ++it;
+        continue;
+      }
+      if (!s.seg->Failed()) in.emplace_back(it->first, std::move(s.seg->kv()));
+      it = streamed_.erase(it);
     }
   }
   const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
@@ -336,6 +382,13 @@ struct ReuseEngine::PrefillJob {
   ReusePlan plan;
   std::vector<std::shared_ptr<const DeviceSegment>> found;
   std::vector<char> from_host;  // found in the pinned host tier
+  bool add_bos = false;
+  // Segments read from a cluster fetch in progress (ReuseEngine::OfferStreamed): the fetch's
+  // buffers, and the tier memory found[s] points at, filled layer by layer.
+  std::vector<std::shared_ptr<StreamedSegment>> streamed;  // [segment] or null
+  std::vector<std::shared_ptr<DeviceSegment>> streamed_dst;
+  std::vector<size_t> streamed_ids;
+  std::function<void()> on_end;  // gives the streamed segments back (the job ends)
   struct Placement {
     std::vector<int32_t> pos, slots;
     int64_t row0 = 0;  // first reused row of the segment (reused rows are contiguous)
@@ -359,6 +412,7 @@ struct ReuseEngine::PrefillJob {
   std::chrono::steady_clock::time_point mark;
 
   ~PrefillJob() {
+    if (on_end) on_end();
     for (auto& layers : staged) {
       for (Staged& s : layers) {
         // A copy may still be writing: order the frees after it.
@@ -425,6 +479,7 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
   Backend& be = *j->be;
   j->mark = std::chrono::steady_clock::now();
   j->segs = segs;
+  j->add_bos = add_bos;
   const int32_t bos = add_bos ? engine_->model().tokenizer().bos_id() : -1;
   // From here on an error destroys the job, which releases the sequence's blocks.
   ASSIGN_OR_RETURN(j->seq, engine_->Admit(PromptTokens(segs, bos), o.register_approximate_prefix));
@@ -435,6 +490,8 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
   // store hit is uploaded into a tier; checksums verified on Get, a corrupt entry is a miss) ----
   j->found.resize(segs.size());
   j->from_host.assign(segs.size(), 0);
+  j->streamed.resize(segs.size());
+  j->streamed_dst.resize(segs.size());
   auto& found = j->found;
   auto& from_host = j->from_host;
   const int kd = engine_->runner().kv_dim();
@@ -452,6 +509,19 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
           from_host[s] = 1;
           return SegmentTier::kPinnedHost;
         }
+        if (std::shared_ptr<StreamedSegment> in = ClaimStreamed(fp, n)) {
+          auto dst = tier_.Reserve(n, L, kd);
+          if (!dst.ok()) {  // no memory for it now: a miss (recomputed)
+            UnclaimStreamed({fp});
+            return SegmentTier::kNone;
+          }
+          j->streamed[s] = std::move(in);
+          j->streamed_dst[s] = *dst;
+          j->streamed_ids.push_back(s);
+          found[s] = *dst;
+          ++st.segments_streamed;
+          return SegmentTier::kDevice;
+        }
         auto kv = store_->Get(fp);
         if (!kv || kv->n_tokens != n || kv->n_layers != L || kv->kv_dim != kd) {
           return SegmentTier::kNone;
@@ -466,6 +536,11 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
         from_host[s] = to_host;
         return SegmentTier::kHostStore;
       });
+  if (!j->streamed_ids.empty()) {
+    std::vector<Hash128> fps;
+    for (size_t s : j->streamed_ids) fps.push_back(j->plan.segments[s].fp);
+    j->on_end = [this, fps] { UnclaimStreamed(fps); };
+  }
   RETURN_IF_ERROR(lookup_error);
   const ReusePlan& plan = j->plan;
   st.segments_corrupt = static_cast<int>(store_->stats().corrupt - corrupt0);
@@ -536,11 +611,69 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
   return absl::OkStatus();
 }
 
+namespace {
+// RunPrefillLayers' status when a streamed segment will not arrive (PrefillStep starts over).
+constexpr absl::string_view kStreamFailed = "reuse prefill: a streamed segment did not arrive";
+}  // namespace
+
+absl::StatusOr<bool> ReuseEngine::StreamedLayer(PrefillJob& j, int l, bool wait) {
+  for (size_t s : j.streamed_ids) {
+    StreamedSegment& in = *j.streamed[s];
+    if (in.Ready(l)) continue;
+    if (!in.Failed() && wait) in.Wait(l, std::chrono::milliseconds(20));
+    if (in.Failed()) return absl::AbortedError(kStreamFailed);
+    if (!in.Ready(l)) return false;  // the iteration goes back to the scheduler meanwhile
+  }
+  for (size_t s : j.streamed_ids) {
+    RETURN_IF_ERROR(j.be->UploadBf16(j.streamed[s]->kv().k[l], j.streamed_dst[s]->k[l]));
+    RETURN_IF_ERROR(j.be->UploadBf16(j.streamed[s]->kv().v[l], j.streamed_dst[s]->v[l]));
+  }
+  return true;
+}
+
+void ReuseEngine::KeepStreamed(PrefillJob& j) {
+  std::vector<Hash128> kept;
+  for (size_t s : j.streamed_ids) {
+    StreamedSegment& in = *j.streamed[s];
+    // The sparse layers uploaded [F, L) as they arrived (none when F >= L); the rest now.
+    const int up_to = j.F < j.L ? j.F : j.L;
+    bool ok = true;
+    for (int l = 0; l < up_to && ok; ++l) {
+      ok = in.Ready(l) && j.be->UploadBf16(in.kv().k[l], j.streamed_dst[s]->k[l]).ok() &&
+           j.be->UploadBf16(in.kv().v[l], j.streamed_dst[s]->v[l]).ok();
+    }
+    if (!ok || j.F >= j.L) continue;  // left to AdoptFetched once complete
+    const Hash128 fp = j.plan.segments[s].fp;
+    if (tier_.Insert(fp, j.streamed_dst[s]) && tier_.Peek(fp) != nullptr) {
+      unspilled_.emplace_back(fp, in.n_tokens());
+    }
+    kept.push_back(fp);
+  }
+  if (kept.empty()) return;
+  std::lock_guard<std::mutex> l(fetched_mu_);
+  std::erase_if(streamed_, [&](const auto& e) {
+    return std::find(kept.begin(), kept.end(), e.first) != kept.end();
+  });
+}
+
 absl::StatusOr<std::optional<ReusePrefillResult>> ReuseEngine::PrefillStep(
     int64_t max_row_layers) {
   if (!prefill_) return absl::FailedPreconditionError("PrefillStep: no reuse prefill in progress");
   // Any error ends the job: its blocks go back to the pool.
   absl::StatusOr<bool> done = RunPrefillLayers(max_row_layers);
+  if (!done.ok() && done.status().code() == absl::StatusCode::kAborted &&
+      done.status().message() == kStreamFailed) {
+    // A streamed segment failed mid-pass (its later layers will not come): the pass starts
+    // over, and the planner no longer finds it, so its tokens are computed.
+    const std::vector<PromptSegment> segs = prefill_->segs;
+    const bool add_bos = prefill_->add_bos;
+    const ReuseOptions o = prefill_->o;
+    const int restarts = prefill_->res.stats.stream_restarts + 1;
+    prefill_.reset();
+    RETURN_IF_ERROR(BeginPrefill(segs, add_bos, &o));
+    prefill_->res.stats.stream_restarts = restarts;
+    return std::optional<ReusePrefillResult>();
+  }
   if (!done.ok()) {
     prefill_.reset();
     return done.status();
@@ -554,6 +687,7 @@ absl::StatusOr<std::optional<ReusePrefillResult>> ReuseEngine::PrefillStep(
     return std::optional<ReusePrefillResult>();
   }
   absl::StatusOr<ReusePrefillResult> r = FinishPrefill();
+  if (r.ok()) KeepStreamed(*prefill_);
   prefill_.reset();
   if (!r.ok()) return r.status();
   return std::optional<ReusePrefillResult>(std::move(*r));
@@ -590,6 +724,12 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
       ++j.next_layer;
       if (j.next_layer == F) RETURN_IF_ERROR(j.Phase(&st.full_ms));
       continue;
+    }
+    // ---- streamed segments: this layer must have arrived (before any of the layer's work, so
+    // that a slice can end here and the next resume at the same layer) ----
+    if (!j.streamed_ids.empty()) {
+      ASSIGN_OR_RETURN(const bool here, StreamedLayer(j, l, /*wait=*/spent == 0));
+      if (!here) return false;
     }
     if (l == F) RETURN_IF_ERROR(Select(j));
     // ---- sparse layers [F, L): selected reused rows + every new row + the last row ----

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -26,6 +27,7 @@
 #include "gpu_worker/reuse/device_tier.h"
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/selector.h"
+#include "gpu_worker/reuse/streamed_segment.h"
 
 namespace sparsex {
 
@@ -78,6 +80,8 @@ struct ReuseStats {
   int segments_hit = 0, segments_missed = 0, segments_corrupt = 0;
   int segments_device_hit = 0;  // served from the device tier
   int segments_host_hit = 0;    // served from the pinned host tier (copied beside compute)
+  int segments_streamed = 0;    // read from a cluster fetch still in progress, layer by layer
+  int stream_restarts = 0;      // times the prefill started over because one did not arrive
   int64_t computed_token_layers = 0;
   double compute_share = 1.0;  // computed token-layers / (L x non-prefix tokens)
   // Share of the selector's score mass over the reused tokens left unrecomputed (1: none
@@ -176,6 +180,13 @@ class ReuseEngine {
   // while its later ones still transfer. Returns how many it took from the inbox.
   int AdoptFetched(int max_segments = 1 << 30);
   bool HasFetched() const;  // whether the inbox holds any (any thread)
+  // A segment a streaming cluster fetch is filling (any thread): a reuse prefill that finds it
+  // plans it as a hit and waits, at each sparse layer l, only for its layer l (uploaded into
+  // the tier's memory then), so the prefill runs beside the fetch; afterwards the tier keeps
+  // it. Complete and unused, it goes into the tier like an offered one (AdoptFetched). One
+  // that fails is dropped, and a prefill reading it starts over without it (its tokens are
+  // recomputed). Holds() counts it until it fails.
+  void OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg);
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
 
  private:
@@ -220,6 +231,20 @@ class ReuseEngine {
   DeviceSegmentTier tier_, host_tier_;
   mutable std::mutex fetched_mu_;
   std::vector<std::pair<Hash128, SegmentKvBf16>> fetched_;  // the inbox
+  struct Streamed {
+    std::shared_ptr<StreamedSegment> seg;
+    bool claimed = false;  // read by the running prefill
+  };
+  std::vector<std::pair<Hash128, Streamed>> streamed_;  // under fetched_mu_
+  // The streamed segment fp (n tokens of this model), marked claimed; nullptr if none usable.
+  std::shared_ptr<StreamedSegment> ClaimStreamed(const Hash128& fp, int n);
+  void UnclaimStreamed(const std::vector<Hash128>& fps);
+  // Layer l of the job's streamed segments: uploaded when all have it (waiting up to 20 ms
+  // when `wait`); false when not yet, ABORTED when one failed.
+  absl::StatusOr<bool> StreamedLayer(PrefillJob& j, int l, bool wait);
+  // After the last layer: the streamed segments' other layers uploaded and the tier keeps
+  // them (a segment not complete yet is left to AdoptFetched).
+  void KeepStreamed(PrefillJob& j);
 };
 
 }  // namespace sparsex

@@ -123,6 +123,11 @@ void BatchScheduler::FetchLoop() {
     }
     // A request cancelled while it waited skips the fetch. One admitted meanwhile (its wait
     // ended) still gets its segments fetched into the store, for the requests after it.
+    FetchJob* j = job.get();
+    job->item.fetch_started = [this, j] {
+      j->started.store(true);
+      cv_.notify_all();
+    };
     if (!job->h->cancelled()) job->item.remote_fetch(job->item);
     job->done.store(true);
     cv_.notify_all();
@@ -133,13 +138,14 @@ void BatchScheduler::ReleaseFetchedLocked(bool all) {
   const Clock::time_point now = Clock::now();
   for (auto it = fetch_wait_.begin(); it != fetch_wait_.end();) {
     const bool done = it->job->done.load();
-    if (!all && !done && now < it->deadline && !it->a->h->cancelled()) {
+    const bool started = !done && it->job->started.load();  // streaming: counts already set
+    if (!all && !done && !started && now < it->deadline && !it->a->h->cancelled()) {
       ++it;
       continue;
     }
-    if (done) {
+    if (done || started) {
       it->a->w.segments_fetched = it->job->item.segments_fetched;
-      it->a->w.fetch_failures = it->job->item.fetch_failures;
+      it->a->w.fetch_failures = started ? 0 : it->job->item.fetch_failures;
     } else if (!all && !it->a->h->cancelled()) {
       ++fetch_timeouts_;  // admitted without its fetch: the missing segments are computed
     }
@@ -285,6 +291,11 @@ bool BatchScheduler::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
   return taken;
 }
 
+bool BatchScheduler::OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg) {
+  std::lock_guard<std::mutex> l(mu_);
+  return group_ != nullptr && group_->OfferStreamed(fp, std::move(seg));
+}
+
 bool BatchScheduler::TakesFetched() const {
   std::lock_guard<std::mutex> l(mu_);
   return group_ != nullptr && group_->TakesFetched();
@@ -324,7 +335,9 @@ void BatchScheduler::Loop(std::promise<absl::Status>* ready) {
       const size_t waiting = fetch_wait_.size();
       auto ready = [this, waiting] {
         bool fetched = false;
-        for (const auto& w : fetch_wait_) fetched = fetched || w.job->done.load();
+        for (const auto& w : fetch_wait_) {
+          fetched = fetched || w.job->done.load() || w.job->started.load();
+        }
         return stop_ || !queue_.empty() || !active_.empty() || !pending_stores_.empty() ||
                fetched || fetch_wait_.size() > waiting || group_->HasFetched() ||
                // Idle-time work waits while a request waits for its fetch (see Iteration).

@@ -159,6 +159,10 @@ struct WorkItem {
   std::function<void(WorkItem&)> remote_fetch;
   // Set by remote_fetch, reported in the usage.
   int segments_fetched = 0, fetch_failures = 0;
+  // Given to remote_fetch by the scheduler: a streaming fetch calls it once its segments are
+  // offered (BatchScheduler::OfferStreamed), with segments_fetched set and not written again;
+  // the request then joins the admission queue while the transfer goes on.
+  std::function<void()> fetch_started;
 };
 
 // The consumer side of one request's token stream.
@@ -260,6 +264,9 @@ class BatchScheduler {
   // A fetched bf16 segment for the engine's tiers (EngineGroup::OfferFetched); false when not
   // taken (no tier, tensor parallelism, engine stopped). Any thread.
   bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
+  // A segment a streaming cluster fetch fills (EngineGroup::OfferStreamed); false when not
+  // taken (tensor parallelism, no tier, stopped).
+  bool OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg);
   bool TakesFetched() const;
   // Fails every queued and running request with UNAVAILABLE and joins the engine thread.
   void Stop();
@@ -374,6 +381,7 @@ class BatchScheduler {
     WorkItem item;
     std::shared_ptr<RequestHandle> h;
     std::atomic<bool> done{false};
+    std::atomic<bool> started{false};  // item.fetch_started ran: admissible
   };
   struct FetchWait {
     std::unique_ptr<Active> a;

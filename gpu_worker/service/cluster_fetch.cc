@@ -23,19 +23,42 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   // its tier between iterations while the next one transfers.
   const bool bf16 = tp == 1 && st.opts.cluster.fetch_to_tier &&
                     st.tier->wire_dtype() == KvDtype::kBF16 && st.scheduler->TakesFetched();
+  auto remember = [&st](const Hash128& fp) {  // not written back once spilled
+    std::lock_guard<std::mutex> l(st.wb_mu);
+    st.fetched_to_tier.push_back(fp);
+    if (st.fetched_to_tier.size() > WorkerServer::State::kFetchedRemembered) {
+      st.fetched_to_tier.pop_front();
+    }
+  };
   ClusterKvTier::ToTier to_tier;
-  if (bf16) {
-    to_tier = [&st](const SegmentRef& ref, SegmentKvBf16&& kv) {
+  if (bf16 && !st.opts.cluster.stream_fetch) {
+    to_tier = [&st, &remember](const SegmentRef& ref, SegmentKvBf16&& kv) {
       if (!st.scheduler->OfferFetched(ref.fp, std::move(kv))) return false;  // engine stopped
-      std::lock_guard<std::mutex> l(st.wb_mu);
-      st.fetched_to_tier.push_back(ref.fp);
-      if (st.fetched_to_tier.size() > WorkerServer::State::kFetchedRemembered) {
-        st.fetched_to_tier.pop_front();
-      }
+      remember(ref.fp);
       return true;
     };
   }
-  FetchOutcome f = st.tier->FetchMissing(refs, st.store.get(), 0, tp, to_tier);
+  // Streaming (--cache_fetch_stream): blocks in layer order into segments the engine reads as
+  // they fill; the request is admitted once they are offered, and its prefill waits only for
+  // each sparse layer's own blocks. Its usage counts what was offered.
+  ClusterKvTier::StreamTo stream;
+  bool started = false;
+  if (bf16 && st.opts.cluster.stream_fetch) {
+    stream.open = [&](const SegmentRef& ref) -> std::shared_ptr<StreamedSegment> {
+      auto seg = std::make_shared<StreamedSegment>(ref.num_tokens, st.tier->n_layers(),
+                                                   st.tier->kv_dim());
+      if (!st.scheduler->OfferStreamed(ref.fp, seg)) return nullptr;
+      remember(ref.fp);
+      ++item.segments_fetched;
+      return seg;
+    };
+    stream.started = [&] {
+      started = true;
+      if (item.fetch_started) item.fetch_started();
+    };
+  }
+  FetchOutcome f = st.tier->FetchMissing(refs, st.store.get(), 0, tp, to_tier,
+                                         stream.open ? &stream : nullptr);
   for (size_t r = 0; r < st.rank_stores.size(); ++r) {
     FetchOutcome fr =
         st.tier->FetchMissing(refs, st.rank_stores[r].get(), static_cast<int>(r) + 1, tp);
@@ -83,8 +106,10 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
                                                   : std::string()));
     }
   }
-  item.segments_fetched = f.fetched;
-  item.fetch_failures = f.failures;
+  if (!started) {  // else set before fetch_started, and read by the scheduler since
+    item.segments_fetched = f.fetched;
+    item.fetch_failures = f.failures;
+  }
 }
 
 }  // namespace internal

@@ -223,8 +223,9 @@ Hash128 ShareKey(const Hash128& fp, int rank, int size) {
 
 FetchOutcome ClusterKvTier::FetchMissing(
     std::span<const SegmentRef> segments, SegmentStore* store, int tp_rank, int tp_size,
-    const ToTier& to_tier) {
-  const bool bf16 = static_cast<bool>(to_tier);
+    const ToTier& to_tier, const StreamTo* stream) {
+  const bool streaming = stream != nullptr;
+  const bool bf16 = static_cast<bool>(to_tier) || streaming;
   FetchOutcome out;
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || kv_dim_ % tp_size != 0 ||
       (bf16 && tp_size != 1)) {
@@ -271,17 +272,13 @@ FetchOutcome ClusterKvTier::FetchMissing(
     return out;
   }
   std::vector<SegmentRef> present;
-  std::vector<cache::BlockKey> keys;  // every layer of the present segments, in fetch order
-  std::vector<uint64_t> layer_bytes;  // and their sizes
+  std::vector<size_t> present_at;  // index into want
   for (size_t i = 0; i < want.size(); ++i) {
     int have = 0;
     for (int layer = 0; layer < n_layers_; ++layer) have += (*look)[i * n_layers_ + layer].present;
     if (have == n_layers_) {
       present.push_back(want[i]);
-      for (int layer = 0; layer < n_layers_; ++layer) {
-        keys.push_back(probe[i * n_layers_ + layer]);
-        layer_bytes.push_back((*look)[i * n_layers_ + layer].size);
-      }
+      present_at.push_back(i);
     } else if (have == 0) {
       ++out.absent;
     } else {
@@ -290,13 +287,40 @@ FetchOutcome ClusterKvTier::FetchMissing(
     }
   }
   if (present.empty()) return out;
+  // Every layer of the present segments, in fetch order (segment by segment; layer by layer
+  // when streaming), with their sizes and where each goes.
+  std::vector<cache::BlockKey> keys;
+  std::vector<uint64_t> layer_bytes;
+  std::vector<size_t> key_seg;  // index into present
+  std::vector<int> key_layer;
+  auto add_key = [&](size_t s, int layer) {
+    const size_t at = present_at[s] * n_layers_ + layer;
+    keys.push_back(probe[at]);
+    layer_bytes.push_back((*look)[at].size);
+    key_seg.push_back(s);
+    key_layer.push_back(layer);
+  };
+  if (streaming) {
+    for (int layer = 0; layer < n_layers_; ++layer) {
+      for (size_t s = 0; s < present.size(); ++s) add_key(s, layer);
+    }
+  } else {
+    for (size_t s = 0; s < present.size(); ++s) {
+      for (int layer = 0; layer < n_layers_; ++layer) add_key(s, layer);
+    }
+  }
   t = Clock::now();
   std::lock_guard<std::mutex> l(mu_);
   out.phases.lock_ms = ms_since(t);
+  std::vector<std::shared_ptr<StreamedSegment>> sinks(streaming ? present.size() : 0);
+  if (streaming) {
+    for (size_t s = 0; s < present.size(); ++s) sinks[s] = stream->open(present[s]);
+    if (stream->started) stream->started();
+  }
   // Each segment's KV is assembled layer by layer as its rounds arrive; `reason` marks one
   // that cannot be used.
   std::vector<SegmentKv> kvs(present.size());
-  std::vector<SegmentKvBf16> kvs16(bf16 ? present.size() : 0);
+  std::vector<SegmentKvBf16> kvs16(bf16 && !streaming ? present.size() : 0);
   // bf16: halves (K or V of a layer) decoded per segment; the one that completes a segment
   // hands it over, and `taken` records the answer (read after the decodes are joined).
   std::vector<std::atomic<int>> halves(bf16 ? present.size() : 0);
@@ -307,6 +331,7 @@ FetchOutcome ClusterKvTier::FetchMissing(
     kvs[s].n_layers = n_layers_;
     kvs[s].kv_dim = kv_dim;
     if (bf16) {
+      if (streaming) continue;
       kvs16[s].n_tokens = present[s].num_tokens;
       kvs16[s].n_layers = n_layers_;
       kvs16[s].kv_dim = kv_dim;
@@ -380,8 +405,8 @@ FetchOutcome ClusterKvTier::FetchMissing(
     // Different keys write different layers' vectors, so rounds never share a destination.
     std::vector<std::pair<KvBlockView, size_t>> views;
     for (size_t i : ok_keys) {
-      const size_t s = i / n_layers_;
-      const int layer = static_cast<int>(i % n_layers_);
+      const size_t s = key_seg[i];
+      const int layer = key_layer[i];
       auto v = CheckSegmentLayer(
           std::span<const uint8_t>(buf + offset[i - begin], size[i - begin]), model_fp_,
           key(present[s].fp), layer, kvs[s], !payload_verified_);
@@ -392,10 +417,17 @@ FetchOutcome ClusterKvTier::FetchMissing(
       ParallelFor(static_cast<int64_t>(views.size()) * 2, [&](int64_t lo, int64_t hi) {
         for (int64_t j = lo; j < hi; ++j) {
           const auto& [v, i] = views[j / 2];
-          const size_t s = i / n_layers_;
-          const int layer = static_cast<int>(i % n_layers_), half = static_cast<int>(j % 2);
+          const size_t s = key_seg[i];
+          const int layer = key_layer[i], half = static_cast<int>(j % 2);
           if (!to16) {
             CopyHalf(v, layer, half, &kvs[s]);
+            continue;
+          }
+          if (streaming) {  // a segment nobody took: its blocks were checked, not copied
+            if (sinks[s] != nullptr) {
+              CopyHalfBf16(v, layer, half, &sinks[s]->kv());
+              sinks[s]->HalfDone(layer);
+            }
             continue;
           }
           CopyHalfBf16(v, layer, half, &kvs16[s]);
@@ -412,12 +444,15 @@ FetchOutcome ClusterKvTier::FetchMissing(
   wait_decode(0);
   wait_decode(1);
   for (size_t i = 0; i < keys.size(); ++i) {
-    std::string& r = reason[i / n_layers_];
+    std::string& r = reason[key_seg[i]];
     // "corrupt" (evict every layer) outranks the others; otherwise the first reason stands.
     if (!key_reason[i].empty() && (r.empty() || key_reason[i] == "corrupt")) r = key_reason[i];
   }
   t = Clock::now();
   for (size_t s = 0; s < present.size(); ++s) {
+    if (streaming && sinks[s] != nullptr && (!reason[s].empty() || !sinks[s]->Complete())) {
+      sinks[s]->Fail();
+    }
     if (reason[s] == "corrupt_reported") {
       fail("corrupt");
       continue;
@@ -425,11 +460,18 @@ FetchOutcome ClusterKvTier::FetchMissing(
     if (!reason[s].empty()) {
       fail(reason[s]);
       if (reason[s] == "corrupt") {
-        for (int layer = 0; layer < n_layers_; ++layer) bad.push_back(keys[s * n_layers_ + layer]);
+        for (size_t i = 0; i < keys.size(); ++i) {
+          if (key_seg[i] == s) bad.push_back(keys[i]);
+        }
       }
       continue;
     }
-    if (bf16) {
+    if (streaming) {
+      if (sinks[s] != nullptr && sinks[s]->Complete()) {
+        ++out.fetched;
+        out.stored.push_back(present[s]);
+      }
+    } else if (bf16) {
       if (taken[s]) {
         ++out.fetched;
         out.stored.push_back(present[s]);

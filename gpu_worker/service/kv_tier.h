@@ -31,6 +31,7 @@
 #include "common/kv_block.h"
 #include "common/status.h"
 #include "gpu_worker/reuse/segment_store.h"
+#include "gpu_worker/reuse/streamed_segment.h"
 
 namespace sparsex::cache {
 class ClusterClient;
@@ -67,6 +68,11 @@ struct ClusterTierOptions {
   // fetch-and-prefill 3.5x its GPU-tier prefill this way, 5.2x through the store;
   // docs/benchmarks.md). --cache_fetch_to_tier. Default: true
   bool fetch_to_tier = true;
+  // With fetch_to_tier: blocks move in layer order into segments a reuse prefill reads as
+  // they arrive (ClusterKvTier::StreamTo, ReuseEngine::OfferStreamed), and the request is
+  // admitted once its fetch has started, so its prefill runs beside the transfer. Off until
+  // measured on a GPU (tested on the CPU backend). --cache_fetch_stream. Default: false
+  bool stream_fetch = false;
 };
 
 struct SegmentRef {
@@ -147,13 +153,27 @@ class ClusterKvTier {
   // one while the next arrives); to_tier's false (not taken) leaves it out of `fetched` and
   // `stored`.
   using ToTier = std::function<bool(const SegmentRef&, SegmentKvBf16&&)>;
+  //
+  // With `stream` instead (no tensor parallelism) the blocks move in layer order (every
+  // segment's layer l before any segment's layer l + 1) and land in StreamedSegments that
+  // stream->open made for each segment before any byte moved; stream->started runs once they
+  // are all open, with the transfer lock held, so the caller's prefill can run beside the
+  // transfer, each layer as it arrives. A segment that cannot complete is Fail()ed; only
+  // complete ones count as fetched.
+  struct StreamTo {
+    std::function<std::shared_ptr<StreamedSegment>(const SegmentRef&)> open;
+    std::function<void()> started;
+  };
   FetchOutcome FetchMissing(std::span<const SegmentRef> segments, SegmentStore* store,
-                            int tp_rank = 0, int tp_size = 1, const ToTier& to_tier = nullptr);
+                            int tp_rank = 0, int tp_size = 1, const ToTier& to_tier = nullptr,
+                            const StreamTo* stream = nullptr);
   // Writes a segment's KV (or a rank's share of it) to its owners (ALREADY_EXISTS counts as
   // success). Thread-safe.
   absl::Status Put(const Hash128& fp, const SegmentKv& kv, int tp_rank = 0, int tp_size = 1);
   const std::vector<std::string>& servers() const { return opts_.servers; }
   KvDtype wire_dtype() const { return wire_; }
+  int n_layers() const { return n_layers_; }
+  int kv_dim() const { return kv_dim_; }  // of the whole model (every rank's share)
 
  private:
   ClusterKvTier() = default;

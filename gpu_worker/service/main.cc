@@ -144,6 +144,10 @@ int main(int argc, char** argv) {
         "fetched segments go to the device (or pinned host) tier in bf16, not the fp32 host "
         "store (not with --tp)");
   f.Add("cache_rpc_timeout_ms", &cache_rpc_timeout_ms, "cache control RPC deadline");
+  f.Add("cache_fetch_stream", &o.cluster.stream_fetch,
+        "with --cache_fetch_to_tier: fetch in layer order and start the prefill while the "
+        "transfer goes on, each sparse layer waiting for its own blocks (default false: not yet "
+        "measured on a GPU)");
   f.Add("cache_fetch_batch_mb", &cache_fetch_batch_mb,
         "MiB leased and transferred per cache fetch round (1-16384; capped at a quarter of the "
         "smallest cache server's memory); two staging buffers of this size are kept");

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "tests/gpu_worker/test_util.h"
 #include "tests/gpu_worker/segment_faults.h"
@@ -31,6 +32,36 @@ class ReuseTest : public ::testing::Test {
     reuse_ = std::make_unique<ReuseEngine>(engine_.get(), store_.get(), ReuseOptions{});
   }
   std::vector<int32_t> Enc(const std::string& s) { return model_->tokenizer().Encode(s, false); }
+
+  // What a bf16 cluster fetch of segment `seg` (stored now) delivers, and the same KV rounded
+  // to bf16 in fp32 (what a store holding the fetched values would give).
+  std::tuple<Hash128, SegmentKvBf16, SegmentKv> Fetchable(const PromptSegment& seg) {
+    EXPECT_TRUE(reuse_->EnsureStored(seg.tokens).ok());
+    const Hash128 fp = reuse_->Fingerprint(seg.tokens, ReuseOptions{}.encoding);
+    auto kv = store_->Get(fp);
+    EXPECT_NE(kv, nullptr);
+    SegmentKvBf16 b;
+    SegmentKv r;
+    if (kv == nullptr) return {fp, b, r};
+    b.n_tokens = r.n_tokens = kv->n_tokens;
+    b.n_layers = r.n_layers = kv->n_layers;
+    b.kv_dim = r.kv_dim = kv->kv_dim;
+    for (int l = 0; l < kv->n_layers; ++l) {
+      auto& bk = b.k.emplace_back();
+      auto& bv = b.v.emplace_back();
+      auto& rk = r.k.emplace_back();
+      auto& rv = r.v.emplace_back();
+      for (float x : kv->k[l]) {
+        bk.push_back(ToBf16(x));
+        rk.push_back(FromBf16(bk.back()));
+      }
+      for (float x : kv->v[l]) {
+        bv.push_back(ToBf16(x));
+        rv.push_back(FromBf16(bv.back()));
+      }
+    }
+    return {fp, std::move(b), std::move(r)};
+  }
 
   // Logits of a plain full prefill of the same segments.
   std::vector<float> Full(const std::vector<PromptSegment>& segs, bool add_bos = true) {
@@ -367,33 +398,8 @@ TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
   ReuseEngine fetched(engine_.get(), &empty, {}, size_t{64} << 20);
   std::vector<Hash128> fps;
   for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(reuse_->EnsureStored(segs[i].tokens).ok());
-    const Hash128 fp = reuse_->Fingerprint(segs[i].tokens, ReuseOptions{}.encoding);
+    auto [fp, b, r] = Fetchable(segs[i]);
     fps.push_back(fp);
-    auto kv = store_->Get(fp);
-    ASSERT_NE(kv, nullptr);
-    SegmentKvBf16 b;
-    b.n_tokens = kv->n_tokens;
-    b.n_layers = kv->n_layers;
-    b.kv_dim = kv->kv_dim;
-    SegmentKv r;
-    r.n_tokens = kv->n_tokens;
-    r.n_layers = kv->n_layers;
-    r.kv_dim = kv->kv_dim;
-    for (int l = 0; l < kv->n_layers; ++l) {
-      auto& bk = b.k.emplace_back();
-      auto& bv = b.v.emplace_back();
-      auto& rk = r.k.emplace_back();
-      auto& rv = r.v.emplace_back();
-      for (float x : kv->k[l]) {
-        bk.push_back(ToBf16(x));
-        rk.push_back(FromBf16(bk.back()));
-      }
-      for (float x : kv->v[l]) {
-        bv.push_back(ToBf16(x));
-        rv.push_back(FromBf16(bv.back()));
-      }
-    }
     ASSERT_TRUE(rounded.Put(fp, std::move(r)).ok());
     EXPECT_FALSE(fetched.Holds(fp));
     fetched.OfferFetched(fp, std::move(b));
@@ -419,6 +425,134 @@ TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
   // Without a tier nothing is taken.
   EXPECT_FALSE(reuse_->TakesFetched());
   EXPECT_TRUE(fetched.TakesFetched());
+}
+
+// Segments a streaming fetch is still filling (ReuseEngine::OfferStreamed): the prefill plans
+// them as hits, runs its full layers before any sparse layer's blocks are there, gives the
+// iteration back while a layer is missing, and reads each layer once it arrived; the answer is
+// the one from the same values in a store, and the tier keeps the segments afterwards.
+TEST_F(ReuseTest, StreamedSegmentsAreReadLayerByLayerAsTheyArrive) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  SegmentStore rounded(SegmentStoreOptions{}), empty(SegmentStoreOptions{});
+  ReuseEngine streamed(engine_.get(), &empty, {}, size_t{64} << 20);
+  const int L = model_->config().n_layers;
+  std::vector<SegmentKvBf16> data;
+  std::vector<std::shared_ptr<StreamedSegment>> in;
+  for (int i = 0; i < 2; ++i) {
+    auto [fp, b, r] = Fetchable(segs[i]);
+    ASSERT_TRUE(rounded.Put(fp, std::move(r)).ok());
+    in.push_back(std::make_shared<StreamedSegment>(b.n_tokens, b.n_layers, b.kv_dim));
+    data.push_back(std::move(b));
+    EXPECT_FALSE(streamed.Holds(fp));
+    streamed.OfferStreamed(fp, in.back());
+    EXPECT_TRUE(streamed.Holds(fp));
+  }
+  auto arrive = [&](int l) {  // layer l of every segment, K then V
+    for (int i = 0; i < 2; ++i) {
+      in[i]->kv().k[l] = data[i].k[l];
+      in[i]->HalfDone(l);
+      in[i]->kv().v[l] = data[i].v[l];
+      in[i]->HalfDone(l);
+    }
+  };
+  const int F = ReuseOptions{}.full_layers;
+  ASSERT_LT(F, L);
+  ASSERT_TRUE(streamed.BeginPrefill(segs, true, nullptr).ok());
+  std::optional<ReusePrefillResult> a;
+  for (int l = F; l <= L; ++l) {
+    // Layer l is missing: the step returns without the result (the full layers ran first).
+    auto step = streamed.PrefillStep(INT64_MAX);
+    ASSERT_TRUE(step.ok()) << step.status();
+    if (l == L) {
+      ASSERT_TRUE(step->has_value());
+      a = std::move(**step);
+      break;
+    }
+    EXPECT_FALSE(step->has_value()) << "layer " << l;
+    arrive(l);
+  }
+  ASSERT_TRUE(a.has_value());
+  engine_->Release(a->seq);
+  EXPECT_EQ(a->stats.segments_streamed, 2);
+  EXPECT_EQ(a->stats.segments_hit, 2);
+  EXPECT_EQ(a->stats.stream_restarts, 0);
+  // Layers [0, F) arrive last here: the tier keeps the segments only complete, by
+  // AdoptFetched once they are.
+  EXPECT_EQ(streamed.unspilled(), 0u);
+  for (int l = 0; l < F; ++l) arrive(l);
+  EXPECT_TRUE(streamed.HasFetched());
+  EXPECT_EQ(streamed.AdoptFetched(), 2);
+  EXPECT_EQ(streamed.unspilled(), 2u);
+  ReuseEngine from_store(engine_.get(), &rounded, {}, size_t{64} << 20);
+  auto b = from_store.Prefill(segs);
+  ASSERT_TRUE(b.ok()) << b.status();
+  engine_->Release(b->seq);
+  EXPECT_EQ(b->stats.segments_hit, 2);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b->logits), 0.0);
+  // From the tier now, the same answer.
+  auto c = streamed.Prefill(segs);
+  ASSERT_TRUE(c.ok()) << c.status();
+  engine_->Release(c->seq);
+  EXPECT_EQ(c->stats.segments_device_hit, 2);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, c->logits), 0.0);
+}
+
+// A streamed segment that fails mid-pass (its later layers will not come): the prefill starts
+// over without it and computes its tokens; the answer is the one with only the other segment
+// reusable.
+TEST_F(ReuseTest, AStreamedSegmentThatFailsIsRecomputed) {
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+  SegmentStore only_a(SegmentStoreOptions{}), empty(SegmentStoreOptions{});
+  ReuseEngine streamed(engine_.get(), &empty, {}, size_t{64} << 20);
+  const int L = model_->config().n_layers;
+  const int F = ReuseOptions{}.full_layers;
+  ASSERT_LT(F + 1, L);
+  auto [fa, ba, ra] = Fetchable(segs[0]);
+  auto [fb, bb, rb] = Fetchable(segs[1]);
+  ASSERT_TRUE(only_a.Put(fa, std::move(ra)).ok());
+  auto sa = std::make_shared<StreamedSegment>(ba.n_tokens, L, ba.kv_dim);
+  auto sb = std::make_shared<StreamedSegment>(bb.n_tokens, L, bb.kv_dim);
+  streamed.OfferStreamed(fa, sa);
+  streamed.OfferStreamed(fb, sb);
+  for (int l = 0; l < L; ++l) {  // A whole, B up to layer F only
+    sa->kv().k[l] = ba.k[l];
+    sa->kv().v[l] = ba.v[l];
+    sa->HalfDone(l);
+    sa->HalfDone(l);
+    if (l > F) continue;
+    sb->kv().k[l] = bb.k[l];
+    sb->kv().v[l] = bb.v[l];
+    sb->HalfDone(l);
+    sb->HalfDone(l);
+  }
+  ASSERT_TRUE(streamed.BeginPrefill(segs, true, nullptr).ok());
+  auto step = streamed.PrefillStep(INT64_MAX);  // the full layers; B's layers come later
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->has_value());
+  sb->Fail();
+  EXPECT_FALSE(streamed.Holds(fb));
+  std::optional<ReusePrefillResult> a;
+  for (int guard = 0; guard < 10 && !a; ++guard) {
+    auto s = streamed.PrefillStep(INT64_MAX);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (s->has_value()) a = std::move(**s);
+  }
+  ASSERT_TRUE(a.has_value());
+  engine_->Release(a->seq);
+  EXPECT_EQ(a->stats.stream_restarts, 1);
+  // A, complete by the restart, went into the tier as the new pass began (AdoptFetched) and
+  // B, failed, was dropped there.
+  EXPECT_EQ(a->stats.segments_hit, 1);
+  EXPECT_EQ(a->stats.segments_device_hit, 1);
+  EXPECT_EQ(a->stats.segments_streamed, 0);
+  EXPECT_TRUE(streamed.Holds(fa));
+  EXPECT_FALSE(streamed.HasFetched());
+  ReuseEngine ref(engine_.get(), &only_a, {}, size_t{64} << 20);
+  auto b = ref.Prefill(segs);
+  ASSERT_TRUE(b.ok()) << b.status();
+  engine_->Release(b->seq);
+  EXPECT_EQ(b->stats.segments_hit, 1);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b->logits), 0.0);
 }
 
 // The scheduler runs a reuse prefill in slices between other sequences' decode steps: any

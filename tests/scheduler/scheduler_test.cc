@@ -485,6 +485,32 @@ TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
   EXPECT_EQ(s->Submit(Item({{Enc(kDocA)}}, 4)).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A streaming fetch (WorkItem::fetch_started) admits its request as soon as it says so: the
+// request runs to the end while the fetch is still going on, and reports what the fetch had
+// counted by then.
+TEST_F(SchedulerTest, AStartedStreamingFetchAdmitsItsRequest) {
+  SchedulerOptions o;
+  o.fetch_threads = 1;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  std::atomic<bool> release{false};
+  WorkItem w = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
+  w.remote_fetch = [&release](WorkItem& item) {
+    item.segments_fetched = 1;
+    ASSERT_TRUE(item.fetch_started);
+    item.fetch_started();
+    while (!release.load()) std::this_thread::sleep_for(1ms);
+  };
+  auto h = s->Submit(std::move(w));
+  ASSERT_TRUE(h.ok()) << h.status();
+  Collected c = Drain(**h);  // completes while the fetch thread still waits
+  ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+  EXPECT_EQ(c.final.usage.segments_fetched, 1);
+  EXPECT_EQ(c.ids, Reference({{Enc(kDocA)}, {Enc(kQ), false}}, 4));
+  release = true;
+  s->Stop();
+}
+
 // With register_approximate_prefix a reuse request's blocks past its exact KV, its generated
 // tokens included, are registered in the approximate namespace when it ends: the next chat turn
 // (its prompt, the reply, a new message) starts from them; a plain request does not.

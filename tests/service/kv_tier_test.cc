@@ -327,6 +327,59 @@ TEST_F(KvTierServerTest, FetchToTheTierHandsEachSegmentOverOnceWhole) {
   EXPECT_EQ(store.stats().entries, 0);
 }
 
+// Streaming (StreamTo): every segment is opened before any byte moves, `started` runs once
+// after that, and each segment fills to exactly what the one-piece bf16 fetch hands over; a
+// segment nobody opens is not fetched.
+TEST_F(KvTierServerTest, StreamingFetchFillsEachSegmentLayerByLayer) {
+  ClusterTierOptions t;
+  t.servers = {server_->grpc_address()};
+  t.wire_dtype = "bf16";
+  t.fetch_batch_bytes = 1;  // one block per round
+  auto bf = ClusterKvTier::Connect(t, model_, kLayers, kDim);
+  ASSERT_TRUE(bf.ok()) << bf.status();
+  std::vector<SegmentRef> refs;
+  for (int s = 0; s < 3; ++s) {
+    const Hash128 fp{180, static_cast<uint64_t>(s)};
+    ASSERT_TRUE((*bf)->Put(fp, MakeKv(15 + s, 0.25f * (s + 1))).ok());
+    refs.push_back({fp, 15 + s});
+  }
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<std::pair<SegmentRef, SegmentKvBf16>> whole;
+  ASSERT_EQ((*bf)->FetchMissing(refs, &store, 0, 1, Collect(whole)).fetched, 3);
+  std::vector<std::shared_ptr<StreamedSegment>> opened;
+  int started = 0;
+  ClusterKvTier::StreamTo stream;
+  stream.open = [&](const SegmentRef& r) -> std::shared_ptr<StreamedSegment> {
+    EXPECT_EQ(started, 0);
+    if (r.fp == refs[2].fp) return nullptr;  // not taken
+    opened.push_back(std::make_shared<StreamedSegment>(r.num_tokens, kLayers, kDim));
+    return opened.back();
+  };
+  stream.started = [&] {
+    EXPECT_EQ(opened.size(), 2u);
+    ++started;
+  };
+  FetchOutcome f = (*bf)->FetchMissing(refs, &store, 0, 1, nullptr, &stream);
+  EXPECT_EQ(started, 1);
+  EXPECT_EQ(f.fetched, 2);
+  EXPECT_EQ(f.failures, 0);
+  ASSERT_EQ(opened.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    ASSERT_TRUE(opened[i]->Complete());
+    EXPECT_FALSE(opened[i]->Failed());
+    const SegmentKvBf16* ref = nullptr;
+    for (const auto& [r, kv] : whole) {
+      if (r.fp == refs[i].fp) ref = &kv;
+    }
+    ASSERT_NE(ref, nullptr);
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(opened[i]->kv().k[l], ref->k[l]);
+      EXPECT_EQ(opened[i]->kv().v[l], ref->v[l]);
+    }
+  }
+  EXPECT_EQ(store.stats().entries, 0);
+}
+
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   // Another writer put a well-formed block under the segment's key whose shape does not match
   // the segment (e.g. a buggy or older worker): the fetch must not use it.

@@ -287,8 +287,9 @@ TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
 
 // Without tensor parallelism, a worker with a device tier and a bf16 wire (the CUDA worker's;
 // here the CPU backend) takes fetched segments into its tier (ClusterTierOptions::
-// fetch_to_tier, the default), serves them, spills them to its host store when idle, and
-// writes none of them back: the cluster has them (write-back result "fetched").
+// fetch_to_tier, the default; whole, or streamed into its prefill with stream_fetch), serves
+// them, spills them to its host store when idle, and writes none of them back: the cluster has
+// them (write-back result "fetched").
 TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
   auto server = testutil::StartMemoryCacheServer();
   ASSERT_TRUE(server.ok()) << server.status();
@@ -310,33 +311,44 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
   }
   ASSERT_TRUE(ClusterHolds(o, *model_, refs, 1)) << "A did not write the documents back";
 
-  auto b = WorkerServer::Start(o);
-  ASSERT_TRUE(b.ok()) << b.status();
-  Reply from_b = GenerateOn((*b)->port(), {d2, d1, q});
-  EXPECT_EQ(from_b.usage.segments_fetched(), 2);
-  EXPECT_EQ(from_b.usage.fetch_failures(), 0);
-  EXPECT_EQ(from_b.usage.segments_hit(), 2);
-  EXPECT_GT(from_b.usage.reused_tokens(), 0);
-  EXPECT_EQ(from_b.ids.size(), 12u);
-  // B spills both to its host store when idle; neither is written back.
-  auto metric = [&](const std::string& sample) {
-    auto body = cache::testing::HttpGet((*b)->metrics_port(), "/metrics");
-    if (!body.ok()) return -1.0;
-    const size_t at = body->find(sample + " ");
-    return at == std::string::npos ? -1.0 : std::stod(body->substr(at + sample.size() + 1));
-  };
-  double fetched = 0;
-  for (int i = 0; i < 400 && fetched < 2; ++i) {
-    fetched = metric("sparsex_worker_writeback_total{result=\"fetched\"}");
-    if (fetched < 2) std::this_thread::sleep_for(10ms);
+  // Fetched whole, then the prefill; and streamed (--cache_fetch_stream): the prefill reads
+  // each layer as it arrives. The same answer either way.
+  std::vector<std::vector<int32_t>> answers;
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streaming fetch" : "fetch, then prefill");
+    WorkerOptions ob = o;
+    ob.cluster.stream_fetch = stream;
+    auto b = WorkerServer::Start(ob);
+    ASSERT_TRUE(b.ok()) << b.status();
+    Reply from_b = GenerateOn((*b)->port(), {d2, d1, q});
+    EXPECT_EQ(from_b.usage.segments_fetched(), 2);
+    EXPECT_EQ(from_b.usage.fetch_failures(), 0);
+    EXPECT_EQ(from_b.usage.segments_hit(), 2) << from_b.usage.ShortDebugString();
+    EXPECT_GT(from_b.usage.reused_tokens(), 0);
+    EXPECT_EQ(from_b.ids.size(), 12u);
+    answers.push_back(from_b.ids);
+    // B spills both to its host store when idle; neither is written back.
+    auto metric = [&](const std::string& sample) {
+      auto body = cache::testing::HttpGet((*b)->metrics_port(), "/metrics");
+      if (!body.ok()) return -1.0;
+      const size_t at = body->find(sample + " ");
+      return at == std::string::npos ? -1.0 : std::stod(body->substr(at + sample.size() + 1));
+    };
+    double fetched = 0;
+    for (int i = 0; i < 400 && fetched < 2; ++i) {
+      fetched = metric("sparsex_worker_writeback_total{result=\"fetched\"}");
+      if (fetched < 2) std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ(fetched, 2);
+    EXPECT_EQ(metric("sparsex_worker_writeback_total{result=\"ok\"}"), 0);
+    // A third order on B: both from its own tiers now, nothing fetched.
+    Reply again = GenerateOn((*b)->port(), {d1, d2, q});
+    EXPECT_EQ(again.usage.segments_fetched(), 0);
+    EXPECT_EQ(again.usage.segments_hit(), 2);
+    (*b)->Shutdown();
   }
-  EXPECT_EQ(fetched, 2);
-  EXPECT_EQ(metric("sparsex_worker_writeback_total{result=\"ok\"}"), 0);
-  // A third order on B: both from its own tiers now, nothing fetched.
-  Reply again = GenerateOn((*b)->port(), {d1, d2, q});
-  EXPECT_EQ(again.usage.segments_fetched(), 0);
-  EXPECT_EQ(again.usage.segments_hit(), 2);
-  (*b)->Shutdown();
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_EQ(answers[0], answers[1]);
   (*a)->Shutdown();
 }
 
