@@ -620,7 +620,8 @@ absl::StatusOr<bool> ReuseEngine::StreamedLayer(PrefillJob& j, int l, bool wait)
   for (size_t s : j.streamed_ids) {
     StreamedSegment& in = *j.streamed[s];
     if (in.Ready(l)) continue;
-    if (!in.Failed() && wait) in.Wait(l, std::chrono::milliseconds(20));
+    // A short wait: other sequences' decode steps share the iteration it holds.
+    if (!in.Failed() && wait) in.Wait(l, std::chrono::milliseconds(5));
     if (in.Failed()) return absl::AbortedError(kStreamFailed);
     if (!in.Ready(l)) return false;  // the iteration goes back to the scheduler meanwhile
   }

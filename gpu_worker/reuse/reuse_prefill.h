@@ -239,7 +239,7 @@ class ReuseEngine {
   // The streamed segment fp (n tokens of this model), marked claimed; nullptr if none usable.
   std::shared_ptr<StreamedSegment> ClaimStreamed(const Hash128& fp, int n);
   void UnclaimStreamed(const std::vector<Hash128>& fps);
-  // Layer l of the job's streamed segments: uploaded when all have it (waiting up to 20 ms
+  // Layer l of the job's streamed segments: uploaded when all have it (waiting up to 5 ms
   // when `wait`); false when not yet, ABORTED when one failed.
   absl::StatusOr<bool> StreamedLayer(PrefillJob& j, int l, bool wait);
   // After the last layer: the streamed segments' other layers uploaded and the tier keeps
