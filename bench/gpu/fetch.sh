@@ -50,6 +50,15 @@ send() {  # step seed reuse [pool-seed]
 metric() {  # metrics-address name-regex: the sum of the matching samples
   curl -s "http://$1/metrics" | grep -E "^$2" | awk '{s += $NF} END {print s + 0}'
 }
+wait_written_back() {  # metrics-address: until 8 segments are written back and none is left
+  # unspilled (at most 120 s); sets ok and left
+  for _ in $(seq 1 120); do
+    ok=$(metric "$1" 'sparsex_worker_writeback_total\{result="ok"')
+    left=$(metric "$1" 'sparsex_worker_unspilled_segments')
+    [ "${ok%.*}" -ge 8 ] && [ "${left%.*}" -eq 0 ] && break
+    sleep 1
+  done
+}
 # One warm request only: a second one may be routed to B (load), which would then compute and
 # store the documents itself.
 send warm1 1 on
@@ -59,12 +68,7 @@ case "$A" in worker-0) AI=0; BI=1 ;; *) AI=1; BI=0 ;; esac
 AM=$(eval echo "\$WORKER${AI}_METRICS"); BM=$(eval echo "\$WORKER${BI}_METRICS")
 AP=$(eval echo "\$WORKER${AI}_PID")
 # The spill to the host store runs when A is idle; the write-back follows it.
-for _ in $(seq 1 120); do
-  ok=$(metric "$AM" 'sparsex_worker_writeback_total\{result="ok"')
-  left=$(metric "$AM" 'sparsex_worker_unspilled_segments')
-  [ "${ok%.*}" -ge 8 ] && [ "${left%.*}" -eq 0 ] && break
-  sleep 1
-done
+wait_written_back "$AM"
 stamp "A wrote back $ok segments ($left unspilled); cache server: $(metric "$CACHE0_METRICS" 'sparsex_cache_used_bytes') bytes; B holds $(metric "$BM" 'sparsex_worker_host_segments') segments"
 kill -9 "$AP"
 stamp "A (pid $AP) killed"
@@ -77,12 +81,7 @@ done
 # (cuBLAS and allocator warm-up: a cold worker's first 32K prefill took ~0.7 s more).
 send warmB1 11 on 6
 send warmB2 12 on 6
-for _ in $(seq 1 120); do
-  ok=$(metric "$BM" 'sparsex_worker_writeback_total\{result="ok"')
-  left=$(metric "$BM" 'sparsex_worker_unspilled_segments')
-  [ "${ok%.*}" -ge 8 ] && [ "${left%.*}" -eq 0 ] && break
-  sleep 1
-done
+wait_written_back "$BM"
 stamp "B warmed: wrote back $ok segments ($left unspilled)"
 fb0=$(metric "$BM" 'sparsex_worker_fetch_bytes_total'); fs0=$(metric "$BM" 'sparsex_worker_fetch_seconds_sum')
 send fetch 3 on

@@ -389,6 +389,11 @@ struct ReuseEngine::PrefillJob {
   std::vector<std::shared_ptr<DeviceSegment>> streamed_dst;
   std::vector<size_t> streamed_ids;
   std::function<void()> on_end;  // gives the streamed segments back (the job ends)
+  // Layer l of streamed segment s from the fetch's buffer into its tier memory.
+  absl::Status UploadStreamed(size_t s, int l) {
+    RETURN_IF_ERROR(be->UploadBf16(streamed[s]->kv().k[l], streamed_dst[s]->k[l]));
+    return be->UploadBf16(streamed[s]->kv().v[l], streamed_dst[s]->v[l]);
+  }
   struct Placement {
     std::vector<int32_t> pos, slots;
     int64_t row0 = 0;  // first reused row of the segment (reused rows are contiguous)
@@ -625,25 +630,20 @@ absl::StatusOr<bool> ReuseEngine::StreamedLayer(PrefillJob& j, int l, bool wait)
     if (in.Failed()) return absl::AbortedError(kStreamFailed);
     if (!in.Ready(l)) return false;  // the iteration goes back to the scheduler meanwhile
   }
-  for (size_t s : j.streamed_ids) {
-    RETURN_IF_ERROR(j.be->UploadBf16(j.streamed[s]->kv().k[l], j.streamed_dst[s]->k[l]));
-    RETURN_IF_ERROR(j.be->UploadBf16(j.streamed[s]->kv().v[l], j.streamed_dst[s]->v[l]));
-  }
+  for (size_t s : j.streamed_ids) RETURN_IF_ERROR(j.UploadStreamed(s, l));
   return true;
 }
 
 void ReuseEngine::KeepStreamed(PrefillJob& j) {
+  // Without a sparse layer nothing was uploaded: AdoptFetched takes the segments once complete.
+  if (j.F >= j.L) return;
   std::vector<Hash128> kept;
   for (size_t s : j.streamed_ids) {
     StreamedSegment& in = *j.streamed[s];
-    // The sparse layers uploaded [F, L) as they arrived (none when F >= L); the rest now.
-    const int up_to = j.F < j.L ? j.F : j.L;
+    // The sparse layers uploaded [F, L) as they arrived; the full layers' [0, F) now.
     bool ok = true;
-    for (int l = 0; l < up_to && ok; ++l) {
-      ok = in.Ready(l) && j.be->UploadBf16(in.kv().k[l], j.streamed_dst[s]->k[l]).ok() &&
-           j.be->UploadBf16(in.kv().v[l], j.streamed_dst[s]->v[l]).ok();
-    }
-    if (!ok || j.F >= j.L) continue;  // left to AdoptFetched once complete
+    for (int l = 0; l < j.F && ok; ++l) ok = in.Ready(l) && j.UploadStreamed(s, l).ok();
+    if (!ok) continue;  // left to AdoptFetched once complete
     const Hash128 fp = j.plan.segments[s].fp;
     if (tier_.Insert(fp, j.streamed_dst[s]) && tier_.Peek(fp) != nullptr) {
       unspilled_.emplace_back(fp, in.n_tokens());

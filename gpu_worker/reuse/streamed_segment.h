@@ -30,12 +30,15 @@ class StreamedSegment {
   const SegmentKvBf16& kv() const { return kv_; }
   int n_tokens() const { return kv_.n_tokens; }
   int n_layers() const { return kv_.n_layers; }
-  // K or V of `layer` is in place (any thread).
-  void HalfDone(int layer) {
-    if (halves_[static_cast<size_t>(layer)].fetch_add(1, std::memory_order_acq_rel) + 1 == 2) {
-      complete_.fetch_add(1, std::memory_order_acq_rel);
-      Notify();
+  // K or V of `layer` is in place (any thread). True for the one call that completed the
+  // segment (its last missing half).
+  bool HalfDone(int layer) {
+    if (halves_[static_cast<size_t>(layer)].fetch_add(1, std::memory_order_acq_rel) + 1 != 2) {
+      return false;
     }
+    const bool last = complete_.fetch_add(1, std::memory_order_acq_rel) + 1 == kv_.n_layers;
+    Notify();
+    return last;
   }
   void Fail() {
     failed_.store(true, std::memory_order_release);

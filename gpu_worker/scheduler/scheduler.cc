@@ -495,13 +495,12 @@ void BatchScheduler::Iteration() {
   // Not while a request waits for its cluster fetch: the host's memory bandwidth and threads
   // go to that fetch and to uploading its segments (on the H200 spilling the first fetched
   // segments during the rest of a 4 GB fetch left ~0.3 s of uploads to the request's prefill).
-  bool fetch_awaited = false;
-  {
+  auto fetch_awaited = [this] {
     std::lock_guard<std::mutex> l(mu_);
-    fetch_awaited = !fetch_wait_.empty();
-  }
+    return !fetch_wait_.empty();
+  };
   if (!prefilled && decoding.empty() && active_.empty() && pending_stores_.empty() &&
-      !fetch_awaited) {
+      !fetch_awaited()) {
     SpillOne();
     charge(EnginePhase::kSpill);
     // 7. Lowest priority: a slice of a correctness-gate replay, when nothing else waits.

@@ -1,7 +1,6 @@
 #include "gpu_worker/service/kv_tier.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -312,33 +311,25 @@ FetchOutcome ClusterKvTier::FetchMissing(
   t = Clock::now();
   std::lock_guard<std::mutex> l(mu_);
   out.phases.lock_ms = ms_since(t);
-  std::vector<std::shared_ptr<StreamedSegment>> sinks(streaming ? present.size() : 0);
-  if (streaming) {
-    for (size_t s = 0; s < present.size(); ++s) sinks[s] = stream->open(present[s]);
-    if (stream->started) stream->started();
+  // bf16: each segment decodes into a StreamedSegment (the caller's when streaming, else one of
+  // our own, handed to to_tier whole by the decode that completes it; `taken` records the
+  // answer, read after the decodes are joined). fp32: into kvs, for the store.
+  std::vector<std::shared_ptr<StreamedSegment>> sinks(bf16 ? present.size() : 0);
+  for (size_t s = 0; s < sinks.size(); ++s) {
+    sinks[s] = streaming ? stream->open(present[s])
+                         : std::make_shared<StreamedSegment>(present[s].num_tokens, n_layers_,
+                                                             kv_dim);
   }
-  // Each segment's KV is assembled layer by layer as its rounds arrive; `reason` marks one
-  // that cannot be used.
-  std::vector<SegmentKv> kvs(present.size());
-  std::vector<SegmentKvBf16> kvs16(bf16 && !streaming ? present.size() : 0);
-  // bf16: halves (K or V of a layer) decoded per segment; the one that completes a segment
-  // hands it over, and `taken` records the answer (read after the decodes are joined).
-  std::vector<std::atomic<int>> halves(bf16 ? present.size() : 0);
+  if (streaming && stream->started) stream->started();
   std::vector<char> taken(present.size(), 0);
+  // `reason` marks a segment that cannot be used; kvs also gives CheckSegmentLayer the shape.
+  std::vector<SegmentKv> kvs(present.size());
   std::vector<std::string> reason(present.size());
   for (size_t s = 0; s < present.size(); ++s) {
     kvs[s].n_tokens = present[s].num_tokens;
     kvs[s].n_layers = n_layers_;
     kvs[s].kv_dim = kv_dim;
-    if (bf16) {
-      if (streaming) continue;
-      kvs16[s].n_tokens = present[s].num_tokens;
-      kvs16[s].n_layers = n_layers_;
-      kvs16[s].kv_dim = kv_dim;
-      kvs16[s].k.resize(n_layers_);
-      kvs16[s].v.resize(n_layers_);
-      continue;
-    }
+    if (bf16) continue;
     kvs[s].k.resize(n_layers_);
     kvs[s].v.resize(n_layers_);
   }
@@ -423,18 +414,12 @@ FetchOutcome ClusterKvTier::FetchMissing(
             CopyHalf(v, layer, half, &kvs[s]);
             continue;
           }
-          if (streaming) {  // a segment nobody took: its blocks were checked, not copied
-            if (sinks[s] != nullptr) {
-              CopyHalfBf16(v, layer, half, &sinks[s]->kv());
-              sinks[s]->HalfDone(layer);
-            }
-            continue;
-          }
-          CopyHalfBf16(v, layer, half, &kvs16[s]);
-          // Only decoded halves count, and a key that failed is never decoded: the segment
+          if (sinks[s] == nullptr) continue;  // streamed, not taken: checked, not copied
+          CopyHalfBf16(v, layer, half, &sinks[s]->kv());
+          // Only decoded halves count, and a key that failed is never decoded: a segment
           // completes only when every layer arrived intact.
-          if (halves[s].fetch_add(1) + 1 == 2 * n_layers_) {
-            taken[s] = to_tier(present[s], std::move(kvs16[s])) ? 1 : 0;
+          if (sinks[s]->HalfDone(layer) && !streaming) {
+            taken[s] = to_tier(present[s], std::move(sinks[s]->kv())) ? 1 : 0;
           }
         }
       });
@@ -450,9 +435,7 @@ FetchOutcome ClusterKvTier::FetchMissing(
   }
   t = Clock::now();
   for (size_t s = 0; s < present.size(); ++s) {
-    if (streaming && sinks[s] != nullptr && (!reason[s].empty() || !sinks[s]->Complete())) {
-      sinks[s]->Fail();
-    }
+    if (streaming && sinks[s] != nullptr && !sinks[s]->Complete()) sinks[s]->Fail();
     if (reason[s] == "corrupt_reported") {
       fail("corrupt");
       continue;
@@ -466,17 +449,10 @@ FetchOutcome ClusterKvTier::FetchMissing(
       }
       continue;
     }
-    if (streaming) {
-      if (sinks[s] != nullptr && sinks[s]->Complete()) {
-        ++out.fetched;
-        out.stored.push_back(present[s]);
-      }
-    } else if (bf16) {
-      if (taken[s]) {
-        ++out.fetched;
-        out.stored.push_back(present[s]);
-      }
-    } else if (store->Put(present[s].fp, std::move(kvs[s])).ok()) {
+    const bool kept = !bf16      ? store->Put(present[s].fp, std::move(kvs[s])).ok()
+                      : streaming ? sinks[s] != nullptr && sinks[s]->Complete()
+                                  : taken[s] != 0;
+    if (kept) {
       ++out.fetched;
       out.stored.push_back(present[s]);
     }

@@ -75,11 +75,23 @@ class ReuseTest : public ::testing::Test {
   }
   ReusePrefillResult Run(const std::vector<PromptSegment>& segs, const ReuseOptions& o,
                          bool add_bos = true) {
-    auto r = reuse_->Prefill(segs, add_bos, &o);
+    return RunOn(*reuse_, segs, &o, add_bos);
+  }
+  // The same on another reuse engine over the fixture's engine (other tiers or stores).
+  ReusePrefillResult RunOn(ReuseEngine& re, const std::vector<PromptSegment>& segs,
+                           const ReuseOptions* o = nullptr, bool add_bos = true) {
+    auto r = re.Prefill(segs, add_bos, o);
     EXPECT_TRUE(r.ok()) << r.status();
     if (!r.ok()) return {};
     engine_->Release(r->seq);
     return std::move(*r);
+  }
+  // Layer l of a streamed segment arrives from `from`, K then V (as a fetch's decode hands it).
+  static void Arrive(StreamedSegment& in, const SegmentKvBf16& from, int l) {
+    in.kv().k[l] = from.k[l];
+    in.HalfDone(l);
+    in.kv().v[l] = from.v[l];
+    in.HalfDone(l);
   }
 
   std::unique_ptr<Model> model_;
@@ -405,18 +417,14 @@ TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
     fetched.OfferFetched(fp, std::move(b));
     EXPECT_TRUE(fetched.Holds(fp));  // held from the offer on: not fetched twice
   }
-  auto a = fetched.Prefill(segs);
-  ASSERT_TRUE(a.ok()) << a.status();
-  engine_->Release(a->seq);
-  EXPECT_EQ(a->stats.segments_device_hit, 2);
+  const ReusePrefillResult a = RunOn(fetched, segs);
+  EXPECT_EQ(a.stats.segments_device_hit, 2);
   EXPECT_EQ(fetched.unspilled(), 2u);
   ReuseEngine from_store(engine_.get(), &rounded, {}, size_t{64} << 20);
-  auto b = from_store.Prefill(segs);
-  ASSERT_TRUE(b.ok()) << b.status();
-  engine_->Release(b->seq);
-  EXPECT_EQ(b->stats.segments_device_hit, 0);
-  EXPECT_EQ(b->stats.segments_hit, 2);
-  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b->logits), 0.0);
+  const ReusePrefillResult b = RunOn(from_store, segs);
+  EXPECT_EQ(b.stats.segments_device_hit, 0);
+  EXPECT_EQ(b.stats.segments_hit, 2);
+  EXPECT_EQ(testing::MaxAbsDiff(a.logits, b.logits), 0.0);
   // The idle-time spill copies them into the host store.
   for (int guard = 0; guard < 100 && fetched.unspilled() > 0; ++guard) {
     ASSERT_TRUE(fetched.SpillOne().ok());
@@ -447,13 +455,8 @@ TEST_F(ReuseTest, StreamedSegmentsAreReadLayerByLayerAsTheyArrive) {
     streamed.OfferStreamed(fp, in.back());
     EXPECT_TRUE(streamed.Holds(fp));
   }
-  auto arrive = [&](int l) {  // layer l of every segment, K then V
-    for (int i = 0; i < 2; ++i) {
-      in[i]->kv().k[l] = data[i].k[l];
-      in[i]->HalfDone(l);
-      in[i]->kv().v[l] = data[i].v[l];
-      in[i]->HalfDone(l);
-    }
+  auto arrive = [&](int l) {  // layer l of every segment
+    for (int i = 0; i < 2; ++i) Arrive(*in[i], data[i], l);
   };
   const int F = ReuseOptions{}.full_layers;
   ASSERT_LT(F, L);
@@ -484,17 +487,13 @@ TEST_F(ReuseTest, StreamedSegmentsAreReadLayerByLayerAsTheyArrive) {
   EXPECT_EQ(streamed.AdoptFetched(), 2);
   EXPECT_EQ(streamed.unspilled(), 2u);
   ReuseEngine from_store(engine_.get(), &rounded, {}, size_t{64} << 20);
-  auto b = from_store.Prefill(segs);
-  ASSERT_TRUE(b.ok()) << b.status();
-  engine_->Release(b->seq);
-  EXPECT_EQ(b->stats.segments_hit, 2);
-  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b->logits), 0.0);
+  const ReusePrefillResult b = RunOn(from_store, segs);
+  EXPECT_EQ(b.stats.segments_hit, 2);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b.logits), 0.0);
   // From the tier now, the same answer.
-  auto c = streamed.Prefill(segs);
-  ASSERT_TRUE(c.ok()) << c.status();
-  engine_->Release(c->seq);
-  EXPECT_EQ(c->stats.segments_device_hit, 2);
-  EXPECT_EQ(testing::MaxAbsDiff(a->logits, c->logits), 0.0);
+  const ReusePrefillResult c = RunOn(streamed, segs);
+  EXPECT_EQ(c.stats.segments_device_hit, 2);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, c.logits), 0.0);
 }
 
 // A streamed segment that fails mid-pass (its later layers will not come): the prefill starts
@@ -515,15 +514,8 @@ TEST_F(ReuseTest, AStreamedSegmentThatFailsIsRecomputed) {
   streamed.OfferStreamed(fa, sa);
   streamed.OfferStreamed(fb, sb);
   for (int l = 0; l < L; ++l) {  // A whole, B up to layer F only
-    sa->kv().k[l] = ba.k[l];
-    sa->kv().v[l] = ba.v[l];
-    sa->HalfDone(l);
-    sa->HalfDone(l);
-    if (l > F) continue;
-    sb->kv().k[l] = bb.k[l];
-    sb->kv().v[l] = bb.v[l];
-    sb->HalfDone(l);
-    sb->HalfDone(l);
+    Arrive(*sa, ba, l);
+    if (l <= F) Arrive(*sb, bb, l);
   }
   ASSERT_TRUE(streamed.BeginPrefill(segs, true, nullptr).ok());
   auto step = streamed.PrefillStep(INT64_MAX);  // the full layers; B's layers come later
@@ -548,11 +540,9 @@ TEST_F(ReuseTest, AStreamedSegmentThatFailsIsRecomputed) {
   EXPECT_TRUE(streamed.Holds(fa));
   EXPECT_FALSE(streamed.HasFetched());
   ReuseEngine ref(engine_.get(), &only_a, {}, size_t{64} << 20);
-  auto b = ref.Prefill(segs);
-  ASSERT_TRUE(b.ok()) << b.status();
-  engine_->Release(b->seq);
-  EXPECT_EQ(b->stats.segments_hit, 1);
-  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b->logits), 0.0);
+  const ReusePrefillResult b = RunOn(ref, segs);
+  EXPECT_EQ(b.stats.segments_hit, 1);
+  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b.logits), 0.0);
 }
 
 // The scheduler runs a reuse prefill in slices between other sequences' decode steps: any

@@ -58,6 +58,20 @@ class SchedulerTest : public ::testing::Test {
     return g.ok() ? g->tokens : std::vector<int32_t>{};
   }
 
+  // A bf16 segment of this model's shape, n_tokens long, every K value k and every V value v
+  // (what a cluster fetch offers).
+  SegmentKvBf16 UniformSegment(int n_tokens, float k, float v) const {
+    const ModelConfig& c = model_->config();
+    SegmentKvBf16 kv;
+    kv.n_tokens = n_tokens;
+    kv.n_layers = c.n_layers;
+    kv.kv_dim = c.n_kv_heads * c.head_dim;
+    const size_t n = static_cast<size_t>(n_tokens) * kv.kv_dim;
+    kv.k.assign(kv.n_layers, std::vector<uint16_t>(n, ToBf16(k)));
+    kv.v.assign(kv.n_layers, std::vector<uint16_t>(n, ToBf16(v)));
+    return kv;
+  }
+
   std::unique_ptr<Model> model_;
   std::unique_ptr<SegmentStore> store_;
   SchedulerHooks hooks_;
@@ -295,17 +309,8 @@ TEST_F(SchedulerTest, OfferedSegmentsAreAdoptedBetweenIterations) {
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(s->TakesFetched());
   const ModelConfig& c = model_->config();
-  auto segment = [&] {
-    SegmentKvBf16 kv;
-    kv.n_tokens = 10;
-    kv.n_layers = c.n_layers;
-    kv.kv_dim = c.n_kv_heads * c.head_dim;
-    kv.k.assign(kv.n_layers, std::vector<uint16_t>(10 * kv.kv_dim, ToBf16(0.25f)));
-    kv.v.assign(kv.n_layers, std::vector<uint16_t>(10 * kv.kv_dim, ToBf16(-0.5f)));
-    return kv;
-  };
   const Hash128 fp{77, 7};
-  ASSERT_TRUE(s->OfferFetched(fp, segment()));
+  ASSERT_TRUE(s->OfferFetched(fp, UniformSegment(10, 0.25f, -0.5f)));
   EXPECT_TRUE(s->HoldsLocally(fp));
   bool reported = false;
   for (int i = 0; i < 400 && !reported; ++i) {
@@ -322,7 +327,7 @@ TEST_F(SchedulerTest, OfferedSegmentsAreAdoptedBetweenIterations) {
   EXPECT_EQ(kv->k[c.n_layers - 1][3], 0.25f);
   EXPECT_EQ(kv->v[0][0], -0.5f);
   s->Stop();
-  EXPECT_FALSE(s->OfferFetched(Hash128{77, 8}, segment()));  // no engine to take it
+  EXPECT_FALSE(s->OfferFetched(Hash128{77, 8}, UniformSegment(10, 0.25f, -0.5f)));  // no engine
 }
 
 // While a request waits for its cluster fetch, segments the fetch already delivered are
@@ -334,13 +339,7 @@ TEST_F(SchedulerTest, NoSpillWhileARequestWaitsForItsFetch) {
   o.fetch_threads = 1;
   auto s = Start(o);
   ASSERT_NE(s, nullptr);
-  const ModelConfig& c = model_->config();
-  SegmentKvBf16 kv;
-  kv.n_tokens = 8;
-  kv.n_layers = c.n_layers;
-  kv.kv_dim = c.n_kv_heads * c.head_dim;
-  kv.k.assign(kv.n_layers, std::vector<uint16_t>(8 * kv.kv_dim, ToBf16(0.125f)));
-  kv.v = kv.k;
+  SegmentKvBf16 kv = UniformSegment(8, 0.125f, 0.125f);
   std::atomic<bool> offered{false}, release{false};
   WorkItem w = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
   BatchScheduler* sp = s.get();
