@@ -448,6 +448,8 @@ absl::Status Fidelity(const Args& a) {
     o.seed = prompts[0].seed;
     o.sparsex_weights = weights;
     o.stats_all_full_layers = get("stats-layers", "all") == "all";
+    // Naive reuse recomputes nothing, layer F's K/V included.
+    o.refresh_first_sparse_kv = get("refresh-kv", "1") != "0" && s.selector != "naive";
     std::vector<PromptResult> out;
     for (size_t i = 0; i < n; ++i) {
       std::vector<PromptSegment> segs;

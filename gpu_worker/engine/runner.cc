@@ -232,6 +232,11 @@ absl::StatusOr<Tensor> ModelRunner::ProjectQkv(int l, const Tensor& x) {
   return qkv;
 }
 
+absl::Status ModelRunner::WriteProjectedKv(int l, Tensor& qkv, std::span<const int32_t> pos,
+                                           std::span<const int32_t> slots) {
+  return be_->RopeWriteKv(pool_, l, qkv, cfg_.n_heads, pos, slots, rope_);
+}
+
 absl::Status ModelRunner::AssembleKvFrom(int layer, const Tensor& k_pre, const Tensor& v,
                                          int64_t row0, std::span<const int32_t> pos,
                                          std::span<const int32_t> slots) {

@@ -80,6 +80,16 @@ class ModelRunner {
   // attention), in backend memory (caller frees): the CacheBlend deviation signal at the first
   // sparse layer. Columns: [q (H*hd) | k (kv_dim) | v (kv_dim)].
   absl::StatusOr<Tensor> ProjectQkv(int l, const Tensor& x);
+  // What ProjectQkv costs per row in layers' worth of work: its weight multiply-adds over a
+  // layer's (QKV, output, gate/up, down; attention, which depends on the context, left out).
+  double ProjectionCost() const {
+    const double d = cfg_.dim, hd = cfg_.head_dim, qkv = (cfg_.n_heads + 2.0 * cfg_.n_kv_heads) * hd;
+    return d * qkv / (d * qkv + cfg_.n_heads * hd * d + 3.0 * d * cfg_.ffn_dim);
+  }
+  // Writes the K/V of a ProjectQkv result (RoPE at pos on K, in place) into layer l's pool at
+  // slots, as Layer would for those rows.
+  absl::Status WriteProjectedKv(int l, Tensor& qkv, std::span<const int32_t> pos,
+                                std::span<const int32_t> slots);
   // Sums a host array over tensor-parallel ranks (no-op without tensor parallelism).
   absl::Status SumAcrossRanks(std::span<float> v) {
     return comm_ != nullptr ? comm_->AllReduceSumHost(v) : absl::OkStatus();

@@ -414,6 +414,9 @@ struct ReuseEngine::PrefillJob {
   std::vector<int32_t> reused_rows;  // row index (position - P) of every reused token
   std::vector<int32_t> ranked;       // into reused_rows, most important first
   std::vector<int32_t> cur;          // rows (index into the full row set) currently in xs
+  // Layer F's K/V of every row were written from their exact input at the selection
+  // (ReuseOptions::refresh_first_sparse_kv): the stored KV is not assembled at layer F.
+  bool refreshed = false;
   std::chrono::steady_clock::time_point mark;
 
   ~PrefillJob() {
@@ -774,6 +777,8 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
       slots[i] = j.ctx[P + j.cur[i]];
     }
     // The reused KV of this layer goes in first; the rows recomputed below overwrite theirs.
+    // Layer F's was written fresh at the selection (refresh_first_sparse_kv).
+    const bool assemble = !(l == F && j.refreshed);
     for (size_t s = 0; s < j.segs.size(); ++s) {
       const PrefillJob::Placement& pl = j.place[s];
       if (pl.pos.empty()) continue;
@@ -781,11 +786,11 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
         PrefillJob::Staged& x = j.staged[s][l - F];
         RETURN_IF_ERROR(be.Await(x.tk));
         RETURN_IF_ERROR(be.Await(x.tv));
-        RETURN_IF_ERROR(r.AssembleKvFrom(l, x.k, x.v, pl.row0, pl.pos, pl.slots));
+        if (assemble) RETURN_IF_ERROR(r.AssembleKvFrom(l, x.k, x.v, pl.row0, pl.pos, pl.slots));
         be.Free(x.k);  // stream-ordered: after the assembly that reads it
         be.Free(x.v);
         x.k = x.v = Tensor{};
-      } else {
+      } else if (assemble) {
         RETURN_IF_ERROR(r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
                                          pl.slots));
       }
@@ -797,6 +802,34 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
     ++j.next_layer;
   }
   return j.next_layer >= L;
+}
+
+absl::Status ReuseEngine::KvDeviation(PrefillJob& j, const Tensor& qkv_r,
+                                      std::vector<float>* out) {
+  ModelRunner& r = engine_->runner();
+  Backend& be = *j.be;
+  const int F = j.F, kd = r.kv_dim();
+  const int64_t nr = static_cast<int64_t>(j.reused_rows.size());
+  const int64_t qd = static_cast<int64_t>(r.config().n_heads) * r.config().head_dim;
+  ASSIGN_OR_RETURN(Tensor ref_k, be.Alloc(nr, kd));
+  TensorGuard kg{&be, ref_k};
+  ASSIGN_OR_RETURN(Tensor ref_v, be.Alloc(nr, kd));
+  TensorGuard vg{&be, ref_v};
+  int64_t row = 0;  // reused rows are in position order, segment by segment
+  for (size_t s = 0; s < j.segs.size(); ++s) {
+    if (!j.found[s]) continue;
+    const SegmentPlan& sp = j.plan.segments[s];
+    int cnt = 0;
+    for (int p = sp.reuse_begin; p < sp.end; ++p) cnt += j.plan.reused[p];
+    RETURN_IF_ERROR(be.CopyRows(j.found[s]->k[F], sp.reuse_begin - sp.begin, kg.t, row, cnt));
+    RETURN_IF_ERROR(be.CopyRows(j.found[s]->v[F], sp.reuse_begin - sp.begin, vg.t, row, cnt));
+    row += cnt;
+  }
+  out->assign(nr, 0.0f);
+  RETURN_IF_ERROR(be.RowSqDist(qkv_r, qd, kg.t, 0, kd, *out));
+  RETURN_IF_ERROR(be.RowSqDist(qkv_r, qd + kd, vg.t, 0, kd, *out));
+  // Each tensor-parallel rank holds only its KV heads: sum so all ranks rank identically.
+  return r.SumAcrossRanks(*out);
 }
 
 // ---- switch: rank the reused tokens ----
@@ -818,46 +851,42 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
       in.cross_mass.push_back(j.stats_layers > 0 ? j.cross[i] / j.stats_layers : 0.0f);
       in.new_recv.push_back(j.stats_layers > 0 ? j.recv[p] / j.stats_layers : 0.0f);
     }
-    if (j.selector->needs_kv_deviation()) {
-      // Deviation of what layer F would compute from what the store holds (pre-RoPE K and V),
-      // on the backend: only one float per reused row comes back.
-      const int kd = r.kv_dim();
-      const int64_t nr = static_cast<int64_t>(j.reused_rows.size());
-      const int64_t qd = static_cast<int64_t>(r.config().n_heads) * r.config().head_dim;
+    // A fixed budget that keeps every reused row in every sparse layer recomputes them all:
+    // neither the ranking nor layer F's stale KV matters then.
+    const BudgetOptions& ob = j.o.budget;
+    bool keeps_all = ob.mode == BudgetOptions::Mode::kFixed && ob.ratio >= 1.0f;
+    for (float lr : j.o.layer_ratios) keeps_all = keeps_all && lr >= 1.0f;
+    const bool deviation = j.selector->needs_kv_deviation() && !keeps_all;
+    if (j.selector->needs_kv_deviation()) in.kv_deviation.assign(j.reused_rows.size(), 0.0f);
+    const bool refresh = j.o.refresh_first_sparse_kv && !keeps_all;
+    if (deviation || refresh) {
+      // Layer F's projection of every row from its exact input (the full layers computed them
+      // all): the deviation of the reused rows' K and V from what the store holds (pre-RoPE,
+      // on the backend: one float per row comes back), and their fresh K/V at layer F.
       ASSIGN_OR_RETURN(Tensor qkv_all, r.ProjectQkv(F, j.x));
       TensorGuard qg{&be, qkv_all};
-      ASSIGN_OR_RETURN(Tensor qkv_r, be.Alloc(nr, qkv_all.cols));
-      TensorGuard rg{&be, qkv_r};
-      ASSIGN_OR_RETURN(Tensor ref_k, be.Alloc(nr, kd));
-      TensorGuard kg{&be, ref_k};
-      ASSIGN_OR_RETURN(Tensor ref_v, be.Alloc(nr, kd));
-      TensorGuard vg{&be, ref_v};
-      RETURN_IF_ERROR(be.GatherRows(qkv_all, j.reused_rows, rg.t));
-      int64_t row = 0;  // reused rows are in position order, segment by segment
-      for (size_t s = 0; s < j.segs.size(); ++s) {
-        if (!j.found[s]) continue;
-        const SegmentPlan& sp = plan.segments[s];
-        int cnt = 0;
-        for (int p = sp.reuse_begin; p < sp.end; ++p) cnt += plan.reused[p];
-        RETURN_IF_ERROR(be.CopyRows(j.found[s]->k[F], sp.reuse_begin - sp.begin, kg.t, row, cnt));
-        RETURN_IF_ERROR(be.CopyRows(j.found[s]->v[F], sp.reuse_begin - sp.begin, vg.t, row, cnt));
-        row += cnt;
+      j.res.stats.projected_token_layers += static_cast<double>(j.x.rows) * r.ProjectionCost();
+      if (deviation) {
+        ASSIGN_OR_RETURN(Tensor qkv_r, be.Alloc(static_cast<int64_t>(j.reused_rows.size()),
+                                                qkv_all.cols));
+        TensorGuard rg{&be, qkv_r};
+        RETURN_IF_ERROR(be.GatherRows(qkv_all, j.reused_rows, rg.t));
+        RETURN_IF_ERROR(KvDeviation(j, rg.t, &in.kv_deviation));
       }
-      in.kv_deviation.assign(nr, 0.0f);
-      RETURN_IF_ERROR(be.RowSqDist(rg.t, qd, kg.t, 0, kd, in.kv_deviation));
-      RETURN_IF_ERROR(be.RowSqDist(rg.t, qd + kd, vg.t, 0, kd, in.kv_deviation));
-      // Each tensor-parallel rank holds only its KV heads: sum so all ranks rank identically.
-      RETURN_IF_ERROR(r.SumAcrossRanks(in.kv_deviation));
+      if (refresh) {
+        RETURN_IF_ERROR(r.WriteProjectedKv(F, qg.t, j.pos_all, j.slot_all));
+        j.refreshed = true;
+      }
     }
     // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
     BudgetOptions b = j.o.budget;
     const float slope = j.o.calibration.SlopeFor(F, b.drop_per_uncovered);
     if (b.mode == BudgetOptions::Mode::kQuality) {
       // Capped where recompute would cost more than full prefill: the pass computes F layers
-      // of every non-prefix row, L - F layers of the new rows and k reused ones, plus about a
-      // tenth of a layer per row for the selection (the K/V projection of the deviation).
+      // of every non-prefix row, L - F layers of the new rows and k reused ones, plus the
+      // selection's layer-F projection of every row (ProjectionCost of a layer each).
       const double n = j.n_rows, reused = static_cast<double>(j.reused_rows.size());
-      const double k_max = reused - std::ceil(0.1 * n / (L - F));
+      const double k_max = reused - std::ceil(r.ProjectionCost() * n / (L - F));
       b.drop_per_uncovered = slope;
       b.max_ratio = static_cast<float>(std::clamp(k_max / reused, 0.0, 1.0));
     }
@@ -890,9 +919,10 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::FinishPrefill() {
   ASSIGN_OR_RETURN(res.logits, r.Logits(j.rows_x(), std::span<const int32_t>(&last, 1)));
   RETURN_IF_ERROR(j.Phase(&st.logits_ms));
   j.seq.computed = N;
-  st.compute_share = n_rows > 0 ? static_cast<double>(st.computed_token_layers) /
-                                      (static_cast<double>(L) * n_rows)
-                                : 0.0;
+  st.compute_share =
+      n_rows > 0 ? (static_cast<double>(st.computed_token_layers) + st.projected_token_layers) /
+                       (static_cast<double>(L) * n_rows)
+                 : 0.0;
   for (int s : plan.missing) {
     const SegmentPlan& sp = plan.segments[s];
     if (Holds(sp.fp)) continue;

@@ -48,6 +48,11 @@ struct ReuseOptions {
   // Optional per-sparse-layer ratios for layers F, F+1, ... (non-increasing: a row dropped at
   // one layer has no exact input at the next). Empty: budget for every sparse layer.
   std::vector<float> layer_ratios;
+  // Write layer F's K/V of every reused token from its exact layer-F input (the full layers
+  // computed every row): the K/V projection the selection's deviation signal runs anyway, so
+  // only the rows the budget leaves out of the sparse layers keep stale K/V from layer F + 1
+  // on. Selectors without the deviation signal run the projection for it. Default: true
+  bool refresh_first_sparse_kv = true;
   // Context a segment is encoded in for storage: "none" (alone at positions 0..n-1), "bos"
   // (after BOS, only the segment part kept) or "prefix:<id> <id> ..." (after fixed tokens).
   // Default: none (stories260K: naive-reuse KL 3.6x lower than bos; docs/fidelity.md)
@@ -83,7 +88,11 @@ struct ReuseStats {
   int segments_streamed = 0;    // read from a cluster fetch still in progress, layer by layer
   int stream_restarts = 0;      // times the prefill started over because one did not arrive
   int64_t computed_token_layers = 0;
-  double compute_share = 1.0;  // computed token-layers / (L x non-prefix tokens)
+  // The selection's layer-F projection of the reused rows, in layers' worth of rows
+  // (rows x ModelRunner::ProjectionCost()): the deviation signal and refresh_first_sparse_kv.
+  double projected_token_layers = 0;
+  // (computed + projected token-layers) / (L x non-prefix tokens)
+  double compute_share = 1.0;
   // Share of the selector's score mass over the reused tokens left unrecomputed (1: none
   // recomputed or no reused token), and the quality budget's predicted relative drop for it
   // (calibration slope x uncovered share; 0 without a sparse layer).
@@ -215,6 +224,9 @@ class ReuseEngine {
   struct PrefillJob;  // a reuse prefill between slices (reuse_prefill.cc)
   absl::StatusOr<bool> RunPrefillLayers(int64_t max_row_layers);  // true after the last layer
   absl::Status Select(PrefillJob& j);  // ranks the reused rows at the switch (layer F)
+  // Per reused row: squared distance of layer F's K and V (qkv_r: their projection from the
+  // exact input) from the stored ones (the CacheBlend deviation signal).
+  absl::Status KvDeviation(PrefillJob& j, const Tensor& qkv_r, std::vector<float>* out);
   absl::StatusOr<ReusePrefillResult> FinishPrefill();
   std::unique_ptr<PrefillJob> prefill_;
   std::deque<std::pair<Hash128, int>> unspilled_;

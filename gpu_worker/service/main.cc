@@ -76,6 +76,9 @@ int main(int argc, char** argv) {
         "encoding pass)");
   f.Add("full_layers", &o.scheduler.reuse.full_layers, "reuse: layers with full attention (F)");
   f.Add("selector", &o.scheduler.reuse.selector, "reuse: sparsex | cacheblend | epic | random");
+  f.Add("refresh_first_sparse_kv", &o.scheduler.reuse.refresh_first_sparse_kv,
+        "reuse: write layer F's K/V of every reused token from its exact input (the selection's "
+        "projection; default 1)");
   f.Add("budget", &budget,
         "reuse: how many reused tokens are recomputed: quality (the fewest whose predicted "
         "relative quality drop is at most --quality_target, docs/fidelity.md) | fixed "

@@ -125,6 +125,39 @@ TEST_F(ReuseTest, FullRecomputeEqualsFullPrefillForEverySelector) {
   }
 }
 
+TEST_F(ReuseTest, LayerFKvIsRefreshedForEveryReusedToken) {
+  // With one sparse layer (F = L - 1) and nothing selected, the last row's attention at layer F
+  // reads every token's K/V there: refreshed from the exact input the full layers computed,
+  // the logits are full prefill's; left stale (the option off), they are not. The projection
+  // counts in the compute share either way.
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  const std::vector<float> full = Full(segs);
+  const int L = model_->config().n_layers;
+  for (const char* sel : {"sparsex", "a3", "random"}) {
+    ReuseOptions o;
+    o.selector = sel;
+    o.full_layers = L - 1;
+    o.budget.ratio = 0.0f;
+    ReusePrefillResult fresh = Run(segs, o);
+    EXPECT_GT(fresh.stats.reused_tokens, 0);
+    EXPECT_EQ(fresh.stats.selected_tokens, 0);
+    EXPECT_LT(testing::MaxAbsDiff(full, fresh.logits), 1e-4) << sel;
+    const int n = fresh.stats.prompt_tokens - fresh.stats.prefix_tokens;
+    const double phi = engine_->runner().ProjectionCost();
+    EXPECT_GT(phi, 0.0);
+    EXPECT_LT(phi, 0.5);
+    EXPECT_NEAR(fresh.stats.projected_token_layers, phi * n, 1e-6);
+    EXPECT_NEAR(fresh.stats.compute_share,
+                ((L - 1.0) * n + fresh.stats.new_tokens + phi * n) / (L * n), 1e-9);
+    o.refresh_first_sparse_kv = false;
+    ReusePrefillResult stale = Run(segs, o);
+    EXPECT_GT(testing::MaxAbsDiff(full, stale.logits), 1e-3) << sel;
+    // Only the selectors that rank by the deviation still project.
+    EXPECT_EQ(stale.stats.projected_token_layers > 0, std::string(sel) == "sparsex") << sel;
+  }
+}
+
 TEST_F(ReuseTest, NaiveReuseEqualsExactKvWhenTheEncodingContextMatches) {
   // A segment stored after a fixed prefix and reused right after that same prefix at its new
   // position has exactly the KV full prefill computes: naive reuse (F=0, r=0) must match full
