@@ -685,6 +685,8 @@ void BatchScheduler::ReusePrefillSlice(Active& a) {
   a.usage.new_tokens = st.new_tokens;
   a.usage.segments_hit = st.segments_hit;
   a.usage.compute_share = st.compute_share;
+  a.usage.segments_streamed = st.segments_streamed;
+  a.usage.stream_restarts = st.stream_restarts;
   a.exact_tokens = st.exact_tokens;
   if (defer) {
     for (const auto& [i, fp] : r->missing) {

@@ -60,6 +60,12 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
                 "Segments fetched from the cache cluster into the host store.");
   fetch_bytes = tok("sparsex_worker_fetch_bytes_total",
                     "Bytes of segment KV transferred from the cache cluster.");
+  streamed = tok("sparsex_worker_streamed_segments_total",
+                 "Fetched segments a prefill read layer by layer while their transfer went on "
+                 "(--cache_fetch_stream).");
+  stream_restarts = tok("sparsex_worker_stream_restarts_total",
+                        "Prefills started over because a streamed segment failed (it is "
+                        "recomputed).");
   fetch_failures = &r.AddCounter(
       "sparsex_worker_fetch_failures_total",
       "Cluster fetches that could not be used (recomputed instead), by reason.", {"reason"});

@@ -185,6 +185,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->reused_tokens->Inc(u.reused_tokens);
     sp->m->recomputed_tokens->Inc(u.recomputed_tokens);
     sp->m->new_tokens->Inc(u.new_tokens);
+    sp->m->streamed->Inc(u.segments_streamed);
+    sp->m->stream_restarts->Inc(u.stream_restarts);
     sp->m->generated_tokens->Inc(u.completion_tokens);
     sp->m->segments->Get({"hit"}).Inc(u.segments_hit);
   };

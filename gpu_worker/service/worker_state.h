@@ -51,7 +51,7 @@ struct WorkerMetrics {
   metrics::Histogram *ttft, *inter_token, *e2e, *queue, *fetch;
   metrics::Family<metrics::Counter>* requests;
   metrics::Counter *prompt_tokens, *prefix_tokens, *reused_tokens, *recomputed_tokens, *new_tokens,
-      *generated_tokens, *fetched, *fetch_bytes;
+      *generated_tokens, *fetched, *fetch_bytes, *streamed, *stream_restarts;
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback, *fetch_phase;
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,
       *pending_stores, *stores_dropped, *waiting_remote, *unspilled_segments,

@@ -331,8 +331,9 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
     auto metric = [&](const std::string& sample) {
       auto body = cache::testing::HttpGet((*b)->metrics_port(), "/metrics");
       if (!body.ok()) return -1.0;
-      const size_t at = body->find(sample + " ");
-      return at == std::string::npos ? -1.0 : std::stod(body->substr(at + sample.size() + 1));
+      // A sample's line, not its # HELP line.
+      const size_t at = body->find("\n" + sample + " ");
+      return at == std::string::npos ? -1.0 : std::stod(body->substr(at + sample.size() + 2));
     };
     double fetched = 0;
     for (int i = 0; i < 400 && fetched < 2; ++i) {
@@ -341,6 +342,13 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
     }
     EXPECT_EQ(fetched, 2);
     EXPECT_EQ(metric("sparsex_worker_writeback_total{result=\"ok\"}"), 0);
+    // Streamed segments (read while their transfer went on; one that arrived before the
+    // prefill planned is served whole) are reported in the usage and the metrics.
+    if (!stream) EXPECT_EQ(from_b.usage.segments_streamed(), 0);
+    EXPECT_LE(from_b.usage.segments_streamed(), 2);
+    EXPECT_EQ(from_b.usage.stream_restarts(), 0);
+    EXPECT_EQ(metric("sparsex_worker_streamed_segments_total"), from_b.usage.segments_streamed());
+    EXPECT_EQ(metric("sparsex_worker_stream_restarts_total"), 0);
     // A third order on B: both from its own tiers now, nothing fetched.
     Reply again = GenerateOn((*b)->port(), {d1, d2, q});
     EXPECT_EQ(again.usage.segments_fetched(), 0);
