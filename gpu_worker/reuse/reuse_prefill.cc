@@ -471,6 +471,10 @@ absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<Prompt
 
 void ReuseEngine::AbortPrefill() { prefill_.reset(); }
 
+int64_t ReuseEngine::prefill_row_layers() const {
+  return prefill_ ? prefill_->res.stats.computed_token_layers : 0;
+}
+
 absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, bool add_bos,
                                        const ReuseOptions* override_opts) {
   prefill_.reset();

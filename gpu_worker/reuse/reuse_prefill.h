@@ -151,6 +151,9 @@ class ReuseEngine {
                             const ReuseOptions* override_opts = nullptr);
   absl::StatusOr<std::optional<ReusePrefillResult>> PrefillStep(int64_t max_row_layers);
   void AbortPrefill();
+  // Rows x layers the prefill in progress has computed so far (0 without one): what a slice
+  // cost, for the scheduler's iteration budget.
+  int64_t prefill_row_layers() const;
   bool prefilling() const { return prefill_ != nullptr; }
   // Encodes one segment in the configured context and stores its KV (idempotent). With a
   // device tier (capacity > 0) the KV goes there straight from the encoding pass, in the

@@ -62,7 +62,8 @@ struct BatchScheduler::Active {
 BatchScheduler::BatchScheduler(const Model& model, std::vector<SegmentStore*> stores,
                                const SchedulerOptions& o, SchedulerHooks hooks)
     : model_(model), stores_(std::move(stores)), opts_(o), hooks_(std::move(hooks)),
-      gate_(o.gate) {
+      gate_(o.gate),
+      budget_(IterationBudgetOptions{.target_ms = o.tpot_target_ms}) {
   store_ = stores_[0];
   block_size_ = o.engine.kv.block_size;
   max_len_ = model.config().max_seq_len;
@@ -85,6 +86,9 @@ absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Start(
   }
   for (SegmentStore* st : stores) {
     if (st == nullptr) return absl::InvalidArgumentError("scheduler: null segment store");
+  }
+  if (!(options.tpot_target_ms >= 0 && options.tpot_target_ms <= 1e6)) {
+    return absl::InvalidArgumentError("scheduler: tpot_target_ms must be in [0, 1e6]");
   }
   if (options.reuse_slice_tokens < -1) {
     return absl::InvalidArgumentError("scheduler: reuse_slice_tokens must be >= -1");
@@ -461,21 +465,36 @@ void BatchScheduler::Iteration() {
       break;
     }
   }
+  // With a TPOT target the prefill work beside decode steps is what fits (budget_).
+  const int n_decoding = static_cast<int>(decoding.size());
+  auto since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
   if (pf != nullptr && pf->plain && opts_.mix_prefill_decode && !decoding.empty()) {
-    PrefillChunks(PlainChunks(), decoding);
+    const auto due = PlainChunks(budget_.PlainTokens(n_decoding, opts_.prefill_chunk));
+    const int tokens = DueTokens(due);
+    const Clock::time_point t0 = Clock::now();
+    PrefillChunks(due, decoding);
+    budget_.ObservePlain(tokens, n_decoding, since(t0));
     prefilled = true;
     std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
     charge(EnginePhase::kMixed);
   } else {
     if (pf != nullptr && pf->plain) {
-      PrefillChunks(PlainChunks(), {});
+      const auto due = PlainChunks(budget_.PlainTokens(n_decoding, opts_.prefill_chunk));
+      const int tokens = DueTokens(due);
+      const Clock::time_point t0 = Clock::now();
+      PrefillChunks(due, {});
+      budget_.ObservePlain(tokens, 0, since(t0));
     } else if (pf != nullptr) {
-      ReusePrefillSlice(*pf);
+      ReusePrefillSlice(*pf, budget_.ReuseRowLayers(n_decoding, ReuseSliceRows()));
     }
     prefilled = pf != nullptr;
     if (prefilled) charge(EnginePhase::kPrefill);
     std::erase_if(decoding, [](Active* a) { return a->state != Active::State::kDecode; });
+    const Clock::time_point t0 = Clock::now();
     DecodeAll(decoding);
+    if (!decoding.empty()) budget_.ObserveDecode(static_cast<int>(decoding.size()), since(t0));
     std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
     charge(EnginePhase::kDecode);
   }
@@ -654,7 +673,7 @@ void BatchScheduler::DropOldestStore() {
   ++stores_dropped_;
 }
 
-void BatchScheduler::ReusePrefillSlice(Active& a) {
+void BatchScheduler::ReusePrefillSlice(Active& a, int64_t max_row_layers) {
   const ReuseOptions& o = a.w.reuse;
   ReuseOptions po = a.w.reuse;
   const bool defer = opts_.defer_segment_stores && o.enable_reuse && o.store_new_segments;
@@ -667,7 +686,15 @@ void BatchScheduler::ReusePrefillSlice(Active& a) {
     }
     a.reuse_running = true;
   }
-  auto step = group_->ReusePrefillStep(ReuseSliceRows());
+  const int64_t before = group_->reuse().prefill_row_layers();
+  const Clock::time_point t0 = Clock::now();
+  auto step = group_->ReusePrefillStep(max_row_layers);
+  if (step.ok()) {
+    const int64_t after = step->has_value() ? (*step)->stats.computed_token_layers
+                                            : group_->reuse().prefill_row_layers();
+    budget_.ObserveReuse(after - before,
+                         std::chrono::duration<double>(Clock::now() - t0).count());
+  }
   if (!step.ok() || step->has_value()) a.reuse_running = false;  // ended either way
   if (!step.ok()) {
     Finish(a, "", step.status());
@@ -740,9 +767,14 @@ void BatchScheduler::FinishPlainPrefill(Active& a, std::span<const float> logits
   SampleAndEmit(a, logits);
 }
 
-std::vector<BatchScheduler::PlainChunkDue> BatchScheduler::PlainChunks() {
+int BatchScheduler::DueTokens(const std::vector<PlainChunkDue>& due) {
+  int n = 0;
+  for (const PlainChunkDue& c : due) n += c.end - c.a->seq.computed;
+  return n;
+}
+
+std::vector<BatchScheduler::PlainChunkDue> BatchScheduler::PlainChunks(int budget) {
   std::vector<PlainChunkDue> due;
-  int budget = opts_.prefill_chunk;
   for (auto& p : active_) {
     if (budget == 0) break;
     Active& a = *p;
@@ -902,6 +934,9 @@ void BatchScheduler::PublishWaitingLocked() {
   load_.queue_depth = static_cast<int>(queue_.size());
   load_.waiting_remote = static_cast<int>(fetch_wait_.size());
   load_.fetch_timeouts = fetch_timeouts_;
+  load_.cost_decode_ms = budget_.decode_ms();
+  load_.cost_token_ms = budget_.token_ms();
+  load_.cost_row_layer_ms = budget_.row_layer_ms();
 }
 
 void BatchScheduler::PublishLoad() {

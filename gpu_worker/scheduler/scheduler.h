@@ -45,6 +45,7 @@
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
 #include "gpu_worker/reuse/segment_store.h"
+#include "gpu_worker/scheduler/iteration_budget.h"
 #include "gpu_worker/scheduler/quality_gate.h"
 
 namespace sparsex::service {
@@ -72,6 +73,12 @@ struct SchedulerOptions {
   // sequences wait for a slice instead of the whole pass. 0: prefill_chunk (a slice costs
   // about what a plain chunk does); -1: the whole pass in one iteration. Default: 0
   int reuse_slice_tokens = 0;
+  // Target time of an iteration in which sequences decode (about the TPOT they see, the decode
+  // step included): plain prefill chunks and reuse prefill slices beside decode steps are cut
+  // to what fits, from the measured costs (iteration_budget.h; at least 64 plain tokens or one
+  // layer of a reuse prefill per iteration); iterations without decoding sequences still run
+  // prefill_chunk / reuse_slice_tokens. Trades TTFT for TPOT. 0: off. Default: 0
+  double tpot_target_ms = 0;
   // Defaults for every request's reuse; requests override fields. Default: ReuseOptions{}
   ReuseOptions reuse;
   // Encode and store a request's missing segments after its first token instead of before it
@@ -207,6 +214,9 @@ struct SchedulerLoad {
   // Engine-thread seconds per EnginePhase since start, and the longest single phase run.
   double phase_seconds[kEnginePhases] = {};
   double phase_longest_s[kEnginePhases] = {};
+  // The iteration budget's cost estimates (ms; negative: not measured; IterationBudget): a
+  // decode step, a plain prefill token beside it, a reuse prefill row-layer.
+  double cost_decode_ms = -1, cost_token_ms = -1, cost_row_layer_ms = -1;
   QualityGateState gate;  // the correctness gate's figures and state
   int64_t gate_slices = 0;  // replay slices run (each in an iteration with no user request)
   int gate_pending = 0;     // replays waiting for idle time
@@ -283,16 +293,18 @@ class BatchScheduler {
   void Loop(std::promise<absl::Status>* ready);
   void FetchLoop();
   void Iteration();
-  // One slice of a's reuse prefill (its first token when it is the last).
-  void ReusePrefillSlice(Active& a);
+  // One slice of a's reuse prefill of about max_row_layers (its first token when it is the
+  // last); its cost goes to budget_.
+  void ReusePrefillSlice(Active& a, int64_t max_row_layers);
   // The plain prefills' chunks due this iteration: the prefilling requests from the oldest on,
-  // up to the first reuse prefill, each's next tokens until prefill_chunk tokens in all are
-  // taken (several short prompts share the pass; a long one takes the whole budget).
+  // up to the first reuse prefill, each's next tokens until `budget` tokens in all are taken
+  // (several short prompts share the pass; a long one takes the whole budget).
   struct PlainChunkDue {
     Active* a;
     int end;  // its chunk is a->seq's tokens [computed, end)
   };
-  std::vector<PlainChunkDue> PlainChunks();
+  std::vector<PlainChunkDue> PlainChunks(int budget);
+  static int DueTokens(const std::vector<PlainChunkDue>& due);
   // The chunks and a decode step of `step` (may be empty) in one forward pass (a lone chunk
   // without decode rows: the engine's plain Prefill); when the pass fails (e.g. no KV block
   // left for one of them), each chunk alone and then DecodeAll.
@@ -359,6 +371,7 @@ class BatchScheduler {
   double phase_seconds_[kEnginePhases] = {};
   double phase_longest_[kEnginePhases] = {};
   QualityGate gate_;
+  IterationBudget budget_;  // SchedulerOptions::tpot_target_ms
   struct GateReplay {
     std::vector<PromptSegment> segments;
     bool add_bos = true;

@@ -68,6 +68,10 @@ int main(int argc, char** argv) {
   f.Add("reuse_slice_tokens", &reuse_slice_tokens,
         "reuse prefill work per iteration, in tokens through every layer (0: prefill_chunk; -1: "
         "the whole pass at once; default -2: 1024 on cuda, 0 on cpu)");
+  f.Add("tpot_target_ms", &o.scheduler.tpot_target_ms,
+        "target time of an iteration with decoding sequences (about their TPOT): prefill chunks "
+        "and reuse slices beside decode steps are cut to what fits, from measured costs "
+        "(0: off, the fixed --prefill_chunk / --reuse_slice_tokens; default 0)");
   f.Add("defer_segment_stores", &o.scheduler.defer_segment_stores,
         "store missing segments after the first token (off the TTFT path)");
   f.Add("store_while_busy", &store_while_busy,

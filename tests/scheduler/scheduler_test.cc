@@ -510,6 +510,54 @@ TEST_F(SchedulerTest, AStartedStreamingFetchAdmitsItsRequest) {
   s->Stop();
 }
 
+// With a TPOT target (tpot_target_ms) a long prompt that arrives while another request decodes
+// is prefilled in chunks cut to the target (at least 64 tokens) instead of one prefill_chunk,
+// so the decoding request keeps getting tokens meanwhile; its answer is unchanged.
+TEST_F(SchedulerTest, ATpotTargetCutsPrefillChunksBesideDecodeSteps) {
+  std::vector<int32_t> long_prompt;
+  while (long_prompt.size() < 400) {
+    for (const std::string& d : {kDocA, kDocB}) {
+      for (int32_t t : Enc(d)) long_prompt.push_back(t);
+    }
+  }
+  long_prompt.resize(400);
+  const std::vector<int32_t> want = Reference({{long_prompt}}, 1);
+  for (double target : {0.0, 0.001}) {
+    SCOPED_TRACE(target > 0 ? "target" : "no target");
+    std::atomic<int> tokens{0}, first_tokens{0}, at_long_first{-1};
+    hooks_.on_token = [&](double) { tokens.fetch_add(1); };
+    hooks_.on_first_token = [&](double) {
+      if (first_tokens.fetch_add(1) == 1) at_long_first = tokens.load();  // the long prompt's
+    };
+    SchedulerOptions o;
+    o.prefill_chunk = 512;  // the whole prompt in one chunk without a target
+    o.tpot_target_ms = target;
+    auto s = Start(o);
+    ASSERT_NE(s, nullptr);
+    WorkItem decoding = Item({{Enc("Once upon a time")}}, 300, /*reuse=*/false);
+    decoding.sampling.ignore_eos = true;
+    auto hd = s->Submit(std::move(decoding));
+    ASSERT_TRUE(hd.ok()) << hd.status();
+    std::vector<StreamChunk> got;
+    while (tokens.load() < 2) (*hd)->Wait(&got, 50ms);  // decoding, costs measured
+    const int before = tokens.load();
+    auto hl = s->Submit(Item({{long_prompt}}, 1, /*reuse=*/false));
+    ASSERT_TRUE(hl.ok()) << hl.status();
+    Collected c = Drain(**hl);
+    ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+    EXPECT_EQ(c.ids, want);
+    const int during = at_long_first.load() - before;  // decode steps during its prefill
+    if (target > 0) {
+      EXPECT_GE(during, 400 / 64 - 1);
+    } else {
+      EXPECT_LE(during, 3);
+    }
+    (*hd)->Cancel();
+    s->Stop();
+  }
+  hooks_ = {};
+}
+
 // With register_approximate_prefix a reuse request's blocks past its exact KV, its generated
 // tokens included, are registered in the approximate namespace when it ends: the next chat turn
 // (its prompt, the reply, a new message) starts from them; a plain request does not.
