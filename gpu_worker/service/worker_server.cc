@@ -56,7 +56,7 @@ absl::StatusOr<std::string> ResolveReuseBudget(const std::string& model_fingerpr
   // --calibration-out` (docs/quality_calibration.stories260K.json).
   static const QualityCalibration kBuiltin{.selector = "sparsex",
                                            .model_fingerprint = "8fa7d654353b45a8f6cacbc13e2d9a46",
-                                           .drop_per_uncovered = {-1.0f, 0.08479f, 0.06017f}};
+                                           .drop_per_uncovered = {-1.0f, 0.07981f, 0.05282f}};
   QualityCalibration& calib = reuse.calibration;
   if (calib.drop_per_uncovered.empty() && model_fingerprint == kBuiltin.model_fingerprint) {
     calib = kBuiltin;
