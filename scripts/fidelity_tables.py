@@ -11,20 +11,22 @@ import sys
 
 # Measured cost curve on the H200 (docs/benchmarks.md, synthetic Llama-3-8B shape, 32769-token
 # prompt of which 32512 reused): full prefill 1173.5 ms at share 1; reuse prefill F=2 r=0.15
-# 373.4 ms at share 0.209. Linear between the two.
-H200_FULL_MS, H200_REUSE_MS, H200_REUSE_SHARE = 1173.5, 373.4, 0.209
-H200_L, H200_N, H200_REUSED = 32, 32769, 32512
+# 373.4 ms at share 0.2126 (0.209 of layers plus the selection's layer-F QKV projection of every
+# row, 0.1154 of a layer: ModelRunner::ProjectionCost for that shape). Linear between the two.
+H200_L, H200_N, H200_REUSED, H200_PROJ = 32, 32769, 32512, 0.1154
+H200_FULL_MS, H200_REUSE_MS = 1173.5, 373.4
 
 
 def h200_ms(share):
-    slope = (H200_FULL_MS - H200_REUSE_MS) / (1 - H200_REUSE_SHARE)
-    return H200_REUSE_MS + slope * (share - H200_REUSE_SHARE)
+    reuse_share = h200_share(2, 0.15)
+    slope = (H200_FULL_MS - H200_REUSE_MS) / (1 - reuse_share)
+    return H200_REUSE_MS + slope * (share - reuse_share)
 
 
 def h200_share(F, r):
     """Compute share of the H200 benchmark prompt at F full layers and ratio r."""
     rows = (r * H200_REUSED + (H200_N - H200_REUSED)) / H200_N
-    return F / H200_L + (1 - F / H200_L) * rows
+    return F / H200_L + (1 - F / H200_L) * rows + H200_PROJ / H200_L
 
 
 def fmt(v, ci, digits=5):

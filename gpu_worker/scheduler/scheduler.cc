@@ -506,7 +506,7 @@ void BatchScheduler::Iteration() {
     }
     if (!prefilled && decoding.empty() && active_.empty()) StoreOne();
   } else if (!prefilled || static_cast<int>(pending_stores_.size()) > opts_.max_pending_stores) {
-    StoreOne();
+    StoreOne(n_decoding);
   }
   charge(EnginePhase::kStore);
   // 6. Idle: copy one segment the device tier holds alone to the host store (download and
@@ -620,7 +620,7 @@ void BatchScheduler::SpillOne() {
   }
 }
 
-bool BatchScheduler::StoreOne() {
+bool BatchScheduler::StoreOne(int n_decoding) {
   while (!pending_stores_.empty()) {
     PendingStore& p = pending_stores_.front();
     if (!p.started) {
@@ -633,8 +633,13 @@ bool BatchScheduler::StoreOne() {
       p.reserve = static_cast<int>(p.tokens.size()) / block_size_ + 2;
       reserved_blocks_ += p.reserve;
     }
+    // Under a TPOT target, the layers that fit beside the decode step (at least one).
+    const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(p.tokens.size()));
+    const int slice = opts_.store_slice_layers > 0 ? opts_.store_slice_layers : 1 << 30;
+    const int64_t fit =
+        budget_.ReuseRowLayers(n_decoding, static_cast<int64_t>(slice) * rows) / rows;
     auto r = group_->StoreStep(p.tokens, &p.opts,
-                               opts_.store_slice_layers > 0 ? opts_.store_slice_layers : 1 << 30);
+                               static_cast<int>(std::clamp<int64_t>(fit, 1, slice)));
     if (r.ok() && *r == StoreProgress::kRunning) return true;
     // Done, or failed (e.g. no free KV blocks for the encoding pass: only the store is lost).
     // A segment in the device tier is reported once SpillOne copied it to the host store.

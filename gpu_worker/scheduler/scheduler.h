@@ -74,9 +74,9 @@ struct SchedulerOptions {
   // about what a plain chunk does); -1: the whole pass in one iteration. Default: 0
   int reuse_slice_tokens = 0;
   // Target time of an iteration in which sequences decode (about the TPOT they see, the decode
-  // step included): plain prefill chunks and reuse prefill slices beside decode steps are cut
-  // to what fits, from the measured costs (iteration_budget.h; at least 64 plain tokens or one
-  // layer of a reuse prefill per iteration); iterations without decoding sequences still run
+  // step included): plain prefill chunks, reuse prefill slices and deferred store slices beside
+  // decode steps are cut to what fits, from the measured costs (iteration_budget.h; at least 64
+  // plain tokens or one layer per iteration); iterations without decoding sequences still run
   // prefill_chunk / reuse_slice_tokens. Trades TTFT for TPOT. 0: off. Default: 0
   double tpot_target_ms = 0;
   // Defaults for every request's reuse; requests override fields. Default: ReuseOptions{}
@@ -323,8 +323,9 @@ class BatchScheduler {
   void DecodeAll(const std::vector<Active*>& step);
   // Rows one slice of a reuse prefill (a request's or a gate replay's) may spend.
   int64_t ReuseSliceRows() const;
-  // Runs one slice of the oldest deferred segment store; false when there was none.
-  bool StoreOne();
+  // Runs one slice of the oldest deferred segment store (under a TPOT target, the layers that
+  // fit beside the decode step of n_decoding sequences); false when there was none.
+  bool StoreOne(int n_decoding = 0);
   // Copies one device-tier-only segment to the host store and reports it (idle iterations).
   void SpillOne();
   // Emits a sampled token; returns false when the request finished.
