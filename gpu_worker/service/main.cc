@@ -173,6 +173,11 @@ int main(int argc, char** argv) {
     std::cout << f.Usage();
     return 0;
   }
+  if (!(o.scheduler.tpot_target_ms >= 0 && o.scheduler.tpot_target_ms <= 1e6)) {
+    std::cerr << "sparsex-worker: --tpot_target_ms must be 0 (off) to 1e6, not "
+              << o.scheduler.tpot_target_ms << "\n";
+    return 2;
+  }
   if (cache_fetch_batch_mb < 1 || cache_fetch_batch_mb > 16384) {
     std::cerr << "sparsex-worker: --cache_fetch_batch_mb must be 1-16384, not "
               << cache_fetch_batch_mb << "\n";

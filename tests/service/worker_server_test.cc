@@ -92,5 +92,17 @@ TEST(WorkerCli, RefusesAnOutOfRangeFetchRoundSize) {
   }
 }
 
+TEST(WorkerCli, RefusesAnOutOfRangeTpotTarget) {
+  for (const char* ms : {"-1", "nan", "2e6"}) {
+    auto r = cache::testing::RunCommand(cache::testing::BinDir() +
+                                            "/sparsex-worker --model /nonexistent "
+                                            "--tpot_target_ms " + ms + " 2>&1",
+                                        std::chrono::seconds(20));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->first, 2) << r->second;
+    EXPECT_NE(r->second.find("--tpot_target_ms"), std::string::npos) << r->second;
+  }
+}
+
 }  // namespace
 }  // namespace sparsex::service
