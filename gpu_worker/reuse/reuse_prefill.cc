@@ -379,6 +379,7 @@ struct ReuseEngine::PrefillJob {
   bool own_seq = true;  // released with the job unless handed to the result
   ReusePrefillResult res;
   int P = 0, N = 0, n_rows = 0, F = 0, L = 0, next_layer = 0;
+  int next_row = 0;  // a full layer run in row chunks: its first row not yet computed
   ReusePlan plan;
   std::vector<std::shared_ptr<const DeviceSegment>> found;
   std::vector<char> from_host;  // found in the pinned host tier
@@ -715,20 +716,33 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
   while (j.next_layer < L && (spent == 0 || spent < max_row_layers)) {
     const int l = j.next_layer;
     if (l < F) {
-      // ---- full layers [0, F): every non-prefix row, with the selection signal ----
-      LayerRows rows{j.pos_all, j.slot_all, j.ctx};
+      // ---- full layers [0, F): every non-prefix row, with the selection signal; in row
+      // chunks when the rest of the layer exceeds what is left of the slice ----
+      const int64_t r0 = j.next_row;
+      int64_t take = n_rows - r0;
+      if (spent > 0 || take > max_row_layers) {
+        take = std::min(take, std::max(max_row_layers - spent, kMinFullLayerRows));
+      }
+      const std::span<const int32_t> pos = std::span<const int32_t>(j.pos_all).subspan(r0, take);
+      const std::span<const int32_t> slots =
+          std::span<const int32_t>(j.slot_all).subspan(r0, take);
+      LayerRows rows{pos, slots, j.ctx};
       AttentionArgs stats;
       const bool measure = j.want_attn && l >= j.stats_from;
       if (measure) {
         stats.key_group = plan.group;
-        stats.q_group = j.qgroup;
-        stats.out_cross = j.cross.data();
-        stats.recv_weight = j.recv_w;
+        stats.q_group = std::span<const int32_t>(j.qgroup).subspan(r0, take);
+        stats.out_cross = j.cross.data() + r0;
+        stats.recv_weight = std::span<const float>(j.recv_w).subspan(r0, take);
         stats.out_recv = j.recv.data();
       }
-      RETURN_IF_ERROR(r.Layer(l, j.x, rows, measure ? &stats : nullptr));
-      st.computed_token_layers += n_rows;
-      spent += n_rows;
+      Tensor x = take == n_rows ? j.x : RowView(j.x, r0, take);
+      RETURN_IF_ERROR(r.Layer(l, x, rows, measure ? &stats : nullptr));
+      st.computed_token_layers += take;
+      spent += take;
+      j.next_row = static_cast<int>(r0 + take);
+      if (j.next_row < n_rows) continue;  // the slice is spent: the rest of the layer next
+      j.next_row = 0;
       ++j.next_layer;
       if (j.next_layer == F) RETURN_IF_ERROR(j.Phase(&st.full_ms));
       continue;

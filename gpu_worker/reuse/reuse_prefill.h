@@ -140,9 +140,12 @@ class ReuseEngine {
                                              const ReuseOptions* override_opts = nullptr);
   // Prefill in slices, for a caller that interleaves it with other work (the scheduler between
   // decode steps): BeginPrefill admits the sequence, plans and looks up (ending a prefill in
-  // progress); each PrefillStep runs whole layers until their rows add up to max_row_layers
-  // (at least one layer; a full layer's rows are every non-prefix token, a sparse layer's the
-  // recomputed ones) and returns the result after the last layer. An error ends the prefill;
+  // progress); each PrefillStep runs layers until their rows add up to max_row_layers (a full
+  // layer's rows are every non-prefix token, a sparse layer's the recomputed ones) and returns
+  // the result after the last layer. A full layer whose rows exceed what is left of the budget
+  // runs in row chunks (in position order, each attending over the keys written before it; at
+  // least kMinFullLayerRows rows), so a long prompt's full layers do not hold decode steps for
+  // a whole layer; sparse layers run whole. An error ends the prefill;
   // AbortPrefill drops it (a cancelled request): either way its KV blocks go back to the pool.
   // A step that leaves work returns once the backend has run its slice, so that work queued
   // next (another request's) waits for one slice, not the whole pass.
@@ -150,6 +153,7 @@ class ReuseEngine {
   absl::Status BeginPrefill(const std::vector<PromptSegment>& segments, bool add_bos = true,
                             const ReuseOptions* override_opts = nullptr);
   absl::StatusOr<std::optional<ReusePrefillResult>> PrefillStep(int64_t max_row_layers);
+  static constexpr int64_t kMinFullLayerRows = 64;
   void AbortPrefill();
   // Rows x layers the prefill in progress has computed so far (0 without one): what a slice
   // cost, for the scheduler's iteration budget.

@@ -44,7 +44,8 @@ class IterationBudget {
   // beside the decode step, at least min_tokens (and at most max_tokens).
   int PlainTokens(int decode_rows, int max_tokens) const;
   // Row-layers of a reuse prefill slice for such an iteration (its decode step runs after the
-  // slice): max_row_layers as above, else what fits, at least 1 (a slice always runs a layer).
+  // slice): max_row_layers as above, else what fits, at least 1 (a slice always runs a row
+  // chunk of a full layer or a whole sparse layer).
   int64_t ReuseRowLayers(int decode_rows, int64_t max_row_layers) const;
 
   // The estimates (ms; negative: not measured yet), for metrics and tests.

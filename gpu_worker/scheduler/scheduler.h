@@ -5,7 +5,8 @@
 //   2. admits waiting requests while the KV reservation and max_running allow (a request
 //      waiting for its remote fetch joins when the fetch is done or at fetch_wait_ms),
 //   3. runs the prefill work of the oldest request still prefilling: a slice of its reuse
-//      prefill (whole layers of its sparse-recompute pass, about reuse_slice_tokens' worth,
+//      prefill (layers of its sparse-recompute pass, about reuse_slice_tokens' worth, a long
+//      full layer in row chunks,
 //      returned once the backend has run them: the next request's work waits for one slice),
 //      or, when it is a plain one, the next chunks of the plain prefills from it on (oldest
 //      first, up to the next reuse prefill) until prefill_chunk tokens are taken, all in one
@@ -68,15 +69,17 @@ struct SchedulerOptions {
   // prefill's slices still alternate with decode steps. Default: true
   bool mix_prefill_decode = true;
   // Prefill work of a reuse prefill per iteration, in tokens through every layer: its layers
-  // run in slices of about reuse_slice_tokens x n_layers rows (whole layers; a full layer's
-  // rows are all its non-prefix tokens, a sparse layer's the recomputed ones), so decoding
+  // run in slices of about reuse_slice_tokens x n_layers rows (a full layer's rows are all its
+  // non-prefix tokens, in row chunks when they exceed the slice; a sparse layer's the
+  // recomputed ones, whole), so decoding
   // sequences wait for a slice instead of the whole pass. 0: prefill_chunk (a slice costs
   // about what a plain chunk does); -1: the whole pass in one iteration. Default: 0
   int reuse_slice_tokens = 0;
   // Target time of an iteration in which sequences decode (about the TPOT they see, the decode
   // step included): plain prefill chunks, reuse prefill slices and deferred store slices beside
   // decode steps are cut to what fits, from the measured costs (iteration_budget.h; at least 64
-  // plain tokens or one layer per iteration); iterations without decoding sequences still run
+  // plain tokens, 64 rows of a full layer or one sparse layer per iteration); iterations
+  // without decoding sequences still run
   // prefill_chunk / reuse_slice_tokens. Trades TTFT for TPOT. 0: off. Default: 0
   double tpot_target_ms = 0;
   // Defaults for every request's reuse; requests override fields. Default: ReuseOptions{}

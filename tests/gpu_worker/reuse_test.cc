@@ -603,9 +603,15 @@ TEST_F(ReuseTest, SlicedPrefillEqualsTheWholePassAndAbortFreesItsBlocks) {
       ASSERT_TRUE(engine_->Step(*other, 5).ok());
     }
     EXPECT_FALSE(reuse_->prefilling());
-    // One layer per step with the smallest slice; fewer with larger ones.
-    if (slice == 1) EXPECT_EQ(steps, model_->config().n_layers);
-    if (slice == 400) EXPECT_LT(steps, model_->config().n_layers);
+    // The smallest slices run the full layers in chunks of kMinFullLayerRows rows and each
+    // sparse layer whole; the largest more than one layer at a time.
+    const int L = model_->config().n_layers, F = ReuseOptions{}.full_layers;
+    const int64_t rows = whole.stats.prompt_tokens - whole.stats.prefix_tokens;
+    const int64_t chunk = ReuseEngine::kMinFullLayerRows;
+    ASSERT_GT(rows, chunk);  // the full layers are split
+    if (slice == 1) EXPECT_EQ(steps, F * ((rows + chunk - 1) / chunk) + (L - F));
+    if (slice == 40) EXPECT_GT(steps, L);
+    if (slice == 400) EXPECT_LT(steps, L);
     EXPECT_EQ(r->logits, whole.logits) << "slice " << slice;
     EXPECT_EQ(r->stats.selected_tokens, whole.stats.selected_tokens);
     EXPECT_EQ(r->stats.computed_token_layers, whole.stats.computed_token_layers);
