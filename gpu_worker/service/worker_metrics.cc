@@ -101,7 +101,7 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   fetch_timeouts = &r.AddGauge("sparsex_worker_fetch_timeouts",
                               "Requests served without their cache-cluster fetch (it outlasted "
                               "--fetch_wait_ms; the segments were computed).").Get();
-  iteration_cost = &r.AddGauge("sparsex_worker_iteration_cost_ms",
+  iteration_cost = &r.AddGauge("sparsex_worker_iteration_cost_seconds",
                                "The scheduler's measured costs that size prefill work beside "
                                "decode steps under --tpot_target_ms (moving averages; -1 before "
                                "the first measurement), by part: decode_step, prefill_token, "

@@ -248,9 +248,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->pending_stores->Set(l.pending_stores);
     sp->m->unspilled_segments->Set(l.unspilled_segments);
     sp->m->fetch_timeouts->Set(static_cast<double>(l.fetch_timeouts));
-    sp->m->iteration_cost->Get({"decode_step"}).Set(l.cost_decode_ms);
-    sp->m->iteration_cost->Get({"prefill_token"}).Set(l.cost_token_ms);
-    sp->m->iteration_cost->Get({"reuse_row_layer"}).Set(l.cost_row_layer_ms);
+    for (auto [part, ms] : {std::pair{"decode_step", l.cost_decode_ms},
+                            std::pair{"prefill_token", l.cost_token_ms},
+                            std::pair{"reuse_row_layer", l.cost_row_layer_ms}}) {
+      sp->m->iteration_cost->Get({part}).Set(ms < 0 ? -1.0 : ms / 1e3);
+    }
     for (int p = 0; p < kEnginePhases; ++p) {
       sp->m->engine_seconds->Get({kEnginePhaseNames[p]}).Set(l.phase_seconds[p]);
       sp->m->engine_longest->Get({kEnginePhaseNames[p]}).Set(l.phase_longest_s[p]);
