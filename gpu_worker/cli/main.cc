@@ -27,6 +27,8 @@ void Usage() {
                "                   [--seeds S,...] [--full-layers F,...] [--encodings none,bos]\n"
                "                   [--selectors a,b] [--ratios r,...]\n"
                "                   [--sparsex-weights c,r,d[,product,window,weight]]\n"
+               "                   [--refresh-kv 0|1] (layer F's K/V of every reused token\n"
+               "                   from its exact input; default 1)\n"
                "                   [--context N] [--max-len N] [--continuation N]\n"
                "                   [--bootstrap N] [--bootstrap-seed S] [--threads N]\n"
                "  sparsex info --model PATH\n"
