@@ -236,6 +236,9 @@ bool ReuseEngine::Holds(const Hash128& fp) const {
   for (const auto& [f, kv] : fetched_) {
     if (f == fp) return true;
   }
+  for (const Hash128& f : adopting_) {
+    if (f == fp) return true;
+  }
   for (const auto& [f, s] : streamed_) {
     if (f == fp && !s.seg->Failed()) return true;
   }
@@ -305,6 +308,7 @@ int ReuseEngine::AdoptFetched(int max_segments) {
       if (!s.seg->Failed()) in.emplace_back(it->first, std::move(s.seg->kv()));
       it = streamed_.erase(it);
     }
+    for (const auto& [fp, kv] : in) adopting_.push_back(fp);
   }
   const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
   for (auto& [fp, kv] : in) {
@@ -317,6 +321,10 @@ int ReuseEngine::AdoptFetched(int max_segments) {
     if (t.UploadBf16(fp, kv).ok() && &t == &tier_ && t.Peek(fp) != nullptr) {
       unspilled_.emplace_back(fp, kv.n_tokens);
     }
+  }
+  if (!in.empty()) {
+    std::lock_guard<std::mutex> l(fetched_mu_);
+    adopting_.clear();  // only this (engine) thread adopts
   }
   return static_cast<int>(in.size());
 }
@@ -720,7 +728,7 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
       // chunks when the rest of the layer exceeds what is left of the slice ----
       const int64_t r0 = j.next_row;
       int64_t take = n_rows - r0;
-      if (spent > 0 || take > max_row_layers) {
+      if (j.o.split_full_layers && (spent > 0 || take > max_row_layers)) {
         take = std::min(take, std::max(max_row_layers - spent, kMinFullLayerRows));
       }
       const std::span<const int32_t> pos = std::span<const int32_t>(j.pos_all).subspan(r0, take);

@@ -53,6 +53,11 @@ struct ReuseOptions {
   // only the rows the budget leaves out of the sparse layers keep stale K/V from layer F + 1
   // on. Selectors without the deviation signal run the projection for it. Default: true
   bool refresh_first_sparse_kv = true;
+  // A sliced prefill (PrefillStep) may run a full layer in row chunks when it exceeds the
+  // slice; false keeps whole layers (the correctness gate's replays, which run in idle time
+  // only and are abandoned when a request arrives: fewer, larger slices finish more often).
+  // Default: true
+  bool split_full_layers = true;
   // Context a segment is encoded in for storage: "none" (alone at positions 0..n-1), "bos"
   // (after BOS, only the segment part kept) or "prefix:<id> <id> ..." (after fixed tokens).
   // Default: none (stories260K: naive-reuse KL 3.6x lower than bos; docs/fidelity.md)
@@ -250,6 +255,8 @@ class ReuseEngine {
   DeviceSegmentTier tier_, host_tier_;
   mutable std::mutex fetched_mu_;
   std::vector<std::pair<Hash128, SegmentKvBf16>> fetched_;  // the inbox
+  // Taken from the inbox by AdoptFetched, upload in progress (Holds still says yes).
+  std::vector<Hash128> adopting_;
   struct Streamed {
     std::shared_ptr<StreamedSegment> seg;
     bool claimed = false;  // read by the running prefill

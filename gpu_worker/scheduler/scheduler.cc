@@ -544,6 +544,7 @@ void BatchScheduler::GateOffer(const Active& a, const std::vector<float>& logits
   g.opts.register_prefix = false;
   g.opts.register_approximate_prefix = false;
   g.opts.store_new_segments = false;
+  g.opts.split_full_layers = false;
   g.logits = logits;
   gate_queue_.push_back(std::move(g));
 }
@@ -939,9 +940,6 @@ void BatchScheduler::PublishWaitingLocked() {
   load_.queue_depth = static_cast<int>(queue_.size());
   load_.waiting_remote = static_cast<int>(fetch_wait_.size());
   load_.fetch_timeouts = fetch_timeouts_;
-  load_.cost_decode_ms = budget_.decode_ms();
-  load_.cost_token_ms = budget_.token_ms();
-  load_.cost_row_layer_ms = budget_.row_layer_ms();
 }
 
 void BatchScheduler::PublishLoad() {
@@ -956,6 +954,10 @@ void BatchScheduler::PublishLoad() {
   load_.running_tokens = tokens;
   load_.pending_stores = static_cast<int>(pending_stores_.size());
   load_.stores_dropped = stores_dropped_;
+  // budget_ is the engine thread's (PublishWaitingLocked also runs on Submit's thread).
+  load_.cost_decode_ms = budget_.decode_ms();
+  load_.cost_token_ms = budget_.token_ms();
+  load_.cost_row_layer_ms = budget_.row_layer_ms();
   if (group_) load_.unspilled_segments = static_cast<int>(group_->unspilled());
   if (group_) load_.device_tier_bytes = group_->device_tier_bytes();
   for (int p = 0; p < kEnginePhases; ++p) {
