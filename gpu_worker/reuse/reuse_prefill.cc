@@ -882,8 +882,9 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
     const BudgetOptions& ob = j.o.budget;
     bool keeps_all = ob.mode == BudgetOptions::Mode::kFixed && ob.ratio >= 1.0f;
     for (float lr : j.o.layer_ratios) keeps_all = keeps_all && lr >= 1.0f;
-    const bool deviation = j.selector->needs_kv_deviation() && !keeps_all;
-    if (j.selector->needs_kv_deviation()) in.kv_deviation.assign(j.reused_rows.size(), 0.0f);
+    const bool wants_deviation = j.selector->needs_kv_deviation();
+    if (wants_deviation) in.kv_deviation.assign(j.reused_rows.size(), 0.0f);
+    const bool deviation = wants_deviation && !keeps_all;
     const bool refresh = j.o.refresh_first_sparse_kv && !keeps_all;
     if (deviation || refresh) {
       // Layer F's projection of every row from its exact input (the full layers computed them

@@ -93,7 +93,7 @@ struct ReuseStats {
   int segments_streamed = 0;    // read from a cluster fetch still in progress, layer by layer
   int stream_restarts = 0;      // times the prefill started over because one did not arrive
   int64_t computed_token_layers = 0;
-  // The selection's layer-F projection of the reused rows, in layers' worth of rows
+  // The selection's layer-F projection of every non-prefix row, in layers' worth of rows
   // (rows x ModelRunner::ProjectionCost()): the deviation signal and refresh_first_sparse_kv.
   double projected_token_layers = 0;
   // (computed + projected token-layers) / (L x non-prefix tokens)

@@ -8,7 +8,7 @@
 //
 //   IterationBudget b({.target_ms = 12});
 //   int tokens = b.PlainTokens(/*decode_rows=*/n, opts.prefill_chunk);
-//   ... run the pass ... b.ObserveMixed(tokens, n, seconds);
+//   ... run the pass ... b.ObservePlain(tokens, n, seconds);
 #pragma once
 
 #include <cstdint>

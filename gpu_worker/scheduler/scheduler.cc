@@ -470,22 +470,22 @@ void BatchScheduler::Iteration() {
   auto since = [](Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
   };
-  if (pf != nullptr && pf->plain && opts_.mix_prefill_decode && !decoding.empty()) {
+  // The plain prefills' chunks that fit, in one pass with the decode rows of `step` (if any).
+  auto plain_chunks = [&](const std::vector<Active*>& step) {
     const auto due = PlainChunks(budget_.PlainTokens(n_decoding, opts_.prefill_chunk));
     const int tokens = DueTokens(due);
     const Clock::time_point t0 = Clock::now();
-    PrefillChunks(due, decoding);
-    budget_.ObservePlain(tokens, n_decoding, since(t0));
+    PrefillChunks(due, step);
+    budget_.ObservePlain(tokens, static_cast<int>(step.size()), since(t0));
+  };
+  if (pf != nullptr && pf->plain && opts_.mix_prefill_decode && !decoding.empty()) {
+    plain_chunks(decoding);
     prefilled = true;
     std::erase_if(active_, [](const auto& a) { return a->state == Active::State::kDone; });
     charge(EnginePhase::kMixed);
   } else {
     if (pf != nullptr && pf->plain) {
-      const auto due = PlainChunks(budget_.PlainTokens(n_decoding, opts_.prefill_chunk));
-      const int tokens = DueTokens(due);
-      const Clock::time_point t0 = Clock::now();
-      PrefillChunks(due, {});
-      budget_.ObservePlain(tokens, 0, since(t0));
+      plain_chunks({});
     } else if (pf != nullptr) {
       ReusePrefillSlice(*pf, budget_.ReuseRowLayers(n_decoding, ReuseSliceRows()));
     }

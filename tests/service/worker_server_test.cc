@@ -77,30 +77,27 @@ TEST(WorkerServer, AutoBudgetIsQualityOnlyForACalibratedModel) {
   EXPECT_TRUE(note->empty());
 }
 
-// The worker binary refuses an out-of-range fetch round size with a clear message (exit 2)
-// before it loads anything.
+// The worker binary run with `flags` on a model that does not exist: an option check must
+// refuse them (exit 2, a message naming `want`) before anything is loaded.
+void ExpectRefused(const std::string& flags, const std::string& want) {
+  auto r = cache::testing::RunCommand(
+      cache::testing::BinDir() + "/sparsex-worker --model /nonexistent " + flags + " 2>&1",
+      std::chrono::seconds(20));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->first, 2) << flags << ": " << r->second;
+  EXPECT_NE(r->second.find(want), std::string::npos) << flags << ": " << r->second;
+}
+
 TEST(WorkerCli, RefusesAnOutOfRangeFetchRoundSize) {
   for (const char* mb : {"0", "-5", "16385"}) {
-    auto r = cache::testing::RunCommand(cache::testing::BinDir() +
-                                            "/sparsex-worker --model /nonexistent "
-                                            "--cache_fetch_batch_mb " + mb + " 2>&1",
-                                        std::chrono::seconds(20));
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->first, 2) << r->second;
-    EXPECT_NE(r->second.find("--cache_fetch_batch_mb must be 1-16384"), std::string::npos)
-        << r->second;
+    ExpectRefused(std::string("--cache_fetch_batch_mb ") + mb,
+                  "--cache_fetch_batch_mb must be 1-16384");
   }
 }
 
 TEST(WorkerCli, RefusesAnOutOfRangeTpotTarget) {
   for (const char* ms : {"-1", "nan", "2e6"}) {
-    auto r = cache::testing::RunCommand(cache::testing::BinDir() +
-                                            "/sparsex-worker --model /nonexistent "
-                                            "--tpot_target_ms " + ms + " 2>&1",
-                                        std::chrono::seconds(20));
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->first, 2) << r->second;
-    EXPECT_NE(r->second.find("--tpot_target_ms"), std::string::npos) << r->second;
+    ExpectRefused(std::string("--tpot_target_ms ") + ms, "--tpot_target_ms");
   }
 }
 
