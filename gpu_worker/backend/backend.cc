@@ -115,6 +115,11 @@ absl::Status Backend::UploadBf16(std::span<const uint16_t> host, Tensor& dst) {
   return Upload(wide, dst);
 }
 
+absl::StatusOr<int64_t> Backend::UploadBf16Async(std::span<const uint16_t> host, Tensor& dst) {
+  RETURN_IF_ERROR(UploadBf16(host, dst));
+  return int64_t{0};
+}
+
 absl::Status Backend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,
                                   std::span<const int32_t> pos, std::span<const int32_t> slots,
                                   const RopeParams& p) {

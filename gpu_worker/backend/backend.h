@@ -190,6 +190,14 @@ class Backend {
   // Uploads bf16 values (the upper halves of fp32). Default: widened to fp32, then Upload (exact
   // on any backend); the CUDA backend copies them as they are.
   virtual absl::Status UploadBf16(std::span<const uint16_t> host, Tensor& dst);
+  // UploadBf16 off the compute stream: host may be reused once it returns, the copy itself
+  // runs beside the queued compute work, and work enqueued after Await(ticket) sees dst. The
+  // copy is not ordered after queued compute work: dst must be memory no queued work still
+  // reads or writes (e.g. allocated before a Synchronize). For a cluster fetch streamed layer
+  // by layer: the host no longer waits for the previous layer's compute before it can stage
+  // the next layer's bytes (on the H200 the staging chunks' reuse waited for it, so the fetch
+  // and the prefill ran one after the other). Default: UploadBf16 now, ticket 0.
+  virtual absl::StatusOr<int64_t> UploadBf16Async(std::span<const uint16_t> host, Tensor& dst);
   virtual absl::Status Download(const Tensor& src, std::span<float> host) = 0;
   virtual absl::StatusOr<BackendWeights> LoadWeights(const Model& model) = 0;
   // Seeded random weights of the given shapes generated in backend memory (speed work only:

@@ -398,10 +398,16 @@ struct ReuseEngine::PrefillJob {
   std::vector<std::shared_ptr<DeviceSegment>> streamed_dst;
   std::vector<size_t> streamed_ids;
   std::function<void()> on_end;  // gives the streamed segments back (the job ends)
-  // Layer l of streamed segment s from the fetch's buffer into its tier memory.
+  // Layer l of streamed segment s from the fetch's buffer into its tier memory, copied off the
+  // compute stream (BeginPrefill synchronised after reserving that memory): the engine thread
+  // stages layer l + 1 while layer l computes; work enqueued from here on sees the layer.
   absl::Status UploadStreamed(size_t s, int l) {
-    RETURN_IF_ERROR(be->UploadBf16(streamed[s]->kv().k[l], streamed_dst[s]->k[l]));
-    return be->UploadBf16(streamed[s]->kv().v[l], streamed_dst[s]->v[l]);
+    ASSIGN_OR_RETURN(const int64_t tk, be->UploadBf16Async(streamed[s]->kv().k[l],
+                                                           streamed_dst[s]->k[l]));
+    ASSIGN_OR_RETURN(const int64_t tv, be->UploadBf16Async(streamed[s]->kv().v[l],
+                                                           streamed_dst[s]->v[l]));
+    RETURN_IF_ERROR(be->Await(tk));
+    return be->Await(tv);
   }
   struct Placement {
     std::vector<int32_t> pos, slots;
@@ -561,6 +567,10 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
     std::vector<Hash128> fps;
     for (size_t s : j->streamed_ids) fps.push_back(j->plan.segments[s].fp);
     j->on_end = [this, fps] { UnclaimStreamed(fps); };
+    // UploadStreamed copies off the compute stream, unordered with it: the tier memory just
+    // reserved (stream-ordered allocation, perhaps reusing memory queued work still frees) must
+    // be settled first. Once per request with a fetch in flight.
+    RETURN_IF_ERROR(j->be->Synchronize());
   }
   RETURN_IF_ERROR(lookup_error);
   const ReusePlan& plan = j->plan;

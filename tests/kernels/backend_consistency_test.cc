@@ -137,6 +137,46 @@ TEST_F(BackendConsistency, LargeTransfersThroughPinnedChunks) {
   }
 }
 
+// UploadBf16Async (a streamed fetch's layers): several uploads in a row, sizes crossing the
+// 4M-element chunks unevenly (the two chunks alternate across calls), the host buffer
+// overwritten as soon as each call returns, and compute enqueued after Await reading the copy.
+TEST_F(BackendConsistency, AsyncBf16UploadsOffTheComputeStream) {
+  std::vector<std::vector<uint16_t>> want;
+  std::vector<Tensor> dst;
+  std::vector<int64_t> tickets;
+  const int64_t cols = 1024;
+  for (int64_t rows : {4064, 3, 9000, 4096}) {
+    std::vector<float> v = Rand(rows * cols, 2.0f);
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &v[i], 4);
+      h[i] = static_cast<uint16_t>(u >> 16);  // v is bf16-exact
+    }
+    auto t = gpu_->Alloc(rows, cols);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(gpu_->Synchronize().ok());  // the contract: dst settled before the copy
+    auto tk = gpu_->UploadBf16Async(h, *t);
+    ASSERT_TRUE(tk.ok()) << tk.status();
+    want.push_back(h);
+    std::fill(h.begin(), h.end(), uint16_t{0x7fc0});  // NaN: the copy must not read this
+    dst.push_back(*t);
+    tickets.push_back(*tk);
+  }
+  for (size_t i = 0; i < dst.size(); ++i) {
+    ASSERT_TRUE(gpu_->Await(tickets[i]).ok());
+    ASSERT_TRUE(gpu_->Add(dst[i], dst[i]).ok());  // compute reads the copied values
+    std::vector<float> back = Get(*gpu_, dst[i]);
+    for (size_t e = 0; e < back.size(); ++e) {
+      uint32_t u = static_cast<uint32_t>(want[i][e]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      ASSERT_EQ(back[e], RoundBf16(2.0f * f)) << "upload " << i << " element " << e;
+    }
+    gpu_->Free(dst[i]);
+  }
+}
+
 TEST_F(BackendConsistency, RmsNorm) {
   for (int dim : {4096, 64, 100}) {
     Pair x = MakeRand(37, dim, 2.0f);

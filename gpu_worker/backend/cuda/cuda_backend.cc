@@ -31,6 +31,7 @@ namespace cuda_internal {
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   if (stream_) cudaStreamSynchronize(stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
@@ -39,6 +40,8 @@ CudaBackend::~CudaBackend() {
   for (int b = 0; b < 2; ++b) {
     if (upload_done_[b]) cudaEventDestroy(upload_done_[b]);
     if (upload_pinned_[b]) cudaFreeHost(upload_pinned_[b]);
+    if (async_done_[b]) cudaEventDestroy(async_done_[b]);
+    if (async_pinned_[b]) cudaFreeHost(async_pinned_[b]);
   }
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -265,6 +268,51 @@ absl::Status CudaBackend::UploadBf16(std::span<const uint16_t> host, Tensor& dst
       std::memcpy(b16 + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
     }, int64_t{1} << 19);
   });
+}
+
+absl::StatusOr<int64_t> CudaBackend::UploadBf16Async(std::span<const uint16_t> host,
+                                                      Tensor& dst) {
+  RETURN_IF_ERROR(FlushGraph());
+  RETURN_IF_ERROR(CheckBf16(dst, "UploadBf16Async"));
+  if (host.size() != static_cast<size_t>(dst.rows * dst.cols)) {
+    return absl::InvalidArgumentError("UploadBf16Async: size mismatch");
+  }
+  if (dst.host || host.empty()) {
+    RETURN_IF_ERROR(UploadBf16(host, dst));
+    return int64_t{0};
+  }
+  for (int b = 0; b < 2; ++b) {
+    if (async_pinned_[b] != nullptr) continue;
+    CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&async_pinned_[b]),
+                              kUploadChunk * sizeof(bf16), cudaHostAllocDefault),
+                "UploadBf16Async staging");
+    CUDA_RETURN(cudaEventCreateWithFlags(&async_done_[b], cudaEventDisableTiming),
+                "UploadBf16Async event");
+  }
+  const int64_t n = static_cast<int64_t>(host.size());
+  for (int64_t off = 0; off < n; off += kUploadChunk) {
+    const int b = static_cast<int>(async_next_++ & 1);
+    if (async_pending_[b]) {  // this chunk's earlier copy (copy stream only) must be done
+      CUDA_RETURN(cudaEventSynchronize(async_done_[b]), "UploadBf16Async wait");
+      async_pending_[b] = false;
+    }
+    const int64_t m = std::min(kUploadChunk, n - off);
+    auto* buf = reinterpret_cast<uint16_t*>(async_pinned_[b]);
+    const uint16_t* src = host.data() + off;
+    ParallelFor(m, [&](int64_t lo, int64_t hi) {
+      std::memcpy(buf + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
+    }, int64_t{1} << 19);
+    CUDA_RETURN(cudaMemcpyAsync(B(dst) + off, async_pinned_[b], m * sizeof(bf16),
+                                cudaMemcpyHostToDevice, copy_stream_),
+                "UploadBf16Async copy");
+    CUDA_RETURN(cudaEventRecord(async_done_[b], copy_stream_), "UploadBf16Async record");
+    async_pending_[b] = true;
+  }
+  cudaEvent_t done = nullptr;
+  CUDA_RETURN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "UploadBf16Async event");
+  CUDA_RETURN(cudaEventRecord(done, copy_stream_), "UploadBf16Async record");
+  tickets_.emplace(++last_ticket_, done);
+  return last_ticket_;
 }
 
 absl::Status CudaBackend::UploadViaPinned(
