@@ -264,6 +264,8 @@ std::string UsageJson(const v1::Usage& u) {
       .Num("segments_hit", u.segments_hit())
       .Num("segments_fetched", u.segments_fetched())
       .Num("fetch_failures", u.fetch_failures())
+      .Num("segments_streamed", u.segments_streamed())
+      .Num("stream_restarts", u.stream_restarts())
       .Num("worker_ttft_ms", u.ttft_ms())
       .Num("queue_ms", u.queue_ms())
       .Num("compute_share", u.compute_share())
