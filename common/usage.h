@@ -23,6 +23,6 @@
   X(new_tokens, int, 0) X(segments_hit, int, 0) X(segments_fetched, int, 0)                  \
   X(fetch_failures, int, 0) X(ttft_ms, double, 0.0) X(total_ms, double, 0.0)                 \
   X(queue_ms, double, 0.0) X(compute_share, double, 1.0) X(segments_streamed, int, 0)      \
-  X(stream_restarts, int, 0)
+  X(stream_restarts, int, 0) X(stream_wait_ms, double, 0.0) X(stream_upload_ms, double, 0.0)
 
 #define SPARSEX_USAGE_FIELDS(X) SPARSEX_USAGE_OPENAI(X) SPARSEX_USAGE_DETAIL(X)

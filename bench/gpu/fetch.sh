@@ -88,7 +88,7 @@ send fetch 3 on
 fb1=$(metric "$BM" 'sparsex_worker_fetch_bytes_total'); fs1=$(metric "$BM" 'sparsex_worker_fetch_seconds_sum')
 for s in 4 5 6; do send "tier$s" "$s" on; done
 send full 7 off
-curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|streamed|stream_restarts|engine_seconds|host_segments|writeback|gate|queue)' | grep -v _bucket >>"$OUT/metrics.txt"
+curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|streamed|stream_restarts|stream_seconds|engine_seconds|host_segments|writeback|gate|queue)' | grep -v _bucket >>"$OUT/metrics.txt"
 grep -h "cache cluster\|fetch\|error" "$RUN"/worker*.log | tail -n 20 >>"$LOG" 2>&1
 curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_' | grep -v _bucket >>"$OUT/metrics.txt"
 "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1
@@ -108,7 +108,8 @@ for step in ["warm1", "warmB1", "warmB2", "fetch", "tier4", "tier5", "tier6", "f
                         "worker_ttft_ms": u.get("worker_ttft_ms"), "queue_ms": u.get("queue_ms"),
                         "prompt_tokens": u.get("prompt_tokens"), "reused_tokens": u.get("reused_tokens"),
                         "segments_fetched": u.get("segments_fetched"), "fetch_failures": u.get("fetch_failures"),
-                        "segments_streamed": u.get("segments_streamed")}
+                        "segments_streamed": u.get("segments_streamed"),
+                        "stream_wait_ms": u.get("stream_wait_ms"), "stream_upload_ms": u.get("stream_upload_ms")}
 tier = [r["steps"][s]["worker_ttft_ms"] for s in ("tier4", "tier5", "tier6")
         if s in r["steps"] and r["steps"][s]["worker_ttft_ms"]]
 f = r["steps"].get("fetch", {}).get("worker_ttft_ms")

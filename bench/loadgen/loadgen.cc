@@ -266,6 +266,8 @@ std::string UsageJson(const v1::Usage& u) {
       .Num("fetch_failures", u.fetch_failures())
       .Num("segments_streamed", u.segments_streamed())
       .Num("stream_restarts", u.stream_restarts())
+      .Num("stream_wait_ms", u.stream_wait_ms())
+      .Num("stream_upload_ms", u.stream_upload_ms())
       .Num("worker_ttft_ms", u.ttft_ms())
       .Num("queue_ms", u.queue_ms())
       .Num("compute_share", u.compute_share())

@@ -397,6 +397,7 @@ struct ReuseEngine::PrefillJob {
   std::vector<std::shared_ptr<StreamedSegment>> streamed;  // [segment] or null
   std::vector<std::shared_ptr<DeviceSegment>> streamed_dst;
   std::vector<size_t> streamed_ids;
+  std::optional<std::chrono::steady_clock::time_point> stream_wait_since;  // a layer missing
   std::function<void()> on_end;  // gives the streamed segments back (the job ends)
   // Layer l of streamed segment s from the fetch's buffer into its tier memory, copied off the
   // compute stream (BeginPrefill synchronised after reserving that memory): the engine thread
@@ -648,15 +649,27 @@ constexpr absl::string_view kStreamFailed = "reuse prefill: a streamed segment d
 }  // namespace
 
 absl::StatusOr<bool> ReuseEngine::StreamedLayer(PrefillJob& j, int l, bool wait) {
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
   for (size_t s : j.streamed_ids) {
     StreamedSegment& in = *j.streamed[s];
     if (in.Ready(l)) continue;
+    if (!j.stream_wait_since) j.stream_wait_since = Clock::now();
     // A short wait: other sequences' decode steps share the iteration it holds.
     if (!in.Failed() && wait) in.Wait(l, std::chrono::milliseconds(5));
     if (in.Failed()) return absl::AbortedError(kStreamFailed);
     if (!in.Ready(l)) return false;  // the iteration goes back to the scheduler meanwhile
   }
+  ReuseStats& st = j.res.stats;
+  if (j.stream_wait_since) {
+    st.stream_wait_ms += ms_since(*j.stream_wait_since);
+    j.stream_wait_since.reset();
+  }
+  const Clock::time_point t = Clock::now();
   for (size_t s : j.streamed_ids) RETURN_IF_ERROR(j.UploadStreamed(s, l));
+  st.stream_upload_ms += ms_since(t);
   return true;
 }
 

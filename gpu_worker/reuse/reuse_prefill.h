@@ -92,6 +92,10 @@ struct ReuseStats {
   int segments_host_hit = 0;    // served from the pinned host tier (copied beside compute)
   int segments_streamed = 0;    // read from a cluster fetch still in progress, layer by layer
   int stream_restarts = 0;      // times the prefill started over because one did not arrive
+  // Wall time the pass waited for streamed layers still in transfer (from the first time a
+  // layer was asked for and missing until it was there), and host time staging the streamed
+  // layers' uploads: with the fetch's own time, where a streamed request's TTFT goes.
+  double stream_wait_ms = 0, stream_upload_ms = 0;
   int64_t computed_token_layers = 0;
   // The selection's layer-F projection of every non-prefix row, in layers' worth of rows
   // (rows x ModelRunner::ProjectionCost()): the deviation signal and refresh_first_sparse_kv.

@@ -720,6 +720,8 @@ void BatchScheduler::ReusePrefillSlice(Active& a, int64_t max_row_layers) {
   a.usage.compute_share = st.compute_share;
   a.usage.segments_streamed = st.segments_streamed;
   a.usage.stream_restarts = st.stream_restarts;
+  a.usage.stream_wait_ms = st.stream_wait_ms;
+  a.usage.stream_upload_ms = st.stream_upload_ms;
   a.exact_tokens = st.exact_tokens;
   if (defer) {
     for (const auto& [i, fp] : r->missing) {

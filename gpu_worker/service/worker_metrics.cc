@@ -66,6 +66,11 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
   stream_restarts = tok("sparsex_worker_stream_restarts_total",
                         "Prefills started over because a streamed segment failed (it is "
                         "recomputed).");
+  stream_seconds = &r.AddCounter(
+      "sparsex_worker_stream_seconds_total",
+      "Streamed fetches: prefill time waiting for layers still in transfer (wait) and host time "
+      "staging arrived layers for upload (upload).",
+      {"part"});
   fetch_failures = &r.AddCounter(
       "sparsex_worker_fetch_failures_total",
       "Cluster fetches that could not be used (recomputed instead), by reason.", {"reason"});

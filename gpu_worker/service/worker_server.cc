@@ -187,6 +187,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     sp->m->new_tokens->Inc(u.new_tokens);
     sp->m->streamed->Inc(u.segments_streamed);
     sp->m->stream_restarts->Inc(u.stream_restarts);
+    if (u.segments_streamed > 0) {
+      sp->m->stream_seconds->Get({"wait"}).Inc(u.stream_wait_ms / 1000.0);
+      sp->m->stream_seconds->Get({"upload"}).Inc(u.stream_upload_ms / 1000.0);
+    }
     sp->m->generated_tokens->Inc(u.completion_tokens);
     sp->m->segments->Get({"hit"}).Inc(u.segments_hit);
   };

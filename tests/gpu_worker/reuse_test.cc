@@ -512,6 +512,10 @@ TEST_F(ReuseTest, StreamedSegmentsAreReadLayerByLayerAsTheyArrive) {
   EXPECT_EQ(a->stats.segments_streamed, 2);
   EXPECT_EQ(a->stats.segments_hit, 2);
   EXPECT_EQ(a->stats.stream_restarts, 0);
+  // Every sparse layer was asked for before it arrived: the time until it did is counted, and
+  // so is the staging of the arrived ones.
+  EXPECT_GT(a->stats.stream_wait_ms, 0.0);
+  EXPECT_GT(a->stats.stream_upload_ms, 0.0);
   // Layers [0, F) arrive last here: the tier keeps the segments only complete, by
   // AdoptFetched once they are.
   EXPECT_EQ(streamed.unspilled(), 0u);
