@@ -153,8 +153,7 @@ int main(int argc, char** argv) {
   f.Add("cache_rpc_timeout_ms", &cache_rpc_timeout_ms, "cache control RPC deadline");
   f.Add("cache_fetch_stream", &o.cluster.stream_fetch,
         "with --cache_fetch_to_tier: fetch in layer order and start the prefill while the "
-        "transfer goes on, each sparse layer waiting for its own blocks (default false: not yet "
-        "measured on a GPU)");
+        "transfer goes on, each sparse layer waiting for its own blocks");
   f.Add("cache_fetch_batch_mb", &cache_fetch_batch_mb,
         "MiB leased and transferred per cache fetch round (1-16384; capped at a quarter of the "
         "smallest cache server's memory); two staging buffers of this size are kept");
