@@ -37,12 +37,8 @@ CudaBackend::~CudaBackend() {
   for (auto& [k, p] : rope_tables_) cudaFree(p);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
-  for (int b = 0; b < 2; ++b) {
-    if (upload_done_[b]) cudaEventDestroy(upload_done_[b]);
-    if (upload_pinned_[b]) cudaFreeHost(upload_pinned_[b]);
-    if (async_done_[b]) cudaEventDestroy(async_done_[b]);
-    if (async_pinned_[b]) cudaFreeHost(async_pinned_[b]);
-  }
+  FreePinnedChunks(chunks_);
+  FreePinnedChunks(async_chunks_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -127,7 +123,7 @@ absl::StatusOr<int64_t> CudaBackend::Prefetch(const Tensor& src, Tensor& dst) {
   RETURN_IF_ERROR(CheckShape(dst, src.rows, src.cols, "Prefetch"));
   // The copy starts after what the compute stream has queued so far (dst's stream-ordered
   // allocation included) and runs beside what is queued later.
-  cudaEvent_t ready = nullptr, done = nullptr;
+  cudaEvent_t ready = nullptr;
   CUDA_RETURN(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "Prefetch event");
   CUDA_RETURN(cudaEventRecord(ready, stream_), "Prefetch record");
   CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, ready, 0), "Prefetch wait");
@@ -137,8 +133,13 @@ absl::StatusOr<int64_t> CudaBackend::Prefetch(const Tensor& src, Tensor& dst) {
                                 copy_stream_),
                 "Prefetch copy");
   }
-  CUDA_RETURN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "Prefetch event");
-  CUDA_RETURN(cudaEventRecord(done, copy_stream_), "Prefetch record");
+  return CopyStreamTicket();
+}
+
+absl::StatusOr<int64_t> CudaBackend::CopyStreamTicket() {
+  cudaEvent_t done = nullptr;
+  CUDA_RETURN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "copy ticket event");
+  CUDA_RETURN(cudaEventRecord(done, copy_stream_), "copy ticket record");
   tickets_.emplace(++last_ticket_, done);
   return last_ticket_;
 }
@@ -169,7 +170,7 @@ absl::Status CudaBackend::Upload(std::span<const float> host, Tensor& dst) {
     return absl::OkStatus();
   }
   if (static_cast<int64_t>(host.size()) >= kUploadChunk / 4) {
-    return UploadViaPinned(static_cast<int64_t>(host.size()), B(dst),
+    return UploadViaPinned(chunks_, stream_, static_cast<int64_t>(host.size()), B(dst),
                            [&](bf16* buf, int64_t off, int64_t m) {
                              const float* src = host.data() + off;
                              ParallelFor(m, [&](int64_t lo, int64_t hi) {
@@ -189,26 +190,34 @@ absl::Status CudaBackend::Upload(std::span<const float> host, Tensor& dst) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::EnsurePinnedChunks() {
+absl::Status CudaBackend::EnsurePinnedChunks(PinnedChunks& c) {
   for (int b = 0; b < 2; ++b) {
-    if (upload_pinned_[b] != nullptr) continue;
-    CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&upload_pinned_[b]),
-                              kUploadChunk * sizeof(bf16), cudaHostAllocDefault),
+    if (c.buf[b] != nullptr) continue;
+    CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&c.buf[b]), kUploadChunk * sizeof(bf16),
+                              cudaHostAllocDefault),
                 "Upload staging");
-    CUDA_RETURN(cudaEventCreateWithFlags(&upload_done_[b], cudaEventDisableTiming),
-                "Upload event");
+    CUDA_RETURN(cudaEventCreateWithFlags(&c.done[b], cudaEventDisableTiming), "Upload event");
   }
   return absl::OkStatus();
 }
 
+void CudaBackend::FreePinnedChunks(PinnedChunks& c) {
+  for (int b = 0; b < 2; ++b) {
+    if (c.done[b]) cudaEventDestroy(c.done[b]);
+    if (c.buf[b]) cudaFreeHost(c.buf[b]);
+  }
+  c = PinnedChunks{};
+}
+
 absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> host) {
-  RETURN_IF_ERROR(EnsurePinnedChunks());
+  PinnedChunks& c = chunks_;
+  RETURN_IF_ERROR(EnsurePinnedChunks(c));
   const int64_t n = static_cast<int64_t>(host.size());
-  // Chunk c is widened while chunk c + 1 copies.
+  // Chunk k is widened while chunk k + 1 copies.
   auto widen = [&](int b, int64_t off, int64_t m) -> absl::Status {
-    CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "Download wait");
-    upload_pending_[b] = false;
-    const bf16* buf = upload_pinned_[b];
+    CUDA_RETURN(cudaEventSynchronize(c.done[b]), "Download wait");
+    c.pending[b] = false;
+    const bf16* buf = c.buf[b];
     float* out = host.data() + off;
     ParallelFor(m, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) out[i] = __bfloat162float(buf[i]);
@@ -217,18 +226,18 @@ absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> ho
   };
   int prev_b = -1;
   int64_t prev_off = 0, prev_m = 0;
-  for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
-    const int b = static_cast<int>(c & 1);
-    if (upload_pending_[b]) {  // an upload's copy out of this chunk, or an unread download
-      CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "Download wait");
-      upload_pending_[b] = false;
+  for (int64_t off = 0, k = 0; off < n; off += kUploadChunk, ++k) {
+    const int b = static_cast<int>(k & 1);
+    if (c.pending[b]) {  // an upload's copy out of this chunk, or an unread download
+      CUDA_RETURN(cudaEventSynchronize(c.done[b]), "Download wait");
+      c.pending[b] = false;
     }
     const int64_t m = std::min(kUploadChunk, n - off);
-    CUDA_RETURN(cudaMemcpyAsync(upload_pinned_[b], src + off, m * sizeof(bf16),
+    CUDA_RETURN(cudaMemcpyAsync(c.buf[b], src + off, m * sizeof(bf16),
                                 cudaMemcpyDeviceToHost, stream_),
                 "Download copy");
-    CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "Download record");
-    upload_pending_[b] = true;
+    CUDA_RETURN(cudaEventRecord(c.done[b], stream_), "Download record");
+    c.pending[b] = true;
     if (prev_b >= 0) RETURN_IF_ERROR(widen(prev_b, prev_off, prev_m));
     prev_b = b;
     prev_off = off;
@@ -237,6 +246,19 @@ absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> ho
   if (prev_b >= 0) RETURN_IF_ERROR(widen(prev_b, prev_off, prev_m));
   return absl::OkStatus();
 }
+
+namespace {
+// UploadViaPinned's fill for bf16 host data: copied as it is, on host threads.
+std::function<void(bf16*, int64_t, int64_t)> CopyBf16Fill(std::span<const uint16_t> host) {
+  return [host](bf16* buf, int64_t off, int64_t m) {
+    auto* b16 = reinterpret_cast<uint16_t*>(buf);
+    const uint16_t* src = host.data() + off;
+    ParallelFor(m, [&](int64_t lo, int64_t hi) {
+      std::memcpy(b16 + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
+    }, int64_t{1} << 19);
+  };
+}
+}  // namespace
 
 // bf16 as it is: into a pinned tensor by host threads, else through the two pinned chunks (a
 // chunk refilled while the other copies) to the device.
@@ -261,13 +283,7 @@ absl::Status CudaBackend::UploadBf16(std::span<const uint16_t> host, Tensor& dst
                 "UploadBf16 direct copy");
     return absl::OkStatus();
   }
-  return UploadViaPinned(n, B(dst), [&](bf16* buf, int64_t off, int64_t m) {
-    auto* b16 = reinterpret_cast<uint16_t*>(buf);
-    const uint16_t* src = host.data() + off;
-    ParallelFor(m, [&](int64_t lo, int64_t hi) {
-      std::memcpy(b16 + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
-    }, int64_t{1} << 19);
-  });
+  return UploadViaPinned(chunks_, stream_, n, B(dst), CopyBf16Fill(host));
 }
 
 absl::StatusOr<int64_t> CudaBackend::UploadBf16Async(std::span<const uint16_t> host,
@@ -281,56 +297,29 @@ absl::StatusOr<int64_t> CudaBackend::UploadBf16Async(std::span<const uint16_t> h
     RETURN_IF_ERROR(UploadBf16(host, dst));
     return int64_t{0};
   }
-  for (int b = 0; b < 2; ++b) {
-    if (async_pinned_[b] != nullptr) continue;
-    CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&async_pinned_[b]),
-                              kUploadChunk * sizeof(bf16), cudaHostAllocDefault),
-                "UploadBf16Async staging");
-    CUDA_RETURN(cudaEventCreateWithFlags(&async_done_[b], cudaEventDisableTiming),
-                "UploadBf16Async event");
-  }
-  const int64_t n = static_cast<int64_t>(host.size());
-  for (int64_t off = 0; off < n; off += kUploadChunk) {
-    const int b = static_cast<int>(async_next_++ & 1);
-    if (async_pending_[b]) {  // this chunk's earlier copy (copy stream only) must be done
-      CUDA_RETURN(cudaEventSynchronize(async_done_[b]), "UploadBf16Async wait");
-      async_pending_[b] = false;
-    }
-    const int64_t m = std::min(kUploadChunk, n - off);
-    auto* buf = reinterpret_cast<uint16_t*>(async_pinned_[b]);
-    const uint16_t* src = host.data() + off;
-    ParallelFor(m, [&](int64_t lo, int64_t hi) {
-      std::memcpy(buf + lo, src + lo, static_cast<size_t>(hi - lo) * sizeof(uint16_t));
-    }, int64_t{1} << 19);
-    CUDA_RETURN(cudaMemcpyAsync(B(dst) + off, async_pinned_[b], m * sizeof(bf16),
-                                cudaMemcpyHostToDevice, copy_stream_),
-                "UploadBf16Async copy");
-    CUDA_RETURN(cudaEventRecord(async_done_[b], copy_stream_), "UploadBf16Async record");
-    async_pending_[b] = true;
-  }
-  cudaEvent_t done = nullptr;
-  CUDA_RETURN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "UploadBf16Async event");
-  CUDA_RETURN(cudaEventRecord(done, copy_stream_), "UploadBf16Async record");
-  tickets_.emplace(++last_ticket_, done);
-  return last_ticket_;
+  // Its own chunks on the copy stream: a refill never waits for the compute stream.
+  RETURN_IF_ERROR(UploadViaPinned(async_chunks_, copy_stream_, static_cast<int64_t>(host.size()),
+                                  B(dst), CopyBf16Fill(host)));
+  return CopyStreamTicket();
 }
 
 absl::Status CudaBackend::UploadViaPinned(
-    int64_t n, bf16* dst, const std::function<void(bf16* buf, int64_t off, int64_t m)>& fill) {
-  RETURN_IF_ERROR(EnsurePinnedChunks());
-  for (int64_t off = 0, c = 0; off < n; off += kUploadChunk, ++c) {
-    const int b = static_cast<int>(c & 1);
-    if (upload_pending_[b]) {  // the copy out of this chunk must be done before it is refilled
-      CUDA_RETURN(cudaEventSynchronize(upload_done_[b]), "Upload wait");
-      upload_pending_[b] = false;
+    PinnedChunks& c, cudaStream_t stream, int64_t n, bf16* dst,
+    const std::function<void(bf16* buf, int64_t off, int64_t m)>& fill) {
+  RETURN_IF_ERROR(EnsurePinnedChunks(c));
+  for (int64_t off = 0, k = 0; off < n; off += kUploadChunk, ++k) {
+    const int b = static_cast<int>(k & 1);
+    if (c.pending[b]) {  // the copy out of this chunk must be done before it is refilled
+      CUDA_RETURN(cudaEventSynchronize(c.done[b]), "Upload wait");
+      c.pending[b] = false;
     }
     const int64_t m = std::min(kUploadChunk, n - off);
-    fill(upload_pinned_[b], off, m);
-    CUDA_RETURN(cudaMemcpyAsync(dst + off, upload_pinned_[b], m * sizeof(bf16),
-                                cudaMemcpyHostToDevice, stream_),
+    fill(c.buf[b], off, m);
+    CUDA_RETURN(cudaMemcpyAsync(dst + off, c.buf[b], m * sizeof(bf16), cudaMemcpyHostToDevice,
+                                stream),
                 "Upload copy");
-    CUDA_RETURN(cudaEventRecord(upload_done_[b], stream_), "Upload record");
-    upload_pending_[b] = true;
+    CUDA_RETURN(cudaEventRecord(c.done[b], stream), "Upload record");
+    c.pending[b] = true;
   }
   return absl::OkStatus();
 }

@@ -184,7 +184,16 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kUploadChunk = int64_t{4} << 20;  // elements per pinned chunk
   // Copies n elements to dst through the two pinned chunks; fill(buf, off, m) puts elements
   // [off, off + m) into a chunk (converted or as they are) while the other chunk copies.
-  absl::Status UploadViaPinned(int64_t n, bf16* dst,
+  // Two pinned chunks of kUploadChunk elements, each with the event of its last copy.
+  struct PinnedChunks {
+    bf16* buf[2] = {nullptr, nullptr};
+    cudaEvent_t done[2] = {nullptr, nullptr};
+    bool pending[2] = {false, false};
+  };
+  absl::Status EnsurePinnedChunks(PinnedChunks& c);
+  void FreePinnedChunks(PinnedChunks& c);
+  // The copies go on `stream`; refilling a chunk waits only for that chunk's earlier copy.
+  absl::Status UploadViaPinned(PinnedChunks& c, cudaStream_t stream, int64_t n, bf16* dst,
                                const std::function<void(bf16* buf, int64_t off, int64_t m)>& fill);
   absl::Status UploadBf16(std::span<const uint16_t> host, Tensor& dst) override;
   // Through two pinned chunks of its own, copied on copy_stream_: refilling a chunk waits only
@@ -195,16 +204,12 @@ class CudaBackend final : public Backend {
   // pageable fp32 copy took ~1 ms of a 15 ms batch-32 decode step on the H200.
   static constexpr int64_t kDownloadPinnedMin = int64_t{1} << 18;  // elements
   absl::Status DownloadViaPinned(const bf16* src, std::span<float> host);
-  absl::Status EnsurePinnedChunks();
-  bf16* upload_pinned_[2] = {nullptr, nullptr};
-  cudaEvent_t upload_done_[2] = {nullptr, nullptr};
-  bool upload_pending_[2] = {false, false};
-  bf16* async_pinned_[2] = {nullptr, nullptr};  // UploadBf16Async's chunks
-  cudaEvent_t async_done_[2] = {nullptr, nullptr};
-  bool async_pending_[2] = {false, false};
-  int64_t async_next_ = 0;  // the chunk the next fill takes (alternates across calls)
+  PinnedChunks chunks_;        // Upload, UploadBf16 and DownloadViaPinned, on stream_
+  PinnedChunks async_chunks_;  // UploadBf16Async, on copy_stream_
   IndexStager stager_;
   std::map<int64_t, cudaEvent_t> tickets_;
+  // A ticket for Await: an event after what the copy stream has queued so far.
+  absl::StatusOr<int64_t> CopyStreamTicket();
   int64_t last_ticket_ = 0;
   kernels::LtGemm gemm_;
   DeviceScratch f32_scratch_, attn_scratch_;
