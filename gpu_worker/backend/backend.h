@@ -191,7 +191,9 @@ class Backend {
   // on any backend); the CUDA backend copies them as they are.
   virtual absl::Status UploadBf16(std::span<const uint16_t> host, Tensor& dst);
   // UploadBf16 off the compute stream: host may be reused once it returns, the copy itself
-  // runs beside the queued compute work, and work enqueued after Await(ticket) sees dst. The
+  // runs beside the queued compute work, and work enqueued after Await(ticket) sees dst. Host
+  // memory from AllocHost (pinned on CUDA) is read by the copy directly instead: it must stay
+  // unchanged until work enqueued after Await(ticket) has run (e.g. a Synchronize). The
   // copy is not ordered after queued compute work: dst must be memory no queued work still
   // reads or writes (e.g. allocated before a Synchronize). For a cluster fetch streamed layer
   // by layer: the host no longer waits for the previous layer's compute before it can stage

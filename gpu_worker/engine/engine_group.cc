@@ -96,8 +96,11 @@ absl::StatusOr<std::unique_ptr<EngineGroup>> EngineGroup::Create(const Model& mo
     Rank& k = *g->ranks_[r];
     k.engine = std::move(*e);
     if (k.store != nullptr) {
-      k.reuse = std::make_unique<ReuseEngine>(k.engine.get(), k.store, reuse, device_tier_bytes,
-                                              host_tier_bytes);
+      // Streamed fetches go to rank 0 without tensor parallelism only (OpenStreamed).
+      ReuseOptions ro = reuse;
+      if (n > 1) ro.stream_pinned_bytes = 0;
+      k.reuse = std::make_unique<ReuseEngine>(k.engine.get(), k.store, std::move(ro),
+                                              device_tier_bytes, host_tier_bytes);
     }
   });
   for (int r = 0; r < n; ++r) {
@@ -492,10 +495,11 @@ bool EngineGroup::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
   return true;
 }
 
-bool EngineGroup::OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg) {
-  if (!TakesFetched()) return false;
-  ranks_[0]->reuse->OfferStreamed(fp, std::move(seg));
-  return true;
+std::shared_ptr<StreamedSegment> EngineGroup::OpenStreamed(const Hash128& fp, int n_tokens) {
+  if (!TakesFetched()) return nullptr;
+  std::shared_ptr<StreamedSegment> seg = ranks_[0]->reuse->NewStreamedSegment(n_tokens);
+  ranks_[0]->reuse->OfferStreamed(fp, seg);
+  return seg;
 }
 
 int EngineGroup::AdoptFetched(int max_segments) {

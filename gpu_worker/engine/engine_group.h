@@ -90,7 +90,9 @@ class EngineGroup {
   bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
   bool TakesFetched() const;
   int AdoptFetched(int max_segments);  // ReuseEngine::AdoptFetched on rank 0 (tp 1 only)
-  bool OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg);  // likewise
+  // ReuseEngine::NewStreamedSegment + OfferStreamed on rank 0 (tp 1 only): the segment a
+  // streaming fetch fills, or nullptr when not taken. Any thread.
+  std::shared_ptr<StreamedSegment> OpenStreamed(const Hash128& fp, int n_tokens);
   bool HasFetched() const;
   size_t unspilled();
   // Segment KV bytes held in the ranks' device (or pinned host) tiers.

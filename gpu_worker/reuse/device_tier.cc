@@ -100,6 +100,15 @@ absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadBf
                       });
 }
 
+absl::StatusOr<std::shared_ptr<const DeviceSegment>> DeviceSegmentTier::UploadBf16(
+    const Hash128& fp, const StreamedSegment& seg) {
+  return UploadLayers(fp, seg.n_tokens(), seg.n_layers(), seg.kv_dim(),
+                      [&](int l, Tensor& k, Tensor& v) -> absl::Status {
+                        RETURN_IF_ERROR(be_->UploadBf16(seg.k(l), k));
+                        return be_->UploadBf16(seg.v(l), v);
+                      });
+}
+
 bool DeviceSegmentTier::Adopt(const Hash128& fp, int n_tokens, std::vector<Tensor> k,
                               std::vector<Tensor> v) {
   std::shared_ptr<DeviceSegment> seg = NewSegment();

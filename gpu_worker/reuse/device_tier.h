@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/reuse/segment_store.h"
+#include "gpu_worker/reuse/streamed_segment.h"
 
 namespace sparsex {
 
@@ -37,6 +38,9 @@ class DeviceSegmentTier {
   // The same from a bf16 segment (a cluster fetch's, without the fp32 store).
   absl::StatusOr<std::shared_ptr<const DeviceSegment>> UploadBf16(const Hash128& fp,
                                                                   const SegmentKvBf16& kv);
+  // The same from a complete streamed segment (its pinned block or pageable memory).
+  absl::StatusOr<std::shared_ptr<const DeviceSegment>> UploadBf16(const Hash128& fp,
+                                                                  const StreamedSegment& seg);
   // Allocates a segment's tensors in the tier's memory without caching it (a streamed fetch
   // fills it layer by layer, then Insert caches it).
   absl::StatusOr<std::shared_ptr<DeviceSegment>> Reserve(int n_tokens, int n_layers, int kv_dim);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iostream>
 #include <sstream>
 
 #include "common/fingerprint.h"
@@ -258,8 +259,8 @@ std::shared_ptr<StreamedSegment> ReuseEngine::ClaimStreamed(const Hash128& fp, i
   std::lock_guard<std::mutex> l(fetched_mu_);
   for (auto& [f, s] : streamed_) {
     if (f != fp || s.claimed || s.seg->Failed()) continue;
-    const SegmentKvBf16& kv = s.seg->kv();
-    if (kv.n_tokens != n || kv.n_layers != L || kv.kv_dim != kd) return nullptr;
+    const StreamedSegment& g = *s.seg;
+    if (g.n_tokens() != n || g.n_layers() != L || g.kv_dim() != kd) return nullptr;
     s.claimed = true;
     return s.seg;
   }
@@ -289,6 +290,7 @@ bool ReuseEngine::HasFetched() const {
 
 int ReuseEngine::AdoptFetched(int max_segments) {
   std::vector<std::pair<Hash128, SegmentKvBf16>> in;
+  std::vector<std::pair<Hash128, std::shared_ptr<StreamedSegment>>> in_streamed;
   {
     std::lock_guard<std::mutex> l(fetched_mu_);
     if (static_cast<int>(fetched_.size()) <= max_segments) {
@@ -297,36 +299,47 @@ int ReuseEngine::AdoptFetched(int max_segments) {
       std::move(fetched_.begin(), fetched_.begin() + max_segments, std::back_inserter(in));
       fetched_.erase(fetched_.begin(), fetched_.begin() + max_segments);
     }
-    // Streamed segments no prefill reads: complete ones join the inbox's, failed ones go.
+    // Streamed segments no prefill reads: complete ones are uploaded from their own memory
+    // (a pinned block copies without staging), failed ones go.
     for (auto it = streamed_.begin(); it != streamed_.end();) {
       Streamed& s = it->second;
       if (s.claimed || !(s.seg->Failed() || s.seg->Complete()) ||
-          (!s.seg->Failed() && static_cast<int>(in.size()) >= max_segments)) {
+          (!s.seg->Failed() &&
+           static_cast<int>(in.size() + in_streamed.size()) >= max_segments)) {
         ++it;
         continue;
       }
-      if (!s.seg->Failed()) in.emplace_back(it->first, std::move(s.seg->kv()));
+      if (!s.seg->Failed()) in_streamed.emplace_back(it->first, std::move(s.seg));
       it = streamed_.erase(it);
     }
     for (const auto& [fp, kv] : in) adopting_.push_back(fp);
+    for (const auto& [fp, seg] : in_streamed) adopting_.push_back(fp);
   }
   const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
-  for (auto& [fp, kv] : in) {
-    if (kv.n_layers != L || kv.kv_dim != kd || kv.n_tokens <= 0) continue;  // not this model's
+  // A segment that cannot be uploaded (memory) is dropped: the planner then misses it and the
+  // prefill recomputes it, as for any miss. One in the device tier reaches the host store (and
+  // from there the router's index) through SpillOne, like an encoded one.
+  auto adopt = [&](const Hash128& fp, int n_tokens, int n_layers, int kv_dim, auto&& upload) {
+    if (n_layers != L || kv_dim != kd || n_tokens <= 0) return;  // not this model's
     DeviceSegmentTier& t = tier_.capacity() > 0 ? tier_ : host_tier_;
-    if (t.capacity() == 0 || t.Peek(fp) != nullptr) continue;
-    // A segment that cannot be uploaded (memory) is dropped: the planner then misses it and
-    // the prefill recomputes it, as for any miss. One in the device tier reaches the host
-    // store (and from there the router's index) through SpillOne, like an encoded one.
-    if (t.UploadBf16(fp, kv).ok() && &t == &tier_ && t.Peek(fp) != nullptr) {
-      unspilled_.emplace_back(fp, kv.n_tokens);
+    if (t.capacity() == 0 || t.Peek(fp) != nullptr) return;
+    if (upload(t).ok() && &t == &tier_ && t.Peek(fp) != nullptr) {
+      unspilled_.emplace_back(fp, n_tokens);
     }
+  };
+  for (auto& [fp, kv] : in) {
+    adopt(fp, kv.n_tokens, kv.n_layers, kv.kv_dim,
+          [&](DeviceSegmentTier& t) { return t.UploadBf16(fp, kv).status(); });
   }
-  if (!in.empty()) {
+  for (auto& [fp, seg] : in_streamed) {
+    adopt(fp, seg->n_tokens(), seg->n_layers(), seg->kv_dim(),
+          [&](DeviceSegmentTier& t) { return t.UploadBf16(fp, *seg).status(); });
+  }
+  if (!in.empty() || !in_streamed.empty()) {
     std::lock_guard<std::mutex> l(fetched_mu_);
     adopting_.clear();  // only this (engine) thread adopts
   }
-  return static_cast<int>(in.size());
+  return static_cast<int>(in.size() + in_streamed.size());
 }
 
 absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,
@@ -401,12 +414,13 @@ struct ReuseEngine::PrefillJob {
   std::function<void()> on_end;  // gives the streamed segments back (the job ends)
   // Layer l of streamed segment s from the fetch's buffer into its tier memory, copied off the
   // compute stream (BeginPrefill synchronised after reserving that memory): the engine thread
-  // stages layer l + 1 while layer l computes; work enqueued from here on sees the layer.
+  // stages layer l + 1 while layer l computes (from a pinned block the GPU reads it directly);
+  // work enqueued from here on sees the layer.
   absl::Status UploadStreamed(size_t s, int l) {
-    ASSIGN_OR_RETURN(const int64_t tk, be->UploadBf16Async(streamed[s]->kv().k[l],
-                                                           streamed_dst[s]->k[l]));
-    ASSIGN_OR_RETURN(const int64_t tv, be->UploadBf16Async(streamed[s]->kv().v[l],
-                                                           streamed_dst[s]->v[l]));
+    ASSIGN_OR_RETURN(const int64_t tk,
+                     be->UploadBf16Async(streamed[s]->k(l), streamed_dst[s]->k[l]));
+    ASSIGN_OR_RETURN(const int64_t tv,
+                     be->UploadBf16Async(streamed[s]->v(l), streamed_dst[s]->v[l]));
     RETURN_IF_ERROR(be->Await(tk));
     return be->Await(tv);
   }
@@ -436,6 +450,9 @@ struct ReuseEngine::PrefillJob {
   std::chrono::steady_clock::time_point mark;
 
   ~PrefillJob() {
+    // Copies out of a streamed segment's pinned block read it until they ran: the block goes
+    // back to the arena (and the next fetch) with the last reference, so they finish first.
+    if (!streamed_ids.empty()) (void)be->Synchronize();
     if (on_end) on_end();
     for (auto& layers : staged) {
       for (Staged& s : layers) {
@@ -468,11 +485,45 @@ ReuseEngine::ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts,
       store_(store),
       opts_(std::move(opts)),
       tier_(&engine->runner().backend(), device_tier_bytes),
-      host_tier_(&engine->runner().backend(), host_tier_bytes, /*host_memory=*/true) {}
+      host_tier_(&engine->runner().backend(), host_tier_bytes, /*host_memory=*/true) {
+  if (opts_.stream_pinned_bytes > 0) {
+    Backend& be = engine->runner().backend();
+    const int64_t cols = 1 << 16;  // the block as one tensor of 64K-element rows
+    const int64_t esize = static_cast<int64_t>(DTypeSize(be.compute_dtype()));
+    const int64_t rows =
+        (static_cast<int64_t>(opts_.stream_pinned_bytes) + cols * esize - 1) / (cols * esize);
+    absl::StatusOr<Tensor> t = be.AllocHost(rows, cols);
+    if (t.ok()) {
+      arena_mem_ = *t;
+      arena_ = std::make_shared<HostArena>(static_cast<uint8_t*>(t->data),
+                                           std::min(t->bytes(), opts_.stream_pinned_bytes));
+    } else {
+      // Not fatal: streamed segments then take pageable memory (slower uploads, same result).
+      std::cerr << "warning: no pinned memory for streamed fetches (" << t.status()
+                << "); they use pageable memory\n";
+    }
+  }
+}
 
 ReuseEngine::~ReuseEngine() {
   prefill_.reset();  // before the tiers its segments come from
   EndEncoding();
+  // A segment still held (a fetch in flight at shutdown) keeps writing into the block: then it
+  // is left to the process's exit rather than freed under it.
+  if (arena_ && arena_->used() == 0) engine_->runner().backend().Free(arena_mem_);
+}
+
+std::shared_ptr<StreamedSegment> ReuseEngine::NewStreamedSegment(int n_tokens) {
+  const int L = engine_->model().config().n_layers, kd = engine_->runner().kv_dim();
+  const size_t bytes = StreamedSegment::Bytes(n_tokens, L, kd);
+  if (arena_ && n_tokens > 0) {
+    if (uint8_t* p = arena_->Allocate(bytes)) {
+      return std::make_shared<StreamedSegment>(
+          n_tokens, L, kd, reinterpret_cast<uint16_t*>(p),
+          [arena = arena_, p] { arena->Free(p); });
+    }
+  }
+  return std::make_shared<StreamedSegment>(n_tokens, L, kd);
 }
 
 absl::StatusOr<ReusePrefillResult> ReuseEngine::Prefill(const std::vector<PromptSegment>& segs,

@@ -25,6 +25,7 @@
 #include "gpu_worker/engine/engine.h"
 #include "model/prompt.h"
 #include "gpu_worker/reuse/device_tier.h"
+#include "gpu_worker/reuse/host_arena.h"
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/selector.h"
 #include "gpu_worker/reuse/streamed_segment.h"
@@ -53,6 +54,12 @@ struct ReuseOptions {
   // only the rows the budget leaves out of the sparse layers keep stale K/V from layer F + 1
   // on. Selectors without the deviation signal run the projection for it. Default: true
   bool refresh_first_sparse_kv = true;
+  // Host memory, pinned by the backend (AllocHost) once at construction, that streaming
+  // cluster fetches decode into (NewStreamedSegment): the GPU then copies a streamed layer by
+  // DMA alone, with no host staging copy on the engine thread (docs/benchmarks.md, session
+  // 15). A segment that does not fit gets pageable memory. Read by the constructor only; the
+  // worker sets it from --cache_fetch_pinned_mb. Default: 0 (pageable memory)
+  size_t stream_pinned_bytes = 0;
   // A sliced prefill (PrefillStep) may run a full layer in row chunks when it exceeds the
   // slice; false keeps whole layers (the correctness gate's replays, which run in idle time
   // only and are abandoned when a request arrives: fewer, larger slices finish more often).
@@ -212,6 +219,12 @@ class ReuseEngine {
   // that fails is dropped, and a prefill reading it starts over without it (its tokens are
   // recomputed). Holds() counts it until it fails.
   void OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg);
+  // A segment for a streaming fetch to fill (any thread), n_tokens of this model: in the
+  // pinned block (ReuseOptions::stream_pinned_bytes) when a range fits, else pageable.
+  std::shared_ptr<StreamedSegment> NewStreamedSegment(int n_tokens);
+  // Bytes of the pinned block: its capacity (0 without one) and what segments hold now.
+  size_t stream_pinned_capacity() const { return arena_ ? arena_->capacity() : 0; }
+  size_t stream_pinned_used() const { return arena_ ? arena_->used() : 0; }
   Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
 
  private:
@@ -266,6 +279,10 @@ class ReuseEngine {
     bool claimed = false;  // read by the running prefill
   };
   std::vector<std::pair<Hash128, Streamed>> streamed_;  // under fetched_mu_
+  // The pinned block streamed segments are carved from, and its allocator: shared with the
+  // segments, which may outlive the engine (a fetch still holding one at shutdown).
+  Tensor arena_mem_;
+  std::shared_ptr<HostArena> arena_;
   // The streamed segment fp (n tokens of this model), marked claimed; nullptr if none usable.
   std::shared_ptr<StreamedSegment> ClaimStreamed(const Hash128& fp, int n);
   void UnclaimStreamed(const std::vector<Hash128>& fps);

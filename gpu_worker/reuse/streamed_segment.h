@@ -3,33 +3,85 @@
 // engine thread reads a layer once Ready (ReuseEngine: a reuse prefill's sparse layer l waits
 // only for layer l of its streamed segments, so the prefill runs beside the fetch). A layer is
 // final once ready; Fail() says the remaining layers will not come. Thread-safe as described.
+//
+// Its memory is either one block the caller provides (ReuseEngine::NewStreamedSegment: pinned
+// host memory the GPU copies from directly, given back when the segment goes) or, without
+// one, a pageable vector per layer and half, sized by its writer.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
+#include <functional>
 #include <mutex>
+#include <span>
 #include <vector>
 
+#include "common/huge_pages.h"
 #include "gpu_worker/reuse/segment_store.h"
 
 namespace sparsex {
 
 class StreamedSegment {
  public:
+  // Pageable memory.
   StreamedSegment(int n_tokens, int n_layers, int kv_dim)
-      : halves_(static_cast<size_t>(n_layers)) {
+      : StreamedSegment(n_tokens, n_layers, kv_dim, nullptr, {}) {}
+  // In mem (Bytes(n_tokens, n_layers, kv_dim), layer-major: K then V of layer 0, then layer
+  // 1, ...); release runs when the segment goes (after every reader: the last reference).
+  StreamedSegment(int n_tokens, int n_layers, int kv_dim, uint16_t* mem,
+                  std::function<void()> release)
+      : halves_(static_cast<size_t>(n_layers)), mem_(mem), release_(std::move(release)) {
     kv_.n_tokens = n_tokens;
     kv_.n_layers = n_layers;
     kv_.kv_dim = kv_dim;
-    kv_.k.resize(static_cast<size_t>(n_layers));
-    kv_.v.resize(static_cast<size_t>(n_layers));
+    if (mem_ == nullptr) {
+      kv_.k.resize(static_cast<size_t>(n_layers));
+      kv_.v.resize(static_cast<size_t>(n_layers));
+    }
   }
-  // The writers' view: layer l's k[l] and v[l], each written by one thread before HalfDone(l).
-  SegmentKvBf16& kv() { return kv_; }
-  const SegmentKvBf16& kv() const { return kv_; }
+  ~StreamedSegment() {
+    if (release_) release_();
+  }
+  StreamedSegment(const StreamedSegment&) = delete;
+  StreamedSegment& operator=(const StreamedSegment&) = delete;
+  static size_t Bytes(int n_tokens, int n_layers, int kv_dim) {
+    return static_cast<size_t>(2) * n_layers * HalfElems(n_tokens, kv_dim) * sizeof(uint16_t);
+  }
   int n_tokens() const { return kv_.n_tokens; }
   int n_layers() const { return kv_.n_layers; }
+  int kv_dim() const { return kv_.kv_dim; }
+  // Whether the memory is the caller's block (pinned, for ReuseEngine's segments).
+  bool in_block() const { return mem_ != nullptr; }
+
+  // The writers' view: where layer's K (half 0) or V (half 1) goes, written by one thread
+  // before HalfDone(layer).
+  std::span<uint16_t> Half(int layer, int half) {
+    const size_t n = HalfElems(kv_.n_tokens, kv_.kv_dim);
+    if (mem_ != nullptr) return {mem_ + (2 * static_cast<size_t>(layer) + half) * n, n};
+    std::vector<uint16_t>& v = half == 0 ? kv_.k[layer] : kv_.v[layer];
+    ResizeHuge(v, n);
+    return v;
+  }
+  // The readers' view of a ready layer.
+  std::span<const uint16_t> k(int layer) const { return Get(layer, 0); }
+  std::span<const uint16_t> v(int layer) const { return Get(layer, 1); }
+  // The whole KV as vectors (moved out of pageable memory, copied out of a block), for a
+  // complete segment that goes to a tier whole; the segment is empty afterwards.
+  SegmentKvBf16 TakeKv() {
+    if (mem_ == nullptr) return std::move(kv_);
+    SegmentKvBf16 out;
+    out.n_tokens = kv_.n_tokens;
+    out.n_layers = kv_.n_layers;
+    out.kv_dim = kv_.kv_dim;
+    for (int l = 0; l < kv_.n_layers; ++l) {
+      out.k.emplace_back(k(l).begin(), k(l).end());
+      out.v.emplace_back(v(l).begin(), v(l).end());
+    }
+    return out;
+  }
+
   // K or V of `layer` is in place (any thread). True for the one call that completed the
   // segment (its last missing half).
   bool HalfDone(int layer) {
@@ -57,14 +109,24 @@ class StreamedSegment {
   }
 
  private:
+  static size_t HalfElems(int n_tokens, int kv_dim) {
+    return static_cast<size_t>(n_tokens) * static_cast<size_t>(kv_dim);
+  }
+  std::span<const uint16_t> Get(int layer, int half) const {
+    const size_t n = HalfElems(kv_.n_tokens, kv_.kv_dim);
+    if (mem_ != nullptr) return {mem_ + (2 * static_cast<size_t>(layer) + half) * n, n};
+    return half == 0 ? kv_.k[layer] : kv_.v[layer];
+  }
   void Notify() {
     { std::lock_guard<std::mutex> l(mu_); }  // a waiter between its check and its wait sees it
     cv_.notify_all();
   }
-  SegmentKvBf16 kv_;
+  SegmentKvBf16 kv_;  // the shape, and the pageable memory
   std::vector<std::atomic<int>> halves_;  // per layer: 0, 1 or 2 halves in place
   std::atomic<int> complete_{0};          // layers with both halves
   std::atomic<bool> failed_{false};
+  uint16_t* const mem_;
+  std::function<void()> release_;
   std::mutex mu_;
   std::condition_variable cv_;
 };

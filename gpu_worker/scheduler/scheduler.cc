@@ -295,9 +295,9 @@ bool BatchScheduler::OfferFetched(const Hash128& fp, SegmentKvBf16 kv) {
   return taken;
 }
 
-bool BatchScheduler::OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg) {
+std::shared_ptr<StreamedSegment> BatchScheduler::OpenStreamed(const Hash128& fp, int n_tokens) {
   std::lock_guard<std::mutex> l(mu_);
-  return group_ != nullptr && group_->OfferStreamed(fp, std::move(seg));
+  return group_ != nullptr ? group_->OpenStreamed(fp, n_tokens) : nullptr;
 }
 
 bool BatchScheduler::TakesFetched() const {

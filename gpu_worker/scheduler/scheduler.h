@@ -277,9 +277,10 @@ class BatchScheduler {
   // A fetched bf16 segment for the engine's tiers (EngineGroup::OfferFetched); false when not
   // taken (no tier, tensor parallelism, engine stopped). Any thread.
   bool OfferFetched(const Hash128& fp, SegmentKvBf16 kv);
-  // A segment a streaming cluster fetch fills (EngineGroup::OfferStreamed); false when not
-  // taken (tensor parallelism, no tier, stopped).
-  bool OfferStreamed(const Hash128& fp, std::shared_ptr<StreamedSegment> seg);
+  // The segment a streaming cluster fetch fills (EngineGroup::OpenStreamed: in the engine's
+  // pinned block when it has room); nullptr when not taken (tensor parallelism, no tier,
+  // stopped). Any thread.
+  std::shared_ptr<StreamedSegment> OpenStreamed(const Hash128& fp, int n_tokens);
   bool TakesFetched() const;
   // Fails every queued and running request with UNAVAILABLE and joins the engine thread.
   void Stop();

@@ -45,9 +45,9 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   bool started = false;
   if (bf16 && st.opts.cluster.stream_fetch) {
     stream.open = [&](const SegmentRef& ref) -> std::shared_ptr<StreamedSegment> {
-      auto seg = std::make_shared<StreamedSegment>(ref.num_tokens, st.tier->n_layers(),
-                                                   st.tier->kv_dim());
-      if (!st.scheduler->OfferStreamed(ref.fp, seg)) return nullptr;
+      std::shared_ptr<StreamedSegment> seg = st.scheduler->OpenStreamed(ref.fp, ref.num_tokens);
+      if (seg == nullptr) return nullptr;
+      st.m->stream_memory->Get({seg->in_block() ? "pinned" : "pageable"}).Inc();
       remember(ref.fp);
       ++item.segments_fetched;
       return seg;

@@ -73,11 +73,10 @@ void CopyHalf(const KvBlockView& v, int layer, int half, SegmentKv* kv) {
   CopyToF32(v.payload.data() + half * n * es, v.header.dtype, n, dst.data());
 }
 
-// The same into a bf16 segment: bf16 blocks copied as they are, f32 ones rounded.
-void CopyHalfBf16(const KvBlockView& v, int layer, int half, SegmentKvBf16* kv) {
-  const size_t n = static_cast<size_t>(kv->n_tokens) * kv->kv_dim;
-  std::vector<uint16_t>& dst = half == 0 ? kv->k[layer] : kv->v[layer];
-  ResizeHuge(dst, n);
+// The same into a bf16 segment's half (its pinned block, or pageable memory it sizes): bf16
+// blocks copied as they are, f32 ones rounded.
+void CopyHalfBf16(const KvBlockView& v, int half, std::span<uint16_t> dst) {
+  const size_t n = dst.size();
   if (v.header.dtype == KvDtype::kBF16) {
     std::memcpy(dst.data(), v.payload.data() + half * n * 2, n * 2);
     return;
@@ -319,6 +318,14 @@ FetchOutcome ClusterKvTier::FetchMissing(
     sinks[s] = streaming ? stream->open(present[s])
                          : std::make_shared<StreamedSegment>(present[s].num_tokens, n_layers_,
                                                              kv_dim);
+    // The decode copies blocks of this tier's shape: a sink of another shape (another model's
+    // engine) is never written, and fails so that no prefill waits for it.
+    if (sinks[s] != nullptr &&
+        (sinks[s]->n_tokens() != present[s].num_tokens || sinks[s]->n_layers() != n_layers_ ||
+         sinks[s]->kv_dim() != kv_dim)) {
+      sinks[s]->Fail();
+      sinks[s] = nullptr;
+    }
   }
   if (streaming && stream->started) stream->started();
   std::vector<char> taken(present.size(), 0);
@@ -415,11 +422,11 @@ FetchOutcome ClusterKvTier::FetchMissing(
             continue;
           }
           if (sinks[s] == nullptr) continue;  // streamed, not taken: checked, not copied
-          CopyHalfBf16(v, layer, half, &sinks[s]->kv());
+          CopyHalfBf16(v, half, sinks[s]->Half(layer, half));
           // Only decoded halves count, and a key that failed is never decoded: a segment
           // completes only when every layer arrived intact.
           if (sinks[s]->HalfDone(layer) && !streaming) {
-            taken[s] = to_tier(present[s], std::move(sinks[s]->kv())) ? 1 : 0;
+            taken[s] = to_tier(present[s], sinks[s]->TakeKv()) ? 1 : 0;
           }
         }
       });

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   int replication = static_cast<int>(o.cluster.replication);
   int cache_rpc_timeout_ms = static_cast<int>(o.cluster.rpc_timeout_ms);
   int64_t cache_fetch_batch_mb = static_cast<int64_t>(o.cluster.fetch_batch_bytes >> 20);
+  int64_t cache_fetch_pinned_mb = -1;  // per device below
   float recompute_ratio = o.scheduler.reuse.budget.ratio;
   std::string budget;  // empty: o.auto_budget
   float quality_target = o.scheduler.reuse.budget.target_drop;
@@ -154,6 +155,11 @@ int main(int argc, char** argv) {
   f.Add("cache_fetch_stream", &o.cluster.stream_fetch,
         "with --cache_fetch_to_tier: fetch in layer order and start the prefill while the "
         "transfer goes on, each sparse layer waiting for its own blocks");
+  f.Add("cache_fetch_pinned_mb", &cache_fetch_pinned_mb,
+        "pinned host memory, MiB, that streamed cache fetches decode into so the GPU copies "
+        "each layer without a host staging copy; a fetch that does not fit uses pageable "
+        "memory (0-1048576; default -1: 8192 with --device cuda, cache servers and "
+        "--cache_fetch_stream, where a 32K-token prompt of an 8B model is 4 GiB, else 0)");
   f.Add("cache_fetch_batch_mb", &cache_fetch_batch_mb,
         "MiB leased and transferred per cache fetch round (1-16384; capped at a quarter of the "
         "smallest cache server's memory); two staging buffers of this size are kept");
@@ -183,6 +189,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.cluster.fetch_batch_bytes = static_cast<uint64_t>(cache_fetch_batch_mb) << 20;
+  if (cache_fetch_pinned_mb < -1 || cache_fetch_pinned_mb > (int64_t{1} << 20)) {
+    std::cerr << "sparsex-worker: --cache_fetch_pinned_mb must be -1 (per device) or "
+                 "0-1048576, not "
+              << cache_fetch_pinned_mb << "\n";
+    return 2;
+  }
   o.scheduler.engine.backend.cuda = sparsex::CudaBackendOptionsFromEnv();
   o.scheduler.engine.kv.num_blocks = kv_blocks;
   o.scheduler.engine.kv.block_size = block_size;
@@ -228,6 +240,12 @@ int main(int argc, char** argv) {
   if (device_tier_mb < 0) device_tier_mb = cuda ? 8192 : 0;
   o.scheduler.device_tier_bytes = static_cast<size_t>(device_tier_mb) << 20;
   o.scheduler.host_tier_bytes = static_cast<size_t>(std::max<int64_t>(host_tier_mb, 0)) << 20;
+  // Only a streaming fetch to the tier (bf16, without tensor parallelism) reads the block.
+  const bool streams = !o.cluster.servers.empty() && o.cluster.stream_fetch &&
+                       o.cluster.fetch_to_tier && o.scheduler.engine.tp.size <= 1;
+  if (cache_fetch_pinned_mb < 0) cache_fetch_pinned_mb = cuda && streams ? 8192 : 0;
+  o.scheduler.reuse.stream_pinned_bytes =
+      streams ? static_cast<size_t>(cache_fetch_pinned_mb) << 20 : 0;
   o.cluster.replication = static_cast<uint32_t>(replication);
   o.cluster.rpc_timeout_ms = static_cast<uint32_t>(cache_rpc_timeout_ms);
 

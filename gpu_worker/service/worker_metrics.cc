@@ -71,6 +71,12 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
       "Streamed fetches: prefill time waiting for layers still in transfer (wait) and host time "
       "staging arrived layers for upload (upload).",
       {"part"});
+  stream_memory = &r.AddCounter(
+      "sparsex_worker_stream_memory_segments_total",
+      "Segments a streamed fetch decoded, by memory: pinned (the engine's block, "
+      "--cache_fetch_pinned_mb; copied to the GPU by DMA alone) or pageable (the block was full "
+      "or off; each layer staged through a host copy).",
+      {"memory"});
   fetch_failures = &r.AddCounter(
       "sparsex_worker_fetch_failures_total",
       "Cluster fetches that could not be used (recomputed instead), by reason.", {"reason"});

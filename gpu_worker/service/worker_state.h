@@ -53,6 +53,7 @@ struct WorkerMetrics {
   metrics::Counter *prompt_tokens, *prefix_tokens, *reused_tokens, *recomputed_tokens, *new_tokens,
       *generated_tokens, *fetched, *fetch_bytes, *streamed, *stream_restarts;
   metrics::Family<metrics::Counter>* stream_seconds;  // {part}: wait, upload
+  metrics::Family<metrics::Counter>* stream_memory;   // {memory}: pinned, pageable
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback, *fetch_phase;
   metrics::Family<metrics::Gauge>* iteration_cost;
   metrics::Gauge *queue_depth, *running, *running_tokens, *host_entries, *draining, *iterations,

@@ -88,9 +88,13 @@ class ReuseTest : public ::testing::Test {
   }
   // Layer l of a streamed segment arrives from `from`, K then V (as a fetch's decode hands it).
   static void Arrive(StreamedSegment& in, const SegmentKvBf16& from, int l) {
-    in.kv().k[l] = from.k[l];
+    std::span<uint16_t> k = in.Half(l, 0);
+    ASSERT_EQ(k.size(), from.k[l].size());
+    std::copy(from.k[l].begin(), from.k[l].end(), k.begin());
     in.HalfDone(l);
-    in.kv().v[l] = from.v[l];
+    std::span<uint16_t> v = in.Half(l, 1);
+    ASSERT_EQ(v.size(), from.v[l].size());
+    std::copy(from.v[l].begin(), from.v[l].end(), v.begin());
     in.HalfDone(l);
   }
 
@@ -471,66 +475,102 @@ TEST_F(ReuseTest, FetchedBf16SegmentsServeFromTheDeviceTier) {
 // Segments a streaming fetch is still filling (ReuseEngine::OfferStreamed): the prefill plans
 // them as hits, runs its full layers before any sparse layer's blocks are there, gives the
 // iteration back while a layer is missing, and reads each layer once it arrived; the answer is
-// the one from the same values in a store, and the tier keeps the segments afterwards.
+// the one from the same values in a store, and the tier keeps the segments afterwards. The same
+// with the segments in the engine's block (NewStreamedSegment with stream_pinned_bytes: pinned
+// memory on a GPU, which the copies read directly), which they give back when they go.
 TEST_F(ReuseTest, StreamedSegmentsAreReadLayerByLayerAsTheyArrive) {
-  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
-  SegmentStore rounded(SegmentStoreOptions{}), empty(SegmentStoreOptions{});
-  ReuseEngine streamed(engine_.get(), &empty, {}, size_t{64} << 20);
-  const int L = model_->config().n_layers;
-  std::vector<SegmentKvBf16> data;
-  std::vector<std::shared_ptr<StreamedSegment>> in;
-  for (int i = 0; i < 2; ++i) {
-    auto [fp, b, r] = Fetchable(segs[i]);
-    ASSERT_TRUE(rounded.Put(fp, std::move(r)).ok());
-    in.push_back(std::make_shared<StreamedSegment>(b.n_tokens, b.n_layers, b.kv_dim));
-    data.push_back(std::move(b));
-    EXPECT_FALSE(streamed.Holds(fp));
-    streamed.OfferStreamed(fp, in.back());
-    EXPECT_TRUE(streamed.Holds(fp));
-  }
-  auto arrive = [&](int l) {  // layer l of every segment
-    for (int i = 0; i < 2; ++i) Arrive(*in[i], data[i], l);
-  };
-  const int F = ReuseOptions{}.full_layers;
-  ASSERT_LT(F, L);
-  ASSERT_TRUE(streamed.BeginPrefill(segs, true, nullptr).ok());
-  std::optional<ReusePrefillResult> a;
-  for (int l = F; l <= L; ++l) {
-    // Layer l is missing: the step returns without the result (the full layers ran first).
-    auto step = streamed.PrefillStep(INT64_MAX);
-    ASSERT_TRUE(step.ok()) << step.status();
-    if (l == L) {
-      ASSERT_TRUE(step->has_value());
-      a = std::move(**step);
-      break;
+  for (const bool block : {false, true}) {
+    SCOPED_TRACE(block ? "segments in the engine's block" : "pageable segments");
+    std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}};
+    SegmentStore rounded(SegmentStoreOptions{}), empty(SegmentStoreOptions{});
+    ReuseOptions so;
+    if (block) so.stream_pinned_bytes = size_t{8} << 20;
+    ReuseEngine streamed(engine_.get(), &empty, so, size_t{64} << 20);
+    EXPECT_EQ(streamed.stream_pinned_capacity(), block ? size_t{8} << 20 : 0);
+    const int L = model_->config().n_layers;
+    std::vector<SegmentKvBf16> data;
+    std::vector<std::shared_ptr<StreamedSegment>> in;
+    for (int i = 0; i < 2; ++i) {
+      auto [fp, b, r] = Fetchable(segs[i]);
+      ASSERT_TRUE(rounded.Put(fp, std::move(r)).ok());
+      in.push_back(block ? streamed.NewStreamedSegment(b.n_tokens)
+                         : std::make_shared<StreamedSegment>(b.n_tokens, b.n_layers, b.kv_dim));
+      EXPECT_EQ(in.back()->in_block(), block);
+      data.push_back(std::move(b));
+      EXPECT_FALSE(streamed.Holds(fp));
+      streamed.OfferStreamed(fp, in.back());
+      EXPECT_TRUE(streamed.Holds(fp));
     }
-    EXPECT_FALSE(step->has_value()) << "layer " << l;
-    arrive(l);
+    auto arrive = [&](int l) {  // layer l of every segment
+      for (int i = 0; i < 2; ++i) Arrive(*in[i], data[i], l);
+    };
+    const int F = ReuseOptions{}.full_layers;
+    ASSERT_LT(F, L);
+    ASSERT_TRUE(streamed.BeginPrefill(segs, true, nullptr).ok());
+    std::optional<ReusePrefillResult> a;
+    for (int l = F; l <= L; ++l) {
+      // Layer l is missing: the step returns without the result (the full layers ran first).
+      auto step = streamed.PrefillStep(INT64_MAX);
+      ASSERT_TRUE(step.ok()) << step.status();
+      if (l == L) {
+        ASSERT_TRUE(step->has_value());
+        a = std::move(**step);
+        break;
+      }
+      EXPECT_FALSE(step->has_value()) << "layer " << l;
+      arrive(l);
+    }
+    ASSERT_TRUE(a.has_value());
+    engine_->Release(a->seq);
+    EXPECT_EQ(a->stats.segments_streamed, 2);
+    EXPECT_EQ(a->stats.segments_hit, 2);
+    EXPECT_EQ(a->stats.stream_restarts, 0);
+    // Every sparse layer was asked for before it arrived: the time until it did is counted, and
+    // so is the staging of the arrived ones.
+    EXPECT_GT(a->stats.stream_wait_ms, 0.0);
+    EXPECT_GT(a->stats.stream_upload_ms, 0.0);
+    // Layers [0, F) arrive last here: the tier keeps the segments only complete, by
+    // AdoptFetched once they are.
+    EXPECT_EQ(streamed.unspilled(), 0u);
+    for (int l = 0; l < F; ++l) arrive(l);
+    EXPECT_TRUE(streamed.HasFetched());
+    EXPECT_EQ(streamed.AdoptFetched(), 2);
+    EXPECT_EQ(streamed.unspilled(), 2u);
+    ReuseEngine from_store(engine_.get(), &rounded, {}, size_t{64} << 20);
+    const ReusePrefillResult b = RunOn(from_store, segs);
+    EXPECT_EQ(b.stats.segments_hit, 2);
+    EXPECT_EQ(testing::MaxAbsDiff(a->logits, b.logits), 0.0);
+    // From the tier now, the same answer.
+    const ReusePrefillResult c = RunOn(streamed, segs);
+    EXPECT_EQ(c.stats.segments_device_hit, 2);
+    EXPECT_EQ(testing::MaxAbsDiff(a->logits, c.logits), 0.0);
+    // The tier holds copies: the segments' memory goes back to the block with them.
+    EXPECT_EQ(streamed.stream_pinned_used() > 0, block);
+    in.clear();
+    EXPECT_EQ(streamed.stream_pinned_used(), 0u);
   }
-  ASSERT_TRUE(a.has_value());
-  engine_->Release(a->seq);
-  EXPECT_EQ(a->stats.segments_streamed, 2);
-  EXPECT_EQ(a->stats.segments_hit, 2);
-  EXPECT_EQ(a->stats.stream_restarts, 0);
-  // Every sparse layer was asked for before it arrived: the time until it did is counted, and
-  // so is the staging of the arrived ones.
-  EXPECT_GT(a->stats.stream_wait_ms, 0.0);
-  EXPECT_GT(a->stats.stream_upload_ms, 0.0);
-  // Layers [0, F) arrive last here: the tier keeps the segments only complete, by
-  // AdoptFetched once they are.
-  EXPECT_EQ(streamed.unspilled(), 0u);
-  for (int l = 0; l < F; ++l) arrive(l);
-  EXPECT_TRUE(streamed.HasFetched());
-  EXPECT_EQ(streamed.AdoptFetched(), 2);
-  EXPECT_EQ(streamed.unspilled(), 2u);
-  ReuseEngine from_store(engine_.get(), &rounded, {}, size_t{64} << 20);
-  const ReusePrefillResult b = RunOn(from_store, segs);
-  EXPECT_EQ(b.stats.segments_hit, 2);
-  EXPECT_EQ(testing::MaxAbsDiff(a->logits, b.logits), 0.0);
-  // From the tier now, the same answer.
-  const ReusePrefillResult c = RunOn(streamed, segs);
-  EXPECT_EQ(c.stats.segments_device_hit, 2);
-  EXPECT_EQ(testing::MaxAbsDiff(a->logits, c.logits), 0.0);
+}
+
+// The engine's block for streamed segments is bounded: a segment that does not fit gets
+// pageable memory (the fetch goes on, uploads staged as before), and freed ranges are reused.
+TEST_F(ReuseTest, StreamedSegmentsTakePageableMemoryWhenTheBlockIsFull) {
+  SegmentStore empty(SegmentStoreOptions{});
+  const int L = model_->config().n_layers, kd = engine_->runner().kv_dim();
+  const int n = 100;
+  const size_t one = StreamedSegment::Bytes(n, L, kd);
+  ReuseOptions so;
+  const size_t align = HostArena::kAlign;
+  so.stream_pinned_bytes = 2 * ((one + align - 1) / align * align);
+  ReuseEngine e(engine_.get(), &empty, so, size_t{64} << 20);
+  auto a = e.NewStreamedSegment(n), b = e.NewStreamedSegment(n), c = e.NewStreamedSegment(n);
+  EXPECT_TRUE(a->in_block());
+  EXPECT_TRUE(b->in_block());
+  EXPECT_FALSE(c->in_block());
+  EXPECT_EQ(c->Half(0, 0).size(), static_cast<size_t>(n) * kd);
+  a.reset();
+  auto d = e.NewStreamedSegment(n);
+  EXPECT_TRUE(d->in_block());
+  EXPECT_EQ(e.NewStreamedSegment(0)->in_block(), false);
 }
 
 // A streamed segment that fails mid-pass (its later layers will not come): the prefill starts

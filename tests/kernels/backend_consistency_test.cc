@@ -177,6 +177,40 @@ TEST_F(BackendConsistency, AsyncBf16UploadsOffTheComputeStream) {
   }
 }
 
+// UploadBf16Async from pinned memory (AllocHost: a streamed fetch's block) is one direct copy:
+// the values arrive, and the source is read by the copy itself (kept until after Await).
+TEST_F(BackendConsistency, AsyncBf16UploadsFromPinnedMemory) {
+  const int64_t rows = 4064, cols = 1024;
+  auto pinned = gpu_->AllocHost(rows, cols);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  std::vector<float> v = Rand(rows * cols, 2.0f);
+  std::span<uint16_t> h(static_cast<uint16_t*>(pinned->data), v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    h[i] = static_cast<uint16_t>(u >> 16);
+  }
+  for (int64_t off : {int64_t{0}, rows / 2 * cols}) {  // the block's start and inside it
+    const int64_t r = off == 0 ? rows : rows - rows / 2;
+    auto t = gpu_->Alloc(r, cols);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    auto tk = gpu_->UploadBf16Async(h.subspan(static_cast<size_t>(off)), *t);
+    ASSERT_TRUE(tk.ok()) << tk.status();
+    ASSERT_TRUE(gpu_->Await(*tk).ok());
+    ASSERT_TRUE(gpu_->Add(*t, *t).ok());
+    std::vector<float> back = Get(*gpu_, *t);
+    for (size_t e = 0; e < back.size(); ++e) {
+      uint32_t u = static_cast<uint32_t>(h[static_cast<size_t>(off) + e]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      ASSERT_EQ(back[e], RoundBf16(2.0f * f)) << "offset " << off << " element " << e;
+    }
+    gpu_->Free(*t);
+  }
+  gpu_->Free(*pinned);
+}
+
 TEST_F(BackendConsistency, RmsNorm) {
   for (int dim : {4096, 64, 100}) {
     Pair x = MakeRand(37, dim, 2.0f);

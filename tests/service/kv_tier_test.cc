@@ -3,6 +3,7 @@
 // segment's (wrong shape) or is corrupt is never used, and the failure is reported.
 #include "gpu_worker/service/kv_tier.h"
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <tuple>
@@ -328,8 +329,9 @@ TEST_F(KvTierServerTest, FetchToTheTierHandsEachSegmentOverOnceWhole) {
 }
 
 // Streaming (StreamTo): every segment is opened before any byte moves, `started` runs once
-// after that, and each segment fills to exactly what the one-piece bf16 fetch hands over; a
-// segment nobody opens is not fetched.
+// after that, and each segment fills to exactly what the one-piece bf16 fetch hands over,
+// whether its memory is pageable or a block of the caller's (the engine's pinned memory); a
+// segment nobody opens is not fetched, and one of another shape is failed, not written.
 TEST_F(KvTierServerTest, StreamingFetchFillsEachSegmentLayerByLayer) {
   ClusterTierOptions t;
   t.servers = {server_->grpc_address()};
@@ -347,12 +349,18 @@ TEST_F(KvTierServerTest, StreamingFetchFillsEachSegmentLayerByLayer) {
   std::vector<std::pair<SegmentRef, SegmentKvBf16>> whole;
   ASSERT_EQ((*bf)->FetchMissing(refs, &store, 0, 1, Collect(whole)).fetched, 3);
   std::vector<std::shared_ptr<StreamedSegment>> opened;
-  int started = 0;
+  int started = 0, released = 0;
+  std::vector<uint16_t> block(StreamedSegment::Bytes(15, kLayers, kDim) / 2, 0);
   ClusterKvTier::StreamTo stream;
   stream.open = [&](const SegmentRef& r) -> std::shared_ptr<StreamedSegment> {
     EXPECT_EQ(started, 0);
     if (r.fp == refs[2].fp) return nullptr;  // not taken
-    opened.push_back(std::make_shared<StreamedSegment>(r.num_tokens, kLayers, kDim));
+    if (r.fp == refs[0].fp) {
+      opened.push_back(std::make_shared<StreamedSegment>(r.num_tokens, kLayers, kDim,
+                                                         block.data(), [&] { ++released; }));
+    } else {
+      opened.push_back(std::make_shared<StreamedSegment>(r.num_tokens, kLayers, kDim));
+    }
     return opened.back();
   };
   stream.started = [&] {
@@ -373,11 +381,29 @@ TEST_F(KvTierServerTest, StreamingFetchFillsEachSegmentLayerByLayer) {
     }
     ASSERT_NE(ref, nullptr);
     for (int l = 0; l < kLayers; ++l) {
-      EXPECT_EQ(opened[i]->kv().k[l], ref->k[l]);
-      EXPECT_EQ(opened[i]->kv().v[l], ref->v[l]);
+      const std::span<const uint16_t> k = opened[i]->k(l), v = opened[i]->v(l);
+      EXPECT_EQ(std::vector<uint16_t>(k.begin(), k.end()), ref->k[l]);
+      EXPECT_EQ(std::vector<uint16_t>(v.begin(), v.end()), ref->v[l]);
     }
   }
+  EXPECT_TRUE(opened[0]->in_block());
+  EXPECT_NE(std::count(block.begin(), block.end(), uint16_t{0}), static_cast<long>(block.size()));
+  opened.clear();
+  EXPECT_EQ(released, 1);
   EXPECT_EQ(store.stats().entries, 0);
+  // A sink of another shape than the tier's is failed and never written.
+  std::shared_ptr<StreamedSegment> wrong;
+  ClusterKvTier::StreamTo other;
+  other.open = [&](const SegmentRef& r) {
+    wrong = std::make_shared<StreamedSegment>(r.num_tokens, kLayers + 1, kDim);
+    return wrong;
+  };
+  const std::vector<SegmentRef> third = {refs[2]};
+  FetchOutcome g = (*bf)->FetchMissing(third, &store, 0, 1, nullptr, &other);
+  ASSERT_NE(wrong, nullptr);
+  EXPECT_TRUE(wrong->Failed());
+  EXPECT_FALSE(wrong->Ready(0));
+  EXPECT_EQ(g.fetched, 0);
 }
 
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {

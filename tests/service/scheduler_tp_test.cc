@@ -312,12 +312,16 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
   ASSERT_TRUE(ClusterHolds(o, *model_, refs, 1)) << "A did not write the documents back";
 
   // Fetched whole, then the prefill; and streamed (--cache_fetch_stream): the prefill reads
-  // each layer as it arrives. The same answer either way.
+  // each layer as it arrives, from pageable memory or from the engine's block
+  // (--cache_fetch_pinned_mb; pinned on a GPU). The same answer every way.
   std::vector<std::vector<int32_t>> answers;
-  for (bool stream : {false, true}) {
-    SCOPED_TRACE(stream ? "streaming fetch" : "fetch, then prefill");
+  for (int mode : {0, 1, 2}) {
+    const bool stream = mode > 0, block = mode == 2;
+    SCOPED_TRACE(!stream ? "fetch, then prefill"
+                         : block ? "streaming fetch into the block" : "streaming fetch");
     WorkerOptions ob = o;
     ob.cluster.stream_fetch = stream;
+    if (block) ob.scheduler.reuse.stream_pinned_bytes = size_t{16} << 20;
     auto b = WorkerServer::Start(ob);
     ASSERT_TRUE(b.ok()) << b.status();
     Reply from_b = GenerateOn((*b)->port(), {d2, d1, q});
@@ -349,14 +353,21 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
     EXPECT_EQ(from_b.usage.stream_restarts(), 0);
     EXPECT_EQ(metric("sparsex_worker_streamed_segments_total"), from_b.usage.segments_streamed());
     EXPECT_EQ(metric("sparsex_worker_stream_restarts_total"), 0);
+    // Where the streamed segments' memory came from (the metric is absent before its first).
+    const double pinned = metric("sparsex_worker_stream_memory_segments_total{memory=\"pinned\"}");
+    const double pageable =
+        metric("sparsex_worker_stream_memory_segments_total{memory=\"pageable\"}");
+    EXPECT_EQ(pinned, block ? 2 : -1);
+    EXPECT_EQ(pageable, stream && !block ? 2 : -1);
     // A third order on B: both from its own tiers now, nothing fetched.
     Reply again = GenerateOn((*b)->port(), {d1, d2, q});
     EXPECT_EQ(again.usage.segments_fetched(), 0);
     EXPECT_EQ(again.usage.segments_hit(), 2);
     (*b)->Shutdown();
   }
-  ASSERT_EQ(answers.size(), 2u);
+  ASSERT_EQ(answers.size(), 3u);
   EXPECT_EQ(answers[0], answers[1]);
+  EXPECT_EQ(answers[0], answers[2]);
   (*a)->Shutdown();
 }
 

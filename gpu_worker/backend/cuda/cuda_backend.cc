@@ -248,6 +248,17 @@ absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> ho
 }
 
 namespace {
+// Whether p lies in page-locked host memory (cudaHostAlloc'd or registered), which a copy
+// engine reads directly.
+bool IsPinnedHost(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // pageable memory on older runtimes: not an error to keep
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+
 // UploadViaPinned's fill for bf16 host data: copied as it is, on host threads.
 std::function<void(bf16*, int64_t, int64_t)> CopyBf16Fill(std::span<const uint16_t> host) {
   return [host](bf16* buf, int64_t off, int64_t m) {
@@ -296,6 +307,14 @@ absl::StatusOr<int64_t> CudaBackend::UploadBf16Async(std::span<const uint16_t> h
   if (dst.host || host.empty()) {
     RETURN_IF_ERROR(UploadBf16(host, dst));
     return int64_t{0};
+  }
+  if (IsPinnedHost(host.data())) {
+    // Pinned memory (a streamed fetch's block): the DMA reads it directly, no host staging
+    // copy; the caller keeps it unchanged until the work after Await has run (the contract).
+    CUDA_RETURN(cudaMemcpyAsync(B(dst), host.data(), host.size_bytes(), cudaMemcpyHostToDevice,
+                                copy_stream_),
+                "UploadBf16Async direct copy");
+    return CopyStreamTicket();
   }
   // Its own chunks on the copy stream: a refill never waits for the compute stream.
   RETURN_IF_ERROR(UploadViaPinned(async_chunks_, copy_stream_, static_cast<int64_t>(host.size()),
