@@ -89,7 +89,7 @@ send fetch 3 on
 fb1=$(metric "$BM" 'sparsex_worker_fetch_bytes_total'); fs1=$(metric "$BM" 'sparsex_worker_fetch_seconds_sum')
 for s in 4 5 6; do send "tier$s" "$s" on; done
 send full 7 off
-curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|streamed|stream_restarts|stream_seconds|engine_seconds|host_segments|writeback|gate|queue)' | grep -v _bucket >>"$OUT/metrics.txt"
+curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|streamed|stream_restarts|stream_seconds|stream_memory|engine_seconds|host_segments|writeback|gate|queue)' | grep -v _bucket >>"$OUT/metrics.txt"
 grep -h "cache cluster\|fetch\|error" "$RUN"/worker*.log | tail -n 20 >>"$LOG" 2>&1
 curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_' | grep -v _bucket >>"$OUT/metrics.txt"
 "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1
