@@ -508,6 +508,10 @@ ReuseEngine::ReuseEngine(Engine* engine, SegmentStore* store, ReuseOptions opts,
 ReuseEngine::~ReuseEngine() {
   prefill_.reset();  // before the tiers its segments come from
   EndEncoding();
+  {
+    std::lock_guard<std::mutex> l(fetched_mu_);
+    streamed_.clear();  // the engine's references to streamed segments
+  }
   // A segment still held (a fetch in flight at shutdown) keeps writing into the block: then it
   // is left to the process's exit rather than freed under it.
   if (arena_ && arena_->used() == 0) engine_->runner().backend().Free(arena_mem_);
