@@ -28,6 +28,18 @@ class Pool {
 
   void Run(int parts, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> run_lock(run_mu_);  // one parallel loop at a time
+    RunLocked(parts, fn);
+  }
+  // Run when no other loop holds the pool; false (nothing ran) when one does.
+  bool TryRun(int parts, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> run_lock(run_mu_, std::try_to_lock);
+    if (!run_lock.owns_lock()) return false;
+    RunLocked(parts, fn);
+    return true;
+  }
+
+ private:
+  void RunLocked(int parts, const std::function<void(int)>& fn) {
     {
       std::lock_guard<std::mutex> l(mu_);
       fn_ = &fn;
@@ -43,8 +55,6 @@ class Pool {
     done_cv_.wait(l, [&] { return done_ == parts_; });
     fn_ = nullptr;
   }
-
- private:
   void Finish() {
     // The caller also takes remaining parts.
     for (;;) {
@@ -114,6 +124,20 @@ void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
     int64_t b = p * chunk, e = std::min(n, b + chunk);
     if (b < e) fn(b, e);
   });
+}
+
+void ParallelForIfIdle(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
+                       int64_t min_per_thread) {
+  if (n <= 0) return;
+  Pool& pool = GetPool();
+  int64_t parts = std::min<int64_t>(pool.size(), n / std::max<int64_t>(1, min_per_thread));
+  const int64_t chunk = parts > 1 ? (n + parts - 1) / parts : n;
+  if (parts <= 1 || !pool.TryRun(static_cast<int>(parts), [&](int p) {
+        int64_t b = p * chunk, e = std::min(n, b + chunk);
+        if (b < e) fn(b, e);
+      })) {
+    fn(0, n);
+  }
 }
 
 }  // namespace sparsex

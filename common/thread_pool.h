@@ -13,6 +13,12 @@ namespace sparsex {
 void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
                  int64_t min_per_thread = 1);
 
+// ParallelFor when no other loop holds the pool now, else inline on the caller: for work that
+// must not wait behind another thread's long loop (the scheduler's sampling between decode
+// steps, while a cluster fetch decodes a round on the pool).
+void ParallelForIfIdle(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
+                       int64_t min_per_thread = 1);
+
 int NumThreads();
 
 }  // namespace sparsex

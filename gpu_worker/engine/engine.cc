@@ -1,5 +1,7 @@
 #include "gpu_worker/engine/engine.h"
 
+#include "common/thread_pool.h"
+
 namespace sparsex {
 namespace {
 
@@ -206,9 +208,13 @@ std::vector<std::vector<float>> Engine::TakeDecodeLogits(std::span<Sequence* con
                                                          const std::vector<float>& lg) {
   const int64_t V = model_->config().vocab_size;
   std::vector<std::vector<float>> out(seqs.size());
+  // Rows of a large vocabulary copied on the pool (16 MB at batch 32 of a 128K vocabulary).
+  ParallelForIfIdle(static_cast<int64_t>(seqs.size()), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      out[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
+    }
+  }, std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(V, 1)));
   for (size_t i = 0; i < seqs.size(); ++i) {
-    out[i].assign(lg.begin() + static_cast<int64_t>(i) * V,
-                  lg.begin() + static_cast<int64_t>(i + 1) * V);
     seqs[i]->tokens.push_back(tokens[i]);
     seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
   }

@@ -70,6 +70,9 @@ class Sampler {
   std::mt19937_64 rng_;
   std::vector<std::pair<int32_t, int>> drawn_;  // (token, times drawn), for the penalties
   std::vector<float> adjusted_;                 // logits after bias and penalties (reused)
+  std::vector<int32_t> idx_;                    // Draw's candidate order (reused)
+  std::vector<double> prob_;                    // Draw's weights (reused)
+  std::vector<float> vals_;                     // Draw's top-k selection (reused)
   absl::Status status_;
 };
 

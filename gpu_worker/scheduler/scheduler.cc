@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <future>
 
+#include "common/thread_pool.h"
+
 namespace sparsex::service {
 namespace {
 
@@ -821,7 +823,7 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   for (size_t j = 0; j < due.size(); ++j) {
     if (!m->prefill[j].empty()) FinishPlainPrefill(*due[j].a, m->prefill[j]);
   }
-  for (size_t i = 0; i < step.size(); ++i) SampleAndEmit(*step[i], m->decode[i]);
+  SampleAndEmitAll(step, m->decode);
 }
 
 // Each decoding request's sequence and the token it feeds next (a batched step's inputs).
@@ -850,7 +852,7 @@ void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
     for (Active* a : step) DecodeOne(*a);
     return;
   }
-  for (size_t i = 0; i < step.size(); ++i) SampleAndEmit(*step[i], (*lg)[i]);
+  SampleAndEmitAll(step, *lg);
 }
 
 bool BatchScheduler::DecodeOne(Active& a) {
@@ -871,6 +873,38 @@ bool BatchScheduler::SampleAndEmit(Active& a, std::span<const float> logits) {
   // Of the raw logits (before bias, penalties and temperature: sampler.h TokenLogprobs).
   if (a.w.logprobs >= 0) a.logprobs = ComputeLogprobs(logits, *t, a.w.logprobs);
   return Emit(a, *t);
+}
+
+void BatchScheduler::SampleAndEmitAll(const std::vector<Active*>& step,
+                                      const std::vector<std::vector<float>>& logits) {
+  // Sampling reads every logit of a row several times (the finiteness check, the argmax or the
+  // sort, logprobs): at batch 32 with a 128K vocabulary that is 16 MB per pass, ~5 ms of one
+  // core per step (this repository's CI machine), which the GPU would wait out. Each request's
+  // sampler is its own, so rows go to the pool (when no other loop holds it: a cluster fetch's
+  // decode of a round would hold the step longer); small vocabularies stay on this thread.
+  const size_t n = step.size();
+  std::vector<absl::StatusOr<int32_t>> tok(n, absl::UnknownError("not sampled"));
+  auto sample = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      Active& a = *step[i];
+      tok[i] = a.sampler->TrySample(logits[i]);
+      // Of the raw logits (before bias, penalties and temperature: sampler.h TokenLogprobs).
+      if (tok[i].ok() && a.w.logprobs >= 0) {
+        a.logprobs = ComputeLogprobs(logits[i], *tok[i], a.w.logprobs);
+      }
+    }
+  };
+  const int64_t vocab = logits.empty() ? 0 : static_cast<int64_t>(logits[0].size());
+  constexpr int64_t kLogitsPerTask = int64_t{1} << 17;  // below this, waking a thread costs more
+  ParallelForIfIdle(static_cast<int64_t>(n), sample,
+                    std::max<int64_t>(1, kLogitsPerTask / std::max<int64_t>(vocab, 1)));
+  for (size_t i = 0; i < n; ++i) {
+    if (!tok[i].ok()) {  // non-finite logits: the request fails with the reason, never a token
+      Finish(*step[i], "", tok[i].status());
+      continue;
+    }
+    Emit(*step[i], *tok[i]);
+  }
 }
 
 bool BatchScheduler::Emit(Active& a, int32_t token) {

@@ -334,6 +334,10 @@ class BatchScheduler {
   void SpillOne();
   // Emits a sampled token; returns false when the request finished.
   bool SampleAndEmit(Active& a, std::span<const float> logits);
+  // SampleAndEmit for every decoding request of a batched step: the samples (and logprobs) on
+  // the thread pool, one request's row per task, then the tokens emitted in order here.
+  void SampleAndEmitAll(const std::vector<Active*>& step,
+                        const std::vector<std::vector<float>>& logits);
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
   void PublishLoad();

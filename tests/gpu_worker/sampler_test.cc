@@ -7,8 +7,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -25,6 +27,112 @@ SamplingParams Hot(int top_k = 0, float top_p = 1.0f) {
   p.top_p = top_p;
   p.seed = 7;
   return p;
+}
+
+// Argmax is the first index of the largest logit, NaN never larger (and a NaN first wins, as
+// in a scan that keeps the strictly greater): checked against that scan on rows of every
+// length around the lane width, with ties, infinities, signed zeros and NaNs.
+TEST(SamplerTest, ArgmaxIsTheFirstLargest) {
+  auto scan = [](const std::vector<float>& v) {
+    int32_t best = 0;
+    for (size_t i = 1; i < v.size(); ++i) {
+      if (v[i] > v[best]) best = static_cast<int32_t>(i);
+    }
+    return best;
+  };
+  std::mt19937 rng(3);
+  const float pool[] = {0.0f, -0.0f, 1.0f, 1.0f, 2.5f, -3.0f, kInf, -kInf, kNaN};
+  for (int len = 1; len <= 70; ++len) {
+    for (int trial = 0; trial < 30; ++trial) {
+      std::vector<float> v(static_cast<size_t>(len));
+      for (float& x : v) x = pool[rng() % (trial < 10 ? 6 : 9)];
+      ASSERT_EQ(Argmax(v), scan(v)) << "length " << len << " trial " << trial;
+    }
+  }
+  EXPECT_EQ(Argmax({}), 0);
+  EXPECT_EQ(Argmax(std::vector<float>{-kInf, -kInf, -kInf}), 0);
+  EXPECT_EQ(Argmax(std::vector<float>{kNaN, 5.0f}), 0);
+  EXPECT_EQ(Argmax(std::vector<float>{1.0f, kNaN, 3.0f, 3.0f}), 2);
+}
+
+// Temperature, top-k and top-p draw from the distribution their definitions give (OpenAI's
+// and vLLM's: softmax of logits / T over the k largest, then the shortest most-likely head
+// with top_p of that mass, the lower id first among equal logits), whatever order Draw walks:
+// every draw is in the reference's support, and frequencies match its probabilities.
+TEST(SamplerTest, DrawsFollowTheTemperatureTopKAndTopPDistribution) {
+  const std::vector<float> logits = {3.0f, 1.0f, 2.5f, -1.0f, 0.0f, 2.5f, -kInf, 1.2f, 0.4f};
+  auto reference = [&](const SamplingParams& p) {
+    std::vector<int32_t> order(logits.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+    size_t keep = p.top_k > 0 ? std::min<size_t>(p.top_k, order.size()) : order.size();
+    std::vector<double> w(logits.size(), 0.0);
+    double sum = 0;
+    for (size_t i = 0; i < keep; ++i) sum += std::exp((logits[order[i]] - 3.0) / p.temperature);
+    double acc = 0;
+    for (size_t i = 0; i < keep; ++i) {
+      const double x = std::exp((logits[order[i]] - 3.0) / p.temperature);
+      w[order[i]] = x;
+      acc += x / sum;
+      if (acc >= p.top_p) break;
+    }
+    double z = 0;
+    for (double x : w) z += x;
+    for (double& x : w) x /= z;
+    return w;
+  };
+  struct Case {
+    float t;
+    int k;
+    float p;
+  };
+  for (const Case c : {Case{0.7f, 0, 1.0f}, Case{0.7f, 0, 0.8f}, Case{1.3f, 0, 0.6f},
+                       Case{0.7f, 3, 1.0f}, Case{1.0f, 4, 0.9f}, Case{2.0f, 0, 0.999f}}) {
+    SamplingParams p;
+    p.temperature = c.t;
+    p.top_k = c.k;
+    p.top_p = c.p;
+    p.seed = 11;
+    const std::vector<double> want = reference(p);
+    Sampler s(p);
+    std::vector<int> count(logits.size(), 0);
+    const int draws = 40000;
+    for (int i = 0; i < draws; ++i) ++count[*s.TrySample(logits)];
+    for (size_t t = 0; t < logits.size(); ++t) {
+      const double got = static_cast<double>(count[t]) / draws;
+      if (want[t] == 0) {
+        EXPECT_EQ(count[t], 0) << "token " << t << " outside the support, T " << c.t << " k "
+                               << c.k << " p " << c.p;
+      } else {
+        EXPECT_NEAR(got, want[t], 0.012) << "token " << t << ", T " << c.t << " k " << c.k
+                                         << " p " << c.p;
+      }
+    }
+  }
+  // A large flat vocabulary (the nucleus is most of it): draws stay in the reference nucleus.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> big(5000);
+  for (float& x : big) x = nd(rng);
+  std::vector<int32_t> order(big.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return big[a] > big[b]; });
+  const float mx = big[order[0]];
+  double total = 0;
+  for (float x : big) total += std::exp((x - mx) / 0.8);
+  std::vector<char> in(big.size(), 0);
+  double acc = 0;
+  for (int32_t i : order) {
+    in[i] = 1;
+    acc += std::exp((big[i] - mx) / 0.8) / total;
+    if (acc >= 0.9) break;
+  }
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_p = 0.9f;
+  Sampler s(p);
+  for (int i = 0; i < 3000; ++i) ASSERT_TRUE(in[*s.TrySample(big)]) << "draw " << i;
 }
 
 TEST(SamplerTest, GreedyAndSeededSampling) {
