@@ -15,7 +15,8 @@ mkdir -p "$TMP/spx/bin" "$TMP/spx/lib" "$STAGE"
 # The GPU tests, benchmarks and CLI travel too (bench/gpu/checks.sh runs them there), with the
 # small test models (stories260K, TinyStories text) from $SPARSEX_MODELS.
 BINS="sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen sparsex-rag sparsex \
-  backend_consistency_test cuda_engine_test reuse_prefill_bench gpu_prefill_bench sparsex-fetch-bench"
+  backend_consistency_test cuda_engine_test reuse_prefill_bench gpu_prefill_bench sparsex-fetch-bench \
+  sampling_bench"
 for b in $BINS; do
   [ -x "$BIN/$b" ] || { echo "stage_serve: $BIN/$b missing (build first)" >&2; exit 1; }
   cp "$BIN/$b" "$TMP/spx/bin/"
