@@ -219,7 +219,9 @@ absl::Status CudaBackend::DownloadViaPinned(const bf16* src, std::span<float> ho
     c.pending[b] = false;
     const bf16* buf = c.buf[b];
     float* out = host.data() + off;
-    ParallelFor(m, [&](int64_t lo, int64_t hi) {
+    // A decode step's logits: on the pool only when it is free (inline rather than behind a
+    // cluster fetch's decode of a round, which would hold the step for that round).
+    ParallelForIfIdle(m, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) out[i] = __bfloat162float(buf[i]);
     }, int64_t{1} << 18);
     return absl::OkStatus();
