@@ -462,15 +462,22 @@ TEST_F(RouterFaults, AbandonedNonStreamingRequestsStopGenerating) {
   ASSERT_GT(WorkerTokens(), before) << "no generation began within 10 s";
   for (int fd : fds) ::close(fd);
   const Clock::time_point closed = Clock::now();
-  // Generation stops: no running sequence within 500 ms, and the token count stays put.
-  double running = -1;
+  // Generation stops: within 500 ms no running sequence and a token count that held still for
+  // 100 ms (the running gauge alone can be read before the scheduler published the first
+  // admissions: CI once saw 0 running at once, then 70 more tokens), and it stays put.
+  double running = -1, at_stop = -1;
   while (Clock::now() - closed < 500ms) {
     running = WorkerRunning();
-    if (running == 0) break;
-    std::this_thread::sleep_for(20ms);
+    const double tokens = WorkerTokens();
+    std::this_thread::sleep_for(100ms);
+    if (running == 0 && WorkerRunning() == 0 && WorkerTokens() == tokens) {
+      at_stop = tokens;
+      break;
+    }
+    running = -1;
   }
   const double stopped_ms = Ms(Clock::now() - closed);
-  const double at_stop = WorkerTokens();
+  if (at_stop < 0) at_stop = WorkerTokens();
   std::this_thread::sleep_for(1000ms);
   const double later = WorkerTokens();
   const std::string wm = workers_[0].Metrics();
