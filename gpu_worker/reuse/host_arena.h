@@ -14,8 +14,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <mutex>
+
+#include "common/range_allocator.h"
 
 namespace sparsex {
 
@@ -38,8 +39,7 @@ class HostArena {
   uint8_t* const base_;
   const size_t bytes_;
   mutable std::mutex mu_;
-  std::map<size_t, size_t> free_;  // offset -> length, disjoint, never adjacent
-  std::map<size_t, size_t> used_;  // offset -> length
+  RangeAllocator ranges_;  // under mu_
   size_t used_bytes_ = 0;
 };
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <iterator>
 #include <limits>
 
 #include "kernels/ops.h"
@@ -15,45 +14,20 @@ absl::Status GraphArena::Reserve(size_t bytes) {
   if (base_) cudaFree(base_);
   base_ = nullptr;
   size_ = 0;
-  free_.clear();
+  ranges_.Reset(0);
   CUDA_RETURN(cudaMalloc(&base_, bytes), "graph arena alloc");
   size_ = bytes;
-  free_[0] = bytes;
+  ranges_.Reset(bytes);
   return absl::OkStatus();
 }
 
 void* GraphArena::Take(size_t bytes) {
   bytes = std::max<size_t>((bytes + 255) / 256 * 256, 256);
-  for (auto it = free_.begin(); it != free_.end(); ++it) {
-    if (it->second < bytes) continue;
-    const size_t off = it->first, len = it->second;
-    free_.erase(it);
-    if (len > bytes) free_[off + bytes] = len - bytes;
-    used_[off] = bytes;
-    return base_ + off;
-  }
-  return nullptr;
+  const std::optional<size_t> off = ranges_.Take(bytes);
+  return off ? base_ + *off : nullptr;
 }
 
-void GraphArena::Give(void* p) {
-  auto it = used_.find(static_cast<size_t>(static_cast<char*>(p) - base_));
-  if (it == used_.end()) return;
-  size_t off = it->first, len = it->second;
-  used_.erase(it);
-  auto next = free_.lower_bound(off);
-  if (next != free_.end() && next->first == off + len) {
-    len += next->second;
-    next = free_.erase(next);
-  }
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == off) {
-      prev->second += len;
-      return;
-    }
-  }
-  free_[off] = len;
-}
+void GraphArena::Give(void* p) { ranges_.Give(static_cast<size_t>(static_cast<char*>(p) - base_)); }
 
 // ---- GraphRecorder ----
 

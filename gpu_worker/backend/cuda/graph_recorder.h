@@ -18,13 +18,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "common/hash.h"
+#include "common/range_allocator.h"
 #include "common/status.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cuda/cuda_status.h"
@@ -54,7 +54,7 @@ class GraphArena {
     if (base_) cudaFree(base_);
   }
   size_t size() const { return size_; }
-  size_t live() const { return used_.size(); }
+  size_t live() const { return ranges_.live(); }
   // Replaces the memory (none may be live).
   absl::Status Reserve(size_t bytes);
   bool Owns(const void* p) const {
@@ -66,7 +66,7 @@ class GraphArena {
  private:
   char* base_ = nullptr;
   size_t size_ = 0;
-  std::map<size_t, size_t> free_, used_;  // offset -> length
+  RangeAllocator ranges_;
 };
 
 class GraphRecorder {
