@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
       for (int32_t t : tok) check += t;
       ParallelForIfIdle(B, [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) tok[i] = s[i]->Sample(rows[i]);
-      }, std::max<int64_t>(1, (int64_t{1} << 17) / vocab));
+      }, sparsex::LogitRowsPerTask(vocab));
       auto t2 = std::chrono::steady_clock::now();
       for (int32_t t : tok) check -= t;  // greedy: the same tokens both ways
       serial.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());

@@ -110,34 +110,39 @@ Pool& GetPool() {
 
 int NumThreads() { return GetPool().size(); }
 
-void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
-                 int64_t min_per_thread) {
-  if (n <= 0) return;
+namespace {
+// Splits [0, n) into up to one contiguous part per pool thread and runs them: on the pool,
+// waiting for another thread's loop to end, or (try_only) only if no loop holds the pool now;
+// false when nothing ran. Inline when there is only one part.
+bool RunSplit(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t min_per_thread,
+              bool try_only) {
   Pool& pool = GetPool();
   int64_t parts = std::min<int64_t>(pool.size(), n / std::max<int64_t>(1, min_per_thread));
   if (parts <= 1) {
     fn(0, n);
-    return;
+    return true;
   }
   int64_t chunk = (n + parts - 1) / parts;
-  pool.Run(static_cast<int>(parts), [&](int p) {
+  auto part = [&](int p) {
     int64_t b = p * chunk, e = std::min(n, b + chunk);
     if (b < e) fn(b, e);
-  });
+  };
+  if (!try_only) {
+    pool.Run(static_cast<int>(parts), part);
+    return true;
+  }
+  return pool.TryRun(static_cast<int>(parts), part);
+}
+}  // namespace
+
+void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
+                 int64_t min_per_thread) {
+  if (n > 0) RunSplit(n, fn, min_per_thread, /*try_only=*/false);
 }
 
 void ParallelForIfIdle(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
                        int64_t min_per_thread) {
-  if (n <= 0) return;
-  Pool& pool = GetPool();
-  int64_t parts = std::min<int64_t>(pool.size(), n / std::max<int64_t>(1, min_per_thread));
-  const int64_t chunk = parts > 1 ? (n + parts - 1) / parts : n;
-  if (parts <= 1 || !pool.TryRun(static_cast<int>(parts), [&](int p) {
-        int64_t b = p * chunk, e = std::min(n, b + chunk);
-        if (b < e) fn(b, e);
-      })) {
-    fn(0, n);
-  }
+  if (n > 0 && !RunSplit(n, fn, min_per_thread, /*try_only=*/true)) fn(0, n);
 }
 
 }  // namespace sparsex

@@ -219,7 +219,7 @@ std::vector<std::vector<float>> Engine::TakeDecodeLogits(std::span<Sequence* con
     for (int64_t i = lo; i < hi; ++i) {
       out[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
     }
-  }, std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(V, 1)));
+  }, LogitRowsPerTask(V));
   for (size_t i = 0; i < seqs.size(); ++i) {
     seqs[i]->tokens.push_back(tokens[i]);
     seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());

@@ -167,7 +167,8 @@ absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
   const double inv_t = 1.0 / p_.temperature;
   auto weight = [&](int32_t i) { return std::exp((logits[i] - mx) * inv_t); };
   std::vector<int32_t>& idx = idx_;
-  std::vector<double>& prob = prob_;
+  std::vector<double>& prob = prob_;  // weights by token id (vocabulary order)
+  std::vector<double>& kept = kept_;  // weights of idx[0, keep), in that order
   int keep = n;
   if (p_.top_k > 0 && p_.top_k < n) {
     // The k-th largest logit by selection over the values (no indirection), then the tokens
@@ -222,19 +223,21 @@ absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
     idx.resize(n);
     std::iota(idx.begin(), idx.end(), 0);
     double need = p_.top_p * total;  // mass the nucleus still needs beyond idx[0, lo)
+    // The end of the nucleus in ordered idx[from, to): just after the token whose weight
+    // covers what is still needed, else `to`.
+    auto cut_in = [&](size_t from, size_t to) {
+      for (size_t i = from; i < to; ++i) {
+        need -= prob[idx[i]];
+        if (need <= 0) return static_cast<int>(i + 1);
+      }
+      return static_cast<int>(to);
+    };
     size_t lo = 0, hi = static_cast<size_t>(n);
     keep = n;
     while (hi > lo) {
       if (hi - lo <= 64) {
         std::sort(idx.begin() + lo, idx.begin() + hi, before);
-        for (size_t i = lo; i < hi; ++i) {
-          need -= prob[idx[i]];
-          if (need <= 0) {
-            hi = i + 1;
-            break;
-          }
-        }
-        keep = static_cast<int>(hi);
+        keep = cut_in(lo, hi);
         break;
       }
       // Pivot: the median of three logits of the range.
@@ -255,15 +258,7 @@ absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
         // Within the pivot's equals: the lower ids first, as many as the mass needs.
         need -= mass_gt;
         std::sort(idx.begin() + g, idx.begin() + e);
-        size_t cut = e;
-        for (size_t i = g; i < e; ++i) {
-          need -= prob[idx[i]];
-          if (need <= 0) {
-            cut = i + 1;
-            break;
-          }
-        }
-        keep = static_cast<int>(cut);
+        keep = cut_in(g, e);
         break;
       } else {
         need -= mass_gt + mass_eq;  // all of them, and more from the smaller logits
@@ -272,27 +267,29 @@ absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
       }
     }
     idx.resize(keep);
-    prob.resize(0);
   }
-  prob.resize(keep);
+  kept.resize(keep);
   double sum = 0;
-  for (int i = 0; i < keep; ++i) sum += prob[i] = weight(idx[i]);
+  for (int i = 0; i < keep; ++i) {
+    // The nucleus has every token's weight already; the top k computes its own.
+    sum += kept[i] = p_.top_k > 0 && p_.top_k < n ? weight(idx[i]) : prob[idx[i]];
+  }
   if (p_.top_k > 0 && p_.top_k < n && p_.top_p < 1.0f) {  // top_p within the top k
     double acc = 0;
     int cut = keep;
     for (int i = 0; i < keep; ++i) {
-      acc += prob[i] / sum;
+      acc += kept[i] / sum;
       if (acc >= p_.top_p) {
         cut = i + 1;
         break;
       }
     }
     keep = cut;
-    sum = std::accumulate(prob.begin(), prob.begin() + keep, 0.0);
+    sum = std::accumulate(kept.begin(), kept.begin() + keep, 0.0);
   }
   double r = std::uniform_real_distribution<double>(0.0, sum)(rng_);
   for (int i = 0; i < keep; ++i) {
-    r -= prob[i];
+    r -= kept[i];
     if (r <= 0) return idx[i];
   }
   return idx[keep - 1];

@@ -2,6 +2,7 @@
 // presence/frequency penalties applied first.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <span>
@@ -71,12 +72,20 @@ class Sampler {
   std::vector<std::pair<int32_t, int>> drawn_;  // (token, times drawn), for the penalties
   std::vector<float> adjusted_;                 // logits after bias and penalties (reused)
   std::vector<int32_t> idx_;                    // Draw's candidate order (reused)
-  std::vector<double> prob_;                    // Draw's weights (reused)
+  std::vector<double> prob_;                    // Draw's weights by token id (reused)
+  std::vector<double> kept_;                    // Draw's weights of the kept tokens (reused)
   std::vector<float> vals_;                     // Draw's top-k selection (reused)
   absl::Status status_;
 };
 
 // Index of the largest logit (the first one on ties, as llama2.c does).
 int32_t Argmax(std::span<const float> logits);
+
+// Rows of `vocab` logits per thread-pool task where rows are handled in parallel (a decode
+// step's sampling and row copies): a thread woken for fewer than ~128K logits costs more than
+// it saves, so small vocabularies stay on the caller's thread.
+inline int64_t LogitRowsPerTask(int64_t vocab) {
+  return std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(vocab, 1));
+}
 
 }  // namespace sparsex

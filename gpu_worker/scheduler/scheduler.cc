@@ -864,15 +864,23 @@ bool BatchScheduler::DecodeOne(Active& a) {
   return SampleAndEmit(a, *lg);
 }
 
-bool BatchScheduler::SampleAndEmit(Active& a, std::span<const float> logits) {
+absl::StatusOr<int32_t> BatchScheduler::Sample(Active& a, std::span<const float> logits) {
   absl::StatusOr<int32_t> t = a.sampler->TrySample(logits);
+  // Of the raw logits (before bias, penalties and temperature: sampler.h TokenLogprobs).
+  if (t.ok() && a.w.logprobs >= 0) a.logprobs = ComputeLogprobs(logits, *t, a.w.logprobs);
+  return t;
+}
+
+bool BatchScheduler::EmitSampled(Active& a, const absl::StatusOr<int32_t>& t) {
   if (!t.ok()) {  // non-finite logits: the request fails with the reason, never a token
     Finish(a, "", t.status());
     return false;
   }
-  // Of the raw logits (before bias, penalties and temperature: sampler.h TokenLogprobs).
-  if (a.w.logprobs >= 0) a.logprobs = ComputeLogprobs(logits, *t, a.w.logprobs);
   return Emit(a, *t);
+}
+
+bool BatchScheduler::SampleAndEmit(Active& a, std::span<const float> logits) {
+  return EmitSampled(a, Sample(a, logits));
 }
 
 void BatchScheduler::SampleAndEmitAll(const std::vector<Active*>& step,
@@ -884,27 +892,11 @@ void BatchScheduler::SampleAndEmitAll(const std::vector<Active*>& step,
   // decode of a round would hold the step longer); small vocabularies stay on this thread.
   const size_t n = step.size();
   std::vector<absl::StatusOr<int32_t>> tok(n, absl::UnknownError("not sampled"));
-  auto sample = [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      Active& a = *step[i];
-      tok[i] = a.sampler->TrySample(logits[i]);
-      // Of the raw logits (before bias, penalties and temperature: sampler.h TokenLogprobs).
-      if (tok[i].ok() && a.w.logprobs >= 0) {
-        a.logprobs = ComputeLogprobs(logits[i], *tok[i], a.w.logprobs);
-      }
-    }
-  };
   const int64_t vocab = logits.empty() ? 0 : static_cast<int64_t>(logits[0].size());
-  constexpr int64_t kLogitsPerTask = int64_t{1} << 17;  // below this, waking a thread costs more
-  ParallelForIfIdle(static_cast<int64_t>(n), sample,
-                    std::max<int64_t>(1, kLogitsPerTask / std::max<int64_t>(vocab, 1)));
-  for (size_t i = 0; i < n; ++i) {
-    if (!tok[i].ok()) {  // non-finite logits: the request fails with the reason, never a token
-      Finish(*step[i], "", tok[i].status());
-      continue;
-    }
-    Emit(*step[i], *tok[i]);
-  }
+  ParallelForIfIdle(static_cast<int64_t>(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) tok[i] = Sample(*step[i], logits[i]);
+  }, LogitRowsPerTask(vocab));
+  for (size_t i = 0; i < n; ++i) EmitSampled(*step[i], tok[i]);
 }
 
 bool BatchScheduler::Emit(Active& a, int32_t token) {

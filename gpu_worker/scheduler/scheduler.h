@@ -332,6 +332,12 @@ class BatchScheduler {
   bool StoreOne(int n_decoding = 0);
   // Copies one device-tier-only segment to the host store and reports it (idle iterations).
   void SpillOne();
+  // The request's next token from its row of logits (and its logprobs when asked for); any
+  // thread, one request per thread at a time.
+  absl::StatusOr<int32_t> Sample(Active& a, std::span<const float> logits);
+  // Emits a sampled token, or fails the request with the sampler's error; returns false when
+  // the request finished.
+  bool EmitSampled(Active& a, const absl::StatusOr<int32_t>& t);
   // Emits a sampled token; returns false when the request finished.
   bool SampleAndEmit(Active& a, std::span<const float> logits);
   // SampleAndEmit for every decoding request of a batched step: the samples (and logprobs) on
