@@ -143,11 +143,13 @@ struct Record {
 
 // Decode steps of B sequences (one row each) after ctx tokens of context, sequence b's
 // positions at slots[b]: the engine's decode pass (ModelRunner::Forward, greedy next token),
-// as plain launches or (graph) a recorded scope replayed as a CUDA graph. Median and minimum
-// ms per step over the steps after the first 3 (warm-up, recording, capture).
+// as plain launches or (graph) a recorded scope replayed as a CUDA graph; with argmax the
+// greedy tokens are reduced on the device (ForwardHead, as the scheduler's greedy steps do)
+// and the time includes bringing them back, else it includes the logits' download. Median
+// and minimum ms per step over the steps after the first 3 (warm-up, recording, capture).
 std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
                                       const std::vector<std::vector<int32_t>>& slots, int ctx,
-                                      int steps, int B, bool graph) {
+                                      int steps, int B, bool graph, bool argmax = false) {
   const int vocab = runner.config().vocab_size;
   std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
   std::iota(all.begin(), all.end(), 0);
@@ -162,6 +164,13 @@ std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
     }
     timer.Start();
     LayerRows rows{pos, wslots, {}, groups};
+    if (argmax) {
+      ModelRunner::HeadOut h = Unwrap(runner.ForwardHead(toks, rows, all, graph, B), "decode");
+      const double ms = timer.StopMs();
+      toks = h.argmax;
+      if (t >= 3) times.push_back(ms);
+      continue;
+    }
     std::vector<float> logits = Unwrap(runner.Forward(toks, rows, all, graph), "decode");
     const double ms = timer.StopMs();
     for (int b = 0; b < B; ++b) {
@@ -912,15 +921,17 @@ int Main(const Options& o) {
       be->Free(q);
       be->Free(att);
     }
-    auto decode = [&](int B, bool graph) {
-      return DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B, graph);
+    auto decode = [&](int B, bool graph, bool argmax) {
+      return DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B, graph, argmax);
     };
     std::vector<int> batches = {1};
     if (o.decode_batch > 1) batches.push_back(o.decode_batch);
     for (int B : batches) {
-      for (bool graph : {false, true}) {
+      // Plain launches, a CUDA graph, and a CUDA graph whose greedy tokens are reduced on the
+      // device (the serving default for greedy requests).
+      for (const auto [graph, argmax] : {std::pair{false, false}, {true, false}, {true, true}}) {
         const auto before = be->graph_stats();
-        auto [med, mn] = decode(B, graph);
+        auto [med, mn] = decode(B, graph, argmax);
         const auto after = be->graph_stats();
         const std::string name = B == 1 ? "decode_bs1_ms_per_token"
                                         : "decode_bs" + std::to_string(B) + "_ms_per_step";
@@ -930,11 +941,13 @@ int Main(const Options& o) {
                       "\"cuda_graph\": %s, \"graph_replays\": %lld",
                       B, ctx, 1000.0 * B / med, graph ? "true" : "false",
                       static_cast<long long>(after.replayed - before.replayed));
-        records.push_back({graph ? name : name + "_launches", ctx, med, mn,
-                           o.decode_steps - 3, extra});
+        records.push_back({(graph ? name : name + "_launches") + (argmax ? "_argmax" : ""), ctx,
+                           med, mn, o.decode_steps - 3, extra});
         std::printf("decode batch %d at %d context%s: %.3f ms/step = %.0f tokens/s (min %.3f; "
                     "%lld graph replays)\n",
-                    B, ctx, graph ? ", CUDA graph" : ", launches", med, 1000.0 * B / med, mn,
+                    B, ctx, argmax ? ", CUDA graph, argmax on the device"
+                                   : graph ? ", CUDA graph" : ", launches",
+                    med, 1000.0 * B / med, mn,
                     static_cast<long long>(after.replayed - before.replayed));
       }
     }

@@ -310,6 +310,87 @@ cudaError_t Fill(bf16* dst, int64_t n, float value, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+// One block per row: each thread keeps the largest value it saw and its first index (its
+// indices rise, so a later equal value never replaces an earlier one), then the block reduces
+// (value, index) pairs, the larger value or on a tie the lower index. A NaN never compares
+// greater, so it is caught by the flag instead.
+template <int VEC>
+__global__ void ArgmaxRowsKernel(const bf16* x, int64_t x_stride, int64_t cols, int32_t* out) {
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
+  const bf16* row = x + static_cast<int64_t>(blockIdx.x) * x_stride;
+  const float kInf = __int_as_float(0x7f800000);
+  float best = -kInf;
+  int64_t best_i = -1;
+  bool bad = false, any = false;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols;
+       c += static_cast<int64_t>(blockDim.x) * VEC) {
+    float v[VEC];
+    if constexpr (VEC == 8) {
+      detail::Unpack8(*reinterpret_cast<const Bf16x8*>(row + c), v);
+    } else {
+      v[0] = __bfloat162float(row[c]);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      bad |= !(v[i] < kInf);
+      any |= v[i] > -kInf;
+      if (v[i] > best || (best_i < 0 && v[i] == v[i])) {  // the first non-NaN value seeds it
+        best = v[i];
+        best_i = c + i;
+      }
+    }
+  }
+  // Warp, then block: the larger value, on a tie the lower index (-1: saw only NaN).
+  auto better = [](float a, int64_t ai, float b, int64_t bi) {
+    if (bi < 0) return true;
+    if (ai < 0) return false;
+    return a > b || (a == b && ai < bi);
+  };
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ob = __shfl_down_sync(0xffffffffu, best, off);
+    const int64_t oi = __shfl_down_sync(0xffffffffu, best_i, off);
+    if (!better(best, best_i, ob, oi)) {
+      best = ob;
+      best_i = oi;
+    }
+  }
+  __shared__ float s_best[32];
+  __shared__ int64_t s_idx[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    s_best[warp] = best;
+    s_idx[warp] = best_i;
+  }
+  const bool row_bad = __syncthreads_or(bad);
+  const bool row_any = __syncthreads_or(any);
+  if (threadIdx.x == 0) {
+    const int warps = (blockDim.x + 31) / 32;
+    for (int w = 1; w < warps; ++w) {
+      if (!better(best, best_i, s_best[w], s_idx[w])) {
+        best = s_best[w];
+        best_i = s_idx[w];
+      }
+    }
+    out[blockIdx.x] = row_bad || !row_any || best_i < 0 ? -1 : static_cast<int32_t>(best_i);
+  }
+}
+
+}  // namespace
+
+cudaError_t ArgmaxRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols, int32_t* out,
+                       cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (rows > 0x7fffffff || cols <= 0 || cols > 0x7fffffff) return cudaErrorInvalidValue;
+  const bool v8 = Vec8({x}, {x_stride, cols});
+  const int per_thread = v8 ? 8 : 1;
+  int threads = static_cast<int>(CeilDiv(CeilDiv(cols, per_thread), 32) * 32);
+  threads = threads > 1024 ? 1024 : threads;
+  return detail::LaunchPdl(v8 ? ArgmaxRowsKernel<8> : ArgmaxRowsKernel<1>,
+                           static_cast<unsigned>(rows), threads, 0, stream, x, x_stride, cols, out);
+}
+
 cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
                     int64_t out_stride, int64_t rows, int dim, float eps, cudaStream_t stream) {
   if (rows <= 0 || dim <= 0) return cudaSuccess;

@@ -48,6 +48,12 @@ cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int6
 cudaError_t SwiGlu(const bf16* x, int64_t x_stride, bf16* out, int64_t out_stride, int64_t rows,
                    int64_t half, cudaStream_t stream);
 
+// out[r] = the index of the largest value of row r of x (the first one on ties), or -1 when the
+// row holds a NaN or +Inf or is all -Inf: no token can be drawn from it (common/logits.h
+// GreedyToken is the host reference).   x: [rows, cols] with stride x_stride; out: [rows] device
+cudaError_t ArgmaxRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols, int32_t* out,
+                       cudaStream_t stream);
+
 // dst[i, :] = src[idx[i], :]   (embedding lookup and row gather)
 //   src: [*, cols] with stride src_stride; idx: [n] device; dst: [n, cols]
 // Indices outside [0, src_rows) produce zero rows (callers validate on the host).

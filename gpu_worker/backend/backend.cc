@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "common/logits.h"
 
 namespace sparsex {
 
@@ -88,6 +89,18 @@ absl::Status Backend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b,
       d += x * x;
     }
     out[i] += static_cast<float>(d);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backend::ArgmaxRows(const Tensor& logits, std::span<int32_t> out) {
+  if (static_cast<int64_t>(out.size()) != logits.rows) {
+    return absl::InvalidArgumentError("ArgmaxRows: one output per row");
+  }
+  std::vector<float> h(static_cast<size_t>(logits.rows * logits.cols));
+  RETURN_IF_ERROR(Download(logits, h));
+  for (int64_t i = 0; i < logits.rows; ++i) {
+    out[i] = GreedyToken(std::span<const float>(h).subspan(i * logits.cols, logits.cols));
   }
   return absl::OkStatus();
 }

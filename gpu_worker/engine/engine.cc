@@ -208,6 +208,14 @@ absl::Status Engine::DecodeRows(std::span<Sequence* const> seqs, BatchRows& r) {
   return absl::OkStatus();
 }
 
+// Appends each decode row's token to its sequence: the step computed it.
+void Engine::AppendTokens(std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    seqs[i]->tokens.push_back(tokens[i]);
+    seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
+  }
+}
+
 // The decode rows' logits (the first seqs.size() rows of lg), and the tokens appended.
 std::vector<std::vector<float>> Engine::TakeDecodeLogits(std::span<Sequence* const> seqs,
                                                          std::span<const int32_t> tokens,
@@ -220,32 +228,45 @@ std::vector<std::vector<float>> Engine::TakeDecodeLogits(std::span<Sequence* con
       out[i].assign(lg.begin() + i * V, lg.begin() + (i + 1) * V);
     }
   }, LogitRowsPerTask(V));
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    seqs[i]->tokens.push_back(tokens[i]);
-    seqs[i]->computed = static_cast<int>(seqs[i]->tokens.size());
-  }
+  AppendTokens(seqs, tokens);
   return out;
 }
 
-absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
-    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+// One batched decode pass (tokens not yet appended): every row's logits, or with `argmax`
+// every row's greedy token.
+absl::StatusOr<ModelRunner::HeadOut> Engine::DecodeStep(std::span<Sequence* const> seqs,
+                                                        std::span<const int32_t> tokens,
+                                                        bool argmax) {
   const int64_t B = static_cast<int64_t>(seqs.size());
   if (static_cast<int64_t>(tokens.size()) != B) {
     return absl::InvalidArgumentError("StepBatch: one token per sequence required");
   }
-  if (B == 0) return std::vector<std::vector<float>>{};
+  if (B == 0) return ModelRunner::HeadOut{};
   BatchRows br;
   RETURN_IF_ERROR(DecodeRows(seqs, br));
   LayerRows rows{br.pos, br.slots, {}, br.groups};
   std::vector<int32_t> all(B);
   for (int64_t i = 0; i < B; ++i) all[i] = static_cast<int32_t>(i);
-  ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(tokens, rows, all, opts_.graphs));
-  return TakeDecodeLogits(seqs, tokens, lg);
+  return runner_->ForwardHead(tokens, rows, all, opts_.graphs, argmax ? B : 0);
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
+    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+  ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, false));
+  return TakeDecodeLogits(seqs, tokens, h.logits);
+}
+
+absl::StatusOr<std::vector<int32_t>> Engine::StepBatchArgmax(std::span<Sequence* const> seqs,
+                                                            std::span<const int32_t> tokens) {
+  ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, true));
+  AppendTokens(seqs, tokens);
+  return std::move(h.argmax);
 }
 
 absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* const> seqs,
                                                          std::span<const int32_t> tokens,
-                                                         std::span<const ChunkRef> chunks) {
+                                                         std::span<const ChunkRef> chunks,
+                                                         bool argmax_decode) {
   const int64_t B = static_cast<int64_t>(seqs.size());
   if (static_cast<int64_t>(tokens.size()) != B) {
     return absl::InvalidArgumentError("StepWithChunks: one token per sequence required");
@@ -291,11 +312,19 @@ absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* con
   // The contexts' spans point into br.ctx, which grew: set them once it is final.
   for (size_t g = 0; g < br.groups.size(); ++g) br.groups[g].ctx_slots = br.ctx[g];
   LayerRows rows{br.pos, br.slots, {}, br.groups};
-  ASSIGN_OR_RETURN(std::vector<float> lg, runner_->Forward(ids, rows, out));
+  ASSIGN_OR_RETURN(ModelRunner::HeadOut h,
+                   runner_->ForwardHead(ids, rows, out, false, argmax_decode ? B : 0));
+  const std::vector<float>& lg = h.logits;
   MixedStep r;
-  r.decode = TakeDecodeLogits(seqs, tokens, lg);
+  int64_t next = B;  // the next output row (in lg) of a completed chunk
+  if (argmax_decode) {
+    r.decode_argmax = std::move(h.argmax);
+    AppendTokens(seqs, tokens);
+    next = 0;  // lg holds the chunks' rows alone
+  } else {
+    r.decode = TakeDecodeLogits(seqs, tokens, lg);
+  }
   const int64_t V = model_->config().vocab_size;
-  int64_t next = B;  // the next output row of a completed chunk
   r.prefill.resize(chunks.size());
   for (size_t j = 0; j < chunks.size(); ++j) {
     Sequence& pf = *chunks[j].seq;

@@ -7,6 +7,8 @@
 #include <thread>
 #include <type_traits>
 
+#include "common/logits.h"
+#include "common/thread_pool.h"
 #if SPARSEX_WITH_CUDA && SPARSEX_WITH_NCCL
 #include "gpu_worker/engine/nccl_communicator.h"
 #endif
@@ -303,10 +305,35 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
   return std::move(res[0]);
 }
 
+namespace {
+// Each row's greedy token (GreedyToken) from host logits, on the pool for a large vocabulary.
+std::vector<int32_t> GreedyRows(const std::vector<std::vector<float>>& logits) {
+  std::vector<int32_t> out(logits.size());
+  const int64_t vocab = logits.empty() ? 1 : static_cast<int64_t>(logits[0].size());
+  ParallelForIfIdle(static_cast<int64_t>(logits.size()), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) out[i] = GreedyToken(logits[i]);
+  }, LogitRowsPerTask(vocab));
+  return out;
+}
+}  // namespace
+
+absl::StatusOr<std::vector<int32_t>> EngineGroup::StepBatchArgmax(
+    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
+  if (size() == 1) return ranks_[0]->engine->StepBatchArgmax(seqs, tokens);
+  ASSIGN_OR_RETURN(auto lg, StepBatch(seqs, tokens));
+  return GreedyRows(lg);
+}
+
 absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunks(
     std::span<Sequence* const> seqs, std::span<const int32_t> tokens,
-    std::span<const Engine::ChunkRef> chunks) {
-  if (size() == 1) return ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks);
+    std::span<const Engine::ChunkRef> chunks, bool argmax_decode) {
+  if (size() == 1) return ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks, argmax_decode);
+  if (argmax_decode) {
+    ASSIGN_OR_RETURN(Engine::MixedStep m, StepWithChunks(seqs, tokens, chunks, false));
+    m.decode_argmax = GreedyRows(m.decode);
+    m.decode.clear();
+    return m;
+  }
   const int n = size();
   std::vector<std::vector<Sequence>> copies(n), pf_copies(n);
   for (int r = 1; r < n; ++r) {

@@ -187,9 +187,17 @@ absl::StatusOr<std::vector<float>> ModelRunner::Forward(std::span<const int32_t>
                                                        const LayerRows& rows,
                                                        std::span<const int32_t> out_rows,
                                                        bool graph) {
+  ASSIGN_OR_RETURN(HeadOut h, ForwardHead(ids, rows, out_rows, graph, 0));
+  return std::move(h.logits);
+}
+
+absl::StatusOr<ModelRunner::HeadOut> ModelRunner::ForwardHead(std::span<const int32_t> ids,
+                                                              const LayerRows& rows,
+                                                              std::span<const int32_t> out_rows,
+                                                              bool graph, int64_t argmax_rows) {
   graph = graph && comm_ == nullptr;
   if (graph) RETURN_IF_ERROR(be_->BeginGraph());
-  absl::StatusOr<std::vector<float>> logits = std::vector<float>{};
+  absl::StatusOr<HeadOut> logits = HeadOut{};
   absl::StatusOr<Tensor> x = Embed(ids);
   if (!x.ok()) logits = x.status();
   NormCarry carry;  // one attention-norm buffer for all layers
@@ -207,7 +215,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::Forward(std::span<const int32_t>
     absl::Status st = Layer(l, *x, rows, nullptr, nullptr, have_carry ? &carry : nullptr);
     if (!st.ok()) logits = st;
   }
-  if (logits.ok() && !out_rows.empty()) logits = Logits(*x, out_rows);
+  if (logits.ok() && !out_rows.empty()) logits = Head(*x, out_rows, argmax_rows);
   if (x.ok()) be_->Free(*x);
   if (have_carry) be_->Free(carry.h);
   if (graph) {
@@ -245,16 +253,31 @@ absl::Status ModelRunner::AssembleKvFrom(int layer, const Tensor& k_pre, const T
 
 absl::StatusOr<std::vector<float>> ModelRunner::Logits(const Tensor& x,
                                                        std::span<const int32_t> rows) {
-  Scratch s(be_);
+  ASSIGN_OR_RETURN(HeadOut h, Head(x, rows, 0));
+  return std::move(h.logits);
+}
+
+absl::StatusOr<ModelRunner::HeadOut> ModelRunner::Head(const Tensor& x,
+                                                       std::span<const int32_t> rows,
+                                                       int64_t argmax_rows) {
   const int64_t n = static_cast<int64_t>(rows.size());
+  if (argmax_rows < 0 || argmax_rows > n) {
+    return absl::InvalidArgumentError("Head: argmax_rows outside [0, rows]");
+  }
+  Scratch s(be_);
   ASSIGN_OR_RETURN(Tensor* sel, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->GatherRows(x, rows, *sel));
   ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->RmsNorm(*sel, w_.final_norm, cfg_.rms_eps, *h));
   ASSIGN_OR_RETURN(Tensor* lg, s.Get(n, cfg_.vocab_size));
   RETURN_IF_ERROR(be_->MatMul(*h, w_.output, *lg));
-  std::vector<float> out(static_cast<size_t>(n) * cfg_.vocab_size);
-  RETURN_IF_ERROR(be_->Download(*lg, out));
+  HeadOut out;
+  out.argmax.resize(argmax_rows);
+  if (argmax_rows > 0) RETURN_IF_ERROR(be_->ArgmaxRows(RowView(*lg, 0, argmax_rows), out.argmax));
+  out.logits.resize(static_cast<size_t>(n - argmax_rows) * cfg_.vocab_size);
+  if (argmax_rows < n) {
+    RETURN_IF_ERROR(be_->Download(RowView(*lg, argmax_rows, n - argmax_rows), out.logits));
+  }
   return out;
 }
 

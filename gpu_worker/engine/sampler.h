@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/logits.h"
 #include "common/status.h"
 
 namespace sparsex {
@@ -46,11 +47,6 @@ struct TokenLogprobs {
 // Logits must pass CheckLogits; top_n is clamped to [0, logits.size()].
 TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int top_n);
 
-// Logits a token can be drawn from: no NaN, no +Inf, not empty and not all -Inf (-Inf alone
-// masks a token). Else INTERNAL "non-finite logits: ..." naming the first bad index: a broken
-// model, weights or kernel, never a token.
-absl::Status CheckLogits(std::span<const float> logits);
-
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
@@ -63,6 +59,13 @@ class Sampler {
   int32_t Sample(std::span<const float> logits);
   // OK, or the first error Sample met.
   const absl::Status& status() const { return status_; }
+  // Whether the next token is always the raw logits' argmax (temperature 0, no logit bias, no
+  // penalties): then GreedyToken of the logits is TrySample's answer, and a backend may reduce
+  // the row on the device (Engine::StepBatchArgmax) so the logits never reach the host.
+  bool Greedy() const {
+    return p_.temperature == 0.0f && p_.logit_bias.empty() && p_.presence_penalty == 0.0f &&
+           p_.frequency_penalty == 0.0f;
+  }
 
  private:
   // Greedy or temperature / top-k / top-p over already adjusted logits.
@@ -77,9 +80,6 @@ class Sampler {
   std::vector<float> vals_;                     // Draw's top-k selection (reused)
   absl::Status status_;
 };
-
-// Index of the largest logit (the first one on ties, as llama2.c does).
-int32_t Argmax(std::span<const float> logits);
 
 // Rows of `vocab` logits per thread-pool task where rows are handled in parallel (a decode
 // step's sampling and row copies): a thread woken for fewer than ~128K logits costs more than

@@ -813,7 +813,8 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   std::vector<Engine::ChunkRef> chunks;
   for (const PlainChunkDue& c : due) chunks.push_back({&c.a->seq, c.end});
   const auto [seqs, toks] = DecodeInputs(step);
-  auto m = group_->StepWithChunks(seqs, toks, chunks);
+  const bool argmax = AllGreedy(step);
+  auto m = group_->StepWithChunks(seqs, toks, chunks, argmax);
   if (!m.ok()) {  // nothing changed: each part separately, where errors stay per request
     for (const PlainChunkDue& c : due) PlainChunk(*c.a, c.end);
     DecodeAll(step);
@@ -823,7 +824,31 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   for (size_t j = 0; j < due.size(); ++j) {
     if (!m->prefill[j].empty()) FinishPlainPrefill(*due[j].a, m->prefill[j]);
   }
-  SampleAndEmitAll(step, m->decode);
+  if (argmax) {
+    EmitGreedy(step, m->decode_argmax);
+  } else {
+    SampleAndEmitAll(step, m->decode);
+  }
+}
+
+bool BatchScheduler::AllGreedy(const std::vector<Active*>& step) {
+  for (const Active* a : step) {
+    if (!a->sampler->Greedy() || a->w.logprobs >= 0) return false;
+  }
+  return true;
+}
+
+void BatchScheduler::EmitGreedy(const std::vector<Active*>& step,
+                                const std::vector<int32_t>& tokens) {
+  for (size_t i = 0; i < step.size(); ++i) {
+    if (tokens[i] >= 0) {
+      Emit(*step[i], tokens[i]);
+    } else {  // as Sampler::TrySample's CheckLogits failure: the request fails, never a token
+      Finish(*step[i], "", absl::InternalError(
+          "non-finite logits: no token can be drawn from this step's logits (NaN, +Inf or all "
+          "-Inf; broken weights or kernel)"));
+    }
+  }
 }
 
 // Each decoding request's sequence and the token it feeds next (a batched step's inputs).
@@ -838,14 +863,23 @@ std::pair<std::vector<Sequence*>, std::vector<int32_t>> BatchScheduler::DecodeIn
 }
 
 void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
+  if (step.empty()) return;
+  // One forward pass for every decoding sequence: the weights are read once per step instead
+  // of once per sequence. Greedy requests take only their tokens back from the device.
+  const auto [seqs, toks] = DecodeInputs(step);
+  if (AllGreedy(step)) {
+    auto ids = group_->StepBatchArgmax(seqs, toks);
+    if (ids.ok()) {
+      EmitGreedy(step, *ids);
+    } else {  // e.g. no KV block left for one of them: only that request fails
+      for (Active* a : step) DecodeOne(*a);
+    }
+    return;
+  }
   if (step.size() == 1) {
     DecodeOne(*step[0]);
     return;
   }
-  if (step.empty()) return;
-  // One forward pass for every decoding sequence: the weights are read once per step instead
-  // of once per sequence.
-  const auto [seqs, toks] = DecodeInputs(step);
   auto lg = group_->StepBatch(seqs, toks);
   if (!lg.ok()) {
     // e.g. no KV block left for one of them: one at a time, so only that request fails.

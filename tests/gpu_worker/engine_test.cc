@@ -342,6 +342,56 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
   e.Release(*pb);
 }
 
+// Greedy decode steps whose rows are reduced on the backend (StepBatchArgmax, and the decode
+// rows of a mixed step): the same tokens as the host's GreedyToken of StepBatch's logits, and
+// a mixed step's completed chunk still gets its logits.
+TEST(Engine, GreedyDecodeStepsReduceOnTheBackend) {
+  auto model = testing::LoadStories260K();
+  ASSERT_NE(model, nullptr);
+  auto engine = EngineWithoutPrefixCache(*model);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  const char* texts[] = {"Once upon a time", "Tom had a dog named Max. One day"};
+  std::vector<Sequence> a, b;  // a: reduced on the backend, b: logits on the host
+  std::vector<int32_t> tok = PrefillTwice(e, *model, texts, &a, &b);
+  ASSERT_EQ(tok.size(), std::size(texts));
+  std::vector<int32_t> tok_b = tok;
+  for (int step = 0; step < 12; ++step) {
+    std::vector<Sequence*> pa = {&a[0], &a[1]}, pb = {&b[0], &b[1]};
+    auto ids = e.StepBatchArgmax(pa, tok);
+    auto lg = e.StepBatch(pb, tok_b);
+    ASSERT_TRUE(ids.ok() && lg.ok());
+    ASSERT_EQ(ids->size(), 2u);
+    for (int i = 0; i < 2; ++i) {
+      tok_b[i] = GreedyToken((*lg)[i]);
+      EXPECT_EQ((*ids)[i], tok_b[i]) << "sequence " << i << " step " << step;
+      EXPECT_EQ(a[i].tokens, b[i].tokens);
+      EXPECT_EQ(a[i].computed, static_cast<int>(a[i].tokens.size()));
+    }
+    tok = *ids;
+  }
+  const std::vector<int32_t> prompt = model->tokenizer().Encode("Lily saw a big red ball.", true);
+  auto pc = e.Admit(prompt);
+  auto pd = e.Admit(prompt);
+  ASSERT_TRUE(pc.ok() && pd.ok());
+  auto whole = e.Prefill(*pd);
+  ASSERT_TRUE(whole.ok());
+  std::vector<Sequence*> pa = {&a[0], &a[1]}, pb = {&b[0], &b[1]};
+  const Engine::ChunkRef chunk[] = {{&*pc, static_cast<int>(prompt.size())}};
+  auto m = e.StepWithChunks(pa, tok, chunk, /*argmax_decode=*/true);
+  auto lg = e.StepBatch(pb, tok_b);
+  ASSERT_TRUE(m.ok() && lg.ok()) << m.status();
+  EXPECT_TRUE(m->decode.empty());
+  ASSERT_EQ(m->decode_argmax.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(m->decode_argmax[i], GreedyToken((*lg)[i]));
+  ASSERT_EQ(m->prefill.size(), 1u);
+  EXPECT_LT(testing::MaxAbsDiff(m->prefill[0], *whole), 1e-4);
+  for (auto* v : {&a, &b})
+    for (Sequence& s : *v) e.Release(s);
+  e.Release(*pc);
+  e.Release(*pd);
+}
+
 // Several prompts' chunks in one pass (the scheduler's short prompts prefilled together), with
 // and without decode rows: each prompt gets the next-token logits a lone Prefill gives it, the
 // decoding sequences what StepBatch gives them.

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/logits.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cuda/cudnn_attention.h"
 #include "gtest/gtest.h"
@@ -488,6 +489,51 @@ TEST_F(BackendConsistency, RowSqDistOnTheDevice) {
   EXPECT_FALSE(gpu_->RowSqDist(a.g, 300, b.g, 0, 128, dg).ok());
   Free(a);
   Free(b);
+}
+
+// The greedy token of each row on the device (a decode step's argmax) against the host
+// reference GreedyToken and the CPU backend: ties to the first index, and -1 for the rows no
+// token can be drawn from (NaN, +Inf, all -Inf), at Llama-3's vocabulary (16-byte loads) and
+// an odd width (element loads).
+TEST_F(BackendConsistency, ArgmaxRowsOnTheDevice) {
+  for (const int64_t cols : {int64_t{128256}, int64_t{1001}}) {
+    const int64_t rows = 9;
+    std::vector<float> h = Rand(rows * cols, 4.0f);
+    auto row = [&](int64_t r) { return h.begin() + r * cols; };
+    const float inf = INFINITY;
+    row(1)[cols / 3] = 9.0f;  // a tie: the first of the two
+    row(1)[cols / 2] = 9.0f;
+    row(2)[cols / 2] = NAN;
+    row(3)[7] = inf;
+    std::fill(row(4), row(5), -inf);
+    for (int64_t c = 0; c < cols; c += 3) row(5)[c] = -inf;  // masked tokens, a finite maximum
+    row(6)[cols - 1] = 9.0f;  // the last index
+    row(7)[0] = NAN;
+    std::fill(row(8), row(8) + cols, 0.5f);  // all equal: index 0
+    std::vector<int32_t> want(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      want[r] = GreedyToken(std::span<const float>(h).subspan(r * cols, cols));
+    }
+    EXPECT_EQ(want[1], cols / 3);
+    EXPECT_EQ(want[2], -1);
+    EXPECT_EQ(want[3], -1);
+    EXPECT_EQ(want[4], -1);
+    EXPECT_EQ(want[6], cols - 1);
+    EXPECT_EQ(want[7], -1);
+    EXPECT_EQ(want[8], 0);
+    Pair x = Make(rows, cols, h);
+    std::vector<int32_t> got_c(rows, -2), got_g(rows, -2);
+    ASSERT_TRUE(cpu_->ArgmaxRows(x.c, got_c).ok());
+    ASSERT_TRUE(gpu_->ArgmaxRows(x.g, got_g).ok());
+    EXPECT_EQ(got_c, want) << cols;
+    EXPECT_EQ(got_g, want) << cols;
+    // A row window (the decode rows of a mixed step) and a wrong output size.
+    std::vector<int32_t> part(3, -2);
+    ASSERT_TRUE(gpu_->ArgmaxRows(RowView(x.g, 4, 3), part).ok());
+    EXPECT_EQ(part, std::vector<int32_t>(want.begin() + 4, want.begin() + 7));
+    EXPECT_FALSE(gpu_->ArgmaxRows(x.g, part).ok());
+    Free(x);
+  }
 }
 
 TEST_F(BackendConsistency, FusedKvAssemblyFromDeviceAndPinnedHost) {

@@ -840,6 +840,36 @@ TEST_F(SchedulerTest, LogprobsOfEachTokenOfTheRawDistribution) {
   EXPECT_FALSE(cn.ids.empty());
 }
 
+// Greedy requests decode with their rows reduced on the backend (Engine::StepBatchArgmax) until
+// a request that needs its logits (logprobs, a logit bias) shares the step, which then samples
+// every row on the host: each request gets a lone engine's tokens either way.
+TEST_F(SchedulerTest, GreedyStepsAndStepsThatNeedLogitsGiveTheSameTokens) {
+  auto s = Start();
+  ASSERT_NE(s, nullptr);
+  const std::vector<std::string> prompts = {"Once upon a time", "The cat sat on the mat and",
+                                            kDocA};
+  std::vector<std::shared_ptr<RequestHandle>> hs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    WorkItem w = Item({{Enc(prompts[i])}}, 24, /*reuse=*/false);
+    if (i == 1) w.logprobs = 2;
+    if (i == 2) w.sampling.logit_bias = {{0, -1.0f}};  // a bias on one token: not Greedy()
+    auto h = s->Submit(w);
+    ASSERT_TRUE(h.ok()) << h.status();
+    hs.push_back(*h);
+  }
+  auto plain = s->Submit(Item({{Enc("Tom had a dog named Max. One day")}}, 30, false));
+  ASSERT_TRUE(plain.ok());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Collected c = Drain(*hs[i]);
+    ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+    EXPECT_EQ(c.ids, Reference({{Enc(prompts[i])}}, 24)) << prompts[i];
+    EXPECT_EQ(c.logprobs.size(), i == 1 ? c.ids.size() : 0u);
+  }
+  Collected c = Drain(**plain);
+  ASSERT_TRUE(c.final.status.ok()) << c.final.status;
+  EXPECT_EQ(c.ids, Reference({{Enc("Tom had a dog named Max. One day")}}, 30));
+}
+
 TEST_F(SchedulerTest, ManyConcurrentReuseRequestsAllFinish) {
   SchedulerOptions o;
   o.max_running = 4;

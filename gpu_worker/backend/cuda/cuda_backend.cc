@@ -812,6 +812,26 @@ absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pr
              dp, ds, n, heads, inv, r.head_dim, r.halves);
 }
 
+// The reduction runs after the step's recorded launches (a captured decode graph ends at the
+// flush), so only rows ints cross to the host.
+absl::Status CudaBackend::ArgmaxRows(const Tensor& logits, std::span<int32_t> out) {
+  RETURN_IF_ERROR(FlushGraph());
+  RETURN_IF_ERROR(CheckBf16(logits, "ArgmaxRows"));
+  if (static_cast<int64_t>(out.size()) != logits.rows) {
+    return absl::InvalidArgumentError("ArgmaxRows: one output per row");
+  }
+  if (out.empty()) return absl::OkStatus();
+  if (logits.host) return Backend::ArgmaxRows(logits, out);
+  ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(out.size_bytes(), stream_));
+  int32_t* dev = static_cast<int32_t*>(tmp);
+  CUDA_RETURN(kernels::ArgmaxRows(B(logits), logits.cols, logits.rows, logits.cols, dev, stream_),
+              "ArgmaxRows");
+  CUDA_RETURN(cudaMemcpyAsync(out.data(), dev, out.size_bytes(), cudaMemcpyDeviceToHost, stream_),
+              "ArgmaxRows copy");
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "ArgmaxRows sync");
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
                                     int64_t n_cols, std::span<float> out) {
   RETURN_IF_ERROR(FlushGraph());

