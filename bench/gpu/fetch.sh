@@ -85,18 +85,20 @@ send warmB2 12 on 6
 wait_written_back "$BM"
 stamp "B warmed: wrote back $ok segments ($left unspilled)"
 fb0=$(metric "$BM" 'sparsex_worker_fetch_bytes_total'); fs0=$(metric "$BM" 'sparsex_worker_fetch_seconds_sum')
+fi0=$(metric "$BM" 'sparsex_worker_fetch_in_place_bytes_total')
 send fetch 3 on
 fb1=$(metric "$BM" 'sparsex_worker_fetch_bytes_total'); fs1=$(metric "$BM" 'sparsex_worker_fetch_seconds_sum')
+fi1=$(metric "$BM" 'sparsex_worker_fetch_in_place_bytes_total')
 for s in 4 5 6; do send "tier$s" "$s" on; done
 send full 7 off
 curl -s "http://$BM/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|streamed|stream_restarts|stream_seconds|stream_memory|engine_seconds|host_segments|writeback|gate|queue)' | grep -v _bucket >>"$OUT/metrics.txt"
 grep -h "cache cluster\|fetch\|error" "$RUN"/worker*.log | tail -n 20 >>"$LOG" 2>&1
 curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_' | grep -v _bucket >>"$OUT/metrics.txt"
 "$SPX/cluster.sh" down --run-dir "$RUN" >>"$LOG" 2>&1
-python3 - "$OUT" "$A" "$fb0" "$fb1" "$fs0" "$fs1" <<'PY' | tee -a "$LOG"
+python3 - "$OUT" "$A" "$fb0" "$fb1" "$fs0" "$fs1" "$fi0" "$fi1" <<'PY' | tee -a "$LOG"
 import json, os, sys, statistics
 out, a = sys.argv[1], sys.argv[2]
-fb0, fb1, fs0, fs1 = map(float, sys.argv[3:7])
+fb0, fb1, fs0, fs1, fi0, fi1 = map(float, sys.argv[3:9])
 def rec(step):
     p = os.path.join(out, f"fetch_{step}.jsonl")
     return json.loads(open(p).readline()) if os.path.exists(p) else None
@@ -115,6 +117,7 @@ tier = [r["steps"][s]["worker_ttft_ms"] for s in ("tier4", "tier5", "tier6")
         if s in r["steps"] and r["steps"][s]["worker_ttft_ms"]]
 f = r["steps"].get("fetch", {}).get("worker_ttft_ms")
 r["fetch_bytes"] = fb1 - fb0
+r["in_place_bytes"] = fi1 - fi0  # landed in the pinned block with no decode copy
 r["fetch_seconds"] = fs1 - fs0
 r["fetch_gb_per_s"] = (fb1 - fb0) / (fs1 - fs0) / 1e9 if fs1 > fs0 else None
 if tier and f:

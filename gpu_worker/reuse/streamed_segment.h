@@ -6,7 +6,10 @@
 //
 // Its memory is either one block the caller provides (ReuseEngine::NewStreamedSegment: pinned
 // host memory the GPU copies from directly, given back when the segment goes) or, without
-// one, a pageable vector per layer and half, sized by its writer.
+// one, a pageable vector per layer and half, sized by its writer. In a block each layer is a
+// frame: kLayerPrefixBytes of room, then K, then V, which is a fetched bf16 KV block's own
+// layout (common/kv_block.h: a 128-byte header, then the layer's K and V), so the transport
+// can write a block straight into its layer (LayerFrame) and nothing is copied after it.
 #pragma once
 
 #include <atomic>
@@ -28,8 +31,9 @@ class StreamedSegment {
   // Pageable memory.
   StreamedSegment(int n_tokens, int n_layers, int kv_dim)
       : StreamedSegment(n_tokens, n_layers, kv_dim, nullptr, {}) {}
-  // In mem (Bytes(n_tokens, n_layers, kv_dim), layer-major: K then V of layer 0, then layer
-  // 1, ...); release runs when the segment goes (after every reader: the last reference).
+  // In mem (Bytes(n_tokens, n_layers, kv_dim), layer-major frames: the prefix, K then V of
+  // layer 0, then layer 1, ...); release runs when the segment goes (after every reader: the
+  // last reference).
   StreamedSegment(int n_tokens, int n_layers, int kv_dim, uint16_t* mem,
                   std::function<void()> release)
       : halves_(static_cast<size_t>(n_layers)), mem_(mem), release_(std::move(release)) {
@@ -46,8 +50,11 @@ class StreamedSegment {
   }
   StreamedSegment(const StreamedSegment&) = delete;
   StreamedSegment& operator=(const StreamedSegment&) = delete;
+  // Room in front of each layer of a block: a KV block header (common/kv_block.h
+  // kKvBlockHeaderBytes; kv_tier.cc checks the two agree).
+  static constexpr size_t kLayerPrefixBytes = 128;
   static size_t Bytes(int n_tokens, int n_layers, int kv_dim) {
-    return static_cast<size_t>(2) * n_layers * HalfElems(n_tokens, kv_dim) * sizeof(uint16_t);
+    return static_cast<size_t>(n_layers) * FrameBytes(n_tokens, kv_dim);
   }
   int n_tokens() const { return kv_.n_tokens; }
   int n_layers() const { return kv_.n_layers; }
@@ -59,10 +66,17 @@ class StreamedSegment {
   // before HalfDone(layer).
   std::span<uint16_t> Half(int layer, int half) {
     const size_t n = HalfElems(kv_.n_tokens, kv_.kv_dim);
-    if (mem_ != nullptr) return {mem_ + (2 * static_cast<size_t>(layer) + half) * n, n};
+    if (mem_ != nullptr) return {BlockHalf(layer, half), n};
     std::vector<uint16_t>& v = half == 0 ? kv_.k[layer] : kv_.v[layer];
     ResizeHuge(v, n);
     return v;
+  }
+  // In a block: layer's whole frame (the prefix, K, V), where the writer may put a fetched
+  // block as it is and then mark both halves done; empty for pageable memory.
+  std::span<uint8_t> LayerFrame(int layer) {
+    if (mem_ == nullptr) return {};
+    const size_t f = FrameBytes(kv_.n_tokens, kv_.kv_dim);
+    return {reinterpret_cast<uint8_t*>(mem_) + static_cast<size_t>(layer) * f, f};
   }
   // The readers' view of a ready layer.
   std::span<const uint16_t> k(int layer) const { return Get(layer, 0); }
@@ -112,9 +126,18 @@ class StreamedSegment {
   static size_t HalfElems(int n_tokens, int kv_dim) {
     return static_cast<size_t>(n_tokens) * static_cast<size_t>(kv_dim);
   }
+  static size_t FrameBytes(int n_tokens, int kv_dim) {
+    return kLayerPrefixBytes + 2 * HalfElems(n_tokens, kv_dim) * sizeof(uint16_t);
+  }
+  uint16_t* BlockHalf(int layer, int half) const {
+    const size_t f = FrameBytes(kv_.n_tokens, kv_.kv_dim);
+    uint8_t* k = reinterpret_cast<uint8_t*>(mem_) + static_cast<size_t>(layer) * f +
+                 kLayerPrefixBytes;
+    return reinterpret_cast<uint16_t*>(k) + half * HalfElems(kv_.n_tokens, kv_.kv_dim);
+  }
   std::span<const uint16_t> Get(int layer, int half) const {
     const size_t n = HalfElems(kv_.n_tokens, kv_.kv_dim);
-    if (mem_ != nullptr) return {mem_ + (2 * static_cast<size_t>(layer) + half) * n, n};
+    if (mem_ != nullptr) return {BlockHalf(layer, half), n};
     return half == 0 ? kv_.k[layer] : kv_.v[layer];
   }
   void Notify() {

@@ -85,6 +85,7 @@ void FetchRemote(WorkerServer::State& st, const std::vector<SegmentRef>& refs, W
   st.m->fetched->Inc(f.fetched);
   for (const std::string& why : f.failure_reasons) st.m->fetch_failures->Get({why}).Inc();
   st.m->fetch_bytes->Inc(static_cast<double>(f.bytes));
+  st.m->fetch_in_place_bytes->Inc(static_cast<double>(f.in_place_bytes));
   if (f.failures > 0) {
     // Say why at once (rate-limited): a fetch that cannot succeed is recomputed, and only
     // this line and the metric tell the operator.

@@ -13,6 +13,9 @@
 
 namespace sparsex::service {
 
+// A fetched bf16 block lands in a streamed segment's layer frame as it is (FetchMissing).
+static_assert(StreamedSegment::kLayerPrefixBytes == kKvBlockHeaderBytes);
+
 namespace {
 
 // A kept transfer buffer (re)allocated to `bytes`: advised for huge pages and touched now, not
@@ -363,16 +366,28 @@ FetchOutcome ClusterKvTier::FetchMissing(
     }
     const int b = static_cast<int>(round & 1);
     wait_decode(b);  // its staging buffer is free again
-    if (staging_bytes_[b] < bytes) {  // a block larger than a round
-      Reallocate(&staging_[b], &staging_bytes_[b], bytes);
-    }
-    uint8_t* const buf = staging_[b].get();
+    // A bf16 block of the segment's shape goes straight into its layer's frame when the sink
+    // is a block (StreamedSegment::LayerFrame: the header's room, K, V, as the block is laid
+    // out): no staging, no decode copy. The others are staged and decoded.
+    std::vector<std::span<uint8_t>> frame(end - begin);
     std::vector<uint64_t> offset(end - begin), size(end - begin, 0);
     uint64_t at = 0;
     for (size_t i = begin; i < end; ++i) {
+      const std::shared_ptr<StreamedSegment>& sink = bf16 ? sinks[key_seg[i]] : nullptr;
+      if (sink != nullptr && sink->in_block()) {
+        std::span<uint8_t> f = sink->LayerFrame(key_layer[i]);
+        if (f.size() == layer_bytes[i]) {
+          frame[i - begin] = f;
+          continue;
+        }
+      }
       offset[i - begin] = at;
       at += layer_bytes[i];
     }
+    if (staging_bytes_[b] < at) {  // a block larger than a round
+      Reallocate(&staging_[b], &staging_bytes_[b], at);
+    }
+    uint8_t* const buf = staging_[b].get();
     t = Clock::now();
     auto st = client_->FetchInto(
         std::span<const cache::BlockKey>(keys.data() + begin, end - begin),
@@ -381,7 +396,7 @@ FetchOutcome ClusterKvTier::FetchMissing(
           // does not fit: no destination, the client reports it as failed.
           if (n > layer_bytes[begin + i]) return nullptr;
           size[i] = n;
-          return buf + offset[i];
+          return frame[i].empty() ? buf + offset[i] : frame[i].data();
         },
         {});
     out.phases.transfer_ms += ms_since(t);
@@ -405,11 +420,23 @@ FetchOutcome ClusterKvTier::FetchMissing(
     for (size_t i : ok_keys) {
       const size_t s = key_seg[i];
       const int layer = key_layer[i];
-      auto v = CheckSegmentLayer(
-          std::span<const uint8_t>(buf + offset[i - begin], size[i - begin]), model_fp_,
-          key(present[s].fp), layer, kvs[s], !payload_verified_);
-      if (v.ok()) views.emplace_back(*v, i);
-      else key_reason[i] = "corrupt";
+      const uint8_t* at_i = frame[i - begin].empty() ? buf + offset[i - begin]
+                                                     : frame[i - begin].data();
+      auto v = CheckSegmentLayer(std::span<const uint8_t>(at_i, size[i - begin]), model_fp_,
+                                 key(present[s].fp), layer, kvs[s], !payload_verified_);
+      if (!v.ok()) {
+        key_reason[i] = "corrupt";
+      } else if (!frame[i - begin].empty() && v->header.dtype == KvDtype::kBF16) {
+        // In place: K and V are where the segment reads them (a block of another dtype has
+        // another size and was staged).
+        out.in_place_bytes += size[i - begin];
+        sinks[s]->HalfDone(layer);
+        if (sinks[s]->HalfDone(layer) && !streaming) {
+          taken[s] = to_tier(present[s], sinks[s]->TakeKv()) ? 1 : 0;
+        }
+      } else {
+        views.emplace_back(*v, i);
+      }
     }
     decoding[b] = std::async(std::launch::async, [&, to16 = bf16, views = std::move(views)] {
       ParallelFor(static_cast<int64_t>(views.size()) * 2, [&](int64_t lo, int64_t hi) {

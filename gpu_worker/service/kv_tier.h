@@ -103,6 +103,9 @@ struct FetchOutcome {
   int failures = 0;  // present in the cluster but not usable (transport error, corrupt, partial)
   int incomplete = 0;  // of the failures: some layers missing at lookup (nothing transferred)
   uint64_t bytes = 0;  // bytes transferred
+  // Of bytes: blocks that landed straight in their streamed segment's pinned layer frames
+  // (StreamedSegment::LayerFrame), with no decode copy after the transfer.
+  uint64_t in_place_bytes = 0;
   int absent = 0;    // not in the cluster
   std::vector<std::string> failure_reasons;  // one per failure: transport | corrupt | incomplete
   std::vector<SegmentRef> stored;

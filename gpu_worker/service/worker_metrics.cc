@@ -60,6 +60,9 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r) {
                 "Segments fetched from the cache cluster into the host store.");
   fetch_bytes = tok("sparsex_worker_fetch_bytes_total",
                     "Bytes of segment KV transferred from the cache cluster.");
+  fetch_in_place_bytes = tok("sparsex_worker_fetch_in_place_bytes_total",
+                             "Of the fetched bytes: blocks written by the transfer straight into "
+                             "a streamed segment's pinned memory (no decode copy).");
   streamed = tok("sparsex_worker_streamed_segments_total",
                  "Fetched segments a prefill read layer by layer while their transfer went on "
                  "(--cache_fetch_stream).");

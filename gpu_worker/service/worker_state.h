@@ -51,7 +51,8 @@ struct WorkerMetrics {
   metrics::Histogram *ttft, *inter_token, *e2e, *queue, *fetch;
   metrics::Family<metrics::Counter>* requests;
   metrics::Counter *prompt_tokens, *prefix_tokens, *reused_tokens, *recomputed_tokens, *new_tokens,
-      *generated_tokens, *fetched, *fetch_bytes, *streamed, *stream_restarts;
+      *generated_tokens, *fetched, *fetch_bytes, *fetch_in_place_bytes, *streamed,
+      *stream_restarts;
   metrics::Family<metrics::Counter>* stream_seconds;  // {part}: wait, upload
   metrics::Family<metrics::Counter>* stream_memory;   // {memory}: pinned, pageable
   metrics::Family<metrics::Counter>*segments, *fetch_failures, *writeback, *fetch_phase;

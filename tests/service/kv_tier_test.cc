@@ -388,6 +388,10 @@ TEST_F(KvTierServerTest, StreamingFetchFillsEachSegmentLayerByLayer) {
   }
   EXPECT_TRUE(opened[0]->in_block());
   EXPECT_NE(std::count(block.begin(), block.end(), uint16_t{0}), static_cast<long>(block.size()));
+  // The block sink's layers came in place (each bf16 block written into its layer frame, no
+  // decode copy); the pageable one's were staged and copied.
+  EXPECT_EQ(f.in_place_bytes, StreamedSegment::Bytes(15, kLayers, kDim));
+  EXPECT_GT(f.bytes, f.in_place_bytes);
   opened.clear();
   EXPECT_EQ(released, 1);
   EXPECT_EQ(store.stats().entries, 0);
@@ -404,6 +408,39 @@ TEST_F(KvTierServerTest, StreamingFetchFillsEachSegmentLayerByLayer) {
   EXPECT_TRUE(wrong->Failed());
   EXPECT_FALSE(wrong->Ready(0));
   EXPECT_EQ(g.fetched, 0);
+}
+
+// Blocks another worker wrote in f32 do not fit a block sink's bf16 frames: they are staged
+// and rounded into it as before, with the same values as a whole fetch gives.
+TEST_F(KvTierServerTest, F32BlocksStreamIntoABlockSinkThroughTheDecode) {
+  ClusterTierOptions t;
+  t.servers = {server_->grpc_address()};
+  t.wire_dtype = "f32";
+  auto f32 = ClusterKvTier::Connect(t, model_, kLayers, kDim);
+  ASSERT_TRUE(f32.ok()) << f32.status();
+  const Hash128 fp{181, 1};
+  ASSERT_TRUE((*f32)->Put(fp, MakeKv(13, 0.5f)).ok());
+  const std::vector<SegmentRef> refs = {{fp, 13}};
+  SegmentStore store(SegmentStoreOptions{});
+  std::vector<std::pair<SegmentRef, SegmentKvBf16>> whole;
+  ASSERT_EQ((*f32)->FetchMissing(refs, &store, 0, 1, Collect(whole)).fetched, 1);
+  ASSERT_EQ(whole.size(), 1u);
+  std::vector<uint16_t> block(StreamedSegment::Bytes(13, kLayers, kDim) / 2, 0);
+  std::shared_ptr<StreamedSegment> seg;
+  ClusterKvTier::StreamTo stream;
+  stream.open = [&](const SegmentRef& r) {
+    seg = std::make_shared<StreamedSegment>(r.num_tokens, kLayers, kDim, block.data(), nullptr);
+    return seg;
+  };
+  FetchOutcome f = (*f32)->FetchMissing(refs, &store, 0, 1, nullptr, &stream);
+  EXPECT_EQ(f.fetched, 1);
+  EXPECT_EQ(f.in_place_bytes, 0u);
+  ASSERT_NE(seg, nullptr);
+  ASSERT_TRUE(seg->Complete());
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(std::vector<uint16_t>(seg->k(l).begin(), seg->k(l).end()), whole[0].second.k[l]);
+    EXPECT_EQ(std::vector<uint16_t>(seg->v(l).begin(), seg->v(l).end()), whole[0].second.v[l]);
+  }
 }
 
 TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
