@@ -128,6 +128,11 @@ struct CudaBackendOptions {
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
   // uses: comparisons). SPX_UPLOAD_DIRECT=1 sets true. Default: false
   bool upload_direct = false;
+  // Backend::ArgmaxRows on the device (kernels::ArgmaxRows: a greedy decode step brings back
+  // one int per row); false downloads the logits and reduces them on the host, as before
+  // session 16 (comparisons, and a switch back should the kernel misbehave on some GPU).
+  // SPX_DEVICE_ARGMAX=0 sets false. Default: true
+  bool device_argmax = true;
   // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
   // SPX_ATTN_WARPS. Default: 0
   int attn_warps = 0;

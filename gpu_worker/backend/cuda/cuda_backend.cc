@@ -821,7 +821,7 @@ absl::Status CudaBackend::ArgmaxRows(const Tensor& logits, std::span<int32_t> ou
     return absl::InvalidArgumentError("ArgmaxRows: one output per row");
   }
   if (out.empty()) return absl::OkStatus();
-  if (logits.host) return Backend::ArgmaxRows(logits, out);
+  if (logits.host || !options_.device_argmax) return Backend::ArgmaxRows(logits, out);
   ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(out.size_bytes(), stream_));
   int32_t* dev = static_cast<int32_t*>(tmp);
   CUDA_RETURN(kernels::ArgmaxRows(B(logits), logits.cols, logits.rows, logits.cols, dev, stream_),
