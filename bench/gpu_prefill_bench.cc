@@ -464,7 +464,10 @@ int Main(const Options& o) {
   }
   if (o.small_n) return SmallNMain(o);
   // The SPX_* kernel switches (docs/operations.md), read once.
-  const CudaBackendOptions cuda_opts = CudaBackendOptionsFromEnv();
+  CudaBackendOptions cuda_opts = CudaBackendOptionsFromEnv();
+  // The decode_*_argmax records time the device reduction (kernels::ArgmaxRows), whatever the
+  // serving default (SPX_DEVICE_ARGMAX) is; the other records download the logits.
+  cuda_opts.device_argmax = true;
   auto be = Unwrap(CreateCudaBackend(0, cuda_opts), "CreateCudaBackend");
   cudaStream_t stream = CudaBackendStream(*be);
   cudaDeviceProp prop{};

@@ -129,10 +129,11 @@ struct CudaBackendOptions {
   // uses: comparisons). SPX_UPLOAD_DIRECT=1 sets true. Default: false
   bool upload_direct = false;
   // Backend::ArgmaxRows on the device (kernels::ArgmaxRows: a greedy decode step brings back
-  // one int per row); false downloads the logits and reduces them on the host, as before
-  // session 16 (comparisons, and a switch back should the kernel misbehave on some GPU).
-  // SPX_DEVICE_ARGMAX=0 sets false. Default: true
-  bool device_argmax = true;
+  // one int per row); false downloads the logits and reduces them on the host. Off by default
+  // until the kernel has passed BackendConsistency.ArgmaxRowsOnTheDevice on a GPU (written in
+  // session 16, when no device machine could be started): a wrong kernel would give wrong
+  // greedy tokens silently. SPX_DEVICE_ARGMAX=1 sets true. Default: false
+  bool device_argmax = false;
   // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
   // SPX_ATTN_WARPS. Default: 0
   int attn_warps = 0;

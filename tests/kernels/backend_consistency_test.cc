@@ -496,6 +496,11 @@ TEST_F(BackendConsistency, RowSqDistOnTheDevice) {
 // token can be drawn from (NaN, +Inf, all -Inf), at Llama-3's vocabulary (16-byte loads) and
 // an odd width (element loads).
 TEST_F(BackendConsistency, ArgmaxRowsOnTheDevice) {
+  CudaBackendOptions on = CudaBackendOptionsFromEnv();
+  on.device_argmax = true;  // the kernel, whatever the default
+  auto dev = CreateBackend({.kind = "cuda", .cuda = on});
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  gpu_ = std::move(*dev);
   for (const int64_t cols : {int64_t{128256}, int64_t{1001}}) {
     const int64_t rows = 9;
     std::vector<float> h = Rand(rows * cols, 4.0f);
