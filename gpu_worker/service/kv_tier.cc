@@ -369,15 +369,19 @@ FetchOutcome ClusterKvTier::FetchMissing(
     // A bf16 block of the segment's shape goes straight into its layer's frame when the sink
     // is a block (StreamedSegment::LayerFrame: the header's room, K, V, as the block is laid
     // out): no staging, no decode copy. The others are staged and decoded.
-    std::vector<std::span<uint8_t>> frame(end - begin);
+    // dst: where each key's block goes, its layer frame (in_place) or its place in the staging
+    // buffer.
+    std::vector<uint8_t*> dst(end - begin, nullptr);
+    std::vector<char> in_place(end - begin, 0);
     std::vector<uint64_t> offset(end - begin), size(end - begin, 0);
     uint64_t at = 0;
     for (size_t i = begin; i < end; ++i) {
-      const std::shared_ptr<StreamedSegment>& sink = bf16 ? sinks[key_seg[i]] : nullptr;
+      StreamedSegment* sink = bf16 ? sinks[key_seg[i]].get() : nullptr;
       if (sink != nullptr && sink->in_block()) {
         std::span<uint8_t> f = sink->LayerFrame(key_layer[i]);
         if (f.size() == layer_bytes[i]) {
-          frame[i - begin] = f;
+          dst[i - begin] = f.data();
+          in_place[i - begin] = 1;
           continue;
         }
       }
@@ -387,7 +391,9 @@ FetchOutcome ClusterKvTier::FetchMissing(
     if (staging_bytes_[b] < at) {  // a block larger than a round
       Reallocate(&staging_[b], &staging_bytes_[b], at);
     }
-    uint8_t* const buf = staging_[b].get();
+    for (size_t j = 0; j < dst.size(); ++j) {
+      if (!in_place[j]) dst[j] = staging_[b].get() + offset[j];
+    }
     t = Clock::now();
     auto st = client_->FetchInto(
         std::span<const cache::BlockKey>(keys.data() + begin, end - begin),
@@ -396,7 +402,7 @@ FetchOutcome ClusterKvTier::FetchMissing(
           // does not fit: no destination, the client reports it as failed.
           if (n > layer_bytes[begin + i]) return nullptr;
           size[i] = n;
-          return frame[i].empty() ? buf + offset[i] : frame[i].data();
+          return dst[i];
         },
         {});
     out.phases.transfer_ms += ms_since(t);
@@ -420,13 +426,12 @@ FetchOutcome ClusterKvTier::FetchMissing(
     for (size_t i : ok_keys) {
       const size_t s = key_seg[i];
       const int layer = key_layer[i];
-      const uint8_t* at_i = frame[i - begin].empty() ? buf + offset[i - begin]
-                                                     : frame[i - begin].data();
-      auto v = CheckSegmentLayer(std::span<const uint8_t>(at_i, size[i - begin]), model_fp_,
-                                 key(present[s].fp), layer, kvs[s], !payload_verified_);
+      auto v = CheckSegmentLayer(std::span<const uint8_t>(dst[i - begin], size[i - begin]),
+                                 model_fp_, key(present[s].fp), layer, kvs[s],
+                                 !payload_verified_);
       if (!v.ok()) {
         key_reason[i] = "corrupt";
-      } else if (!frame[i - begin].empty() && v->header.dtype == KvDtype::kBF16) {
+      } else if (in_place[i - begin] && v->header.dtype == KvDtype::kBF16) {
         // In place: K and V are where the segment reads them (a block of another dtype has
         // another size and was staged).
         out.in_place_bytes += size[i - begin];
