@@ -82,6 +82,19 @@ class SchedulerTest : public ::testing::Test {
   const std::string kQ = " What did they do next? They";
 };
 
+// A test whose fetch thread waits on a flag must release it however the test ends: a failed
+// ASSERT returns early, and the scheduler's Stop() (which joins the fetch threads) would then
+// wait forever, a ctest timeout instead of a failure. Declared after the flag, so it runs
+// while the flag still lives.
+struct ReleaseOnExit {
+  std::atomic<bool>& flag;
+  BatchScheduler& scheduler;
+  ~ReleaseOnExit() {
+    flag = true;
+    scheduler.Stop();
+  }
+};
+
 // With mix_prefill_decode (the default) a chunk and the decode step share one forward pass;
 // without it they alternate. Either way every request gets a lone engine's answer.
 TEST_F(SchedulerTest, ConcurrentPlainRequestsMatchALoneEngine) {
@@ -348,9 +361,11 @@ TEST_F(SchedulerTest, NoSpillWhileARequestWaitsForItsFetch) {
     while (!release.load()) std::this_thread::sleep_for(1ms);
     item.segments_fetched = 1;
   };
+  ReleaseOnExit guard{release, *s};
   auto h = s->Submit(std::move(w));
   ASSERT_TRUE(h.ok()) << h.status();
-  for (int i = 0; i < 400 && s->load().device_tier_bytes == 0; ++i) {
+  // Generous: under TSan the upload of the offered segment takes far longer than natively.
+  for (int i = 0; i < 6000 && (!offered.load() || s->load().device_tier_bytes == 0); ++i) {
     std::this_thread::sleep_for(5ms);
   }
   ASSERT_TRUE(offered.load());
@@ -437,6 +452,7 @@ TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
   auto s = Start(o);
   ASSERT_NE(s, nullptr);
   std::atomic<bool> release{false};
+  ReleaseOnExit guard{release, *s};
   WorkItem slow = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
   slow.remote_fetch = [&release](WorkItem& w) {
     while (!release.load()) std::this_thread::sleep_for(1ms);
@@ -493,6 +509,7 @@ TEST_F(SchedulerTest, AStartedStreamingFetchAdmitsItsRequest) {
   auto s = Start(o);
   ASSERT_NE(s, nullptr);
   std::atomic<bool> release{false};
+  ReleaseOnExit guard{release, *s};
   WorkItem w = Item({{Enc(kDocA)}, {Enc(kQ), false}}, 4);
   w.remote_fetch = [&release](WorkItem& item) {
     item.segments_fetched = 1;
