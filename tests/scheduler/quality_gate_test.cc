@@ -20,6 +20,7 @@ namespace {
 
 using testutil::Collected;
 using testutil::Drain;
+using testutil::WaitUntil;
 
 TEST(QualityGate, ReplaysTheWarmupThenOneInAHundred) {
   QualityGateOptions o;
@@ -134,9 +135,7 @@ class GateOnStories : public ::testing::Test {
     }
     // Their deferred stores done (the requests below then reuse all four documents).
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    for (int i = 0; i < 400 && s.load().pending_stores > 0; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    WaitUntil([&] { return s.load().pending_stores == 0; });
   }
   // The pool stored, then 48 requests of it one after the other: the gate's state afterwards
   // (printed under `label`).
@@ -265,9 +264,7 @@ TEST_F(GateOnStories, ReplaysNeverRunWhileUserRequestsWait) {
   const int pool = 12;
   StorePool(**s, pool);
   // Stores are done, no replay is due (no reuse request yet).
-  for (int i = 0; i < 200 && (*s)->load().pending_stores > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return (*s)->load().pending_stores == 0; });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ASSERT_EQ((*s)->load().gate_slices, 0);
   sched = s->get();
@@ -284,16 +281,12 @@ TEST_F(GateOnStories, ReplaysNeverRunWhileUserRequestsWait) {
   }
   for (auto& h : hs) ASSERT_TRUE(Drain(*h).final.status.ok());
   // on_finished runs just after the final chunk is pushed.
-  for (int i = 0; i < 200 && finished.load() - before < kRequests; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return finished.load() - before >= kRequests; });
   EXPECT_EQ(finished.load() - before, kRequests);
   // While any of them was queued or running, no replay slice ran.
   EXPECT_EQ(slices_seen.load(), 0);
   // Afterwards, in idle time, every sampled request was replayed.
-  for (int i = 0; i < 2000 && (*s)->load().gate.replays < kRequests; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return (*s)->load().gate.replays >= kRequests; });
   EXPECT_EQ((*s)->load().gate.replays, kRequests);
   EXPECT_GT((*s)->load().gate_slices, 0);
   // A user request arriving while replays wait goes first: replays are abandoned (preempted)

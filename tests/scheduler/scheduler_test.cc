@@ -21,6 +21,7 @@ using namespace std::chrono_literals;
 
 using testutil::Collected;
 using testutil::Drain;
+using testutil::WaitUntil;
 
 class SchedulerTest : public ::testing::Test {
  protected:
@@ -213,7 +214,7 @@ TEST_F(SchedulerTest, SecondRequestWithReorderedDocumentsReusesThem) {
   ASSERT_TRUE(c1.final.status.ok()) << c1.final.status;
   EXPECT_EQ(c1.final.usage.reused_tokens, 0);
   // Both documents are stored after the first token (deferred); the question is not cacheable.
-  for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+  WaitUntil([&] { return s->load().pending_stores == 0; });
   EXPECT_EQ(s->load().pending_stores, 0);
   EXPECT_EQ(n_stored(), 2u);
 
@@ -253,10 +254,7 @@ TEST_F(SchedulerTest, SlicedStoresFillTheDeviceTierAndSpillWhenIdle) {
     ASSERT_TRUE(h1.ok());
     Collected c1 = Drain(**h1);
     ASSERT_TRUE(c1.final.status.ok()) << c1.final.status;
-    for (int i = 0; i < 400 && (s->load().pending_stores > 0 || s->load().unspilled_segments > 0);
-         ++i) {
-      std::this_thread::sleep_for(5ms);
-    }
+    WaitUntil([&] { return s->load().pending_stores == 0 && s->load().unspilled_segments == 0; });
     EXPECT_EQ(s->load().pending_stores, 0);
     EXPECT_EQ(s->load().unspilled_segments, 0);
     // The worker exports these as sparsex_worker_kv_bytes{tier="device"}.
@@ -325,15 +323,10 @@ TEST_F(SchedulerTest, OfferedSegmentsAreAdoptedBetweenIterations) {
   const Hash128 fp{77, 7};
   ASSERT_TRUE(s->OfferFetched(fp, UniformSegment(10, 0.25f, -0.5f)));
   EXPECT_TRUE(s->HoldsLocally(fp));
-  bool reported = false;
-  for (int i = 0; i < 400 && !reported; ++i) {
-    {
-      std::lock_guard<std::mutex> l(mu);
-      reported = stored.size() == 1 && stored[0] == std::pair<Hash128, int>{fp, 10};
-    }
-    if (!reported) std::this_thread::sleep_for(5ms);
-  }
-  EXPECT_TRUE(reported);
+  EXPECT_TRUE(WaitUntil([&] {
+    std::lock_guard<std::mutex> l(mu);
+    return stored.size() == 1 && stored[0] == std::pair<Hash128, int>{fp, 10};
+  }));
   EXPECT_GT(s->load().device_tier_bytes, 0u);
   auto kv = store_->Get(fp);
   ASSERT_NE(kv, nullptr);
@@ -364,10 +357,7 @@ TEST_F(SchedulerTest, NoSpillWhileARequestWaitsForItsFetch) {
   ReleaseOnExit guard{release, *s};
   auto h = s->Submit(std::move(w));
   ASSERT_TRUE(h.ok()) << h.status();
-  // Generous: under TSan the upload of the offered segment takes far longer than natively.
-  for (int i = 0; i < 6000 && (!offered.load() || s->load().device_tier_bytes == 0); ++i) {
-    std::this_thread::sleep_for(5ms);
-  }
+  WaitUntil([&] { return offered.load() && s->load().device_tier_bytes > 0; });
   ASSERT_TRUE(offered.load());
   EXPECT_GT(s->load().device_tier_bytes, 0u);  // uploaded while the fetch goes on
   std::this_thread::sleep_for(100ms);
@@ -376,9 +366,7 @@ TEST_F(SchedulerTest, NoSpillWhileARequestWaitsForItsFetch) {
   release = true;
   Collected r = Drain(**h);
   ASSERT_TRUE(r.final.status.ok()) << r.final.status;
-  for (int i = 0; i < 400 && s->load().unspilled_segments > 0; ++i) {
-    std::this_thread::sleep_for(5ms);
-  }
+  WaitUntil([&] { return s->load().unspilled_segments == 0; });
   EXPECT_EQ(s->load().unspilled_segments, 0);
   EXPECT_TRUE(store_->Contains(Hash128{91, 1}));
   s->Stop();
@@ -398,7 +386,7 @@ TEST_F(SchedulerTest, SegmentsAreStoredOnTheirSecondMiss) {
     EXPECT_TRUE(h.ok());
     Collected c = Drain(**h);
     EXPECT_TRUE(c.final.status.ok()) << c.final.status;
-    for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+    WaitUntil([&] { return s->load().pending_stores == 0; });
     return c.final.usage;
   };
   RequestUsage u1 = run({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}});
@@ -435,7 +423,7 @@ TEST_F(SchedulerTest, StoresWaitForIdleWithoutStoreWhileBusy) {
               false);
   Collected b = Drain(**busy);
   ASSERT_TRUE(b.final.status.ok());
-  for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+  WaitUntil([&] { return s->load().pending_stores == 0; });
   EXPECT_EQ(s->load().pending_stores, 0);
   EXPECT_EQ(s->load().stores_dropped, 1);
   // The newer of the two (kDocB) survived the backlog and was stored once idle.
@@ -460,7 +448,7 @@ TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
   };
   auto h_slow = s->Submit(std::move(slow));
   ASSERT_TRUE(h_slow.ok()) << h_slow.status();
-  for (int i = 0; i < 200 && s->load().waiting_remote == 0; ++i) std::this_thread::sleep_for(1ms);
+  WaitUntil([&] { return s->load().waiting_remote > 0; });
   EXPECT_EQ(s->load().waiting_remote, 1);
   auto h_fast = s->Submit(Item({{Enc(kDocB)}}, 4));
   ASSERT_TRUE(h_fast.ok());
@@ -484,7 +472,7 @@ TEST_F(SchedulerTest, SlowRemoteFetchDelaysOnlyItsOwnRequest) {
   waiting.remote_fetch = [](WorkItem&) {};
   auto h1 = s->Submit(std::move(stuck));
   ASSERT_TRUE(h1.ok());
-  for (int i = 0; i < 200 && s->load().waiting_remote == 0; ++i) std::this_thread::sleep_for(1ms);
+  WaitUntil([&] { return s->load().waiting_remote > 0; });
   auto h2 = s->Submit(std::move(waiting));  // queued behind the only fetch thread
   ASSERT_TRUE(h2.ok());
   std::thread stopper([&] { s->Stop(); });
@@ -587,7 +575,7 @@ TEST_F(SchedulerTest, NextTurnContinuesOnTheApproximatePrefixWithTheReply) {
   auto warm = s->Submit(Item({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}}, 2));
   ASSERT_TRUE(warm.ok());
   ASSERT_TRUE(Drain(**warm).final.status.ok());
-  for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+  WaitUntil([&] { return s->load().pending_stores == 0; });
   std::vector<PromptSegment> turn1 = {{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}};
   WorkItem w1 = Item(turn1, 24);
   w1.reuse.register_approximate_prefix = true;
@@ -648,7 +636,7 @@ TEST_F(SchedulerTest, SlowRemoteFetchIsNotWaitedForBeyondTheDeadline) {
   EXPECT_EQ(s->load().fetch_timeouts, 1);
   EXPECT_EQ(c.ids, Reference({{Enc(kDocA)}, {Enc(kQ), false}}, 4));
   release = true;
-  for (int i = 0; i < 1000 && !finished.load(); ++i) std::this_thread::sleep_for(1ms);
+  WaitUntil([&] { return finished.load(); });
   EXPECT_TRUE(finished.load());
   // A fast fetch is waited for and reported.
   WorkItem quick = Item({{Enc(kDocB)}}, 2);
@@ -711,7 +699,7 @@ TEST_F(SchedulerTest, ReusePrefillRunsInLayerSlicesWithTheSameAnswer) {
     auto h1 = s->Submit(Item(first, 4));
     ASSERT_TRUE(h1.ok());
     ASSERT_TRUE(Drain(**h1).final.status.ok());
-    for (int i = 0; i < 200 && s->load().pending_stores > 0; ++i) std::this_thread::sleep_for(5ms);
+    WaitUntil([&] { return s->load().pending_stores == 0; });
     // Alone first (an idle engine counts only this request's iterations), then again beside a
     // long decode (the slices interleave with its steps): the same answer every time.
     const int64_t it0 = s->load().iterations;
@@ -741,9 +729,7 @@ TEST_F(SchedulerTest, ReusePrefillRunsInLayerSlicesWithTheSameAnswer) {
       ASSERT_TRUE(h3.ok());
       (*h3)->Cancel();
       Drain(**h3);
-      for (int i = 0; i < 200 && s->load().kv_blocks_free != total; ++i) {
-        std::this_thread::sleep_for(5ms);
-      }
+      WaitUntil([&] { return s->load().kv_blocks_free == total; });
       EXPECT_EQ(s->load().kv_blocks_free, total);
     }
   }
@@ -777,7 +763,7 @@ TEST_F(SchedulerTest, CancellationFreesKvBlocks) {
   (*h)->Cancel();
   Collected c = Drain(**h);
   EXPECT_EQ(c.final.finish_reason, "cancelled");
-  for (int i = 0; i < 100 && s->load().kv_blocks_free != total; ++i) std::this_thread::sleep_for(10ms);
+  WaitUntil([&] { return s->load().kv_blocks_free == total; });
   EXPECT_EQ(s->load().kv_blocks_free, total);
   EXPECT_EQ(s->load().running, 0);
 }
@@ -906,7 +892,7 @@ TEST_F(SchedulerTest, ManyConcurrentReuseRequestsAllFinish) {
     EXPECT_GE(c.final.usage.completion_tokens, 1);
   }
   // The load snapshot is published at the end of the iteration that finished the last one.
-  for (int i = 0; i < 100 && s->load().running != 0; ++i) std::this_thread::sleep_for(10ms);
+  WaitUntil([&] { return s->load().running == 0; });
   EXPECT_EQ(s->load().running, 0);
   EXPECT_EQ(s->load().kv_blocks_free, s->load().kv_blocks_total);
 }

@@ -19,6 +19,7 @@ namespace {
 
 using testutil::Collected;
 using testutil::Drain;
+using testutil::WaitUntil;
 
 TEST(SteadyStateReuse, ReusedShareHoldsUnderNewOrderings) {
   std::unique_ptr<Model> model = testing::LoadStories260K();
@@ -69,9 +70,7 @@ TEST(SteadyStateReuse, ReusedShareHoldsUnderNewOrderings) {
     // The load is published after the iteration that sent the final chunk: give it 5 ms to
     // appear, then wait while stores are pending.
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    for (int i = 0; i < 400 && (*s)->load().pending_stores > 0; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    WaitUntil([&] { return (*s)->load().pending_stores == 0; });
     reused[r / kWindow] += got.final.usage.reused_tokens + got.final.usage.prefix_tokens;
     prompt[r / kWindow] += got.final.usage.prompt_tokens;
     max_bytes = std::max(max_bytes, store.stats().bytes);

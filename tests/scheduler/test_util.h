@@ -3,7 +3,9 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu_worker/scheduler/scheduler.h"
@@ -41,6 +43,19 @@ inline Collected Drain(RequestHandle& h,
   }
   ADD_FAILURE() << "request did not finish in time";
   return c;
+}
+
+// Polls `done` until it holds or `timeout` passes; returns whether it held. The bound is
+// generous because it only matters when a test fails: under ThreadSanitizer on a 2-core CI
+// machine background work (uploads, stores) takes many times as long as natively.
+inline bool WaitUntil(const std::function<bool()>& done,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
 }
 
 }  // namespace sparsex::service::testutil
