@@ -76,9 +76,7 @@ class SchedulerTpTest : public ::testing::Test {
     auto h1 = (*s)->Submit(Item({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}}, 32, true));
     EXPECT_TRUE(h1.ok());
     if (h1.ok()) out.reuse.push_back(Drain(**h1));
-    for (int i = 0; i < 400 && (*s)->load().pending_stores > 0; ++i) {
-      std::this_thread::sleep_for(5ms);
-    }
+    testutil::WaitUntil([&] { return (*s)->load().pending_stores == 0; });
     auto h2 = (*s)->Submit(Item({{Enc(kDocB)}, {Enc(kDocA)}, {Enc(kQ), false}}, 32, true));
     EXPECT_TRUE(h2.ok());
     if (h2.ok()) out.reuse.push_back(Drain(**h2));
@@ -340,10 +338,10 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
       return at == std::string::npos ? -1.0 : std::stod(body->substr(at + sample.size() + 2));
     };
     double fetched = 0;
-    for (int i = 0; i < 400 && fetched < 2; ++i) {
+    testutil::WaitUntil([&] {
       fetched = metric("sparsex_worker_writeback_total{result=\"fetched\"}");
-      if (fetched < 2) std::this_thread::sleep_for(10ms);
-    }
+      return fetched >= 2;
+    });
     EXPECT_EQ(fetched, 2);
     EXPECT_EQ(metric("sparsex_worker_writeback_total{result=\"ok\"}"), 0);
     // Streamed segments (read while their transfer went on; one that arrived before the
