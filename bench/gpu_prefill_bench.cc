@@ -143,16 +143,23 @@ struct Record {
 
 // Decode steps of B sequences (one row each) after ctx tokens of context, sequence b's
 // positions at slots[b]: the engine's decode pass (ModelRunner::Forward, greedy next token),
-// as plain launches or (graph) a recorded scope replayed as a CUDA graph; with argmax the
-// greedy tokens are reduced on the device (ForwardHead, as the scheduler's greedy steps do)
-// and the time includes bringing them back, else it includes the logits' download. Median
-// and minimum ms per step over the steps after the first 3 (warm-up, recording, capture).
+// as plain launches or (graph) a recorded scope replayed as a CUDA graph; with draws the
+// tokens are drawn on the device (ForwardHead, as the scheduler's greedy and plain-temperature
+// steps do: inv_temperature 0 greedy, else Gumbel-max) and the time includes bringing them
+// back, else it includes the logits' download. Median and minimum ms per step over the steps
+// after the first 3 (warm-up, recording, capture).
 std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
                                       const std::vector<std::vector<int32_t>>& slots, int ctx,
-                                      int steps, int B, bool graph, bool argmax = false) {
+                                      int steps, int B, bool graph, bool draw = false,
+                                      float inv_temperature = 0.0f) {
   const int vocab = runner.config().vocab_size;
   std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
   std::iota(all.begin(), all.end(), 0);
+  std::vector<RowDraw> draws(draw ? B : 0);
+  for (int b = 0; b < static_cast<int>(draws.size()); ++b) {
+    draws[b].inv_temperature = inv_temperature;
+    draws[b].seed = static_cast<uint64_t>(b);
+  }
   std::vector<double> times;
   for (int t = 0; t < steps; ++t) {
     const int p = ctx + t;
@@ -164,10 +171,11 @@ std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
     }
     timer.Start();
     LayerRows rows{pos, wslots, {}, groups};
-    if (argmax) {
-      ModelRunner::HeadOut h = Unwrap(runner.ForwardHead(toks, rows, all, graph, B), "decode");
+    if (draw) {
+      for (RowDraw& d : draws) d.counter = static_cast<uint64_t>(t);
+      ModelRunner::HeadOut h = Unwrap(runner.ForwardHead(toks, rows, all, graph, draws), "decode");
       const double ms = timer.StopMs();
-      toks = h.argmax;
+      toks = h.drawn;
       if (t >= 3) times.push_back(ms);
       continue;
     }
@@ -465,9 +473,9 @@ int Main(const Options& o) {
   if (o.small_n) return SmallNMain(o);
   // The SPX_* kernel switches (docs/operations.md), read once.
   CudaBackendOptions cuda_opts = CudaBackendOptionsFromEnv();
-  // The decode_*_argmax records time the device reduction (kernels::ArgmaxRows), whatever the
-  // serving default (SPX_DEVICE_ARGMAX) is; the other records download the logits.
-  cuda_opts.device_argmax = true;
+  // The decode_*_device_* records time the device draw (kernels::DrawRows), whatever the
+  // serving default (SPX_DEVICE_SAMPLING) is; the other records download the logits.
+  cuda_opts.device_sampling = true;
   auto be = Unwrap(CreateCudaBackend(0, cuda_opts), "CreateCudaBackend");
   cudaStream_t stream = CudaBackendStream(*be);
   cudaDeviceProp prop{};
@@ -924,17 +932,26 @@ int Main(const Options& o) {
       be->Free(q);
       be->Free(att);
     }
-    auto decode = [&](int B, bool graph, bool argmax) {
-      return DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B, graph, argmax);
-    };
     std::vector<int> batches = {1};
     if (o.decode_batch > 1) batches.push_back(o.decode_batch);
+    // Plain launches, a CUDA graph, and a CUDA graph whose tokens are drawn on the device:
+    // greedy, and at temperature 1 (Gumbel-max; the scheduler's path for such requests).
+    struct Mode {
+      bool graph, draw;
+      float inv_temperature;
+      const char* suffix;
+      const char* what;
+    };
+    const Mode modes[] = {{false, false, 0.0f, "_launches", ", launches"},
+                          {true, false, 0.0f, "", ", CUDA graph"},
+                          {true, true, 0.0f, "_device_greedy", ", CUDA graph, greedy on the device"},
+                          {true, true, 1.0f, "_device_t1", ", CUDA graph, T=1 on the device"}};
     for (int B : batches) {
-      // Plain launches, a CUDA graph, and a CUDA graph whose greedy tokens are reduced on the
-      // device (the serving default for greedy requests).
-      for (const auto [graph, argmax] : {std::pair{false, false}, {true, false}, {true, true}}) {
+      for (const Mode& m : modes) {
+        const bool graph = m.graph;
         const auto before = be->graph_stats();
-        auto [med, mn] = decode(B, graph, argmax);
+        auto [med, mn] = DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B, graph, m.draw,
+                                     m.inv_temperature);
         const auto after = be->graph_stats();
         const std::string name = B == 1 ? "decode_bs1_ms_per_token"
                                         : "decode_bs" + std::to_string(B) + "_ms_per_step";
@@ -944,13 +961,10 @@ int Main(const Options& o) {
                       "\"cuda_graph\": %s, \"graph_replays\": %lld",
                       B, ctx, 1000.0 * B / med, graph ? "true" : "false",
                       static_cast<long long>(after.replayed - before.replayed));
-        records.push_back({(graph ? name : name + "_launches") + (argmax ? "_argmax" : ""), ctx,
-                           med, mn, o.decode_steps - 3, extra});
+        records.push_back({name + m.suffix, ctx, med, mn, o.decode_steps - 3, extra});
         std::printf("decode batch %d at %d context%s: %.3f ms/step = %.0f tokens/s (min %.3f; "
                     "%lld graph replays)\n",
-                    B, ctx, argmax ? ", CUDA graph, argmax on the device"
-                                   : graph ? ", CUDA graph" : ", launches",
-                    med, 1000.0 * B / med, mn,
+                    B, ctx, m.what, med, 1000.0 * B / med, mn,
                     static_cast<long long>(after.replayed - before.replayed));
       }
     }

@@ -59,4 +59,48 @@ int32_t GreedyToken(std::span<const float> logits) {
   return CheckLogits(logits).ok() ? Argmax(logits) : -1;
 }
 
+namespace {
+// The Gumbel noise of 24 variate bits, in float as the kernel computes it.
+inline float Gumbel(uint32_t bits) {
+  return -std::log(-std::log((static_cast<float>(bits) + 0.5f) * 0x1p-24f));
+}
+
+// An upper bound of the noise of every variate whose top 8 bits are b: the noise of the
+// bucket's largest variate (the noise rises with the variate), plus a margin for log's
+// rounding.
+struct NoiseBounds {
+  float at[256];
+  NoiseBounds() {
+    for (uint32_t b = 0; b < 256; ++b) at[b] = Gumbel((b << 16) | 0xffffu) + 1e-3f;
+  }
+};
+}  // namespace
+
+int32_t DrawToken(std::span<const float> logits, const RowDraw& draw) {
+  if (!CheckLogits(logits).ok()) return -1;
+  if (draw.inv_temperature == 0.0f) return Argmax(logits);
+  const float inv_t = draw.inv_temperature;
+  // The noise's two logarithms are most of the cost (~5 ns a token), and most tokens cannot
+  // win: a token whose scaled logit plus a bound of its noise (from its variate's top 8 bits)
+  // is below the best score so far is skipped after a hash and a compare (float addition is
+  // monotonic, so it could not win or tie). With N(0, 1) logits at temperature 1 that skips
+  // ~95% of the logarithms. The best score starts at the most likely token's.
+  static const NoiseBounds bound;
+  const int32_t top = Argmax(logits);
+  float best = logits[top] * inv_t + Gumbel(DrawBits(draw.seed, draw.counter, top));
+  int32_t best_i = top;
+  const float* x = logits.data();
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const uint32_t bits = DrawBits(draw.seed, draw.counter, i);
+    const float s = x[i] * inv_t;
+    if (!(s + bound.at[bits >> 16] >= best) || static_cast<int32_t>(i) == top) continue;
+    const float v = s + Gumbel(bits);
+    if (v > best || (v == best && static_cast<int32_t>(i) < best_i)) {
+      best = v;
+      best_i = static_cast<int32_t>(i);
+    }
+  }
+  return best_i;
+}
+
 }  // namespace sparsex

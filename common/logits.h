@@ -1,7 +1,7 @@
 // What a row of logits says before any sampling: whether a token can be drawn from it at all,
-// and its most likely token. Shared by the sampler (gpu_worker/engine), the backends' argmax
-// reduction (gpu_worker/backend: the host reference a GPU kernel is checked against) and the
-// tensor-parallel group.
+// its most likely token, and a token drawn at a temperature by the Gumbel-max rule. Shared by
+// the sampler (gpu_worker/engine), the backends' row draws (gpu_worker/backend: the host
+// reference a GPU kernel is checked against) and the tensor-parallel group.
 #pragma once
 
 #include <cstdint>
@@ -22,5 +22,37 @@ int32_t Argmax(std::span<const float> logits);
 // The greedy token of a row: Argmax when CheckLogits passes, else -1 (what a backend's
 // ArgmaxRows reports for such a row; the caller fails the request, never emits a token).
 int32_t GreedyToken(std::span<const float> logits);
+
+// How one row's token is drawn where the logits are (a backend's DrawRows): greedy when
+// inv_temperature is 0, else the Gumbel-max rule at temperature 1 / inv_temperature with the
+// noise of (seed, counter). Plain data: kernels::RowDraw has the same layout.
+struct RowDraw {
+  float inv_temperature = 0.0f;  // 0: the greedy token
+  uint32_t reserved = 0;
+  uint64_t seed = 0;     // the request's sampling seed
+  uint64_t counter = 0;  // which of the request's draws (0 for its first token)
+};
+
+// The uniform variate of token `index` for a draw: a counter-based hash of (seed, counter,
+// index) (SplitMix64's finalizer), its top 24 bits k as (k + 0.5) / 2^24, strictly inside
+// (0, 1) and exact in float. kernels/ops.cu computes the same bits.
+inline uint32_t DrawBits(uint64_t seed, uint64_t counter, uint64_t index) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull + index +
+               0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z >> 40);
+}
+inline float DrawUniform(uint64_t seed, uint64_t counter, uint64_t index) {
+  return (static_cast<float>(DrawBits(seed, counter, index)) + 0.5f) * 0x1p-24f;
+}
+
+// The token a RowDraw gives: GreedyToken when inv_temperature is 0; else the first index of
+// the largest logit * inv_temperature + g, g = -log(-log(DrawUniform(seed, counter, index))):
+// exactly a draw from softmax(logits * inv_temperature) (Gumbel-max), reproducible from
+// (seed, counter) alone, so a row drawn on a GPU and the same row drawn here agree up to the
+// float rounding of log (a near-tie may fall the other way). -1 where CheckLogits fails.
+int32_t DrawToken(std::span<const float> logits, const RowDraw& draw);
 
 }  // namespace sparsex

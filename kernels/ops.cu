@@ -311,16 +311,29 @@ cudaError_t Fill(bf16* dst, int64_t n, float value, cudaStream_t stream) {
 }
 
 namespace {
-// One block per row: each thread keeps the largest value it saw and its first index (its
-// indices rise, so a later equal value never replaces an earlier one), then the block reduces
-// (value, index) pairs, the larger value or on a tie the lower index. A NaN never compares
-// greater, so it is caught by the flag instead.
+// The 24 variate bits of (seed, counter, index): common/logits.h DrawBits, bit for bit.
+__device__ __forceinline__ uint32_t DrawBits(uint64_t seed, uint64_t counter, uint64_t index) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull + index +
+               0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z >> 40);
+}
+
+// One block per row: each thread keeps the largest score it saw (the value, or with a
+// temperature the scaled value plus its Gumbel noise) and its first index (its indices rise,
+// so a later equal score never replaces an earlier one), then the block reduces (score, index)
+// pairs, the larger score or on a tie the lower index. A NaN never compares greater, so it is
+// caught by the flag instead.
 template <int VEC>
-__global__ void ArgmaxRowsKernel(const bf16* x, int64_t x_stride, int64_t cols, int32_t* out) {
+__global__ void DrawRowsKernel(const bf16* x, int64_t x_stride, int64_t cols,
+                               const RowDraw* draws, int32_t* out) {
   detail::PdlWait();
   detail::PdlLaunchDependents();
   const bf16* row = x + static_cast<int64_t>(blockIdx.x) * x_stride;
   const float kInf = __int_as_float(0x7f800000);
+  const RowDraw d = draws != nullptr ? draws[blockIdx.x] : RowDraw{0.0f, 0, 0, 0};
   float best = -kInf;
   int64_t best_i = -1;
   bool bad = false, any = false;
@@ -336,13 +349,19 @@ __global__ void ArgmaxRowsKernel(const bf16* x, int64_t x_stride, int64_t cols, 
     for (int i = 0; i < VEC; ++i) {
       bad |= !(v[i] < kInf);
       any |= v[i] > -kInf;
-      if (v[i] > best || (best_i < 0 && v[i] == v[i])) {  // the first non-NaN value seeds it
-        best = v[i];
+      float score = v[i];
+      if (d.inv_temperature != 0.0f && v[i] > -kInf) {
+        const float u = (static_cast<float>(DrawBits(d.seed, d.counter, c + i)) + 0.5f) *
+                        5.9604644775390625e-08f;  // 2^-24
+        score = v[i] * d.inv_temperature - logf(-logf(u));
+      }
+      if (score > best || (best_i < 0 && score == score)) {  // the first non-NaN seeds it
+        best = score;
         best_i = c + i;
       }
     }
   }
-  // Warp, then block: the larger value, on a tie the lower index (-1: saw only NaN).
+  // Warp, then block: the larger score, on a tie the lower index (-1: saw only NaN).
   auto better = [](float a, int64_t ai, float b, int64_t bi) {
     if (bi < 0) return true;
     if (ai < 0) return false;
@@ -379,16 +398,17 @@ __global__ void ArgmaxRowsKernel(const bf16* x, int64_t x_stride, int64_t cols, 
 
 }  // namespace
 
-cudaError_t ArgmaxRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols, int32_t* out,
-                       cudaStream_t stream) {
+cudaError_t DrawRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols,
+                     const RowDraw* draws, int32_t* out, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (rows > 0x7fffffff || cols <= 0 || cols > 0x7fffffff) return cudaErrorInvalidValue;
   const bool v8 = Vec8({x}, {x_stride, cols});
   const int per_thread = v8 ? 8 : 1;
   int threads = static_cast<int>(CeilDiv(CeilDiv(cols, per_thread), 32) * 32);
   threads = threads > 1024 ? 1024 : threads;
-  return detail::LaunchPdl(v8 ? ArgmaxRowsKernel<8> : ArgmaxRowsKernel<1>,
-                           static_cast<unsigned>(rows), threads, 0, stream, x, x_stride, cols, out);
+  return detail::LaunchPdl(v8 ? DrawRowsKernel<8> : DrawRowsKernel<1>,
+                           static_cast<unsigned>(rows), threads, 0, stream, x, x_stride, cols,
+                           draws, out);
 }
 
 cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,

@@ -48,11 +48,22 @@ cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int6
 cudaError_t SwiGlu(const bf16* x, int64_t x_stride, bf16* out, int64_t out_stride, int64_t rows,
                    int64_t half, cudaStream_t stream);
 
-// out[r] = the index of the largest value of row r of x (the first one on ties), or -1 when the
-// row holds a NaN or +Inf or is all -Inf: no token can be drawn from it (common/logits.h
-// GreedyToken is the host reference).   x: [rows, cols] with stride x_stride; out: [rows] device
-cudaError_t ArgmaxRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols, int32_t* out,
-                       cudaStream_t stream);
+// How row r's token is drawn (common/logits.h RowDraw has the same layout): the largest value
+// when inv_temperature is 0, else the largest x * inv_temperature + g with the Gumbel noise
+// g = -log(-log(u)) of u = the 24-bit counter-based hash of (seed, counter, column).
+struct RowDraw {
+  float inv_temperature;
+  uint32_t reserved;
+  uint64_t seed;
+  uint64_t counter;
+};
+
+// out[r] = the token drawn from row r of x (the first index on ties), or -1 when the row holds
+// a NaN or +Inf or is all -Inf: no token can be drawn from it (common/logits.h DrawToken is
+// the host reference).   x: [rows, cols] with stride x_stride; draws: [rows] device, or null
+// (every row greedy); out: [rows] device
+cudaError_t DrawRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols,
+                     const RowDraw* draws, int32_t* out, cudaStream_t stream);
 
 // dst[i, :] = src[idx[i], :]   (embedding lookup and row gather)
 //   src: [*, cols] with stride src_stride; idx: [n] device; dst: [n, cols]

@@ -62,7 +62,9 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
     }
   }
   if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
-  if (const char* a = std::getenv("SPX_DEVICE_ARGMAX")) o.device_argmax = std::string(a) == "1";
+  if (const char* a = std::getenv("SPX_DEVICE_SAMPLING")) {
+    o.device_sampling = std::string(a) == "1";
+  }
   if (const char* c = std::getenv("SPX_CUDNN_ATTENTION")) {
     using Cudnn = CudaBackendOptions::Cudnn;
     const std::string v = c;
@@ -94,14 +96,16 @@ absl::Status Backend::RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b,
   return absl::OkStatus();
 }
 
-absl::Status Backend::ArgmaxRows(const Tensor& logits, std::span<int32_t> out) {
-  if (static_cast<int64_t>(out.size()) != logits.rows) {
-    return absl::InvalidArgumentError("ArgmaxRows: one output per row");
+absl::Status Backend::DrawRows(const Tensor& logits, std::span<const RowDraw> draws,
+                               std::span<int32_t> out) {
+  if (static_cast<int64_t>(out.size()) != logits.rows ||
+      static_cast<int64_t>(draws.size()) != logits.rows) {
+    return absl::InvalidArgumentError("DrawRows: one draw and one output per row");
   }
   std::vector<float> h(static_cast<size_t>(logits.rows * logits.cols));
   RETURN_IF_ERROR(Download(logits, h));
   for (int64_t i = 0; i < logits.rows; ++i) {
-    out[i] = GreedyToken(std::span<const float>(h).subspan(i * logits.cols, logits.cols));
+    out[i] = DrawToken(std::span<const float>(h).subspan(i * logits.cols, logits.cols), draws[i]);
   }
   return absl::OkStatus();
 }

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "common/logits.h"
 #include "common/status.h"
 #include "model/model.h"
 
@@ -128,12 +129,13 @@ struct CudaBackendOptions {
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
   // uses: comparisons). SPX_UPLOAD_DIRECT=1 sets true. Default: false
   bool upload_direct = false;
-  // Backend::ArgmaxRows on the device (kernels::ArgmaxRows: a greedy decode step brings back
-  // one int per row); false downloads the logits and reduces them on the host. Off by default
-  // until the kernel has passed BackendConsistency.ArgmaxRowsOnTheDevice on a GPU (written in
-  // session 16, when no device machine could be started): a wrong kernel would give wrong
-  // greedy tokens silently. SPX_DEVICE_ARGMAX=1 sets true. Default: false
-  bool device_argmax = false;
+  // Backend::DrawRows on the device (kernels::DrawRows: a decode step whose requests are all
+  // greedy or plain-temperature brings back one int per row); false downloads the logits and
+  // draws on the host (the same DrawToken). Off by default until the kernel has passed
+  // BackendConsistency.DrawRowsOnTheDevice on a GPU (written in sessions 16-17, when no device
+  // machine could be started): a wrong kernel would give wrong tokens silently.
+  // SPX_DEVICE_SAMPLING=1 sets true. Default: false
+  bool device_sampling = false;
   // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
   // SPX_ATTN_WARPS. Default: 0
   int attn_warps = 0;
@@ -316,12 +318,14 @@ class Backend {
   // Default: on the host after downloading both (backends may override with a kernel).
   virtual absl::Status RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
                                  int64_t n_cols, std::span<float> out);
-  // out[i] = row i's greedy token: the index of its largest value (the first on ties), or -1
-  // when no token can be drawn from it (a NaN or +Inf, or all -Inf: common/logits.h
-  // GreedyToken). A greedy decode step needs nothing else of its logits. Default: on the host
-  // after downloading the rows; the CUDA backend reduces on the device and copies back one int
-  // per row (a batch-32 step of a 128K vocabulary: 128 bytes instead of 8 MB plus widening).
-  virtual absl::Status ArgmaxRows(const Tensor& logits, std::span<int32_t> out);
+  // out[i] = the token drawn from row i as draws[i] says (common/logits.h DrawToken: greedy, or
+  // Gumbel-max at a temperature from the request's seed and draw count), or -1 when no token
+  // can be drawn from it (a NaN or +Inf, or all -Inf). A greedy or plain-temperature decode
+  // step needs nothing else of its logits. Default: on the host after downloading the rows;
+  // the CUDA backend draws on the device and copies back one int per row (a batch-32 step of
+  // a 128K vocabulary: 128 bytes instead of 8 MB plus widening and sampling).
+  virtual absl::Status DrawRows(const Tensor& logits, std::span<const RowDraw> draws,
+                                std::span<int32_t> out);
   // Copies rows [src_row, src_row + n) of src to rows [dst_row, ...) of dst (same cols).
   virtual absl::Status CopyRows(const Tensor& src, int64_t src_row, Tensor& dst, int64_t dst_row,
                                 int64_t n) = 0;

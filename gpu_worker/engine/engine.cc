@@ -232,14 +232,17 @@ std::vector<std::vector<float>> Engine::TakeDecodeLogits(std::span<Sequence* con
   return out;
 }
 
-// One batched decode pass (tokens not yet appended): every row's logits, or with `argmax`
-// every row's greedy token.
+// One batched decode pass (tokens not yet appended): every row's logits, or with `draws`
+// every row's token drawn on the backend.
 absl::StatusOr<ModelRunner::HeadOut> Engine::DecodeStep(std::span<Sequence* const> seqs,
                                                         std::span<const int32_t> tokens,
-                                                        bool argmax) {
+                                                        std::span<const RowDraw> draws) {
   const int64_t B = static_cast<int64_t>(seqs.size());
   if (static_cast<int64_t>(tokens.size()) != B) {
     return absl::InvalidArgumentError("StepBatch: one token per sequence required");
+  }
+  if (!draws.empty() && static_cast<int64_t>(draws.size()) != B) {
+    return absl::InvalidArgumentError("StepBatch: one draw per sequence required");
   }
   if (B == 0) return ModelRunner::HeadOut{};
   BatchRows br;
@@ -247,29 +250,37 @@ absl::StatusOr<ModelRunner::HeadOut> Engine::DecodeStep(std::span<Sequence* cons
   LayerRows rows{br.pos, br.slots, {}, br.groups};
   std::vector<int32_t> all(B);
   for (int64_t i = 0; i < B; ++i) all[i] = static_cast<int32_t>(i);
-  return runner_->ForwardHead(tokens, rows, all, opts_.graphs, argmax ? B : 0);
+  return runner_->ForwardHead(tokens, rows, all, opts_.graphs, draws);
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
     std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
-  ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, false));
+  ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, {}));
   return TakeDecodeLogits(seqs, tokens, h.logits);
 }
 
-absl::StatusOr<std::vector<int32_t>> Engine::StepBatchArgmax(std::span<Sequence* const> seqs,
-                                                            std::span<const int32_t> tokens) {
-  ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, true));
+absl::StatusOr<std::vector<int32_t>> Engine::StepBatchDraw(std::span<Sequence* const> seqs,
+                                                          std::span<const int32_t> tokens,
+                                                          std::span<const RowDraw> draws) {
+  if (draws.size() != seqs.size()) {
+    return absl::InvalidArgumentError("StepBatchDraw: one draw per sequence required");
+  }
+  ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, draws));
   AppendTokens(seqs, tokens);
-  return std::move(h.argmax);
+  return std::move(h.drawn);
 }
 
 absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* const> seqs,
                                                          std::span<const int32_t> tokens,
                                                          std::span<const ChunkRef> chunks,
-                                                         bool argmax_decode) {
+                                                         std::span<const RowDraw> decode_draws) {
   const int64_t B = static_cast<int64_t>(seqs.size());
   if (static_cast<int64_t>(tokens.size()) != B) {
     return absl::InvalidArgumentError("StepWithChunks: one token per sequence required");
+  }
+  const bool draw_decode = !decode_draws.empty();
+  if (draw_decode && static_cast<int64_t>(decode_draws.size()) != B) {
+    return absl::InvalidArgumentError("StepWithChunks: one draw per decoding sequence required");
   }
   // Every check before anything changes: a sequence in two places would have its rows run twice.
   for (size_t j = 0; j < chunks.size(); ++j) {
@@ -313,12 +324,12 @@ absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* con
   for (size_t g = 0; g < br.groups.size(); ++g) br.groups[g].ctx_slots = br.ctx[g];
   LayerRows rows{br.pos, br.slots, {}, br.groups};
   ASSIGN_OR_RETURN(ModelRunner::HeadOut h,
-                   runner_->ForwardHead(ids, rows, out, false, argmax_decode ? B : 0));
+                   runner_->ForwardHead(ids, rows, out, false, decode_draws));
   const std::vector<float>& lg = h.logits;
   MixedStep r;
   int64_t next = B;  // the next output row (in lg) of a completed chunk
-  if (argmax_decode) {
-    r.decode_argmax = std::move(h.argmax);
+  if (draw_decode) {
+    r.decode_drawn = std::move(h.drawn);
     AppendTokens(seqs, tokens);
     next = 0;  // lg holds the chunks' rows alone
   } else {

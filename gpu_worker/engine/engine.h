@@ -71,33 +71,35 @@ class Engine {
   // returns each one's logits. On an error no sequence is changed.
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
-  // StepBatch for sequences decoded greedily (Sampler::Greedy): each one's next token, reduced
-  // on the backend (Backend::ArgmaxRows), so no logits leave the device; -1 for a sequence
-  // whose logits no token can be drawn from (NaN, +Inf, all -Inf), which its caller fails.
-  absl::StatusOr<std::vector<int32_t>> StepBatchArgmax(std::span<Sequence* const> seqs,
-                                                       std::span<const int32_t> tokens);
+  // StepBatch for sequences whose next token the backend can draw (Sampler::BackendDraw:
+  // greedy or plain temperature): each one's token drawn as draws[i] says (Backend::DrawRows),
+  // so no logits leave the device; -1 for a sequence whose logits no token can be drawn from
+  // (NaN, +Inf, all -Inf), which its caller fails.
+  absl::StatusOr<std::vector<int32_t>> StepBatchDraw(std::span<Sequence* const> seqs,
+                                                     std::span<const int32_t> tokens,
+                                                     std::span<const RowDraw> draws);
   // StepBatch and the next prefill chunks of other sequences in one forward pass: chunk j
   // runs chunks[j].seq's tokens [computed, end). The chunks' rows share every matmul with the
   // decode rows and with each other, so the decoding sequences' step costs little more than the
   // chunks alone (the weights are read once), and several short prompts prefill in one pass.
   // Attention stays per sequence. `decode` holds the StepBatch logits (seqs may be empty),
   // `prefill[j]` chunk j's next-token logits when its end is its sequence's whole prompt, else
-  // empty; with argmax_decode the decode rows come back as `decode_argmax` instead (as
-  // StepBatchArgmax gives them) and `decode` stays empty. On an error no sequence is changed
-  // (blocks taken stay with their sequence).
+  // empty; with decode_draws (one per sequence) the decode rows come back as `decode_drawn`
+  // instead (as StepBatchDraw gives them) and `decode` stays empty. On an error no sequence is
+  // changed (blocks taken stay with their sequence).
   struct ChunkRef {
     Sequence* seq;
     int end;
   };
   struct MixedStep {
     std::vector<std::vector<float>> decode;
-    std::vector<int32_t> decode_argmax;
+    std::vector<int32_t> decode_drawn;
     std::vector<std::vector<float>> prefill;
   };
   absl::StatusOr<MixedStep> StepWithChunks(std::span<Sequence* const> seqs,
                                            std::span<const int32_t> tokens,
                                            std::span<const ChunkRef> chunks,
-                                           bool argmax_decode = false);
+                                           std::span<const RowDraw> decode_draws = {});
   // Registers the sequence's full, computed blocks for exact-prefix reuse; only blocks that end
   // at or before `exact_upto` tokens (default: all computed tokens) are registered, unless
   // approximate_rest registers the later ones too, in the approximate namespace.
@@ -114,7 +116,8 @@ class Engine {
   };
   absl::Status DecodeRows(std::span<Sequence* const> seqs, BatchRows& r);
   absl::StatusOr<ModelRunner::HeadOut> DecodeStep(std::span<Sequence* const> seqs,
-                                                  std::span<const int32_t> tokens, bool argmax);
+                                                  std::span<const int32_t> tokens,
+                                                  std::span<const RowDraw> draws);
   static void AppendTokens(std::span<Sequence* const> seqs, std::span<const int32_t> tokens);
   std::vector<std::vector<float>> TakeDecodeLogits(std::span<Sequence* const> seqs,
                                                    std::span<const int32_t> tokens,

@@ -306,31 +306,39 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
 }
 
 namespace {
-// Each row's greedy token (GreedyToken) from host logits, on the pool for a large vocabulary.
-std::vector<int32_t> GreedyRows(const std::vector<std::vector<float>>& logits) {
+// Each row's token (DrawToken) from host logits, on the pool for a large vocabulary.
+std::vector<int32_t> DrawnRows(const std::vector<std::vector<float>>& logits,
+                               std::span<const RowDraw> draws) {
   std::vector<int32_t> out(logits.size());
   const int64_t vocab = logits.empty() ? 1 : static_cast<int64_t>(logits[0].size());
   ParallelForIfIdle(static_cast<int64_t>(logits.size()), [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) out[i] = GreedyToken(logits[i]);
+    for (int64_t i = lo; i < hi; ++i) out[i] = DrawToken(logits[i], draws[i]);
   }, LogitRowsPerTask(vocab));
   return out;
 }
 }  // namespace
 
-absl::StatusOr<std::vector<int32_t>> EngineGroup::StepBatchArgmax(
-    std::span<Sequence* const> seqs, std::span<const int32_t> tokens) {
-  if (size() == 1) return ranks_[0]->engine->StepBatchArgmax(seqs, tokens);
+absl::StatusOr<std::vector<int32_t>> EngineGroup::StepBatchDraw(
+    std::span<Sequence* const> seqs, std::span<const int32_t> tokens,
+    std::span<const RowDraw> draws) {
+  if (size() == 1) return ranks_[0]->engine->StepBatchDraw(seqs, tokens, draws);
+  if (draws.size() != seqs.size()) {
+    return absl::InvalidArgumentError("StepBatchDraw: one draw per sequence required");
+  }
   ASSIGN_OR_RETURN(auto lg, StepBatch(seqs, tokens));
-  return GreedyRows(lg);
+  return DrawnRows(lg, draws);
 }
 
 absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunks(
     std::span<Sequence* const> seqs, std::span<const int32_t> tokens,
-    std::span<const Engine::ChunkRef> chunks, bool argmax_decode) {
-  if (size() == 1) return ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks, argmax_decode);
-  if (argmax_decode) {
-    ASSIGN_OR_RETURN(Engine::MixedStep m, StepWithChunks(seqs, tokens, chunks, false));
-    m.decode_argmax = GreedyRows(m.decode);
+    std::span<const Engine::ChunkRef> chunks, std::span<const RowDraw> decode_draws) {
+  if (size() == 1) return ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks, decode_draws);
+  if (!decode_draws.empty()) {
+    if (decode_draws.size() != seqs.size()) {
+      return absl::InvalidArgumentError("StepWithChunks: one draw per decoding sequence required");
+    }
+    ASSIGN_OR_RETURN(Engine::MixedStep m, StepWithChunks(seqs, tokens, chunks));
+    m.decode_drawn = DrawnRows(m.decode, decode_draws);
     m.decode.clear();
     return m;
   }

@@ -59,14 +59,16 @@ class EngineGroup {
   absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
-  // Greedy decode rows: reduced on the device with one rank; under tensor parallelism from
-  // rank 0's logits on the host (after the ranks' logits were compared, as for StepBatch).
-  absl::StatusOr<std::vector<int32_t>> StepBatchArgmax(std::span<Sequence* const> seqs,
-                                                       std::span<const int32_t> tokens);
+  // Decode rows drawn where the logits are (Engine::StepBatchDraw) with one rank; under tensor
+  // parallelism from rank 0's logits on the host (after the ranks' logits were compared, as
+  // for StepBatch), by the same DrawToken.
+  absl::StatusOr<std::vector<int32_t>> StepBatchDraw(std::span<Sequence* const> seqs,
+                                                     std::span<const int32_t> tokens,
+                                                     std::span<const RowDraw> draws);
   absl::StatusOr<Engine::MixedStep> StepWithChunks(std::span<Sequence* const> seqs,
                                                    std::span<const int32_t> tokens,
                                                    std::span<const Engine::ChunkRef> chunks,
-                                                   bool argmax_decode = false);
+                                                   std::span<const RowDraw> decode_draws = {});
   void RegisterPrefix(const Sequence& seq, int exact_upto = -1, bool approximate_rest = false);
   void Release(Sequence& seq);
   // ReuseEngine's, run on every rank over its own store (see ReuseEngine). Before a prefill,

@@ -187,14 +187,15 @@ absl::StatusOr<std::vector<float>> ModelRunner::Forward(std::span<const int32_t>
                                                        const LayerRows& rows,
                                                        std::span<const int32_t> out_rows,
                                                        bool graph) {
-  ASSIGN_OR_RETURN(HeadOut h, ForwardHead(ids, rows, out_rows, graph, 0));
+  ASSIGN_OR_RETURN(HeadOut h, ForwardHead(ids, rows, out_rows, graph, {}));
   return std::move(h.logits);
 }
 
 absl::StatusOr<ModelRunner::HeadOut> ModelRunner::ForwardHead(std::span<const int32_t> ids,
                                                               const LayerRows& rows,
                                                               std::span<const int32_t> out_rows,
-                                                              bool graph, int64_t argmax_rows) {
+                                                              bool graph,
+                                                              std::span<const RowDraw> draws) {
   graph = graph && comm_ == nullptr;
   if (graph) RETURN_IF_ERROR(be_->BeginGraph());
   absl::StatusOr<HeadOut> logits = HeadOut{};
@@ -215,7 +216,7 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::ForwardHead(std::span<const in
     absl::Status st = Layer(l, *x, rows, nullptr, nullptr, have_carry ? &carry : nullptr);
     if (!st.ok()) logits = st;
   }
-  if (logits.ok() && !out_rows.empty()) logits = Head(*x, out_rows, argmax_rows);
+  if (logits.ok() && !out_rows.empty()) logits = Head(*x, out_rows, draws);
   if (x.ok()) be_->Free(*x);
   if (have_carry) be_->Free(carry.h);
   if (graph) {
@@ -253,17 +254,16 @@ absl::Status ModelRunner::AssembleKvFrom(int layer, const Tensor& k_pre, const T
 
 absl::StatusOr<std::vector<float>> ModelRunner::Logits(const Tensor& x,
                                                        std::span<const int32_t> rows) {
-  ASSIGN_OR_RETURN(HeadOut h, Head(x, rows, 0));
+  ASSIGN_OR_RETURN(HeadOut h, Head(x, rows, {}));
   return std::move(h.logits);
 }
 
 absl::StatusOr<ModelRunner::HeadOut> ModelRunner::Head(const Tensor& x,
                                                        std::span<const int32_t> rows,
-                                                       int64_t argmax_rows) {
+                                                       std::span<const RowDraw> draws) {
   const int64_t n = static_cast<int64_t>(rows.size());
-  if (argmax_rows < 0 || argmax_rows > n) {
-    return absl::InvalidArgumentError("Head: argmax_rows outside [0, rows]");
-  }
+  const int64_t drawn = static_cast<int64_t>(draws.size());
+  if (drawn > n) return absl::InvalidArgumentError("Head: more draws than rows");
   Scratch s(be_);
   ASSIGN_OR_RETURN(Tensor* sel, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->GatherRows(x, rows, *sel));
@@ -272,12 +272,10 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::Head(const Tensor& x,
   ASSIGN_OR_RETURN(Tensor* lg, s.Get(n, cfg_.vocab_size));
   RETURN_IF_ERROR(be_->MatMul(*h, w_.output, *lg));
   HeadOut out;
-  out.argmax.resize(argmax_rows);
-  if (argmax_rows > 0) RETURN_IF_ERROR(be_->ArgmaxRows(RowView(*lg, 0, argmax_rows), out.argmax));
-  out.logits.resize(static_cast<size_t>(n - argmax_rows) * cfg_.vocab_size);
-  if (argmax_rows < n) {
-    RETURN_IF_ERROR(be_->Download(RowView(*lg, argmax_rows, n - argmax_rows), out.logits));
-  }
+  out.drawn.resize(drawn);
+  if (drawn > 0) RETURN_IF_ERROR(be_->DrawRows(RowView(*lg, 0, drawn), draws, out.drawn));
+  out.logits.resize(static_cast<size_t>(n - drawn) * cfg_.vocab_size);
+  if (drawn < n) RETURN_IF_ERROR(be_->Download(RowView(*lg, drawn, n - drawn), out.logits));
   return out;
 }
 

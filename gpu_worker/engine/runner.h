@@ -101,23 +101,23 @@ class ModelRunner {
   absl::StatusOr<std::vector<float>> Forward(std::span<const int32_t> ids, const LayerRows& rows,
                                              std::span<const int32_t> out_rows,
                                              bool graph = false);
-  // What a pass gives back for its output rows: the first `argmax_rows` of them as their greedy
-  // tokens (Backend::ArgmaxRows: -1 where no token can be drawn), the rest as logits
-  // ([(out_rows - argmax_rows) * vocab] fp32).
+  // What a pass gives back for its output rows: the first draws.size() of them as the tokens
+  // drawn on the backend (Backend::DrawRows: -1 where no token can be drawn), the rest as
+  // logits ([(out_rows - draws) * vocab] fp32).
   struct HeadOut {
-    std::vector<int32_t> argmax;
+    std::vector<int32_t> drawn;
     std::vector<float> logits;
   };
-  // Forward with the first argmax_rows of out_rows reduced on the backend: a greedy decode
-  // step's logits never leave the device.
+  // Forward with the first draws.size() of out_rows drawn on the backend: a greedy or
+  // plain-temperature decode step's logits never leave the device.
   absl::StatusOr<HeadOut> ForwardHead(std::span<const int32_t> ids, const LayerRows& rows,
                                       std::span<const int32_t> out_rows, bool graph,
-                                      int64_t argmax_rows);
+                                      std::span<const RowDraw> draws);
   // Final norm + output projection of the given rows: [rows.size() * vocab] fp32.
   absl::StatusOr<std::vector<float>> Logits(const Tensor& x, std::span<const int32_t> rows);
-  // The same projection, the first argmax_rows rows reduced to their greedy tokens (HeadOut).
+  // The same projection, the first draws.size() rows drawn on the backend (HeadOut).
   absl::StatusOr<HeadOut> Head(const Tensor& x, std::span<const int32_t> rows,
-                               int64_t argmax_rows);
+                               std::span<const RowDraw> draws);
   // RoPE at `pos` applied to rows [row0, row0 + pos.size()) of pre-RoPE K (backend memory),
   // written with the same rows of V into the pool at slots.
   absl::Status AssembleKvFrom(int layer, const Tensor& k_pre, const Tensor& v, int64_t row0,

@@ -93,6 +93,7 @@ absl::StatusOr<int32_t> Sampler::TrySample(std::span<const float> raw) {
     logits = adjusted_;
   }
   ASSIGN_OR_RETURN(const int32_t t, Draw(logits));
+  ++draws_;
   if (penalties) {
     auto it = std::find_if(drawn_.begin(), drawn_.end(), [t](const auto& e) { return e.first == t; });
     if (it == drawn_.end()) {
@@ -104,8 +105,43 @@ absl::StatusOr<int32_t> Sampler::TrySample(std::span<const float> raw) {
   return t;
 }
 
+float Sampler::InvTemperature() const {
+  if (p_.temperature == 0.0f) return 0.0f;
+  const float inv = 1.0f / p_.temperature;
+  return std::isfinite(inv) && inv < 1e20f ? inv : 0.0f;
+}
+
+bool Sampler::Plain() const {
+  return !(p_.top_k > 0) && p_.top_p >= 1.0f;
+}
+
+std::optional<RowDraw> Sampler::BackendDraw() const {
+  if (!p_.logit_bias.empty() || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f) {
+    return std::nullopt;
+  }
+  const float inv_t = InvTemperature();
+  if (inv_t != 0.0f && !Plain()) return std::nullopt;
+  RowDraw d;
+  d.inv_temperature = inv_t;
+  d.seed = p_.seed;
+  d.counter = draws_;
+  return d;
+}
+
+void Sampler::Drew(int32_t) { ++draws_; }
+
 absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
-  if (p_.temperature == 0.0f) return Argmax(logits);
+  const float inv_temperature = InvTemperature();
+  if (inv_temperature == 0.0f) return Argmax(logits);
+  if (Plain()) {
+    // Gumbel-max from (seed, draw count), as a backend draws the row on the device: the same
+    // distribution as the softmax, and the same token wherever it is drawn.
+    RowDraw d;
+    d.inv_temperature = inv_temperature;
+    d.seed = p_.seed;
+    d.counter = draws_;
+    return DrawToken(logits, d);
+  }
   // Temperature sampling without sorting the vocabulary: a full sort of 128K logits took
   // ~11 ms per token per sequence on the CI machine (373 ms per batch-32 step; OpenAI's
   // default temperature is 1, so this was the common path). Now: the top k by selection;
@@ -151,20 +187,6 @@ absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
       if (logits[i] == kth) idx.push_back(i);
     }
     std::sort(idx.begin(), idx.end(), before);
-  } else if (p_.top_p >= 1.0f) {
-    // Every token, in vocabulary order: no order is needed to draw from the distribution.
-    prob.resize(n);
-    double sum = 0;
-    for (int i = 0; i < n; ++i) sum += prob[i] = weight(i);
-    double r = std::uniform_real_distribution<double>(0.0, sum)(rng_);
-    for (int i = 0; i < n; ++i) {
-      r -= prob[i];
-      if (r <= 0 && prob[i] > 0) return i;
-    }
-    for (int i = n - 1; i > 0; --i) {  // rounding left r > 0: the last token with weight
-      if (prob[i] > 0) return i;
-    }
-    return 0;
   } else {
     // Nucleus: the shortest head of the descending order with top_p of the mass, found by a
     // selection on the mass (three-way partitions around a pivot logit, O(n) expected) rather

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <span>
 #include <utility>
@@ -59,19 +60,26 @@ class Sampler {
   int32_t Sample(std::span<const float> logits);
   // OK, or the first error Sample met.
   const absl::Status& status() const { return status_; }
-  // Whether the next token is always the raw logits' argmax (temperature 0, no logit bias, no
-  // penalties): then GreedyToken of the logits is TrySample's answer, and a backend may reduce
-  // the row on the device (Engine::StepBatchArgmax) so the logits never reach the host.
-  bool Greedy() const {
-    return p_.temperature == 0.0f && p_.logit_bias.empty() && p_.presence_penalty == 0.0f &&
-           p_.frequency_penalty == 0.0f;
-  }
+  // How the next token can be drawn where the logits are (a backend's DrawRows, so the
+  // logits never reach the host): the greedy token (temperature 0), or plain temperature
+  // sampling (no top-k, no top-p, no logit bias, no penalties) by the Gumbel-max rule, which
+  // TrySample also uses for such requests, so either place gives the same token for a seed
+  // (up to float rounding of log on near-ties). nullopt when only TrySample can draw it.
+  // After a token drawn elsewhere, Drew(token) keeps the sampler's count of draws.
+  std::optional<RowDraw> BackendDraw() const;
+  void Drew(int32_t token);
 
  private:
   // Greedy or temperature / top-k / top-p over already adjusted logits.
   absl::StatusOr<int32_t> Draw(std::span<const float> logits);
+  // 1 / temperature for the Gumbel-max draw; 0 (greedy) where the temperature is 0 or so small
+  // that its inverse is not a safe float (any logit gap then has probability 0).
+  float InvTemperature() const;
+  // Plain temperature sampling: no top-k, no top-p (the Gumbel-max draw).
+  bool Plain() const;
   SamplingParams p_;
   std::mt19937_64 rng_;
+  uint64_t draws_ = 0;  // tokens drawn so far: the Gumbel-max noise's counter
   std::vector<std::pair<int32_t, int>> drawn_;  // (token, times drawn), for the penalties
   std::vector<float> adjusted_;                 // logits after bias and penalties (reused)
   std::vector<int32_t> idx_;                    // Draw's candidate order (reused)

@@ -813,8 +813,8 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   std::vector<Engine::ChunkRef> chunks;
   for (const PlainChunkDue& c : due) chunks.push_back({&c.a->seq, c.end});
   const auto [seqs, toks] = DecodeInputs(step);
-  const bool argmax = AllGreedy(step);
-  auto m = group_->StepWithChunks(seqs, toks, chunks, argmax);
+  const std::vector<RowDraw> draws = BackendDraws(step);
+  auto m = group_->StepWithChunks(seqs, toks, chunks, draws);
   if (!m.ok()) {  // nothing changed: each part separately, where errors stay per request
     for (const PlainChunkDue& c : due) PlainChunk(*c.a, c.end);
     DecodeAll(step);
@@ -824,24 +824,28 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   for (size_t j = 0; j < due.size(); ++j) {
     if (!m->prefill[j].empty()) FinishPlainPrefill(*due[j].a, m->prefill[j]);
   }
-  if (argmax) {
-    EmitGreedy(step, m->decode_argmax);
+  if (!draws.empty()) {
+    EmitDrawn(step, m->decode_drawn);
   } else {
     SampleAndEmitAll(step, m->decode);
   }
 }
 
-bool BatchScheduler::AllGreedy(const std::vector<Active*>& step) {
+std::vector<RowDraw> BatchScheduler::BackendDraws(const std::vector<Active*>& step) {
+  std::vector<RowDraw> draws;
   for (const Active* a : step) {
-    if (!a->sampler->Greedy() || a->w.logprobs >= 0) return false;
+    std::optional<RowDraw> d = a->sampler->BackendDraw();
+    if (!d.has_value() || a->w.logprobs >= 0) return {};
+    draws.push_back(*d);
   }
-  return true;
+  return draws;
 }
 
-void BatchScheduler::EmitGreedy(const std::vector<Active*>& step,
-                                const std::vector<int32_t>& tokens) {
+void BatchScheduler::EmitDrawn(const std::vector<Active*>& step,
+                               const std::vector<int32_t>& tokens) {
   for (size_t i = 0; i < step.size(); ++i) {
     if (tokens[i] >= 0) {
+      step[i]->sampler->Drew(tokens[i]);
       Emit(*step[i], tokens[i]);
     } else {  // as Sampler::TrySample's CheckLogits failure: the request fails, never a token
       Finish(*step[i], "", absl::InternalError(
@@ -865,12 +869,13 @@ std::pair<std::vector<Sequence*>, std::vector<int32_t>> BatchScheduler::DecodeIn
 void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
   if (step.empty()) return;
   // One forward pass for every decoding sequence: the weights are read once per step instead
-  // of once per sequence. Greedy requests take only their tokens back from the device.
+  // of once per sequence. Greedy and plain-temperature requests take only their tokens back
+  // from the device.
   const auto [seqs, toks] = DecodeInputs(step);
-  if (AllGreedy(step)) {
-    auto ids = group_->StepBatchArgmax(seqs, toks);
+  if (const std::vector<RowDraw> draws = BackendDraws(step); !draws.empty()) {
+    auto ids = group_->StepBatchDraw(seqs, toks, draws);
     if (ids.ok()) {
-      EmitGreedy(step, *ids);
+      EmitDrawn(step, *ids);
     } else {  // e.g. no KV block left for one of them: only that request fails
       for (Active* a : step) DecodeOne(*a);
     }

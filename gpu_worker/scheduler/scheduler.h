@@ -344,11 +344,13 @@ class BatchScheduler {
   // the thread pool, one request's row per task, then the tokens emitted in order here.
   void SampleAndEmitAll(const std::vector<Active*>& step,
                         const std::vector<std::vector<float>>& logits);
-  // Whether every request of the step takes the raw logits' argmax and no logprobs
-  // (Sampler::Greedy): then the step reduces its rows on the device (StepBatchArgmax).
-  static bool AllGreedy(const std::vector<Active*>& step);
-  // Emits each request's greedy token; -1 (logits no token can be drawn from) fails it.
-  void EmitGreedy(const std::vector<Active*>& step, const std::vector<int32_t>& tokens);
+  // Each request's draw when the backend can draw every one of them (Sampler::BackendDraw:
+  // greedy or plain temperature, and no logprobs): then the step draws its rows where the
+  // logits are (StepBatchDraw). Empty when any request needs its logits on the host.
+  static std::vector<RowDraw> BackendDraws(const std::vector<Active*>& step);
+  // Emits each request's drawn token (counted by its sampler); -1 (logits no token can be
+  // drawn from) fails it.
+  void EmitDrawn(const std::vector<Active*>& step, const std::vector<int32_t>& tokens);
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
   void PublishLoad();

@@ -342,10 +342,10 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
   e.Release(*pb);
 }
 
-// Greedy decode steps whose rows are reduced on the backend (StepBatchArgmax, and the decode
-// rows of a mixed step): the same tokens as the host's GreedyToken of StepBatch's logits, and
-// a mixed step's completed chunk still gets its logits.
-TEST(Engine, GreedyDecodeStepsReduceOnTheBackend) {
+// Decode steps whose rows are drawn on the backend (StepBatchDraw, and the decode rows of a
+// mixed step), one greedy and one at a temperature: the same tokens as the host's DrawToken
+// of StepBatch's logits, and a mixed step's completed chunk still gets its logits.
+TEST(Engine, DecodeStepsDrawOnTheBackend) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);
   auto engine = EngineWithoutPrefixCache(*model);
@@ -356,14 +356,19 @@ TEST(Engine, GreedyDecodeStepsReduceOnTheBackend) {
   std::vector<int32_t> tok = PrefillTwice(e, *model, texts, &a, &b);
   ASSERT_EQ(tok.size(), std::size(texts));
   std::vector<int32_t> tok_b = tok;
+  std::vector<RowDraw> draws(2);
+  draws[1].inv_temperature = 1.25f;
+  draws[1].seed = 42;
   for (int step = 0; step < 12; ++step) {
     std::vector<Sequence*> pa = {&a[0], &a[1]}, pb = {&b[0], &b[1]};
-    auto ids = e.StepBatchArgmax(pa, tok);
+    draws[1].counter = static_cast<uint64_t>(step);
+    EXPECT_FALSE(e.StepBatchDraw(pa, tok, std::span<const RowDraw>(draws).first(1)).ok());
+    auto ids = e.StepBatchDraw(pa, tok, draws);
     auto lg = e.StepBatch(pb, tok_b);
     ASSERT_TRUE(ids.ok() && lg.ok());
     ASSERT_EQ(ids->size(), 2u);
     for (int i = 0; i < 2; ++i) {
-      tok_b[i] = GreedyToken((*lg)[i]);
+      tok_b[i] = DrawToken((*lg)[i], draws[i]);
       EXPECT_EQ((*ids)[i], tok_b[i]) << "sequence " << i << " step " << step;
       EXPECT_EQ(a[i].tokens, b[i].tokens);
       EXPECT_EQ(a[i].computed, static_cast<int>(a[i].tokens.size()));
@@ -378,12 +383,12 @@ TEST(Engine, GreedyDecodeStepsReduceOnTheBackend) {
   ASSERT_TRUE(whole.ok());
   std::vector<Sequence*> pa = {&a[0], &a[1]}, pb = {&b[0], &b[1]};
   const Engine::ChunkRef chunk[] = {{&*pc, static_cast<int>(prompt.size())}};
-  auto m = e.StepWithChunks(pa, tok, chunk, /*argmax_decode=*/true);
+  auto m = e.StepWithChunks(pa, tok, chunk, draws);
   auto lg = e.StepBatch(pb, tok_b);
   ASSERT_TRUE(m.ok() && lg.ok()) << m.status();
   EXPECT_TRUE(m->decode.empty());
-  ASSERT_EQ(m->decode_argmax.size(), 2u);
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(m->decode_argmax[i], GreedyToken((*lg)[i]));
+  ASSERT_EQ(m->decode_drawn.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(m->decode_drawn[i], DrawToken((*lg)[i], draws[i]));
   ASSERT_EQ(m->prefill.size(), 1u);
   EXPECT_LT(testing::MaxAbsDiff(m->prefill[0], *whole), 1e-4);
   for (auto* v : {&a, &b})

@@ -298,5 +298,94 @@ TEST(SamplerTest, LogprobsKnownValuesTiesAndStability) {
   EXPECT_NEAR(far.logprob, -200.0, 1e-3);
 }
 
+
+// DrawToken (common/logits.h), the Gumbel-max rule a backend draws rows by: its shortcut
+// (tokens whose scaled logit plus the largest noise is below the best score are skipped)
+// gives exactly the token of scoring every logit, for peaked and flat rows, and -1 for rows
+// no token can be drawn from.
+TEST(SamplerTest, DrawTokenIsTheGumbelMaxOfEveryLogit) {
+  auto every = [](const std::vector<float>& x, const RowDraw& d) {
+    int32_t best_i = -1;
+    float best = -kInf;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float v = x[i] * d.inv_temperature -
+                      std::log(-std::log(DrawUniform(d.seed, d.counter, i)));
+      if (best_i < 0 || v > best) {
+        best = v;
+        best_i = static_cast<int32_t>(i);
+      }
+    }
+    return best_i;
+  };
+  std::mt19937 rng(3);
+  for (const float spread : {0.5f, 4.0f, 30.0f}) {
+    std::normal_distribution<float> nd(0.0f, spread);
+    for (int row = 0; row < 40; ++row) {
+      std::vector<float> x(3001);
+      for (float& v : x) v = nd(rng);
+      x[17] = -kInf;  // a masked token
+      const RowDraw d{.inv_temperature = row % 2 ? 1.0f : 1.7f, .seed = 99, .counter = uint64_t(row)};
+      EXPECT_EQ(DrawToken(x, d), every(x, d)) << "spread " << spread << " row " << row;
+    }
+  }
+  const RowDraw hot{.inv_temperature = 1.0f, .seed = 1};
+  EXPECT_EQ(DrawToken(std::vector<float>{0.0f, kNaN}, hot), -1);
+  EXPECT_EQ(DrawToken(std::vector<float>{kInf, 0.0f}, hot), -1);
+  EXPECT_EQ(DrawToken(std::vector<float>{-kInf, -kInf}, hot), -1);
+  EXPECT_EQ(DrawToken(std::vector<float>{-kInf, 2.0f, -kInf}, hot), 1);
+  EXPECT_EQ(DrawToken(std::vector<float>{1.0f, 3.0f, 3.0f}, RowDraw{}), 1);  // greedy
+  // The variates are strictly inside (0, 1): no infinite noise.
+  for (uint64_t i = 0; i < 100000; ++i) {
+    const float u = DrawUniform(5, 7, i);
+    ASSERT_GT(u, 0.0f);
+    ASSERT_LT(u, 1.0f);
+  }
+}
+
+// BackendDraw: which requests a backend may draw (greedy, plain temperature) with the
+// sampler's seed and draw count; a token drawn there and reported with Drew() leaves the
+// sampler where drawing it on the host would have: the same tokens either way, step by step.
+TEST(SamplerTest, TokensDrawnOnTheBackendMatchTheHostDraws) {
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.seed = 1234;
+  Sampler host(p), mixed(p);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (int step = 0; step < 64; ++step) {
+    std::vector<float> x(5000);
+    for (float& v : x) v = nd(rng);
+    const absl::StatusOr<int32_t> want = host.TrySample(x);
+    ASSERT_TRUE(want.ok());
+    if (step % 3 == 0) {  // this step's logits reached the host
+      EXPECT_EQ(*mixed.TrySample(x), *want) << step;
+      continue;
+    }
+    const std::optional<RowDraw> d = mixed.BackendDraw();
+    ASSERT_TRUE(d.has_value());
+    EXPECT_EQ(d->counter, static_cast<uint64_t>(step));
+    EXPECT_FLOAT_EQ(d->inv_temperature, 1.0f / 0.9f);
+    const int32_t t = DrawToken(x, *d);
+    EXPECT_EQ(t, *want) << step;
+    mixed.Drew(t);
+  }
+  // Greedy: inv_temperature 0; a temperature whose inverse is not a safe float is greedy too.
+  SamplingParams g;
+  EXPECT_EQ(Sampler(g).BackendDraw()->inv_temperature, 0.0f);
+  g.temperature = 1e-30f;
+  EXPECT_EQ(Sampler(g).BackendDraw()->inv_temperature, 0.0f);
+  EXPECT_EQ(*Sampler(g).TrySample(std::vector<float>{0.0f, 1.0f, 1.0f - 1e-6f}), 1);
+  // What only the host sampler does: top-k, top-p, logit bias, penalties.
+  EXPECT_FALSE(Sampler(Hot(40)).BackendDraw().has_value());
+  EXPECT_FALSE(Sampler(Hot(0, 0.95f)).BackendDraw().has_value());
+  SamplingParams b = Hot();
+  b.logit_bias = {{3, 1.0f}};
+  EXPECT_FALSE(Sampler(b).BackendDraw().has_value());
+  SamplingParams f;
+  f.frequency_penalty = 0.5f;
+  EXPECT_FALSE(Sampler(f).BackendDraw().has_value());
+  EXPECT_TRUE(Sampler(Hot()).BackendDraw().has_value());
+}
+
 }  // namespace
 }  // namespace sparsex

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/logits.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cuda/cudnn_attention.h"
@@ -491,19 +492,24 @@ TEST_F(BackendConsistency, RowSqDistOnTheDevice) {
   Free(b);
 }
 
-// The greedy token of each row on the device (a decode step's argmax) against the host
-// reference GreedyToken and the CPU backend: ties to the first index, and -1 for the rows no
-// token can be drawn from (NaN, +Inf, all -Inf), at Llama-3's vocabulary (16-byte loads) and
-// an odd width (element loads).
-TEST_F(BackendConsistency, ArgmaxRowsOnTheDevice) {
+// Each row's token drawn on the device (a decode step's rows) against the host reference
+// DrawToken and the CPU backend. Greedy rows: exactly, ties to the first index. Rows at a
+// temperature (Gumbel-max): the device's token scores within float rounding of the host's best
+// score (log's last bit may differ, so a near-tie may fall the other way), the same token on
+// all but rare rows. -1 for the rows no token can be drawn from (NaN, +Inf, all -Inf), at
+// Llama-3's vocabulary (16-byte loads) and an odd width (element loads).
+TEST_F(BackendConsistency, DrawRowsOnTheDevice) {
   CudaBackendOptions on = CudaBackendOptionsFromEnv();
-  on.device_argmax = true;  // the kernel, whatever the default
+  on.device_sampling = true;  // the kernel, whatever the default
   auto dev = CreateBackend({.kind = "cuda", .cuda = on});
   ASSERT_TRUE(dev.ok()) << dev.status();
   gpu_ = std::move(*dev);
   for (const int64_t cols : {int64_t{128256}, int64_t{1001}}) {
     const int64_t rows = 9;
+    // bf16-exact values, as the head's logits are: rounding would make ties the host's fp32
+    // reference does not see.
     std::vector<float> h = Rand(rows * cols, 4.0f);
+    for (float& v : h) v = FromBf16(ToBf16(v));
     auto row = [&](int64_t r) { return h.begin() + r * cols; };
     const float inf = INFINITY;
     row(1)[cols / 3] = 9.0f;  // a tie: the first of the two
@@ -515,9 +521,10 @@ TEST_F(BackendConsistency, ArgmaxRowsOnTheDevice) {
     row(6)[cols - 1] = 9.0f;  // the last index
     row(7)[0] = NAN;
     std::fill(row(8), row(8) + cols, 0.5f);  // all equal: index 0
+    const std::vector<RowDraw> greedy(rows);
     std::vector<int32_t> want(rows);
     for (int64_t r = 0; r < rows; ++r) {
-      want[r] = GreedyToken(std::span<const float>(h).subspan(r * cols, cols));
+      want[r] = DrawToken(std::span<const float>(h).subspan(r * cols, cols), greedy[r]);
     }
     EXPECT_EQ(want[1], cols / 3);
     EXPECT_EQ(want[2], -1);
@@ -528,17 +535,53 @@ TEST_F(BackendConsistency, ArgmaxRowsOnTheDevice) {
     EXPECT_EQ(want[8], 0);
     Pair x = Make(rows, cols, h);
     std::vector<int32_t> got_c(rows, -2), got_g(rows, -2);
-    ASSERT_TRUE(cpu_->ArgmaxRows(x.c, got_c).ok());
-    ASSERT_TRUE(gpu_->ArgmaxRows(x.g, got_g).ok());
+    ASSERT_TRUE(cpu_->DrawRows(x.c, greedy, got_c).ok());
+    ASSERT_TRUE(gpu_->DrawRows(x.g, greedy, got_g).ok());
     EXPECT_EQ(got_c, want) << cols;
     EXPECT_EQ(got_g, want) << cols;
-    // A row window (the decode rows of a mixed step) and a wrong output size.
+    // A row window (the decode rows of a mixed step) and wrong sizes.
     std::vector<int32_t> part(3, -2);
-    ASSERT_TRUE(gpu_->ArgmaxRows(RowView(x.g, 4, 3), part).ok());
+    const std::span<const RowDraw> three = std::span<const RowDraw>(greedy).first(3);
+    ASSERT_TRUE(gpu_->DrawRows(RowView(x.g, 4, 3), three, part).ok());
     EXPECT_EQ(part, std::vector<int32_t>(want.begin() + 4, want.begin() + 7));
-    EXPECT_FALSE(gpu_->ArgmaxRows(x.g, part).ok());
+    EXPECT_FALSE(gpu_->DrawRows(x.g, three, part).ok());
+    EXPECT_FALSE(gpu_->DrawRows(RowView(x.g, 4, 3), greedy, part).ok());
     Free(x);
   }
+  // At temperatures: 64 rows of bf16-exact logits (as the head gives them), several draws
+  // each (seeds, counters), the host's score of the device's token against the host's best.
+  const int64_t rows = 64, cols = 128256;
+  std::vector<float> h = Rand(rows * cols, 3.0f);
+  for (float& v : h) v = FromBf16(ToBf16(v));
+  for (int64_t c = 0; c < cols; c += 5) h[c] = -INFINITY;  // row 0: masked tokens
+  Pair x = Make(rows, cols, h);
+  int differ = 0;
+  for (const float inv_t : {1.0f, 1.0f / 0.7f, 0.5f}) {
+    std::vector<RowDraw> draws(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      draws[r] = {.inv_temperature = inv_t, .seed = uint64_t(r * 7 + 1), .counter = uint64_t(r)};
+    }
+    std::vector<int32_t> got_c(rows, -2), got_g(rows, -2);
+    ASSERT_TRUE(cpu_->DrawRows(x.c, draws, got_c).ok());
+    ASSERT_TRUE(gpu_->DrawRows(x.g, draws, got_g).ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::span<const float> row = std::span<const float>(h).subspan(r * cols, cols);
+      const int32_t want_t = DrawToken(row, draws[r]);
+      EXPECT_EQ(got_c[r], want_t) << r;
+      ASSERT_GE(got_g[r], 0) << r;
+      ASSERT_LT(got_g[r], cols) << r;
+      if (got_g[r] == want_t) continue;
+      ++differ;
+      auto score = [&](int32_t t) {
+        return row[t] * inv_t - std::log(-std::log(DrawUniform(draws[r].seed, draws[r].counter,
+                                                               static_cast<uint64_t>(t))));
+      };
+      EXPECT_NEAR(score(got_g[r]), score(want_t), 1e-4f * std::max(1.0f, std::abs(score(want_t))))
+          << "row " << r << " inv_t " << inv_t;
+    }
+  }
+  EXPECT_LE(differ, 2) << "of " << 3 * rows << " draws";
+  Free(x);
 }
 
 TEST_F(BackendConsistency, FusedKvAssemblyFromDeviceAndPinnedHost) {

@@ -843,8 +843,8 @@ TEST_F(SchedulerTest, LogprobsOfEachTokenOfTheRawDistribution) {
   EXPECT_FALSE(cn.ids.empty());
 }
 
-// Greedy requests decode with their rows reduced on the backend (Engine::StepBatchArgmax) until
-// a request that needs its logits (logprobs, a logit bias) shares the step, which then samples
+// Greedy requests decode with their rows drawn on the backend (Engine::StepBatchDraw) until a
+// request that needs its logits (logprobs, a logit bias) shares the step, which then samples
 // every row on the host: each request gets a lone engine's tokens either way.
 TEST_F(SchedulerTest, GreedyStepsAndStepsThatNeedLogitsGiveTheSameTokens) {
   auto s = Start();
@@ -855,7 +855,7 @@ TEST_F(SchedulerTest, GreedyStepsAndStepsThatNeedLogitsGiveTheSameTokens) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     WorkItem w = Item({{Enc(prompts[i])}}, 24, /*reuse=*/false);
     if (i == 1) w.logprobs = 2;
-    if (i == 2) w.sampling.logit_bias = {{0, -1.0f}};  // a bias on one token: not Greedy()
+    if (i == 2) w.sampling.logit_bias = {{0, -1.0f}};  // a bias on one token: no BackendDraw
     auto h = s->Submit(w);
     ASSERT_TRUE(h.ok()) << h.status();
     hs.push_back(*h);
@@ -871,6 +871,45 @@ TEST_F(SchedulerTest, GreedyStepsAndStepsThatNeedLogitsGiveTheSameTokens) {
   Collected c = Drain(**plain);
   ASSERT_TRUE(c.final.status.ok()) << c.final.status;
   EXPECT_EQ(c.ids, Reference({{Enc("Tom had a dog named Max. One day")}}, 30));
+}
+
+// A seeded request at a temperature (plain: no top-k or top-p) gets the same tokens whether
+// its steps draw on the backend (alone: Sampler::BackendDraw, Gumbel-max from its seed and
+// draw count) or on the host (beside a request with logprobs, which needs every row's logits),
+// and other tokens with another seed.
+TEST_F(SchedulerTest, SeededTemperatureDrawsAlikeOnTheBackendAndTheHost) {
+  auto s = Start();
+  ASSERT_NE(s, nullptr);
+  auto hot = [&](uint64_t seed) {
+    WorkItem w = Item({{Enc("Once upon a time")}}, 40, /*reuse=*/false);
+    w.sampling.temperature = 1.0f;
+    w.sampling.seed = seed;
+    w.sampling.ignore_eos = true;
+    return w;
+  };
+  auto alone = s->Submit(hot(7));
+  ASSERT_TRUE(alone.ok());
+  Collected a = Drain(**alone);
+  ASSERT_TRUE(a.final.status.ok()) << a.final.status;
+  ASSERT_EQ(a.ids.size(), 40u);
+  // The same request beside one with logprobs that decodes as long (a shared step downloads
+  // every row and samples on the host).
+  WorkItem lp = Item({{Enc("The cat sat on the mat and")}}, 60, /*reuse=*/false);
+  lp.logprobs = 1;
+  lp.sampling.ignore_eos = true;
+  auto with_lp = s->Submit(std::move(lp));
+  ASSERT_TRUE(with_lp.ok());
+  auto beside = s->Submit(hot(7));
+  ASSERT_TRUE(beside.ok());
+  Collected b = Drain(**beside);
+  ASSERT_TRUE(b.final.status.ok()) << b.final.status;
+  EXPECT_EQ(b.ids, a.ids);
+  ASSERT_TRUE(Drain(**with_lp).final.status.ok());
+  auto other = s->Submit(hot(8));
+  ASSERT_TRUE(other.ok());
+  Collected c = Drain(**other);
+  ASSERT_TRUE(c.final.status.ok());
+  EXPECT_NE(c.ids, a.ids);
 }
 
 TEST_F(SchedulerTest, ManyConcurrentReuseRequestsAllFinish) {

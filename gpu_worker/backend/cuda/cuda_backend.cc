@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -814,21 +815,37 @@ absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pr
 
 // The reduction runs after the step's recorded launches (a captured decode graph ends at the
 // flush), so only rows ints cross to the host.
-absl::Status CudaBackend::ArgmaxRows(const Tensor& logits, std::span<int32_t> out) {
+// The kernel reads the draws as they are laid out here.
+static_assert(sizeof(RowDraw) == sizeof(kernels::RowDraw) &&
+              offsetof(RowDraw, inv_temperature) == offsetof(kernels::RowDraw, inv_temperature) &&
+              offsetof(RowDraw, seed) == offsetof(kernels::RowDraw, seed) &&
+              offsetof(RowDraw, counter) == offsetof(kernels::RowDraw, counter));
+
+absl::Status CudaBackend::DrawRows(const Tensor& logits, std::span<const RowDraw> draws,
+                                   std::span<int32_t> out) {
   RETURN_IF_ERROR(FlushGraph());
-  RETURN_IF_ERROR(CheckBf16(logits, "ArgmaxRows"));
-  if (static_cast<int64_t>(out.size()) != logits.rows) {
-    return absl::InvalidArgumentError("ArgmaxRows: one output per row");
+  RETURN_IF_ERROR(CheckBf16(logits, "DrawRows"));
+  if (static_cast<int64_t>(out.size()) != logits.rows ||
+      static_cast<int64_t>(draws.size()) != logits.rows) {
+    return absl::InvalidArgumentError("DrawRows: one draw and one output per row");
   }
   if (out.empty()) return absl::OkStatus();
-  if (logits.host || !options_.device_argmax) return Backend::ArgmaxRows(logits, out);
-  ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(out.size_bytes(), stream_));
-  int32_t* dev = static_cast<int32_t*>(tmp);
-  CUDA_RETURN(kernels::ArgmaxRows(B(logits), logits.cols, logits.rows, logits.cols, dev, stream_),
-              "ArgmaxRows");
-  CUDA_RETURN(cudaMemcpyAsync(out.data(), dev, out.size_bytes(), cudaMemcpyDeviceToHost, stream_),
-              "ArgmaxRows copy");
-  CUDA_RETURN(cudaStreamSynchronize(stream_), "ArgmaxRows sync");
+  if (logits.host || !options_.device_sampling) return Backend::DrawRows(logits, draws, out);
+  // One scratch allocation: the draws (24 bytes a row), then the tokens.
+  const size_t draw_bytes = draws.size_bytes();
+  ASSIGN_OR_RETURN(void* tmp, f32_scratch_.Get(draw_bytes + out.size_bytes(), stream_));
+  auto* dev_draws = static_cast<kernels::RowDraw*>(tmp);
+  int32_t* dev_out = reinterpret_cast<int32_t*>(static_cast<char*>(tmp) + draw_bytes);
+  CUDA_RETURN(cudaMemcpyAsync(dev_draws, draws.data(), draw_bytes, cudaMemcpyHostToDevice,
+                              stream_),
+              "DrawRows draws");
+  CUDA_RETURN(kernels::DrawRows(B(logits), logits.cols, logits.rows, logits.cols, dev_draws,
+                                dev_out, stream_),
+              "DrawRows");
+  CUDA_RETURN(cudaMemcpyAsync(out.data(), dev_out, out.size_bytes(), cudaMemcpyDeviceToHost,
+                              stream_),
+              "DrawRows copy");
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "DrawRows sync");
   return absl::OkStatus();
 }
 

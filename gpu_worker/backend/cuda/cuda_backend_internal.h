@@ -110,7 +110,8 @@ class CudaBackend final : public Backend {
   absl::Status AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
                           int64_t row0, std::span<const int32_t> pos,
                           std::span<const int32_t> slots, const RopeParams& rope) override;
-  absl::Status ArgmaxRows(const Tensor& logits, std::span<int32_t> out) override;
+  absl::Status DrawRows(const Tensor& logits, std::span<const RowDraw> draws,
+                        std::span<int32_t> out) override;
   absl::Status RowSqDist(const Tensor& a, int64_t a_col, const Tensor& b, int64_t b_col,
                          int64_t n_cols, std::span<float> out) override;
   absl::Status ReadKv(const KvPool& pool, int layer, std::span<const int32_t> slots,
