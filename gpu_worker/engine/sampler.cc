@@ -121,8 +121,12 @@ std::optional<RowDraw> Sampler::BackendDraw() const {
   }
   const float inv_t = InvTemperature();
   if (inv_t != 0.0f && !Plain()) return std::nullopt;
+  return NextDraw(inv_t);
+}
+
+RowDraw Sampler::NextDraw(float inv_temperature) const {
   RowDraw d;
-  d.inv_temperature = inv_t;
+  d.inv_temperature = inv_temperature;
   d.seed = p_.seed;
   d.counter = draws_;
   return d;
@@ -136,11 +140,7 @@ absl::StatusOr<int32_t> Sampler::Draw(std::span<const float> logits) {
   if (Plain()) {
     // Gumbel-max from (seed, draw count), as a backend draws the row on the device: the same
     // distribution as the softmax, and the same token wherever it is drawn.
-    RowDraw d;
-    d.inv_temperature = inv_temperature;
-    d.seed = p_.seed;
-    d.counter = draws_;
-    return DrawToken(logits, d);
+    return DrawToken(logits, NextDraw(inv_temperature));
   }
   // Temperature sampling without sorting the vocabulary: a full sort of 128K logits took
   // ~11 ms per token per sequence on the CI machine (373 ms per batch-32 step; OpenAI's

@@ -77,6 +77,8 @@ class Sampler {
   float InvTemperature() const;
   // Plain temperature sampling: no top-k, no top-p (the Gumbel-max draw).
   bool Plain() const;
+  // The next draw's RowDraw: this sampler's seed and count of draws.
+  RowDraw NextDraw(float inv_temperature) const;
   SamplingParams p_;
   std::mt19937_64 rng_;
   uint64_t draws_ = 0;  // tokens drawn so far: the Gumbel-max noise's counter
