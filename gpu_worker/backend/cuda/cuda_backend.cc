@@ -813,14 +813,14 @@ absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pr
              dp, ds, n, heads, inv, r.head_dim, r.halves);
 }
 
-// The reduction runs after the step's recorded launches (a captured decode graph ends at the
-// flush), so only rows ints cross to the host.
 // The kernel reads the draws as they are laid out here.
 static_assert(sizeof(RowDraw) == sizeof(kernels::RowDraw) &&
               offsetof(RowDraw, inv_temperature) == offsetof(kernels::RowDraw, inv_temperature) &&
               offsetof(RowDraw, seed) == offsetof(kernels::RowDraw, seed) &&
               offsetof(RowDraw, counter) == offsetof(kernels::RowDraw, counter));
 
+// The draw runs after the step's recorded launches (a captured decode graph ends at the
+// flush), so only rows ints cross to the host (and 24 bytes a row of draws to the device).
 absl::Status CudaBackend::DrawRows(const Tensor& logits, std::span<const RowDraw> draws,
                                    std::span<int32_t> out) {
   RETURN_IF_ERROR(FlushGraph());
