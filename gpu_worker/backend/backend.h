@@ -129,9 +129,9 @@ struct CudaBackendOptions {
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
   // uses: comparisons). SPX_UPLOAD_DIRECT=1 sets true. Default: false
   bool upload_direct = false;
-  // Backend::DrawRows on the device (kernels::DrawRows: a decode step whose requests are all
-  // greedy or plain-temperature brings back one int per row); false downloads the logits and
-  // draws on the host (the same DrawToken). Off by default until the kernel has passed
+  // Backend::DrawRows on the device (kernels::DrawRows: a decode step's greedy and
+  // plain-temperature rows bring back one int each); false downloads their logits and draws
+  // on the host (the same DrawToken). Off by default until the kernel has passed
   // BackendConsistency.DrawRowsOnTheDevice on a GPU (written in sessions 16-17, when no device
   // machine could be started): a wrong kernel would give wrong tokens silently.
   // SPX_DEVICE_SAMPLING=1 sets true. Default: false

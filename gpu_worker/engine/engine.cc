@@ -241,8 +241,8 @@ absl::StatusOr<ModelRunner::HeadOut> Engine::DecodeStep(std::span<Sequence* cons
   if (static_cast<int64_t>(tokens.size()) != B) {
     return absl::InvalidArgumentError("StepBatch: one token per sequence required");
   }
-  if (!draws.empty() && static_cast<int64_t>(draws.size()) != B) {
-    return absl::InvalidArgumentError("StepBatch: one draw per sequence required");
+  if (static_cast<int64_t>(draws.size()) > B) {
+    return absl::InvalidArgumentError("StepBatch: more draws than sequences");
   }
   if (B == 0) return ModelRunner::HeadOut{};
   BatchRows br;
@@ -259,15 +259,16 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::StepBatch(
   return TakeDecodeLogits(seqs, tokens, h.logits);
 }
 
-absl::StatusOr<std::vector<int32_t>> Engine::StepBatchDraw(std::span<Sequence* const> seqs,
-                                                          std::span<const int32_t> tokens,
-                                                          std::span<const RowDraw> draws) {
-  if (draws.size() != seqs.size()) {
-    return absl::InvalidArgumentError("StepBatchDraw: one draw per sequence required");
-  }
+absl::StatusOr<Engine::DrawnStep> Engine::StepBatchDraw(std::span<Sequence* const> seqs,
+                                                        std::span<const int32_t> tokens,
+                                                        std::span<const RowDraw> draws) {
   ASSIGN_OR_RETURN(ModelRunner::HeadOut h, DecodeStep(seqs, tokens, draws));
-  AppendTokens(seqs, tokens);
-  return std::move(h.drawn);
+  const size_t k = draws.size();
+  DrawnStep r;
+  r.drawn = std::move(h.drawn);
+  r.logits = TakeDecodeLogits(seqs.subspan(k), tokens.subspan(k), h.logits);
+  AppendTokens(seqs.first(k), tokens.first(k));
+  return r;
 }
 
 absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* const> seqs,
@@ -278,10 +279,8 @@ absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* con
   if (static_cast<int64_t>(tokens.size()) != B) {
     return absl::InvalidArgumentError("StepWithChunks: one token per sequence required");
   }
-  const bool draw_decode = !decode_draws.empty();
-  if (draw_decode && static_cast<int64_t>(decode_draws.size()) != B) {
-    return absl::InvalidArgumentError("StepWithChunks: one draw per decoding sequence required");
-  }
+  const int64_t K = static_cast<int64_t>(decode_draws.size());
+  if (K > B) return absl::InvalidArgumentError("StepWithChunks: more draws than sequences");
   // Every check before anything changes: a sequence in two places would have its rows run twice.
   for (size_t j = 0; j < chunks.size(); ++j) {
     const Sequence* pf = chunks[j].seq;
@@ -327,14 +326,11 @@ absl::StatusOr<Engine::MixedStep> Engine::StepWithChunks(std::span<Sequence* con
                    runner_->ForwardHead(ids, rows, out, false, decode_draws));
   const std::vector<float>& lg = h.logits;
   MixedStep r;
-  int64_t next = B;  // the next output row (in lg) of a completed chunk
-  if (draw_decode) {
-    r.decode_drawn = std::move(h.drawn);
-    AppendTokens(seqs, tokens);
-    next = 0;  // lg holds the chunks' rows alone
-  } else {
-    r.decode = TakeDecodeLogits(seqs, tokens, lg);
-  }
+  // lg: the undrawn decode rows' logits, then the completed chunks'.
+  r.decode_drawn = std::move(h.drawn);
+  r.decode = TakeDecodeLogits(seqs.subspan(K), tokens.subspan(K), lg);
+  AppendTokens(seqs.first(K), tokens.first(K));
+  int64_t next = B - K;  // the next output row (in lg) of a completed chunk
   const int64_t V = model_->config().vocab_size;
   r.prefill.resize(chunks.size());
   for (size_t j = 0; j < chunks.size(); ++j) {

@@ -71,22 +71,27 @@ class Engine {
   // returns each one's logits. On an error no sequence is changed.
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,
                                                             std::span<const int32_t> tokens);
-  // StepBatch for sequences whose next token the backend can draw (Sampler::BackendDraw:
-  // greedy or plain temperature): each one's token drawn as draws[i] says (Backend::DrawRows),
-  // so no logits leave the device; -1 for a sequence whose logits no token can be drawn from
-  // (NaN, +Inf, all -Inf), which its caller fails.
-  absl::StatusOr<std::vector<int32_t>> StepBatchDraw(std::span<Sequence* const> seqs,
-                                                     std::span<const int32_t> tokens,
-                                                     std::span<const RowDraw> draws);
+  // StepBatch whose first draws.size() sequences have their next token drawn on the backend
+  // (Sampler::BackendDraw: greedy or plain temperature; Backend::DrawRows), so their logits
+  // never leave the device: `drawn` (-1 for a sequence whose logits no token can be drawn
+  // from: NaN, +Inf, all -Inf, which its caller fails), and the other sequences' logits as
+  // StepBatch gives them. On an error no sequence is changed.
+  struct DrawnStep {
+    std::vector<int32_t> drawn;
+    std::vector<std::vector<float>> logits;
+  };
+  absl::StatusOr<DrawnStep> StepBatchDraw(std::span<Sequence* const> seqs,
+                                          std::span<const int32_t> tokens,
+                                          std::span<const RowDraw> draws);
   // StepBatch and the next prefill chunks of other sequences in one forward pass: chunk j
   // runs chunks[j].seq's tokens [computed, end). The chunks' rows share every matmul with the
   // decode rows and with each other, so the decoding sequences' step costs little more than the
   // chunks alone (the weights are read once), and several short prompts prefill in one pass.
   // Attention stays per sequence. `decode` holds the StepBatch logits (seqs may be empty),
   // `prefill[j]` chunk j's next-token logits when its end is its sequence's whole prompt, else
-  // empty; with decode_draws (one per sequence) the decode rows come back as `decode_drawn`
-  // instead (as StepBatchDraw gives them) and `decode` stays empty. On an error no sequence is
-  // changed (blocks taken stay with their sequence).
+  // empty; with decode_draws the first decode_draws.size() decode rows come back as
+  // `decode_drawn` instead (as StepBatchDraw gives them) and `decode` holds the others'. On an
+  // error no sequence is changed (blocks taken stay with their sequence).
   struct ChunkRef {
     Sequence* seq;
     int end;

@@ -306,27 +306,31 @@ absl::StatusOr<std::vector<std::vector<float>>> EngineGroup::StepBatch(
 }
 
 namespace {
-// Each row's token (DrawToken) from host logits, on the pool for a large vocabulary.
-std::vector<int32_t> DrawnRows(const std::vector<std::vector<float>>& logits,
-                               std::span<const RowDraw> draws) {
-  std::vector<int32_t> out(logits.size());
+// The first draws.size() rows' tokens (DrawToken) from host logits, on the pool for a large
+// vocabulary; those rows leave `logits`, the others stay.
+std::vector<int32_t> TakeDrawnRows(std::vector<std::vector<float>>& logits,
+                                   std::span<const RowDraw> draws) {
+  std::vector<int32_t> out(draws.size());
   const int64_t vocab = logits.empty() ? 1 : static_cast<int64_t>(logits[0].size());
-  ParallelForIfIdle(static_cast<int64_t>(logits.size()), [&](int64_t lo, int64_t hi) {
+  ParallelForIfIdle(static_cast<int64_t>(draws.size()), [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) out[i] = DrawToken(logits[i], draws[i]);
   }, LogitRowsPerTask(vocab));
+  logits.erase(logits.begin(), logits.begin() + static_cast<int64_t>(draws.size()));
   return out;
 }
 }  // namespace
 
-absl::StatusOr<std::vector<int32_t>> EngineGroup::StepBatchDraw(
+absl::StatusOr<Engine::DrawnStep> EngineGroup::StepBatchDraw(
     std::span<Sequence* const> seqs, std::span<const int32_t> tokens,
     std::span<const RowDraw> draws) {
   if (size() == 1) return ranks_[0]->engine->StepBatchDraw(seqs, tokens, draws);
-  if (draws.size() != seqs.size()) {
-    return absl::InvalidArgumentError("StepBatchDraw: one draw per sequence required");
+  if (draws.size() > seqs.size()) {
+    return absl::InvalidArgumentError("StepBatchDraw: more draws than sequences");
   }
-  ASSIGN_OR_RETURN(auto lg, StepBatch(seqs, tokens));
-  return DrawnRows(lg, draws);
+  Engine::DrawnStep r;
+  ASSIGN_OR_RETURN(r.logits, StepBatch(seqs, tokens));
+  r.drawn = TakeDrawnRows(r.logits, draws);
+  return r;
 }
 
 absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunks(
@@ -334,12 +338,11 @@ absl::StatusOr<Engine::MixedStep> EngineGroup::StepWithChunks(
     std::span<const Engine::ChunkRef> chunks, std::span<const RowDraw> decode_draws) {
   if (size() == 1) return ranks_[0]->engine->StepWithChunks(seqs, tokens, chunks, decode_draws);
   if (!decode_draws.empty()) {
-    if (decode_draws.size() != seqs.size()) {
-      return absl::InvalidArgumentError("StepWithChunks: one draw per decoding sequence required");
+    if (decode_draws.size() > seqs.size()) {
+      return absl::InvalidArgumentError("StepWithChunks: more draws than sequences");
     }
     ASSIGN_OR_RETURN(Engine::MixedStep m, StepWithChunks(seqs, tokens, chunks));
-    m.decode_drawn = DrawnRows(m.decode, decode_draws);
-    m.decode.clear();
+    m.decode_drawn = TakeDrawnRows(m.decode, decode_draws);
     return m;
   }
   const int n = size();

@@ -62,9 +62,9 @@ class EngineGroup {
   // Decode rows drawn where the logits are (Engine::StepBatchDraw) with one rank; under tensor
   // parallelism from rank 0's logits on the host (after the ranks' logits were compared, as
   // for StepBatch), by the same DrawToken.
-  absl::StatusOr<std::vector<int32_t>> StepBatchDraw(std::span<Sequence* const> seqs,
-                                                     std::span<const int32_t> tokens,
-                                                     std::span<const RowDraw> draws);
+  absl::StatusOr<Engine::DrawnStep> StepBatchDraw(std::span<Sequence* const> seqs,
+                                                  std::span<const int32_t> tokens,
+                                                  std::span<const RowDraw> draws);
   absl::StatusOr<Engine::MixedStep> StepWithChunks(std::span<Sequence* const> seqs,
                                                    std::span<const int32_t> tokens,
                                                    std::span<const Engine::ChunkRef> chunks,

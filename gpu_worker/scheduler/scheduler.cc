@@ -812,9 +812,9 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   }
   std::vector<Engine::ChunkRef> chunks;
   for (const PlainChunkDue& c : due) chunks.push_back({&c.a->seq, c.end});
-  const auto [seqs, toks] = DecodeInputs(step);
-  const std::vector<RowDraw> draws = BackendDraws(step);
-  auto m = group_->StepWithChunks(seqs, toks, chunks, draws);
+  const StepOrder o = DrawableFirst(step);
+  const auto [seqs, toks] = DecodeInputs(o.step);
+  auto m = group_->StepWithChunks(seqs, toks, chunks, o.draws);
   if (!m.ok()) {  // nothing changed: each part separately, where errors stay per request
     for (const PlainChunkDue& c : due) PlainChunk(*c.a, c.end);
     DecodeAll(step);
@@ -824,34 +824,42 @@ void BatchScheduler::PrefillChunks(const std::vector<PlainChunkDue>& due,
   for (size_t j = 0; j < due.size(); ++j) {
     if (!m->prefill[j].empty()) FinishPlainPrefill(*due[j].a, m->prefill[j]);
   }
-  if (!draws.empty()) {
-    EmitDrawn(step, m->decode_drawn);
-  } else {
-    SampleAndEmitAll(step, m->decode);
-  }
+  EmitStep(o, m->decode_drawn, m->decode);
 }
 
-std::vector<RowDraw> BatchScheduler::BackendDraws(const std::vector<Active*>& step) {
-  std::vector<RowDraw> draws;
-  for (const Active* a : step) {
+BatchScheduler::StepOrder BatchScheduler::DrawableFirst(const std::vector<Active*>& step) {
+  StepOrder o;
+  std::vector<Active*> host;
+  for (Active* a : step) {
     std::optional<RowDraw> d = a->sampler->BackendDraw();
-    if (!d.has_value() || a->w.logprobs >= 0) return {};
-    draws.push_back(*d);
+    if (d.has_value() && a->w.logprobs < 0) {
+      o.step.push_back(a);
+      o.draws.push_back(*d);
+    } else {
+      host.push_back(a);
+    }
   }
-  return draws;
+  o.step.insert(o.step.end(), host.begin(), host.end());
+  return o;
 }
 
-void BatchScheduler::EmitDrawn(const std::vector<Active*>& step,
-                               const std::vector<int32_t>& tokens) {
-  for (size_t i = 0; i < step.size(); ++i) {
-    if (tokens[i] >= 0) {
-      step[i]->sampler->Drew(tokens[i]);
-      Emit(*step[i], tokens[i]);
+void BatchScheduler::EmitStep(const StepOrder& o, const std::vector<int32_t>& drawn,
+                              const std::vector<std::vector<float>>& logits) {
+  const size_t k = o.draws.size();
+  for (size_t i = 0; i < k; ++i) {
+    Active& a = *o.step[i];
+    if (drawn[i] >= 0) {
+      a.sampler->Drew(drawn[i]);
+      Emit(a, drawn[i]);
     } else {  // as Sampler::TrySample's CheckLogits failure: the request fails, never a token
-      Finish(*step[i], "", absl::InternalError(
+      Finish(a, "", absl::InternalError(
           "non-finite logits: no token can be drawn from this step's logits (NaN, +Inf or all "
           "-Inf; broken weights or kernel)"));
     }
+  }
+  if (k < o.step.size()) {
+    SampleAndEmitAll(std::vector<Active*>(o.step.begin() + static_cast<int64_t>(k), o.step.end()),
+                     logits);
   }
 }
 
@@ -870,28 +878,20 @@ void BatchScheduler::DecodeAll(const std::vector<Active*>& step) {
   if (step.empty()) return;
   // One forward pass for every decoding sequence: the weights are read once per step instead
   // of once per sequence. Greedy and plain-temperature requests take only their tokens back
-  // from the device.
-  const auto [seqs, toks] = DecodeInputs(step);
-  if (const std::vector<RowDraw> draws = BackendDraws(step); !draws.empty()) {
-    auto ids = group_->StepBatchDraw(seqs, toks, draws);
-    if (ids.ok()) {
-      EmitDrawn(step, *ids);
-    } else {  // e.g. no KV block left for one of them: only that request fails
-      for (Active* a : step) DecodeOne(*a);
-    }
-    return;
-  }
-  if (step.size() == 1) {
+  // from the device; the others' logits come to the host.
+  const StepOrder o = DrawableFirst(step);
+  if (o.draws.empty() && step.size() == 1) {
     DecodeOne(*step[0]);
     return;
   }
-  auto lg = group_->StepBatch(seqs, toks);
-  if (!lg.ok()) {
+  const auto [seqs, toks] = DecodeInputs(o.step);
+  auto r = group_->StepBatchDraw(seqs, toks, o.draws);
+  if (!r.ok()) {
     // e.g. no KV block left for one of them: one at a time, so only that request fails.
     for (Active* a : step) DecodeOne(*a);
     return;
   }
-  SampleAndEmitAll(step, *lg);
+  EmitStep(o, r->drawn, r->logits);
 }
 
 bool BatchScheduler::DecodeOne(Active& a) {

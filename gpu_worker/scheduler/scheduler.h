@@ -344,13 +344,20 @@ class BatchScheduler {
   // the thread pool, one request's row per task, then the tokens emitted in order here.
   void SampleAndEmitAll(const std::vector<Active*>& step,
                         const std::vector<std::vector<float>>& logits);
-  // Each request's draw when the backend can draw every one of them (Sampler::BackendDraw:
-  // greedy or plain temperature, and no logprobs): then the step draws its rows where the
-  // logits are (StepBatchDraw). Empty when any request needs its logits on the host.
-  static std::vector<RowDraw> BackendDraws(const std::vector<Active*>& step);
-  // Emits each request's drawn token (counted by its sampler); -1 (logits no token can be
-  // drawn from) fails it.
-  void EmitDrawn(const std::vector<Active*>& step, const std::vector<int32_t>& tokens);
+  // A decode step's requests in the order its rows run: first those whose token the backend
+  // can draw where the logits are (Sampler::BackendDraw: greedy or plain temperature, no
+  // logprobs), with their draws, then those whose logits come to the host (top-k, top-p,
+  // bias, penalties, logprobs), each group in the step's order.
+  struct StepOrder {
+    std::vector<Active*> step;
+    std::vector<RowDraw> draws;  // one per request of the first group
+  };
+  static StepOrder DrawableFirst(const std::vector<Active*>& step);
+  // Emits the tokens of a step run in StepOrder: the drawn ones (counted by their samplers;
+  // -1, logits no token can be drawn from, fails the request), then the others sampled from
+  // their logits.
+  void EmitStep(const StepOrder& o, const std::vector<int32_t>& drawn,
+                const std::vector<std::vector<float>>& logits);
   bool Emit(Active& a, int32_t token);
   void Finish(Active& a, const std::string& reason, absl::Status status = absl::OkStatus());
   void PublishLoad();

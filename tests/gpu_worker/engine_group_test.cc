@@ -56,7 +56,9 @@ TEST(EngineGroup, RanksInLockstepMatchTheUnshardedEngine) {
 
 // Two prompts' chunks beside a decode row in one pass on every rank (the scheduler's short
 // prompts prefilled together): each prompt gets the unsharded engine's next-token logits, and the
-// ranks' block tables and logits stay alike.
+// ranks' block tables and logits stay alike. The decode row's token is drawn by the group
+// (rank 0's logits, DrawToken) every other pass and taken from its logits otherwise: the
+// unsharded engine's greedy tokens either way.
 TEST(EngineGroup, ChunksOfSeveralSequencesInOnePassMatchTheUnshardedEngine) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);
@@ -78,7 +80,8 @@ TEST(EngineGroup, ChunksOfSeveralSequencesInOnePassMatchTheUnshardedEngine) {
     o.tp.size = tp;
     auto g = EngineGroup::Create(*model, o);
     ASSERT_TRUE(g.ok()) << g.status();
-    auto d = (*g)->Admit(model->tokenizer().Encode("Once upon a time", true));
+    const std::vector<int32_t> d_prompt = model->tokenizer().Encode("Once upon a time", true);
+    auto d = (*g)->Admit(d_prompt);
     ASSERT_TRUE(d.ok());
     auto dl = (*g)->Prefill(*d);
     ASSERT_TRUE(dl.ok());
@@ -91,15 +94,21 @@ TEST(EngineGroup, ChunksOfSeveralSequencesInOnePassMatchTheUnshardedEngine) {
       ps.push_back(std::move(*s));
     }
     std::vector<std::vector<float>> got(ps.size());
-    for (bool more = true; more;) {
+    const std::vector<RowDraw> greedy(1);
+    int pass = 0;
+    for (bool more = true; more; ++pass) {
       std::vector<Engine::ChunkRef> chunks;
       for (Sequence& s : ps) {
         const int total = static_cast<int>(s.tokens.size());
         if (s.computed < total) chunks.push_back({&s, std::min(total, s.computed + 5)});
       }
-      auto m = (*g)->StepWithChunks(dec, tok, chunks);
+      const bool draw = pass % 2 == 1;
+      auto m = (*g)->StepWithChunks(dec, tok, chunks,
+                                    draw ? std::span<const RowDraw>(greedy) : std::span<const RowDraw>());
       ASSERT_TRUE(m.ok()) << m.status();
-      tok[0] = Argmax(m->decode[0]);
+      ASSERT_EQ(m->decode_drawn.size(), draw ? 1u : 0u);
+      ASSERT_EQ(m->decode.size(), draw ? 0u : 1u);
+      tok[0] = draw ? m->decode_drawn[0] : Argmax(m->decode[0]);
       more = false;
       for (size_t j = 0; j < chunks.size(); ++j) {
         const size_t i = static_cast<size_t>(chunks[j].seq - ps.data());
@@ -111,6 +120,22 @@ TEST(EngineGroup, ChunksOfSeveralSequencesInOnePassMatchTheUnshardedEngine) {
       EXPECT_LT(testing::MaxAbsDiff(got[i], want[i]), 1e-3) << "tp " << tp << " " << prompts[i];
       (*g)->Release(ps[i]);
     }
+    // A plain decode step drawn by the group (StepBatchDraw), then the decode row's tokens
+    // against the unsharded engine's greedy ones.
+    auto r = (*g)->StepBatchDraw(dec, tok, greedy);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->drawn.size(), 1u);
+    EXPECT_TRUE(r->logits.empty());
+    std::vector<int32_t> decoded(d->tokens.begin() + static_cast<int64_t>(d_prompt.size()),
+                                 d->tokens.end());
+    decoded.push_back(r->drawn[0]);
+    GenerateRequest req;
+    req.prompt = d_prompt;
+    req.sampling.max_tokens = static_cast<int>(decoded.size());
+    req.sampling.ignore_eos = true;
+    auto ref_d = sparsex::testing::Generate(**ref, req, nullptr);
+    ASSERT_TRUE(ref_d.ok());
+    EXPECT_EQ(decoded, ref_d->tokens) << "tp " << tp;
     (*g)->Release(*d);
     EXPECT_EQ((*g)->divergences(), 0);
   }

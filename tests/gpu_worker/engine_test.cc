@@ -343,8 +343,9 @@ TEST(Engine, MixedChunkAndDecodeStepEqualsSeparatePasses) {
 }
 
 // Decode steps whose rows are drawn on the backend (StepBatchDraw, and the decode rows of a
-// mixed step), one greedy and one at a temperature: the same tokens as the host's DrawToken
-// of StepBatch's logits, and a mixed step's completed chunk still gets its logits.
+// mixed step), one greedy and one at a temperature, both, the first or neither drawn: the
+// same tokens as the host's DrawToken of StepBatch's logits, the undrawn rows' logits as
+// StepBatch's, and a mixed step's completed chunk still gets its logits.
 TEST(Engine, DecodeStepsDrawOnTheBackend) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);
@@ -362,18 +363,26 @@ TEST(Engine, DecodeStepsDrawOnTheBackend) {
   for (int step = 0; step < 12; ++step) {
     std::vector<Sequence*> pa = {&a[0], &a[1]}, pb = {&b[0], &b[1]};
     draws[1].counter = static_cast<uint64_t>(step);
-    EXPECT_FALSE(e.StepBatchDraw(pa, tok, std::span<const RowDraw>(draws).first(1)).ok());
-    auto ids = e.StepBatchDraw(pa, tok, draws);
+    const size_t k = 2 - step % 3;  // rows drawn on the backend: 2, 1, 0
+    std::vector<RowDraw> three(3);
+    EXPECT_FALSE(e.StepBatchDraw(pa, tok, three).ok());  // more draws than sequences
+    auto r = e.StepBatchDraw(pa, tok, std::span<const RowDraw>(draws).first(k));
     auto lg = e.StepBatch(pb, tok_b);
-    ASSERT_TRUE(ids.ok() && lg.ok());
-    ASSERT_EQ(ids->size(), 2u);
-    for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(r.ok() && lg.ok());
+    ASSERT_EQ(r->drawn.size(), k);
+    ASSERT_EQ(r->logits.size(), 2 - k);
+    for (size_t i = 0; i < 2; ++i) {
       tok_b[i] = DrawToken((*lg)[i], draws[i]);
-      EXPECT_EQ((*ids)[i], tok_b[i]) << "sequence " << i << " step " << step;
+      if (i < k) {
+        tok[i] = r->drawn[i];
+      } else {
+        EXPECT_EQ(r->logits[i - k], (*lg)[i]) << "sequence " << i << " step " << step;
+        tok[i] = DrawToken(r->logits[i - k], draws[i]);
+      }
+      EXPECT_EQ(tok[i], tok_b[i]) << "sequence " << i << " step " << step;
       EXPECT_EQ(a[i].tokens, b[i].tokens);
       EXPECT_EQ(a[i].computed, static_cast<int>(a[i].tokens.size()));
     }
-    tok = *ids;
   }
   const std::vector<int32_t> prompt = model->tokenizer().Encode("Lily saw a big red ball.", true);
   auto pc = e.Admit(prompt);
@@ -383,12 +392,13 @@ TEST(Engine, DecodeStepsDrawOnTheBackend) {
   ASSERT_TRUE(whole.ok());
   std::vector<Sequence*> pa = {&a[0], &a[1]}, pb = {&b[0], &b[1]};
   const Engine::ChunkRef chunk[] = {{&*pc, static_cast<int>(prompt.size())}};
-  auto m = e.StepWithChunks(pa, tok, chunk, draws);
+  auto m = e.StepWithChunks(pa, tok, chunk, std::span<const RowDraw>(draws).first(1));
   auto lg = e.StepBatch(pb, tok_b);
   ASSERT_TRUE(m.ok() && lg.ok()) << m.status();
-  EXPECT_TRUE(m->decode.empty());
-  ASSERT_EQ(m->decode_drawn.size(), 2u);
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(m->decode_drawn[i], DrawToken((*lg)[i], draws[i]));
+  ASSERT_EQ(m->decode_drawn.size(), 1u);
+  EXPECT_EQ(m->decode_drawn[0], DrawToken((*lg)[0], draws[0]));
+  ASSERT_EQ(m->decode.size(), 1u);
+  EXPECT_EQ(m->decode[0], (*lg)[1]);
   ASSERT_EQ(m->prefill.size(), 1u);
   EXPECT_LT(testing::MaxAbsDiff(m->prefill[0], *whole), 1e-4);
   for (auto* v : {&a, &b})

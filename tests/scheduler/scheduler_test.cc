@@ -843,9 +843,9 @@ TEST_F(SchedulerTest, LogprobsOfEachTokenOfTheRawDistribution) {
   EXPECT_FALSE(cn.ids.empty());
 }
 
-// Greedy requests decode with their rows drawn on the backend (Engine::StepBatchDraw) until a
-// request that needs its logits (logprobs, a logit bias) shares the step, which then samples
-// every row on the host: each request gets a lone engine's tokens either way.
+// Greedy requests decode with their rows drawn on the backend (Engine::StepBatchDraw) beside
+// requests that need their logits (logprobs, a logit bias), whose rows of the same steps come
+// to the host: each request gets a lone engine's tokens either way.
 TEST_F(SchedulerTest, GreedyStepsAndStepsThatNeedLogitsGiveTheSameTokens) {
   auto s = Start();
   ASSERT_NE(s, nullptr);
@@ -873,10 +873,10 @@ TEST_F(SchedulerTest, GreedyStepsAndStepsThatNeedLogitsGiveTheSameTokens) {
   EXPECT_EQ(c.ids, Reference({{Enc("Tom had a dog named Max. One day")}}, 30));
 }
 
-// A seeded request at a temperature (plain: no top-k or top-p) gets the same tokens whether
-// its steps draw on the backend (alone: Sampler::BackendDraw, Gumbel-max from its seed and
-// draw count) or on the host (beside a request with logprobs, which needs every row's logits),
-// and other tokens with another seed.
+// A seeded request at a temperature (plain: no top-k or top-p) draws its first token on the
+// host (the prefill's logits) and the rest on the backend (Sampler::BackendDraw, Gumbel-max
+// from its seed and draw count): the same tokens alone and beside a request with logprobs
+// (whose rows of the shared steps come to the host), other tokens with another seed.
 TEST_F(SchedulerTest, SeededTemperatureDrawsAlikeOnTheBackendAndTheHost) {
   auto s = Start();
   ASSERT_NE(s, nullptr);
