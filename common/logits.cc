@@ -60,18 +60,19 @@ int32_t GreedyToken(std::span<const float> logits) {
 }
 
 namespace {
-// The Gumbel noise of 24 variate bits, in float as the kernel computes it.
-inline float Gumbel(uint32_t bits) {
-  return -std::log(-std::log((static_cast<float>(bits) + 0.5f) * 0x1p-24f));
-}
+// The Gumbel noise of a draw's variate bits, in float as the kernel computes it.
+inline float Gumbel(uint32_t bits) { return -std::log(-std::log(UniformOfBits(bits))); }
 
 // An upper bound of the noise of every variate whose top 8 bits are b: the noise of the
 // bucket's largest variate (the noise rises with the variate), plus a margin for log's
 // rounding.
+constexpr int kBucketShift = kDrawBits - 8;
 struct NoiseBounds {
   float at[256];
   NoiseBounds() {
-    for (uint32_t b = 0; b < 256; ++b) at[b] = Gumbel((b << 16) | 0xffffu) + 1e-3f;
+    for (uint32_t b = 0; b < 256; ++b) {
+      at[b] = Gumbel((b << kBucketShift) | ((1u << kBucketShift) - 1)) + 1e-3f;
+    }
   }
 };
 }  // namespace
@@ -93,7 +94,7 @@ int32_t DrawToken(std::span<const float> logits, const RowDraw& draw) {
   for (size_t i = 0; i < logits.size(); ++i) {
     const uint32_t bits = DrawBits(draw.seed, draw.counter, i);
     const float s = x[i] * inv_t;
-    if (!(s + bound.at[bits >> 16] >= best) || static_cast<int32_t>(i) == top) continue;
+    if (!(s + bound.at[bits >> kBucketShift] >= best) || static_cast<int32_t>(i) == top) continue;
     const float v = s + Gumbel(bits);
     if (v > best || (v == best && static_cast<int32_t>(i) < best_i)) {
       best = v;

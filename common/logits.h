@@ -34,18 +34,23 @@ struct RowDraw {
 };
 
 // The uniform variate of token `index` for a draw: a counter-based hash of (seed, counter,
-// index) (SplitMix64's finalizer), its top 24 bits k as (k + 0.5) / 2^24, strictly inside
-// (0, 1) and exact in float. kernels/ops.cu computes the same bits.
+// index) (SplitMix64's finalizer), its top 23 bits k as (k + 0.5) / 2^23. 23 bits, not 24:
+// k + 0.5 must be exact in float, else the largest k rounds up to u = 1 and infinite noise
+// (one token in 2^24, so ~1% of 128K-vocabulary draws, would win whatever its logit).
+// kernels/ops.cu computes the same bits and variate.
+constexpr int kDrawBits = 23;
 inline uint32_t DrawBits(uint64_t seed, uint64_t counter, uint64_t index) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull + index +
                0x632BE59BD9B4E019ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
-  return static_cast<uint32_t>(z >> 40);
+  return static_cast<uint32_t>(z >> (64 - kDrawBits));
 }
+// Strictly inside (0, 1) for every k < 2^23: 2^-24 up to 1 - 2^-24, exact in float.
+inline float UniformOfBits(uint32_t k) { return (static_cast<float>(k) + 0.5f) * 0x1p-23f; }
 inline float DrawUniform(uint64_t seed, uint64_t counter, uint64_t index) {
-  return (static_cast<float>(DrawBits(seed, counter, index)) + 0.5f) * 0x1p-24f;
+  return UniformOfBits(DrawBits(seed, counter, index));
 }
 
 // The token a RowDraw gives: GreedyToken when inv_temperature is 0; else the first index of

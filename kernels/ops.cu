@@ -311,14 +311,15 @@ cudaError_t Fill(bf16* dst, int64_t n, float value, cudaStream_t stream) {
 }
 
 namespace {
-// The 24 variate bits of (seed, counter, index): common/logits.h DrawBits, bit for bit.
+// The 23 variate bits of (seed, counter, index): common/logits.h DrawBits, bit for bit (23 so
+// that k + 0.5 is exact in float and u < 1).
 __device__ __forceinline__ uint32_t DrawBits(uint64_t seed, uint64_t counter, uint64_t index) {
   uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull + index +
                0x632BE59BD9B4E019ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
-  return static_cast<uint32_t>(z >> 40);
+  return static_cast<uint32_t>(z >> 41);
 }
 
 // One block per row: each thread keeps the largest score it saw (the value, or with a
@@ -352,7 +353,7 @@ __global__ void DrawRowsKernel(const bf16* x, int64_t x_stride, int64_t cols,
       float score = v[i];
       if (d.inv_temperature != 0.0f && v[i] > -kInf) {
         const float u = (static_cast<float>(DrawBits(d.seed, d.counter, c + i)) + 0.5f) *
-                        5.9604644775390625e-08f;  // 2^-24
+                        1.1920928955078125e-07f;  // 2^-23
         score = v[i] * d.inv_temperature - logf(-logf(u));
       }
       if (score > best || (best_i < 0 && score == score)) {  // the first non-NaN seeds it

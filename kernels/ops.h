@@ -50,7 +50,7 @@ cudaError_t SwiGlu(const bf16* x, int64_t x_stride, bf16* out, int64_t out_strid
 
 // How row r's token is drawn (common/logits.h RowDraw has the same layout): the largest value
 // when inv_temperature is 0, else the largest x * inv_temperature + g with the Gumbel noise
-// g = -log(-log(u)) of u = the 24-bit counter-based hash of (seed, counter, column).
+// g = -log(-log(u)) of u from the 23-bit counter-based hash of (seed, counter, column).
 struct RowDraw {
   float inv_temperature;
   uint32_t reserved;

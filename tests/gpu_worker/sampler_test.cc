@@ -334,12 +334,26 @@ TEST(SamplerTest, DrawTokenIsTheGumbelMaxOfEveryLogit) {
   EXPECT_EQ(DrawToken(std::vector<float>{-kInf, -kInf}, hot), -1);
   EXPECT_EQ(DrawToken(std::vector<float>{-kInf, 2.0f, -kInf}, hot), 1);
   EXPECT_EQ(DrawToken(std::vector<float>{1.0f, 3.0f, 3.0f}, RowDraw{}), 1);  // greedy
-  // The variates are strictly inside (0, 1): no infinite noise.
-  for (uint64_t i = 0; i < 100000; ++i) {
-    const float u = DrawUniform(5, 7, i);
-    ASSERT_GT(u, 0.0f);
-    ASSERT_LT(u, 1.0f);
+  // The variates are strictly inside (0, 1), the extreme bits included: no infinite noise
+  // (with 24 bits the largest rounded up to 1).
+  EXPECT_GT(UniformOfBits(0), 0.0f);
+  EXPECT_LT(UniformOfBits((1u << kDrawBits) - 1), 1.0f);
+  EXPECT_TRUE(std::isfinite(std::log(-std::log(UniformOfBits((1u << kDrawBits) - 1)))));
+  EXPECT_TRUE(std::isfinite(std::log(-std::log(UniformOfBits(0)))));
+  for (uint64_t i = 0; i < 100000; ++i) ASSERT_LT(DrawBits(5, 7, i), 1u << kDrawBits);
+}
+
+// A token far ahead (logit 30 above the rest of a 128K vocabulary: the others' total mass is
+// ~1e-8) is drawn every time: the noise is bounded (~16.6), never infinite. With 24-bit
+// variates the largest rounded up to u = 1, and ~0.8% of such draws chose a random token.
+TEST(SamplerTest, GumbelNoiseIsBoundedSoAFarAheadTokenAlwaysWins) {
+  std::vector<float> x(1 << 17, 0.0f);
+  x[4321] = 30.0f;
+  int other = 0;
+  for (uint64_t c = 0; c < 3000; ++c) {
+    other += DrawToken(x, RowDraw{.inv_temperature = 1.0f, .seed = 17, .counter = c}) != 4321;
   }
+  EXPECT_EQ(other, 0);
 }
 
 // BackendDraw: which requests a backend may draw (greedy, plain temperature) with the
