@@ -55,10 +55,6 @@ absl::Status CheckLogits(std::span<const float> logits) {
   return absl::OkStatus();
 }
 
-int32_t GreedyToken(std::span<const float> logits) {
-  return CheckLogits(logits).ok() ? Argmax(logits) : -1;
-}
-
 namespace {
 // The Gumbel noise of a draw's variate bits, in float as the kernel computes it.
 inline float Gumbel(uint32_t bits) { return -std::log(-std::log(UniformOfBits(bits))); }

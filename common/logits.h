@@ -19,10 +19,6 @@ absl::Status CheckLogits(std::span<const float> logits);
 // Index of the largest logit (the first one on ties, as llama2.c does).
 int32_t Argmax(std::span<const float> logits);
 
-// The greedy token of a row: Argmax when CheckLogits passes, else -1 (what a backend's
-// ArgmaxRows reports for such a row; the caller fails the request, never emits a token).
-int32_t GreedyToken(std::span<const float> logits);
-
 // How one row's token is drawn where the logits are (a backend's DrawRows): greedy when
 // inv_temperature is 0, else the Gumbel-max rule at temperature 1 / inv_temperature with the
 // noise of (seed, counter). Plain data: kernels::RowDraw has the same layout.
@@ -53,11 +49,13 @@ inline float DrawUniform(uint64_t seed, uint64_t counter, uint64_t index) {
   return UniformOfBits(DrawBits(seed, counter, index));
 }
 
-// The token a RowDraw gives: GreedyToken when inv_temperature is 0; else the first index of
-// the largest logit * inv_temperature + g, g = -log(-log(DrawUniform(seed, counter, index))):
-// exactly a draw from softmax(logits * inv_temperature) (Gumbel-max), reproducible from
-// (seed, counter) alone, so a row drawn on a GPU and the same row drawn here agree up to the
-// float rounding of log (a near-tie may fall the other way). -1 where CheckLogits fails.
+// The token a RowDraw gives, -1 where CheckLogits fails (what a backend's DrawRows reports for
+// such a row; the caller fails the request, never emits a token). Argmax when inv_temperature
+// is 0; else the first index of the largest logit * inv_temperature + g, with
+// g = -log(-log(DrawUniform(seed, counter, index))): exactly a draw from
+// softmax(logits * inv_temperature) (Gumbel-max), reproducible from (seed, counter) alone, so a
+// row drawn on a GPU and the same row drawn here agree up to the float rounding of log (a
+// near-tie may fall the other way).
 int32_t DrawToken(std::span<const float> logits, const RowDraw& draw);
 
 }  // namespace sparsex
