@@ -4,6 +4,7 @@
 // reference a GPU kernel is checked against) and the tensor-parallel group.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 
@@ -57,5 +58,12 @@ inline float DrawUniform(uint64_t seed, uint64_t counter, uint64_t index) {
 // row drawn on a GPU and the same row drawn here agree up to the float rounding of log (a
 // near-tie may fall the other way).
 int32_t DrawToken(std::span<const float> logits, const RowDraw& draw);
+
+// Rows of `vocab` logits per thread-pool task where rows are handled in parallel (a decode
+// step's sampling, a backend's host draw, row copies): a thread woken for fewer than ~128K
+// logits costs more than it saves, so small vocabularies stay on the caller's thread.
+inline int64_t LogitRowsPerTask(int64_t vocab) {
+  return std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(vocab, 1));
+}
 
 }  // namespace sparsex

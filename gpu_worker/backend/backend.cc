@@ -105,14 +105,13 @@ absl::Status Backend::DrawRows(const Tensor& logits, std::span<const RowDraw> dr
   }
   std::vector<float> h(static_cast<size_t>(logits.rows * logits.cols));
   RETURN_IF_ERROR(Download(logits, h));
-  // Rows on the pool when it is free, as the scheduler's host sampling does (a thread woken
-  // for fewer than ~128K logits costs more than it saves).
+  // Rows on the pool when it is free, as the scheduler's host sampling does.
   ParallelForIfIdle(logits.rows, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       out[i] = DrawToken(std::span<const float>(h).subspan(i * logits.cols, logits.cols),
                          draws[i]);
     }
-  }, std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(logits.cols, 1)));
+  }, LogitRowsPerTask(logits.cols));
   return absl::OkStatus();
 }
 

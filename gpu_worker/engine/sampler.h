@@ -91,11 +91,4 @@ class Sampler {
   absl::Status status_;
 };
 
-// Rows of `vocab` logits per thread-pool task where rows are handled in parallel (a decode
-// step's sampling and row copies): a thread woken for fewer than ~128K logits costs more than
-// it saves, so small vocabularies stay on the caller's thread.
-inline int64_t LogitRowsPerTask(int64_t vocab) {
-  return std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(vocab, 1));
-}
-
 }  // namespace sparsex
