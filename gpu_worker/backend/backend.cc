@@ -64,7 +64,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
   if (const char* a = std::getenv("SPX_DEVICE_SAMPLING")) {
-    o.device_sampling = std::string(a) == "1";
+    o.device_sampling = std::string(a) != "0";
   }
   if (const char* c = std::getenv("SPX_CUDNN_ATTENTION")) {
     using Cudnn = CudaBackendOptions::Cudnn;
