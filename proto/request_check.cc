@@ -64,6 +64,11 @@ absl::Status CheckReuseRequest(const v1::ReuseOptions& p, int n_layers) {
   if (p.has_recompute_ratio() && !(p.recompute_ratio() >= 0.0f && p.recompute_ratio() <= 1.0f)) {
     return absl::InvalidArgumentError("reuse.recompute_ratio must be in [0, 1]");
   }
+  if (p.has_store_after_misses() &&
+      (p.store_after_misses() < 1 || p.store_after_misses() > kMaxStoreAfterMisses)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reuse.store_after_misses must be in [1, ", kMaxStoreAfterMisses, "]"));
+  }
   return absl::OkStatus();
 }
 

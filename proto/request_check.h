@@ -15,7 +15,9 @@ absl::Status CheckSamplingRequest(const v1::SamplingParams& p, int vocab_size);
 // with logprobs (as OpenAI refuses top_logprobs without logprobs).
 inline constexpr int kMaxTopLogprobs = 20;
 absl::Status CheckLogprobsRequest(bool logprobs, int top_logprobs);
-// full_layers in [0, n_layers] (when n_layers > 0), recompute_ratio in [0, 1].
+// full_layers in [0, n_layers] (when n_layers > 0), recompute_ratio in [0, 1],
+// store_after_misses in [1, kMaxStoreAfterMisses].
+inline constexpr int kMaxStoreAfterMisses = 1000;
 absl::Status CheckReuseRequest(const v1::ReuseOptions& p, int n_layers);
 
 }  // namespace sparsex

@@ -97,6 +97,11 @@ absl::Status ParseReuse(const json& ro, v1::ReuseOptions* o) {
     ASSIGN_OR_RETURN(int32_t v, CheckedInt<int32_t>(ro["full_layers"], "reuse.full_layers"));
     o->set_full_layers(v);
   }
+  if (ro.contains("store_after_misses")) {
+    ASSIGN_OR_RETURN(int32_t v, CheckedInt<int32_t>(ro["store_after_misses"],
+                                                    "reuse.store_after_misses"));
+    o->set_store_after_misses(v);
+  }
   if (ro.contains("recompute_ratio")) {
     if (!ro["recompute_ratio"].is_number()) {
       return TypeError("reuse.recompute_ratio", "a number");

@@ -52,6 +52,7 @@ struct Options {
   double slo_ttft_ms = 2000, slo_tpot_ms = 50;
   int concurrency = 0, requests = -1, timeout_ms = 60000, max_tokens = 32, warmup = 0;
   int prime = 0;  // passes over the document pool before the first run (Workload::Prime)
+  int store_after_misses = 0;  // reuse.store_after_misses of every request (0: the worker's)
   int channels = 4, max_inflight = 4096, wait_ready_s = 10, doc_chars = 800, dry_run = 0;
   bool ignore_eos = true, progress = true, sweep_vary_seed = false;
   lg::WorkloadConfig wc;
@@ -136,6 +137,9 @@ v1::GenerateRequest ToProto(const lg::RequestSpec& r, const Options& o, const st
     req.mutable_reuse()->set_enable(false);  // full prefill + exact prefix cache (vLLM APC)
   } else {
     if (!o.selector.empty()) req.mutable_reuse()->set_selector(o.selector);
+    if (o.store_after_misses > 0) {
+      req.mutable_reuse()->set_store_after_misses(o.store_after_misses);
+    }
     if (o.recompute_ratio >= 0) {
       req.mutable_reuse()->set_recompute_ratio(static_cast<float>(o.recompute_ratio));
     }
@@ -378,6 +382,7 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
       .Num("warmup", o.warmup);
   if (!o.selector.empty()) cfg.Str("selector", o.selector);
   if (o.recompute_ratio >= 0) cfg.Num("recompute_ratio", o.recompute_ratio);
+  if (o.store_after_misses > 0) cfg.Num("store_after_misses", o.store_after_misses);
 
   JsonObj j;
   j.Str("workload", c.workload)
@@ -759,6 +764,9 @@ int main(int argc, char** argv) {
   f.Add("selector", &o.selector,
         "reuse selector (sparsex|cacheblend|epic|random; \"\" = worker's)");
   f.Add("recompute_ratio", &o.recompute_ratio, "reuse recompute ratio (< 0 = worker's)");
+  f.Add("store_after_misses", &o.store_after_misses,
+        "reuse.store_after_misses of every request: store a missing segment at its n-th miss "
+        "(1: at once, e.g. chat turns that come back; 0 = the worker's)");
   f.Add("workload", &c.workload, "rag | chat | agents");
   f.Add("content", &o.content,
         "numbers (random token ids as ids segments, for synthetic models) "
@@ -822,6 +830,9 @@ int main(int argc, char** argv) {
   if (o.timeout_ms < 1) return fail("--timeout_ms must be >= 1");
   if (o.warmup < 0 || o.concurrency < 0) return fail("--warmup and --concurrency must be >= 0");
   if (o.prime < 0 || o.prime > 16) return fail("--prime must be 0-16");
+  if (o.store_after_misses < 0 || o.store_after_misses > 1000) {
+    return fail("--store_after_misses must be 0-1000");
+  }
   std::vector<double> xs;
   if (!o.sweep.empty()) {
     for (absl::string_view p : absl::StrSplit(o.sweep, ',', absl::SkipEmpty())) {

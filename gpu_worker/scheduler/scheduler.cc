@@ -658,8 +658,11 @@ bool BatchScheduler::StoreOne(int n_decoding) {
   return false;
 }
 
-bool BatchScheduler::AdmitStore(const Hash128& fp) {
-  if (opts_.store_after_misses <= 1) return true;
+bool BatchScheduler::AdmitStore(const Hash128& fp, int after_misses) {
+  if (after_misses <= 1) {
+    miss_counts_.erase(fp);  // stored now: an earlier request's count is spent
+    return true;
+  }
   auto [it, inserted] = miss_counts_.try_emplace(fp, 0);
   if (inserted) {
     miss_order_.push_back(fp);
@@ -669,7 +672,7 @@ bool BatchScheduler::AdmitStore(const Hash128& fp) {
       miss_order_.pop_front();
     }
   }
-  if (++it->second < opts_.store_after_misses) return false;
+  if (++it->second < after_misses) return false;
   miss_counts_.erase(fp);  // its entry in miss_order_ ages out harmlessly
   return true;
 }
@@ -727,7 +730,9 @@ void BatchScheduler::ReusePrefillSlice(Active& a, int64_t max_row_layers) {
   a.exact_tokens = st.exact_tokens;
   if (defer) {
     for (const auto& [i, fp] : r->missing) {
-      if (!AdmitStore(fp)) continue;
+      const int after = a.w.store_after_misses > 0 ? a.w.store_after_misses
+                                                   : opts_.store_after_misses;
+      if (!AdmitStore(fp, after)) continue;
       bool queued = false;
       for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
       if (!queued) pending_stores_.push_back({fp, a.w.segments[i].tokens, o});

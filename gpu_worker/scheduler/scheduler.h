@@ -167,6 +167,9 @@ struct WorkItem {
   // in the "waiting for remote KV" state meanwhile, so a slow cache server blocks neither the
   // caller's (RPC) thread nor requests that need no fetch. Default: none (queued at once)
   std::function<void(WorkItem&)> remote_fetch;
+  // > 0: this request's missing segments are stored at their n-th miss instead of
+  // SchedulerOptions::store_after_misses (the API's reuse.store_after_misses). Default: 0
+  int store_after_misses = 0;
   // Set by remote_fetch, reported in the usage.
   int segments_fetched = 0, fetch_failures = 0;
   // Given to remote_fetch by the scheduler: a streaming fetch calls it once its segments are
@@ -392,7 +395,7 @@ class BatchScheduler {
   void DropOldestStore();
   // Counts a miss of a cacheable segment; true when it should be stored now
   // (SchedulerOptions::store_after_misses).
-  bool AdmitStore(const Hash128& fp);
+  bool AdmitStore(const Hash128& fp, int after_misses);
   absl::flat_hash_map<Hash128, int> miss_counts_;
   std::deque<Hash128> miss_order_;
   std::deque<PendingStore> pending_stores_;

@@ -42,6 +42,9 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         ReuseFromProto(req->reuse(), s_->opts.scheduler.reuse, s_->model->config().n_layers);
     if (!reuse.ok()) return ToGrpcStatus(reuse.status());
     w.reuse = *reuse;
+    if (req->reuse().has_store_after_misses()) {
+      w.store_after_misses = req->reuse().store_after_misses();
+    }
     if (absl::Status v = CheckLogprobsRequest(req->logprobs(), req->top_logprobs()); !v.ok()) {
       return ToGrpcStatus(v);
     }

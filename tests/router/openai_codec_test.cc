@@ -40,7 +40,8 @@ TEST(OpenAiCodecTest, CompletionFieldsAreMapped) {
       "top_k": 40, "seed": 18446744073709551615, "ignore_eos": true, "add_bos": false,
       "stream": true, "n": 1, "echo": false,
       "reuse": {"enable": true, "store_new_segments": false, "register_prefix": true,
-                "full_layers": 2, "recompute_ratio": 0.25, "selector": "attention"}})");
+                "full_layers": 2, "recompute_ratio": 0.25, "selector": "attention",
+                "store_after_misses": 1}})");
   ASSERT_TRUE(r.ok()) << r.status();
   const v1::GenerateRequest& q = r->req;
   EXPECT_EQ(q.model(), "tiny");
@@ -61,6 +62,7 @@ TEST(OpenAiCodecTest, CompletionFieldsAreMapped) {
   EXPECT_EQ(q.reuse().full_layers(), 2);
   EXPECT_FLOAT_EQ(q.reuse().recompute_ratio(), 0.25f);
   EXPECT_EQ(q.reuse().selector(), "attention");
+  EXPECT_EQ(q.reuse().store_after_misses(), 1);
   EXPECT_TRUE(r->stream);
   EXPECT_FALSE(r->include_usage);
   EXPECT_TRUE(r->stop.empty());
@@ -211,6 +213,8 @@ TEST(OpenAiCodecTest, BadFieldsAreInvalidArgumentNamingTheField) {
       {R"("reuse": {"full_layers": 4294967297})", "reuse.full_layers"},
       {R"("reuse": {"full_layers": 0.5})", "reuse.full_layers"},
       {R"("reuse": {"recompute_ratio": "a"})", "reuse.recompute_ratio"},
+      {R"("reuse": {"store_after_misses": 1.5})", "reuse.store_after_misses"},
+      {R"("reuse": {"store_after_misses": "1"})", "reuse.store_after_misses"},
       {R"("reuse": {"selector": 1})", "reuse.selector"},
       {R"("prompt": [1, 4294967699])", "prompt[]"},  // 2^32 + 403 is not token 403
       {R"("prompt": [1, -4294967296])", "prompt[]"},

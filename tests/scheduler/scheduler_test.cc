@@ -401,6 +401,38 @@ TEST_F(SchedulerTest, SegmentsAreStoredOnTheirSecondMiss) {
   EXPECT_GT(u3.reused_tokens, 0);
 }
 
+// A request's own reuse.store_after_misses overrides the worker's: a chat client asks for its
+// turns to be stored at their first miss, on a worker that waits for the second; a request
+// asking for a third miss is not stored at the worker's second.
+TEST_F(SchedulerTest, ARequestsStoreAfterMissesOverridesTheWorkers) {
+  SchedulerOptions o;
+  o.store_after_misses = 2;
+  auto s = Start(o);
+  ASSERT_NE(s, nullptr);
+  const Hash128 fa = SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none");
+  const Hash128 fb = SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none");
+  auto run = [&](std::vector<PromptSegment> segs, int after_misses) {
+    WorkItem w = Item(std::move(segs), 4);
+    w.store_after_misses = after_misses;
+    auto h = s->Submit(std::move(w));
+    EXPECT_TRUE(h.ok());
+    Collected c = Drain(**h);
+    EXPECT_TRUE(c.final.status.ok()) << c.final.status;
+    WaitUntil([&] { return s->load().pending_stores == 0; });
+    return c.final.usage;
+  };
+  RequestUsage u1 = run({{Enc(kDocA)}, {Enc(kQ), false}}, 1);
+  EXPECT_EQ(u1.segments_hit, 0);
+  EXPECT_TRUE(store_->Contains(fa));  // stored at its first miss
+  RequestUsage u2 = run({{Enc(kQ), false}, {Enc(kDocA)}}, 0);  // not an exact prefix
+  EXPECT_EQ(u2.segments_hit, 1);  // and reused by the next request
+  run({{Enc(kDocB)}, {Enc(kQ), false}}, 3);
+  run({{Enc(kDocB)}, {Enc(kQ), false}}, 3);
+  EXPECT_FALSE(store_->Contains(fb));  // two misses: the worker's 2 would have stored it
+  run({{Enc(kDocB)}, {Enc(kQ), false}}, 3);
+  EXPECT_TRUE(store_->Contains(fb));
+}
+
 // store_while_busy = false: deferred stores wait while a sequence decodes,
 // run once the engine is idle, and a backlog beyond max_pending_stores is dropped and counted.
 TEST_F(SchedulerTest, StoresWaitForIdleWithoutStoreWhileBusy) {

@@ -480,6 +480,8 @@ TEST_F(ClusterTest, BadInputGetsInvalidArgumentWithAMessage) {
            [](auto& r) { r.mutable_sampling()->set_top_k(-3); },
            [](auto& r) { r.mutable_reuse()->set_selector("oracle"); },
            [](auto& r) { r.mutable_reuse()->set_recompute_ratio(1.5); },
+           [](auto& r) { r.mutable_reuse()->set_store_after_misses(0); },
+           [](auto& r) { r.mutable_reuse()->set_store_after_misses(1001); },
            [](auto& r) { r.add_prompt_ids(5); }}) {  // segments and prompt together
     v1::GenerateRequest r = ok;
     mutate(r);
