@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU paths built while no device machine could be started (sessions 15-17), checked and
-# measured in one device call of ~6 minutes from the staged binaries (bench/gpu/stage_serve.sh;
-# the call carries .stage):
+# measured in one device call from the staged binaries (bench/gpu/stage_serve.sh; the call
+# carries .stage). Session 18 ran it on an H100 in ~3 minutes (docs/benchmarks.md, the fetch
+# table; docs/perf-notes.md "Session 18"); kept to re-check these paths after a change:
 #   1. their GPU tests: BackendConsistency.DrawRowsOnTheDevice (greedy and Gumbel-max rows; its
-#      pass is what turns SPX_DEVICE_SAMPLING on by default), AsyncBf16UploadsFromPinnedMemory
-#      and the other async-upload cases;
+#      pass turned SPX_DEVICE_SAMPLING on by default), AsyncBf16UploadsFromPinnedMemory and the
+#      other async-upload cases;
 #   2. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K context): logits downloaded
 #      against tokens drawn on the device, greedy and at temperature 1, in one run;
 #   3. bench/gpu/fetch.sh with the default worker flags (pinned, in-place streamed fetch) and,
