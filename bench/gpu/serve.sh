@@ -23,6 +23,9 @@
 #   SPX_SERVE_TAG         ""               suffix of the JSON names (several runs in one $OUT)
 #   SPX_SERVE_DEVICE      cuda             (cpu: a local smoke run of this script)
 #   SPX_SERVE_CACHE_MEMORY 32G             the cache server's memory arena
+#   SPX_SERVE_PACK        0                1: at the end, the serving_*.json records are added to
+#                                          $OUT/serving_records.tar (a device call returns at
+#                                          most 8 files; several runs in one call exceed it)
 #
 #   OUT=/tmp/out bench/gpu/serve.sh
 set -uo pipefail
@@ -90,3 +93,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], 'serving_*.json'))):
               f"{g('ttft_p50_ms'):8.0f} {g('ttft_p99_ms'):8.0f} {g('tpot_p50_ms'):7.1f} {g('tpot_p99_ms'):7.1f} "
               f"{g('reused_share'):6.2f} {str(r['goodput_ok']):>7}")
 PY
+if [ "${SPX_SERVE_PACK:-0}" = 1 ] && ls "$OUT"/serving_*.json >/dev/null 2>&1; then
+  (cd "$OUT" && tar rf serving_records.tar serving_*.json && rm -f serving_*.json) &&
+    stamp "records added to serving_records.tar"
+fi
