@@ -44,6 +44,16 @@ class SchedulerTest : public ::testing::Test {
     w.reuse.enable_reuse = reuse;
     return w;
   }
+  // Runs a request to its end, then waits until the stores it queued have run: its usage.
+  RequestUsage RunThenStores(BatchScheduler& s, WorkItem w) {
+    auto h = s.Submit(std::move(w));
+    EXPECT_TRUE(h.ok());
+    if (!h.ok()) return {};
+    Collected c = Drain(**h);
+    EXPECT_TRUE(c.final.status.ok()) << c.final.status;
+    WaitUntil([&] { return s.load().pending_stores == 0; });
+    return c.final.usage;
+  }
   // What a lone engine produces for this prompt (greedy).
   std::vector<int32_t> Reference(const std::vector<PromptSegment>& segs, int max_tokens) {
     EngineOptions eo;
@@ -382,12 +392,7 @@ TEST_F(SchedulerTest, SegmentsAreStoredOnTheirSecondMiss) {
   const Hash128 fa = SegmentFingerprint(model_->fingerprint(), Enc(kDocA), "none");
   const Hash128 fb = SegmentFingerprint(model_->fingerprint(), Enc(kDocB), "none");
   auto run = [&](std::vector<PromptSegment> segs) {
-    auto h = s->Submit(Item(std::move(segs), 4));
-    EXPECT_TRUE(h.ok());
-    Collected c = Drain(**h);
-    EXPECT_TRUE(c.final.status.ok()) << c.final.status;
-    WaitUntil([&] { return s->load().pending_stores == 0; });
-    return c.final.usage;
+    return RunThenStores(*s, Item(std::move(segs), 4));
   };
   RequestUsage u1 = run({{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kQ), false}});
   EXPECT_EQ(u1.segments_hit, 0);
@@ -414,12 +419,7 @@ TEST_F(SchedulerTest, ARequestsStoreAfterMissesOverridesTheWorkers) {
   auto run = [&](std::vector<PromptSegment> segs, int after_misses) {
     WorkItem w = Item(std::move(segs), 4);
     w.store_after_misses = after_misses;
-    auto h = s->Submit(std::move(w));
-    EXPECT_TRUE(h.ok());
-    Collected c = Drain(**h);
-    EXPECT_TRUE(c.final.status.ok()) << c.final.status;
-    WaitUntil([&] { return s->load().pending_stores == 0; });
-    return c.final.usage;
+    return RunThenStores(*s, std::move(w));
   };
   RequestUsage u1 = run({{Enc(kDocA)}, {Enc(kQ), false}}, 1);
   EXPECT_EQ(u1.segments_hit, 0);
