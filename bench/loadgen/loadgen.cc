@@ -34,6 +34,7 @@
 #include "bench/loadgen/stats.h"
 #include "bench/loadgen/workloads.h"
 #include "common/flags.h"
+#include "proto/request_check.h"
 #include "proto/sparsex.grpc.pb.h"
 
 namespace {
@@ -830,8 +831,8 @@ int main(int argc, char** argv) {
   if (o.timeout_ms < 1) return fail("--timeout_ms must be >= 1");
   if (o.warmup < 0 || o.concurrency < 0) return fail("--warmup and --concurrency must be >= 0");
   if (o.prime < 0 || o.prime > 16) return fail("--prime must be 0-16");
-  if (o.store_after_misses < 0 || o.store_after_misses > 1000) {
-    return fail("--store_after_misses must be 0-1000");
+  if (o.store_after_misses < 0 || o.store_after_misses > sparsex::kMaxStoreAfterMisses) {
+    return fail(absl::StrCat("--store_after_misses must be 0-", sparsex::kMaxStoreAfterMisses));
   }
   std::vector<double> xs;
   if (!o.sweep.empty()) {

@@ -729,9 +729,9 @@ void BatchScheduler::ReusePrefillSlice(Active& a, int64_t max_row_layers) {
   a.usage.stream_upload_ms = st.stream_upload_ms;
   a.exact_tokens = st.exact_tokens;
   if (defer) {
+    const int after =
+        a.w.store_after_misses > 0 ? a.w.store_after_misses : opts_.store_after_misses;
     for (const auto& [i, fp] : r->missing) {
-      const int after = a.w.store_after_misses > 0 ? a.w.store_after_misses
-                                                   : opts_.store_after_misses;
       if (!AdmitStore(fp, after)) continue;
       bool queued = false;
       for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
