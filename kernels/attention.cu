@@ -36,6 +36,7 @@ constexpr float kNegInf = -INFINITY;
 constexpr bool kDefaultSm90 = true;
 constexpr bool kDefaultPipelined = false;
 constexpr int kBN = 64;       // keys per step
+static_assert(kBN == kStatsTileKeys, "AttentionStatsParams::tile_groups counts key steps");
 constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
 // Split-K partials per row at most; the combine keeps their weights in shared memory, one per
 // thread (head_dim >= 64 threads).
@@ -67,6 +68,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   bf16* sV = sK + 2 * kBN * HD;            // [2][kBN * HD] (unused in STATS)
   __shared__ int s_lim[kBM];
   __shared__ int s_max_lim, s_min_lim;
+  __shared__ int s_qg_lo, s_qg_hi;  // complement statistics: the segments of the block's rows
   detail::PdlWait();
   detail::PdlLaunchDependents();
 
@@ -92,6 +94,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   if (tid == 0) {
     s_max_lim = -1;
     s_min_lim = 0x7fffffff;
+    s_qg_lo = 0x7fffffff;
+    s_qg_hi = -1;
   }
   __syncthreads();
   bool has_weight = false;
@@ -103,6 +107,13 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
       if (lim < 0) lim = -1;
       if constexpr (STATS) {
         if (st.recv_weight && st.out_recv && st.recv_weight[qrow] > 0.0f) has_weight = true;
+        if (st.cross_complement && lim >= 0) {
+          const int gq = st.q_group[qrow];
+          if (gq >= 0) {
+            atomicMin(&s_qg_lo, gq);
+            atomicMax(&s_qg_hi, gq);
+          }
+        }
       }
     }
     s_lim[m] = lim;
@@ -130,6 +141,25 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
     t_begin = split * per;
     t_end = min(n_tiles, t_begin + per);
   }
+
+  // Complement statistics of a block without recv weight: only the key tiles that hold keys of
+  // its rows' own segments or shared keys (tile_groups: each tile's segment range; shared keys
+  // make it (INT32_MIN, INT32_MAX)). Rows of no segment (q_group < 0) need the shared tiles only.
+  bool skip_tiles = false;
+  if constexpr (STATS) skip_tiles = st.cross_complement && st.tile_groups != nullptr && !has_weight;
+  const int qg_lo = s_qg_lo, qg_hi = s_qg_hi;
+  auto next_tile = [&](int t) {
+    ++t;
+    if (skip_tiles) {
+      while (t < t_end) {
+        const int lo = st.tile_groups[2 * t], hi = st.tile_groups[2 * t + 1];
+        if (hi >= qg_lo && lo <= qg_hi) break;
+        ++t;
+      }
+    }
+    return t;
+  };
+  const int t_first = next_tile(t_begin - 1);
 
   // Rows owned by this thread inside its warp's 16: g and g + 8.
   const int g = lane >> 2, tq = lane & 3;
@@ -189,19 +219,23 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (lim[i] >= 0) {
-        lse_row[i] = p.lse[(int64_t)qrow[i] * H + head[i]];
+        lse_row[i] = st.lse_by_head != nullptr
+                         ? st.lse_by_head[(int64_t)head[i] * p.num_q + qrow[i]] * kLog2e
+                         : p.lse[(int64_t)qrow[i] * H + head[i]];
         if (st.q_group) qg[i] = st.q_group[qrow[i]];
         if (st.recv_weight) w_row[i] = fmaxf(st.recv_weight[qrow[i]], 0.0f);
       }
     }
   }
 
-  if (t_begin < t_end) load_kv(0, t_begin);
+  if (t_first < t_end) load_kv(0, t_first);
   detail::CpAsyncCommit();
 
-  for (int t = t_begin; t < t_end; ++t) {
-    const int buf = (t - t_begin) & 1;
-    if (t + 1 < t_end) load_kv(buf ^ 1, t + 1);
+  int it = 0;  // iterations so far (tiles may be skipped): the buffer parity
+  for (int t = t_first, tn = 0; t < t_end; t = tn, ++it) {
+    const int buf = it & 1;
+    tn = next_tile(t);
+    if (tn < t_end) load_kv(buf ^ 1, tn);
     detail::CpAsyncCommit();
     detail::CpAsyncWait<1>();
     __syncthreads();
@@ -212,7 +246,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
       continue;
     }
 
-    if (t == t_begin) {
+    if (it == 0) {
 #pragma unroll
       for (int ks = 0; ks < HD / 16; ++ks)
         LdMatrixX4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3],
@@ -259,7 +293,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
           const int kg = (key < ctx_len && st.key_group) ? st.key_group[key] : -1;
           const float p0 = Ex2(s[nb][e] - lse_row[0]);
           const float p1 = Ex2(s[nb][2 + e] - lse_row[1]);
-          if (kg >= 0) {
+          if (st.cross_complement) {  // own segment and shared keys; the cross mass is the rest
+            if (kg < 0 || kg == qg[0]) cross[0] += p0;
+            if (kg < 0 || kg == qg[1]) cross[1] += p1;
+          } else if (kg >= 0) {
             if (kg != qg[0]) cross[0] += p0;
             if (kg != qg[1]) cross[1] += p1;
           }
@@ -324,6 +361,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
         float v = cross[i];
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (st.cross_complement) v = fminf(fmaxf(1.0f - v, 0.0f), 1.0f);
         if (tq == 0 && lim[i] >= 0 && v != 0.0f)
           atomicAdd(st.out_cross + qrow[i], v / static_cast<float>(H));
       }
@@ -664,13 +702,20 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
 
 cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                            cudaStream_t stream) {
-  if (!ValidCommon(p) || p.lse == nullptr || p.num_seqs > 0) return cudaErrorInvalidValue;
+  if (!ValidCommon(p) || (p.lse == nullptr && s.lse_by_head == nullptr) || p.num_seqs > 0)
+    return cudaErrorInvalidValue;
+  // The complement and cuDNN's normaliser are read by the mma.sync kernel only.
+  const bool complement_path = s.cross_complement || s.lse_by_head != nullptr;
+  if (s.cross_complement &&
+      (!s.out_cross || !s.q_group || !s.tile_groups || (p.ctx_len > 0 && !s.key_group)))
+    return cudaErrorInvalidValue;
+  if (complement_path && !TensorCorePath(p)) return cudaErrorInvalidValue;
   if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
   if (!s.out_cross && !s.out_recv) return cudaSuccess;
   // The wgmma statistics pass measured slower than mma.sync (36.4 vs 27.5 ms at 32K,
   // docs/perf-notes.md): only taken when a wgmma kernel is asked for explicitly.
-  if (p.head_dim == 128 && (p.impl == 2 || p.impl == 3) && Sm90AttentionAvailable() &&
-      Sm90AttentionSupports(p))
+  if (!complement_path && p.head_dim == 128 && (p.impl == 2 || p.impl == 3) &&
+      Sm90AttentionAvailable() && Sm90AttentionSupports(p))
     return Sm90AttentionStats(p, s, stream);
   if (TensorCorePath(p)) {
     FlashExtra ex;

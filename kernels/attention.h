@@ -100,7 +100,24 @@ struct AttentionStatsParams {
   float* out_cross = nullptr;          // [num_q] or null
   // out_recv[j] += sum_{i: recv_weight[i] > 0} recv_weight[i] * (1/n_heads) sum_h p_h(i, j)
   float* out_recv = nullptr;           // [ctx_len] or null
+  // The cross mass by its complement, for an attention pass that ran elsewhere (cuDNN) and left
+  // only its normaliser: out_cross[i] += (1/n_heads) sum_h clamp(1 - sum_{j <= lim_i:
+  // key_group[j] < 0 or == q_group[i]} p_h(i, j), 0, 1). A block whose rows carry no recv weight
+  // reads only the key tiles holding such keys for one of its rows (tile_groups), so a row of a
+  // 4K segment in a 32K prompt reads about its own segment instead of every earlier key.
+  // Tensor-core path (head_dim 64 / 128, mma.sync) only; needs out_cross, key_group, q_group.
+  bool cross_complement = false;
+  // [2 * ceil(ctx_len / kStatsTileKeys)]: per key tile its smallest and largest key_group >= 0,
+  // or (INT32_MIN, INT32_MAX) when it holds a key with key_group < 0. Device array.
+  const int32_t* tile_groups = nullptr;
+  // The normaliser in cuDNN's layout, used instead of p.lse when set: [n_heads, num_q], the
+  // natural-log log-sum-exp of the scaled scores (element head * num_q + row).
+  const float* lse_by_head = nullptr;
 };
+
+// Keys per tile of AttentionStatsParams::tile_groups (the tensor-core kernels' key step).
+constexpr int kStatsTileKeys = 64;
+
 
 // Device workspace PagedAttention needs for p (split-K partials); 0 when it splits nothing.
 size_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& p);
@@ -111,7 +128,8 @@ size_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& p);
 cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
                            size_t workspace_bytes, cudaStream_t stream);
 
-// Second pass computing the statistics of s from p (p.lse must hold PagedAttention's output).
+// Second pass computing the statistics of s from p (p.lse must hold PagedAttention's output,
+// or s.lse_by_head cuDNN's).
 cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                            cudaStream_t stream);
 

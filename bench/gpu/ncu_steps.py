@@ -17,7 +17,17 @@ import statistics
 import sys
 
 
-def short(name):
+def short(name, keep_templates=False):
+    if keep_templates:  # namespaces and arguments off, template arguments kept
+        name = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+        depth, cut = 0, len(name)
+        for i, ch in enumerate(name):
+            depth += (ch == "<") - (ch == ">")
+            if ch == "(" and depth == 0:
+                cut = i
+                break
+        name = re.sub(r"\b[A-Za-z_]\w*::", "", name[:cut])
+        return name.replace("void ", "").strip()
     name = re.sub(r"\(.*$", "", name)           # arguments
     while "<" in name:                          # template arguments, innermost first
         new = re.sub(r"<[^<>]*>", "", name)
@@ -28,7 +38,7 @@ def short(name):
     return name.replace("void ", "")
 
 
-def load(path):
+def load(path, keep_templates=False):
     with open(path, newline="") as f:
         lines = f.readlines()
     start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
@@ -42,7 +52,8 @@ def load(path):
             ns = float(str(r["gpu__time_duration.sum"]).replace(",", ""))
         except (ValueError, KeyError):
             continue  # the units row
-        out.append((short(r["Kernel Name"]), ns / 1000.0, r.get("Grid Size", "")))
+        out.append((short(r["Kernel Name"], keep_templates), ns / 1000.0,
+                    r.get("Grid Size", "")))
     return out
 
 

@@ -1,57 +1,84 @@
 #!/usr/bin/env bash
-# The GPU paths built while no device machine could be started (sessions 15-17), checked and
-# measured in one device call from the staged binaries (bench/gpu/stage_serve.sh; the call
-# carries .stage). Session 18 ran it on an H100 in ~3 minutes (docs/benchmarks.md, the fetch
-# table; docs/perf-notes.md "Session 18"); kept to re-check these paths after a change:
-#   1. their GPU tests: BackendConsistency.DrawRowsOnTheDevice (greedy and Gumbel-max rows; its
-#      pass turned SPX_DEVICE_SAMPLING on by default), AsyncBf16UploadsFromPinnedMemory and the
-#      other async-upload cases;
-#   2. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K context): logits downloaded
-#      against tokens drawn on the device, greedy and at temperature 1, in one run;
-#   3. bench/gpu/fetch.sh with the default worker flags (pinned, in-place streamed fetch) and,
-#      time allowing, with --cache_fetch_pinned_mb 0 (session 14's path) for the comparison.
-# Writes to $OUT: verify.log (the summary), bc.log, decode.log, decode.json, fetch_<v>/.
+# The GPU paths built while no device machine could be lent, checked and measured in one device
+# call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage). Session 19
+# built the selection statistics on cuDNN (CudaBackendOptions::cudnn_statistics, off until this
+# runs): the full layers' attention on cuDNN with its softmax normaliser, the cross mass by
+# complement over each row's own segment (docs/perf-notes.md, "Session 19"). This call:
+#   1. the attention GPU tests, AttentionConsistency.CudnnSelectionStatisticsByComplement among
+#      them (cuDNN required: a fallback to the fused kernel fails it);
+#   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
+#      the issue-15 case) with SPX_CUDNN_STATS=0 then 1 in the same call: TTFT, our full prefill,
+#      and the profiled phase split (full layers, selection, sparse layers);
+#   3. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratio, time allowing;
+#   4. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K) on this call's card.
+# Session 18's pending paths (device draws, pinned fetch) passed on an H100 and are measured by
+# their own scripts now (bench/gpu/fetch.sh, gpu_prefill_bench). Writes to $OUT: verify.log (the
+# summary), bc.log, reuse_stats0.json / reuse_stats1.json (+ .log), hf.json, decode.json/.log.
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify
-. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
+. "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS, cuDNN on the path
 FINAL=$OUT
 BUDGET=${SPX_VERIFY_BUDGET_S:-540}
 T_START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
+stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
-stamp "GPU tests of the pending paths"
-timeout 120 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='*DrawRows*:*AsyncBf16*:*LargeTransfers*' >"$FINAL/bc.log" 2>&1
+stamp "attention GPU tests"
+timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+  --gtest_filter='AttentionConsistency.*' >"$FINAL/bc.log" 2>&1
 stamp "backend_consistency_test exit $?"
-grep -E "FAILED|PASSED|Failure|Expected|Which is|row [0-9]+" "$FINAL/bc.log" | head -n 30 | tee -a "$LOG"
+grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/bc.log" | head -n 40 \
+  | tee -a "$LOG"
 
-stamp "decode: logits downloaded vs drawn on the device"
-timeout 150 "$SPX/bin/gpu_prefill_bench" --lengths 2048 --reps 1 --warmup 0 --no-micro \
-  --decode-ctx 8192 --decode-steps 20 --decode-batch 32 --out "$FINAL/decode.json" \
-  >"$FINAL/decode.log" 2>&1
-stamp "gpu_prefill_bench exit $?"
-grep -E "device:|decode batch" "$FINAL/decode.log" | tee -a "$LOG"
-
-W="--kv_blocks 4096 --prefill_chunk 4096 --device_tier_mb 12000 --host_store_mb 20000 \
---fetch_wait_ms -1 --store_after_misses 1"
-for v in default pageable; do
-  if [ "$(left)" -lt 150 ]; then stamp "fetch $v skipped ($(left) s left)"; continue; fi
-  extra=""
-  [ "$v" = pageable ] && extra="--cache_fetch_pinned_mb 0"
-  stamp "fetch $v"
-  OUT=$FINAL/fetch_$v SPX_FETCH_WORKER_ARGS="$W $extra" timeout $(( $(left) - 10 )) \
-    bash "$ROOT/bench/gpu/fetch.sh" >"$FINAL/fetch_$v.out" 2>&1
-  stamp "fetch $v exit $?"
-  python3 - "$FINAL/fetch_$v/fetch.json" "$v" <<'PY' 2>&1 | tee -a "$LOG"
-import json, sys
-r = json.load(open(sys.argv[1]))
-keys = ("fetch_over_tier", "tier_ttft_median_ms", "fetch_gb_per_s", "in_place_bytes",
-        "stream_wait_ms", "stream_upload_ms")
-print(sys.argv[2], {k: r.get(k) for k in keys}, "steps:", r.get("steps"))
-PY
+for v in 0 1; do
+  stamp "reuse prefill 32K, SPX_CUDNN_STATS=$v"
+  SPX_CUDNN_STATS=$v timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b \
+    --device cuda --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 \
+    --ratio 0.15 --reps 5 --warmup 1 --cases full,reuse_device \
+    --out "$FINAL/reuse_stats$v.json" >"$FINAL/reuse_stats$v.log" 2>&1
+  stamp "reuse_prefill_bench exit $?"
+  grep -vE "^\s*$" "$FINAL/reuse_stats$v.log" | tail -n 6 | tee -a "$LOG"
 done
+
+if [ "$(left)" -gt 200 ]; then
+  stamp "transformers baseline 32K"
+  timeout $(( $(left) - 120 )) python3 "$ROOT/bench/gpu/hf_baseline.py" --lengths 32768 \
+    --reps 3 --warmup 1 --out "$FINAL/hf.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$LOG"
+else
+  stamp "transformers baseline skipped ($(left) s left)"
+fi
+
+if [ "$(left)" -gt 90 ]; then
+  stamp "decode steps, 8K context, batch 1 and 32"
+  timeout $(( $(left) - 20 )) "$SPX/bin/gpu_prefill_bench" --lengths 2048 --reps 1 --warmup 0 \
+    --no-micro --decode-ctx 8192 --decode-steps 20 --decode-batch 32 --out "$FINAL/decode.json" \
+    >"$FINAL/decode.log" 2>&1
+  stamp "gpu_prefill_bench exit $?"
+  grep -E "device:|decode batch" "$FINAL/decode.log" | tee -a "$LOG"
+fi
+
+python3 - "$FINAL" <<'PY' 2>&1 | tee -a "$LOG"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try: return json.load(open(os.path.join(out, name)))
+    except Exception as e: return None
+hf = load("hf.json")
+base = None
+for r in (hf or {}).get("records", []):
+    if r.get("tokens") == 32768: base = r.get("ms")
+for v in ("0", "1"):
+    r = load(f"reuse_stats{v}.json")
+    if not r: print(f"SPX_CUDNN_STATS={v}: no record"); continue
+    for c in (r if isinstance(r, list) else r.get("records", [])):
+        if c.get("case") != "reuse_device": continue
+        ms = c["ms"]
+        print(f"SPX_CUDNN_STATS={v}: reuse {ms} ms, our full {c.get('full_ms')} ms "
+              f"({ms / c['full_ms']:.3f}x)" + (f", transformers {base} ms ({ms / base:.3f}x)" if base else "")
+              + f", profile {c.get('profile_ms')}")
+PY
 stamp "done"

@@ -74,6 +74,17 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
+  if (const char* c = std::getenv("SPX_CUDNN_STATS")) o.cudnn_statistics = std::string(c) == "1";
+  if (const char* m = std::getenv("SPX_CUDNN_STATS_MAX_SHARE")) {
+    char* end = nullptr;
+    const double v = std::strtod(m, &end);
+    if (end != m && *end == '\0' && v >= 0.0 && v <= 1.0) {
+      o.cudnn_statistics_max_share = v;
+    } else {
+      std::fprintf(stderr, "SPX_CUDNN_STATS_MAX_SHARE=%s is not a share in [0, 1]: %g used\n", m,
+                   o.cudnn_statistics_max_share);
+    }
+  }
   return o;
 }
 

@@ -170,6 +170,20 @@ struct CudaBackendOptions {
   // cuDNN library opened first (then libcudnn.so.9 from the loader path); empty: none.
   // SPX_CUDNN_LIB. Default: ""
   std::string cudnn_library;
+  // Dense attention that also wants the selection statistics (the reuse prefill's full layers)
+  // on cuDNN too: cuDNN's softmax normaliser, then a pass over each row's own segment and the
+  // shared keys only, whose mass is 1 minus the cross mass (kernels::AttentionStatsParams::
+  // cross_complement), where that pass reads at most cudnn_statistics_max_share of the key
+  // tiles a plain pass reads (ComplementReadShare, gpu_worker/backend/attention_stats_plan.h);
+  // else our kernel with the cross mass fused. Needs cudnn_attention; its failure falls back
+  // like dense attention does (kRequired: an error). Off until measured on a GPU
+  // (docs/perf-notes.md, session 19). SPX_CUDNN_STATS=1 sets true. Default: false
+  bool cudnn_statistics = false;
+  // Above this read share cuDNN plus the complement pass would cost about what our kernel with
+  // the cross mass fused costs (a model from the H200's per-layer figures at 32K: cuDNN 14.8 ms,
+  // our fused pass ~31 ms, a full statistics read ~27.5 ms; not yet measured as a whole).
+  // SPX_CUDNN_STATS_MAX_SHARE. Default: 0.5
+  double cudnn_statistics_max_share = 0.5;
 };
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its

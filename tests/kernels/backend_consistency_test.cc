@@ -3,6 +3,7 @@
 // ||cuda - cpu|| / ||cpu|| below 1e-2. Skips when no CUDA device is usable.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -56,7 +57,18 @@ class BackendConsistency : public ::testing::Test {
     auto g = CreateBackend({.kind = "cuda", .cuda = CudaBackendOptionsFromEnv()});
     ASSERT_TRUE(g.ok()) << g.status();
     gpu_ = std::move(*g);
-    rng_.seed(std::random_device{}());
+    // Seeded from the test's name, so a failure reproduces; SPX_TEST_SEED picks another seed.
+    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    uint32_t seed = 2166136261u;  // FNV-1a of "Suite.Name"
+    for (char c : std::string(info->test_suite_name()) + "." + info->name()) {
+      seed = (seed ^ static_cast<unsigned char>(c)) * 16777619u;
+    }
+    if (const char* e = std::getenv("SPX_TEST_SEED")) {
+      seed = static_cast<uint32_t>(std::strtoul(e, nullptr, 10));
+    }
+    std::fprintf(stderr, "[ seed     ] %u (SPX_TEST_SEED=%u reproduces this test's inputs)\n", seed,
+                 seed);
+    rng_.seed(seed);
   }
 
   std::vector<float> Rand(size_t n, float a = 1.0f) {
@@ -739,6 +751,9 @@ struct AttnCase {
   std::vector<int32_t> q_pos;
   bool stats = false;
   bool in_order = false;  // the blocks in order: consecutive slots (a fresh prefill's)
+  // > 0: only the last recv_last rows carry a recv weight (the new tokens of a reuse prefill),
+  // so the other rows' blocks take the statistics pass without it. 0: every third row.
+  int recv_last = 0;
 };
 
 class AttentionConsistency : public BackendConsistency {
@@ -782,7 +797,8 @@ class AttentionConsistency : public BackendConsistency {
       for (int j = 0; j < tc.ctx; ++j) key_group[j] = j == 0 ? -1 : 1 + (j - 1) / 100;
       for (int i = 0; i < n; ++i) {
         q_group[i] = key_group[tc.q_pos[i]];
-        recv_w[i] = (i % 3 == 0) ? 1.0f + 0.5f * (i % 5) : 0.0f;
+        recv_w[i] = tc.recv_last > 0 ? (i >= n - tc.recv_last ? 1.0f : 0.0f)
+                                      : (i % 3 == 0) ? 1.0f + 0.5f * (i % 5) : 0.0f;
       }
       for (int i = 0; i < n; ++i) cross_c[i] = cross_g[i] = 0.25f * (i % 4);  // accumulates
       a.key_group = key_group;
@@ -877,6 +893,42 @@ TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
   Run({"cudnn chunk 700 after 1400", 32, 8, 128, 2100, Dense(1400, 2100)});
   Run({"cudnn gqa8 ragged 1500", 32, 4, 128, 1500, Dense(0, 1500), false, true});
   Run({"cudnn mha hd64 300", 8, 8, 64, 300, Dense(0, 300)});
+}
+
+// The selection statistics with the attention on cuDNN (CudaBackendOptions::cudnn_statistics):
+// cuDNN's softmax normaliser, then the cross mass by complement over each row's own segment
+// and the shared keys, reading only those key tiles for rows without a recv weight. Segments of
+// 100 keys after a shared sink (AttentionConsistency::Run), so most 64-key tiles are skipped;
+// "require" turns a fallback to the fused kernel into an error, so the complement path is what
+// ran.
+TEST_F(AttentionConsistency, CudnnSelectionStatisticsByComplement) {
+  CudaBackendOptions o = CudaBackendOptionsFromEnv();
+  {
+    auto probe = CudnnAttention::Create(nullptr, o.cudnn_library);
+    if (!probe.ok()) GTEST_SKIP() << probe.status();
+  }
+  o.cudnn_attention = CudaBackendOptions::Cudnn::kRequired;
+  o.cudnn_min_tokens = 64;
+  o.cudnn_statistics = true;
+  o.cudnn_statistics_max_share = 1.0;  // every case takes the complement, however much it reads
+  auto g = CreateBackend({.kind = "cuda", .cuda = o});
+  ASSERT_TRUE(g.ok()) << g.status();
+  gpu_ = std::move(*g);
+  AttnCase dense{"complement dense 2048 gqa4, new rows last", 32, 8, 128, 2048, Dense(0, 2048),
+                 true, true};
+  dense.recv_last = 64;
+  Run(dense);
+  Run({"complement dense 2048 gqa4, weights everywhere, gathered", 32, 8, 128, 2048,
+       Dense(0, 2048), true});
+  AttnCase chunk{"complement chunk 700 after 1400", 32, 8, 128, 2100, Dense(1400, 2100), true};
+  chunk.recv_last = 100;
+  Run(chunk);
+  AttnCase gqa8{"complement gqa8 ragged 1500", 32, 4, 128, 1500, Dense(0, 1500), true, true};
+  gqa8.recv_last = 37;
+  Run(gqa8);
+  AttnCase hd64{"complement mha hd64 300", 8, 8, 64, 300, Dense(0, 300), true};
+  hd64.recv_last = 20;
+  Run(hd64);
 }
 
 TEST_F(AttentionConsistency, DecodeSplitK) {

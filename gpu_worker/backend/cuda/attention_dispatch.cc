@@ -1,6 +1,9 @@
 // The CUDA backend's attention: which kernel serves a call, and when cuDNN does.
 //   - Selection statistics (out_cross, out_recv): our kernel with the fused cross mass, the
-//     received attention in a second pass; waits for the device.
+//     received attention in a second pass; waits for the device. With
+//     CudaBackendOptions::cudnn_statistics, dense calls whose rows' own segments are a small
+//     share of their keys run on cuDNN instead (its softmax normaliser out) and the second pass
+//     takes the cross mass by complement over those segments (CudnnStatistics).
 //   - Dense causal prefill (DenseForCudnn) outside a recorded scope: cuDNN's fused engine when
 //     CudaBackendOptions::cudnn_attention allows and libcudnn loads, else our kernel.
 //   - Otherwise kernels::PagedAttention, which splits the key axis (split-K, mma.sync) when the
@@ -17,11 +20,42 @@
 #include <string>
 #include <vector>
 
+#include "gpu_worker/backend/attention_stats_plan.h"
 #include "gpu_worker/backend/cuda/cuda_backend_internal.h"
 #include "kernels/attention.h"
 #include "kernels/ops.h"
 
 namespace sparsex::cuda_internal {
+namespace {
+
+// The kernel parameters of an attention call over q's rows, whose positions and slot table were
+// staged to q_pos and ctx_slots (device).
+kernels::PagedAttentionParams Params(const Tensor& q, const KvPool& pool, int layer,
+                                     const AttentionArgs& a, Tensor& out, const void* q_pos,
+                                     const void* ctx_slots, const CudaBackendOptions& o) {
+  kernels::PagedAttentionParams p;
+  p.q = B(q);
+  p.q_stride = q.cols;
+  p.out = B(out);
+  p.out_stride = out.cols;
+  p.q_pos = static_cast<const int32_t*>(q_pos);
+  p.num_q = static_cast<int>(q.rows);
+  p.k_pool = B(pool.k[layer]);
+  p.v_pool = B(pool.v[layer]);
+  p.kv_stride = pool.kv_dim;
+  p.ctx_slots = static_cast<const int32_t*>(ctx_slots);
+  p.ctx_len = static_cast<int>(a.ctx_slots.size());
+  p.n_heads = a.n_heads;
+  p.n_kv_heads = a.n_kv_heads;
+  p.head_dim = a.head_dim;
+  p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
+  p.warps = o.attn_warps;
+  p.impl = static_cast<int>(o.attn_impl);
+  p.split_waves = o.split_waves;
+  return p;
+}
+
+}  // namespace
 
 absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int layer,
                                     const AttentionArgs& a, Tensor& out) {
@@ -50,6 +84,21 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
     }
   }
   if (stats) RETURN_IF_ERROR(FlushGraph());  // the statistics come back to the host
+  if (want_cross && options_.cudnn_statistics && !recording() && DenseForCudnn(q, a, n, ctx, hd)) {
+    const int rows_per_block = 16 * (options_.attn_warps == 4 ? 4 : 8) / (H / KV);
+    const std::vector<int32_t> tiles = StatsTileGroups(a.key_group, kernels::kStatsTileKeys);
+    const double share = ComplementReadShare(a.q_pos, a.q_group, a.recv_weight, tiles,
+                                             kernels::kStatsTileKeys, ctx, rows_per_block);
+    if (share <= options_.cudnn_statistics_max_share) {
+      absl::Status s = CudnnStatistics(q, pool, layer, a, out, tiles);
+      if (s.ok() || options_.cudnn_attention == CudaBackendOptions::Cudnn::kRequired) return s;
+      if (!cudnn_stats_fallback_logged_) {
+        cudnn_stats_fallback_logged_ = true;
+        std::fprintf(stderr, "cuda backend: cuDNN statistics unavailable, own kernel used: %s\n",
+                     std::string(s.message()).c_str());
+      }
+    }
+  }
 
   std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
                                  {a.ctx_slots.data(), a.ctx_slots.size_bytes()}};
@@ -60,25 +109,7 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
   if (want_recv) spans.push_back({a.recv_weight.data(), a.recv_weight.size_bytes()});
   ASSIGN_OR_RETURN(auto d, Stage(spans));
 
-  kernels::PagedAttentionParams p;
-  p.q = B(q);
-  p.q_stride = q.cols;
-  p.out = B(out);
-  p.out_stride = out.cols;
-  p.q_pos = static_cast<const int32_t*>(d[0]);
-  p.num_q = static_cast<int>(n);
-  p.k_pool = B(pool.k[layer]);
-  p.v_pool = B(pool.v[layer]);
-  p.kv_stride = pool.kv_dim;
-  p.ctx_slots = static_cast<const int32_t*>(d[1]);
-  p.ctx_len = static_cast<int>(ctx);
-  p.n_heads = H;
-  p.n_kv_heads = KV;
-  p.head_dim = hd;
-  p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(hd));
-  p.warps = options_.attn_warps;
-  p.impl = static_cast<int>(options_.attn_impl);
-  p.split_waves = options_.split_waves;
+  kernels::PagedAttentionParams p = Params(q, pool, layer, a, out, d[0], d[1], options_);
 
   // Workspace: [split-K partials | lse (n*H) | cross (n) | recv (ctx)], 256-byte aligned parts.
   auto align = [](size_t b) { return (b + 255) / 256 * 256; };
@@ -110,11 +141,25 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
   }
   CUDA_RETURN(kernels::PagedAttention(p, split_ws, split_bytes, stream_), "Attention");
 
+  kernels::AttentionStatsParams s;
   if (want_recv) {
-    kernels::AttentionStatsParams s;
     s.recv_weight = static_cast<const float*>(d[want_cross ? 4 : 2]);
     s.out_recv = recv;
+  }
+  return FinishStatistics(p, s, a, cross, recv);
+}
+
+// Launches the statistics pass when s asks for anything (recv, or the cross mass by complement)
+// after clearing its outputs, then adds the device's cross and recv sums to a's host arrays.
+absl::Status CudaBackend::FinishStatistics(const kernels::PagedAttentionParams& p,
+                                           const kernels::AttentionStatsParams& s,
+                                           const AttentionArgs& a, float* cross, float* recv) {
+  const int64_t n = p.num_q, ctx = p.ctx_len;
+  const bool want_cross = a.out_cross != nullptr, want_recv = a.out_recv != nullptr;
+  if (s.out_recv != nullptr) {
     CUDA_RETURN(cudaMemsetAsync(recv, 0, ctx * 4, stream_), "Attention stats clear");
+  }
+  if (s.out_recv != nullptr || s.cross_complement) {
     CUDA_RETURN(kernels::AttentionStats(p, s, stream_), "Attention stats");
   }
   std::vector<float> host_cross(want_cross ? n : 0), host_recv(want_recv ? ctx : 0);
@@ -134,6 +179,52 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
   for (int64_t j = 0; j < static_cast<int64_t>(host_recv.size()); ++j)
     a.out_recv[j] += host_recv[j];
   return absl::OkStatus();
+}
+
+// Dense attention with the selection statistics, the attention on cuDNN: its softmax
+// normaliser comes out ([heads, rows], natural log), and the statistics pass reads it
+// (AttentionStatsParams::lse_by_head) to take each row's cross mass as 1 minus the mass on its
+// own segment and the shared keys, reading only the key tiles that hold those
+// (tile_groups, from StatsTileGroups), plus the received attention of the weighted rows.
+absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, int layer,
+                                          const AttentionArgs& a, Tensor& out,
+                                          const std::vector<int32_t>& tile_groups) {
+  const int H = a.n_heads;
+  const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
+  const bool want_recv = a.out_recv != nullptr;
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t lse_bytes = align(static_cast<size_t>(n) * H * 4);
+  const size_t cross_bytes = align(static_cast<size_t>(n) * 4);
+  const size_t recv_bytes = want_recv ? align(static_cast<size_t>(ctx) * 4) : 0;
+  ASSIGN_OR_RETURN(void* ws, Workspace(attn_scratch_, lse_bytes + cross_bytes + recv_bytes + 256));
+  char* wp = static_cast<char*>(ws);
+  float* lse = reinterpret_cast<float*>(wp);
+  float* cross = reinterpret_cast<float*>(wp + lse_bytes);
+  float* recv = want_recv ? reinterpret_cast<float*>(wp + lse_bytes + cross_bytes) : nullptr;
+  RETURN_IF_ERROR(CudnnDense(q, pool, layer, a, out, lse));
+
+  std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
+                                 {a.ctx_slots.data(), a.ctx_slots.size_bytes()},
+                                 {a.key_group.data(), a.key_group.size_bytes()},
+                                 {a.q_group.data(), a.q_group.size_bytes()},
+                                 {tile_groups.data(), tile_groups.size() * sizeof(int32_t)}};
+  if (want_recv) spans.push_back({a.recv_weight.data(), a.recv_weight.size_bytes()});
+  ASSIGN_OR_RETURN(auto d, Stage(spans));
+  // The statistics pass runs on mma.sync whatever attn_impl says, and writes no output.
+  const kernels::PagedAttentionParams p = Params(q, pool, layer, a, out, d[0], d[1], options_);
+  kernels::AttentionStatsParams s;
+  s.key_group = static_cast<const int32_t*>(d[2]);
+  s.q_group = static_cast<const int32_t*>(d[3]);
+  s.tile_groups = static_cast<const int32_t*>(d[4]);
+  s.cross_complement = true;
+  s.lse_by_head = lse;
+  s.out_cross = cross;
+  CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");
+  if (want_recv) {
+    s.recv_weight = static_cast<const float*>(d[5]);
+    s.out_recv = recv;
+  }
+  return FinishStatistics(p, s, a, cross, recv);
 }
 
 // Whether this call is dense causal attention cuDNN can take: consecutive query positions
@@ -158,7 +249,7 @@ bool CudaBackend::DenseForCudnn(const Tensor& q, const AttentionArgs& a, int64_t
 // sequence's slots are consecutive (a fresh prefill's blocks), else gathered into a scratch
 // copy first (~0.1 ms per layer at 32K, against ~11 ms saved).
 absl::Status CudaBackend::CudnnDense(const Tensor& q, const KvPool& pool, int layer,
-                                     const AttentionArgs& a, Tensor& out) {
+                                     const AttentionArgs& a, Tensor& out, float* lse) {
   if (!cudnn_) {
     if (!cudnn_status_.ok()) return cudnn_status_;
     auto c = CudnnAttention::Create(stream_, options_.cudnn_library);
@@ -204,9 +295,10 @@ absl::Status CudaBackend::CudnnDense(const Tensor& q, const KvPool& pool, int la
   sh.kv_stride = kv_dim;
   sh.o_stride = out.cols;
   sh.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
+  sh.stats_out = lse != nullptr;
   const int64_t built = cudnn_->plans_built();
   const double ms = cudnn_->plan_build_ms();
-  RETURN_IF_ERROR(cudnn_->Run(sh, q.data, k, v, out.data));
+  RETURN_IF_ERROR(cudnn_->Run(sh, q.data, k, v, out.data, lse));
   if (cudnn_->plans_built() > built && cudnn_->plans_built() <= 8) {
     std::fprintf(stderr, "cuda backend: cuDNN %s attention plan %lldx%lld built in %.1f ms\n",
                  cudnn_->version().c_str(), static_cast<long long>(n),

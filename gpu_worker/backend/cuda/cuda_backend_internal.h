@@ -144,9 +144,19 @@ class CudaBackend final : public Backend {
   // ---- attention dispatch (attention_dispatch.cc) ----
   // Whether this call is dense causal attention cuDNN can take.
   bool DenseForCudnn(const Tensor& q, const AttentionArgs& a, int64_t n, int64_t ctx, int hd);
-  // Dense causal attention through cuDNN's fused engine.
+  // Dense causal attention through cuDNN's fused engine; lse (device, [heads, rows]) set: its
+  // softmax normaliser too.
   absl::Status CudnnDense(const Tensor& q, const KvPool& pool, int layer, const AttentionArgs& a,
-                          Tensor& out);
+                          Tensor& out, float* lse = nullptr);
+  // Dense attention on cuDNN with the selection statistics by complement
+  // (CudaBackendOptions::cudnn_statistics).
+  absl::Status CudnnStatistics(const Tensor& q, const KvPool& pool, int layer,
+                               const AttentionArgs& a, Tensor& out,
+                               const std::vector<int32_t>& tile_groups);
+  // The statistics pass (when s asks for one) and the sums back into a's host arrays.
+  absl::Status FinishStatistics(const kernels::PagedAttentionParams& p,
+                                const kernels::AttentionStatsParams& s, const AttentionArgs& a,
+                                float* cross, float* recv);
   // Several sequences in one launch (batched decode).
   absl::Status AttentionBatched(const Tensor& q, const KvPool& pool, int layer,
                                 const AttentionArgs& a, Tensor& out);
@@ -219,6 +229,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudnnAttention> cudnn_;
   absl::Status cudnn_status_;  // why cuDNN could not be loaded (then not retried)
   bool cudnn_fallback_logged_ = false;
+  bool cudnn_stats_fallback_logged_ = false;
   DeviceScratch cudnn_kv_;  // gathered K and V when a sequence's slots are not consecutive
   GraphRecorder recorder_{&stager_};
   std::map<std::tuple<int, float, int, float, float, float, int>, float*> rope_tables_;

@@ -476,8 +476,8 @@ absl::StatusOr<CudnnAttention::Plan*> CudnnAttention::GetPlan(const CudnnAttenti
     // Plans are small but each distinct prompt length makes one: bound the cache.
     if (plans_.size() >= 64) plans_.clear();
     const auto t0 = std::chrono::steady_clock::now();
-    auto built = Build(s, /*stats_out=*/false);
-    if (!built.ok()) {
+    auto built = Build(s, /*stats_out=*/s.stats_out);
+    if (!built.ok() && !s.stats_out) {
       auto again = Build(s, /*stats_out=*/true);
       if (again.ok()) {
         built = std::move(again);
@@ -506,10 +506,13 @@ absl::StatusOr<CudnnAttention::Plan*> CudnnAttention::GetPlan(const CudnnAttenti
 }
 
 absl::Status CudnnAttention::Run(const CudnnAttentionShape& s, const void* q, const void* k,
-                                 const void* v, void* o) {
+                                 const void* v, void* o, float* lse) {
   if (s.n_q <= 0 || s.n_kv < s.n_q || s.heads <= 0 || s.kv_heads <= 0 ||
       s.heads % s.kv_heads != 0 || s.head_dim <= 0) {
     return absl::InvalidArgumentError("cuDNN attention: bad shape");
+  }
+  if (s.stats_out != (lse != nullptr)) {
+    return absl::InvalidArgumentError("cuDNN attention: stats_out and lse go together");
   }
   ASSIGN_OR_RETURN(Plan * p, GetPlan(s));
   ASSIGN_OR_RETURN(void* ws, workspace_.Get(static_cast<size_t>(p->workspace), stream_));
@@ -524,8 +527,11 @@ absl::Status CudnnAttention::Run(const CudnnAttentionShape& s, const void* q, co
     ptrs.push_back(&offset);
   }
   if (p->stats_out) {
-    ASSIGN_OR_RETURN(void* stats,
-                     stats_.Get(static_cast<size_t>(s.heads) * s.n_q * sizeof(float), stream_));
+    void* stats = lse;
+    if (stats == nullptr) {
+      ASSIGN_OR_RETURN(stats,
+                       stats_.Get(static_cast<size_t>(s.heads) * s.n_q * sizeof(float), stream_));
+    }
     uids.push_back(kUidStats);
     ptrs.push_back(stats);
   }

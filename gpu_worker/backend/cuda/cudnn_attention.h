@@ -32,9 +32,12 @@ struct CudnnAttentionShape {
   int heads = 0, kv_heads = 0, head_dim = 0;  // heads a multiple of kv_heads
   int64_t q_stride = 0, kv_stride = 0, o_stride = 0;  // row strides in elements
   float scale = 0.0f;
+  // Run also writes the softmax statistics (the caller's selection statistics need them): a
+  // plan with the statistics as a real output. Default: false
+  bool stats_out = false;
   auto Key() const {
     return std::make_tuple(n_q, n_kv, heads, kv_heads, head_dim, q_stride, kv_stride, o_stride,
-                           scale);
+                           scale, stats_out);
   }
 };
 
@@ -52,9 +55,11 @@ class CudnnAttention {
   // Enqueues O = softmax(scale * Q K^T, causal) V on the stream. The first call for a shape
   // builds its execution plan (heuristics, then the first engine configuration that finalizes;
   // cuDNN may compile a kernel then); later calls reuse it. Unimplemented when no engine takes
-  // the shape (remembered, so the caller's fallback costs nothing the next time).
+  // the shape (remembered, so the caller's fallback costs nothing the next time). With
+  // shape.stats_out, lse (device, [heads, n_q] fp32) receives each row's natural-log
+  // log-sum-exp of the scaled scores (element head * n_q + row).
   absl::Status Run(const CudnnAttentionShape& shape, const void* q, const void* k, const void* v,
-                   void* o);
+                   void* o, float* lse = nullptr);
 
   std::string version() const;  // e.g. "9.19.0"
   int64_t plans_built() const { return plans_built_; }

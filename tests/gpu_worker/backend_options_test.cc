@@ -1,0 +1,75 @@
+// CudaBackendOptionsFromEnv: the SPX_* switches (docs/operations.md, "GPU kernel switches")
+// parsed into CudaBackendOptions; a value it cannot take leaves the default.
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/backend/backend.h"
+#include "gtest/gtest.h"
+
+namespace sparsex {
+namespace {
+
+// Sets variables for one test and restores the environment after it.
+class Env {
+ public:
+  ~Env() {
+    for (const auto& [name, old] : saved_) {
+      if (old.has_value) {
+        setenv(name.c_str(), old.value.c_str(), 1);
+      } else {
+        unsetenv(name.c_str());
+      }
+    }
+  }
+  void Set(const std::string& name, const std::string& value) {
+    const char* old = std::getenv(name.c_str());
+    saved_.push_back({name, {old != nullptr, old != nullptr ? old : ""}});
+    setenv(name.c_str(), value.c_str(), 1);
+  }
+
+ private:
+  struct Old {
+    bool has_value;
+    std::string value;
+  };
+  std::vector<std::pair<std::string, Old>> saved_;
+};
+
+TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
+  const CudaBackendOptions d;
+  EXPECT_FALSE(d.cudnn_statistics);  // off until measured on a GPU
+  EXPECT_DOUBLE_EQ(d.cudnn_statistics_max_share, 0.5);
+  {
+    Env e;
+    e.Set("SPX_CUDNN_STATS", "1");
+    e.Set("SPX_CUDNN_STATS_MAX_SHARE", "0.25");
+    const CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    EXPECT_TRUE(o.cudnn_statistics);
+    EXPECT_DOUBLE_EQ(o.cudnn_statistics_max_share, 0.25);
+  }
+  for (const char* bad : {"1.5", "-0.1", "half", "0.3x", ""}) {
+    Env e;
+    e.Set("SPX_CUDNN_STATS", "0");
+    e.Set("SPX_CUDNN_STATS_MAX_SHARE", bad);
+    const CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    EXPECT_FALSE(o.cudnn_statistics);
+    EXPECT_DOUBLE_EQ(o.cudnn_statistics_max_share, 0.5) << "'" << bad << "' kept the default";
+  }
+}
+
+TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
+  Env e;
+  e.Set("SPX_DEVICE_SAMPLING", "0");
+  e.Set("SPX_ATTN_IMPL", "wgmma");
+  e.Set("SPX_CUDNN_ATTENTION", "require");
+  e.Set("SPX_CUDNN_MIN_TOKENS", "64");
+  const CudaBackendOptions o = CudaBackendOptionsFromEnv();
+  EXPECT_FALSE(o.device_sampling);
+  EXPECT_EQ(o.attn_impl, CudaBackendOptions::AttentionImpl::kWgmma);
+  EXPECT_EQ(o.cudnn_attention, CudaBackendOptions::Cudnn::kRequired);
+  EXPECT_EQ(o.cudnn_min_tokens, 64);
+}
+
+}  // namespace
+}  // namespace sparsex
