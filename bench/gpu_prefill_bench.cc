@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bench/gpu_memory.h"
+#include "gpu_worker/backend/attention_stats_plan.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/runner.h"
 
@@ -570,7 +571,8 @@ int Main(const Options& o) {
     CHECK_OK(be->WriteKv(runner->pool(), 0, qkv, static_cast<int64_t>(H) * hd, qkv,
                          static_cast<int64_t>(H + KV) * hd, seq.slots));
     // Attention kernels called directly (both block sizes), on the pool of layer 0.
-    int32_t *d_pos = nullptr, *d_slots = nullptr, *d_sel = nullptr, *d_group = nullptr;
+    int32_t *d_pos = nullptr, *d_slots = nullptr, *d_sel = nullptr, *d_group = nullptr,
+            *d_tiles = nullptr;
     float *d_lse = nullptr, *d_cross = nullptr, *d_recv = nullptr, *d_w = nullptr;
     cudaMalloc(&d_pos, nmax * 4);
     cudaMalloc(&d_slots, nmax * 4);
@@ -590,6 +592,10 @@ int Main(const Options& o) {
       for (int j = std::max(0, nmax - 256); j < nmax; ++j) w[j] = 1.0f;
       cudaMemcpy(d_group, grp.data(), nmax * 4, cudaMemcpyHostToDevice);
       cudaMemcpy(d_w, w.data(), nmax * 4, cudaMemcpyHostToDevice);
+      // The complement statistics' tile ranges (CudaBackendOptions::cudnn_statistics).
+      const std::vector<int32_t> tiles = StatsTileGroups(grp, kernels::kStatsTileKeys);
+      cudaMalloc(&d_tiles, tiles.size() * 4);
+      cudaMemcpy(d_tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice);
     }
     void* d_ws = nullptr;
     size_t ws_bytes = 0;
@@ -643,7 +649,7 @@ int Main(const Options& o) {
       double sflops = 0;
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
-      // pipelined, 128 keys). SPX_MICRO_IMPLS=mma limits the list to mma.sync.
+      // pipelined, warp-specialised). SPX_MICRO_IMPLS=mma limits the list to mma.sync.
       struct Impl {
         int impl, warps;
         const char* name;
@@ -653,7 +659,7 @@ int Main(const Options& o) {
       if (kernels::Sm90AttentionAvailable() && !(only && std::string(only) == "mma")) {
         impls.push_back({2, 8, "wgmma"});
         impls.push_back({3, 8, "wgmma pipelined"});
-        impls.push_back({4, 8, "wgmma 128 keys"});
+        impls.push_back({4, 8, "wgmma warp-specialised"});
       }
       for (const Impl& im : impls) {
         const int warps = im.warps;
@@ -706,11 +712,26 @@ int Main(const Options& o) {
       records.push_back({"attention_stats_layer", n, ms3, mn3, 5, ""});
       std::printf("selection statistics pass (1 layer, cross + recv of 256 rows) %6d: %8.3f ms\n",
                   n, ms3);
+      // The same statistics by complement (the cuDNN path's second pass): each row's own
+      // 4096-token segment and the sink only, every tile for the blocks of the 256 new rows.
+      st.cross_complement = true;
+      st.tile_groups = d_tiles;
+      auto [ms4, mn4] = time_op([&] {
+        const cudaError_t e = kernels::AttentionStats(p, st, stream);
+        if (e != cudaSuccess) {
+          std::fprintf(stderr, "AttentionStats (complement): %s\n", cudaGetErrorString(e));
+          std::exit(1);
+        }
+      });
+      records.push_back({"attention_stats_complement_layer", n, ms4, mn4, 5, ""});
+      std::printf("selection statistics by complement (1 layer, 4096-token segments) %6d: "
+                  "%8.3f ms\n", n, ms4);
     }
     cudaFree(d_pos);
     cudaFree(d_slots);
     cudaFree(d_sel);
     cudaFree(d_group);
+    cudaFree(d_tiles);
     cudaFree(d_lse);
     cudaFree(d_cross);
     cudaFree(d_recv);

@@ -672,7 +672,11 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
     AttentionStatsParams none;
     if (plan.splits <= 1 && p.head_dim == 128 && p.impl != 1 && p.num_seqs == 0 &&
         (p.impl != 0 || kDefaultSm90) && Sm90AttentionAvailable() && Sm90AttentionSupports(p)) {
-      return Sm90PagedAttention(p, p.impl == 3 || (p.impl == 0 && kDefaultPipelined), stream);
+      const Sm90Variant v = p.impl == 4 ? Sm90Variant::kWarpSpecialized
+                            : p.impl == 3 || (p.impl == 0 && kDefaultPipelined)
+                                ? Sm90Variant::kPipelined
+                                : Sm90Variant::kPlain;
+      return Sm90PagedAttention(p, v, stream);
     }
     if (plan.splits > 1) {
       if (workspace_bytes < PagedAttentionWorkspaceBytes(p) || workspace == nullptr)

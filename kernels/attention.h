@@ -56,8 +56,10 @@ struct PagedAttentionParams {
   int warps = 0;
   // Kernel choice for unsplit head_dim-128 attention: 0 auto (the wgmma kernel of
   // attention_sm90.cu when this build and the device are sm_90a, else mma.sync), 1 mma.sync,
-  // 2 wgmma, 3 wgmma with the next tile's Q K^T overlapping this tile's softmax. Split-K
-  // (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3. Default: 0
+  // 2 wgmma, 3 wgmma with the next tile's Q K^T overlapping this tile's softmax, 4 wgmma
+  // warp-specialised (a producer warp loads the K/V stages, the warpgroups wait on mbarriers).
+  // Split-K (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3.
+  // Default: 0
   int impl = 0;
   // Optional fused selection statistic (the cross mass of AttentionStatsParams computed in the
   // online softmax, no second pass): out_cross[i] += (1/n_heads) sum_h of the probability row i

@@ -10,8 +10,10 @@
 // from shared memory (K-major); O += P V takes P from registers (the S accumulator layout is the
 // A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
 // (docs/perf-notes.md has their timings; the plain one is the default): S of the next tile
-// issued before this tile's softmax ("pipelined"), and the statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
-// elsewhere Sm90AttentionAvailable() is false.
+// issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a producer warp
+// gathers the K/V stages and the two warpgroups consume them through mbarriers, with no
+// block-wide barrier in the loop), and the statistics pass of AttentionStats. Built only for
+// sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
 #include <cmath>
@@ -61,6 +63,33 @@ __device__ __forceinline__ void WgWait0() {
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// mbarriers of the warp-specialised variant (shared-memory addresses).
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrives on bar once every cp.async this thread issued before has landed; .noinc: the
+// barrier's count includes these arrivals.
+__device__ __forceinline__ void MbarArriveCpAsync(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+// Waits until the phase of the given parity has completed.
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Barrier 1 over the two consumer warpgroups only (the producer warp does not take part).
+__device__ __forceinline__ void ConsumerSync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+}
+
 // D[64x64] (+)= A[64x16] * B[16x64], A and B in shared memory (K-major descriptors);
 // accumulate = 0 overwrites D.
 __device__ __forceinline__ void WgmmaQK(float* d, uint64_t da, uint64_t db, int accumulate) {
@@ -84,12 +113,18 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-enum Mode { kPlain = 0, kPipelined = 1, kStats = 2 };
+enum Mode { kPlain = 0, kPipelined = 1, kStats = 2, kWarpSpecialized = 3 };
+// The warp-specialised variant adds one producer warp to the two consumer warpgroups.
+constexpr int kWsThreads = kThreads + 32;
+template <int MODE>
+constexpr int BlockThreads() {
+  return MODE == kWarpSpecialized ? kWsThreads : kThreads;
+}
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
 template <int MODE>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     WgmmaFlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
                      int qt) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -97,6 +132,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_lim[kBm];
   __shared__ int s_max_lim, s_min_lim;
+  // Warp-specialised variant: per stage, "full" (the producer's K/V landed) and "empty" (the
+  // eight consumer warps are done reading it).
+  __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages];
   // Swizzle atoms must start on 1024-byte boundaries of the shared window.
   const uint32_t raw = detail::SmemAddr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
@@ -114,6 +152,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     s_max_lim = -1;
     s_min_lim = 0x7fffffff;
+    if constexpr (MODE == kWarpSpecialized) {
+      for (int st_i = 0; st_i < kStages; ++st_i) {
+        MbarInit(detail::SmemAddr(&s_full[st_i]), 32);  // one cp.async arrival per producer lane
+        MbarInit(detail::SmemAddr(&s_empty[st_i]), kThreads / 32);  // one per consumer warp
+      }
+    }
   }
   __syncthreads();
   bool has_weight = false;  // some row of the block adds to out_recv (statistics)
@@ -134,6 +178,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kv_end = s_max_lim + 1;
   const int min_lim = s_min_lim;
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBn));
+
+  if constexpr (MODE == kWarpSpecialized) {
+    if (warp == kThreads / 32) {
+      // The producer warp: K/V tile t into stage t % kStages once the consumers released the
+      // tile that was there; each lane's arrival fires when its copies have landed.
+      for (int t = 0; t < n_tiles; ++t) {
+        const int stage = t % kStages;
+        if (t >= kStages) MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kStages) - 1) & 1);
+        unsigned char* dk = sKV + stage * kStageBytes;
+        unsigned char* dv = dk + kTileBytes;
+        for (int idx = lane; idx < kBn * 16; idx += 32) {
+          const int r = idx >> 4, c = idx & 15;
+          const int j = t * kBn + r;
+          const bool valid = j < kv_end;
+          const int64_t slot = valid ? p.ctx_slots[j] : 0;
+          const int64_t off = slot * p.kv_stride + kvh * kHd + c * 8;
+          const uint32_t o = SwOff(r, c, kBn);
+          CpAsync16(dk + o, p.k_pool + (valid ? off : 0), valid);
+          CpAsync16(dv + o, p.v_pool + (valid ? off : 0), valid);
+        }
+        MbarArriveCpAsync(detail::SmemAddr(&s_full[stage]));
+      }
+      // Nothing may outlive the block's shared memory: wait for the last copies to land.
+      detail::CpAsyncWait<0>();
+      return;
+    }
+  }
 
   const int g = lane >> 2, tq = lane & 3;
   const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
@@ -161,7 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  // Q tile with the first K/V tile, the second K/V tile in its own group.
+  // Q tile with the first K/V tile, the second K/V tile in its own group (the warp-specialised
+  // variant: Q alone; its producer warp loads the K/V tiles).
   for (int idx = tid; idx < kBm * 16; idx += kThreads) {
     const int m = idx >> 4, c = idx & 15;
     const int qr = q0 + m % QT;
@@ -170,9 +242,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t off = valid ? (int64_t)qr * p.q_stride + hh * kHd + c * 8 : 0;
     CpAsync16(sQ + SwOff(m, c, kBm), p.q + off, valid);
   }
-  if (n_tiles > 0) load_kv(0, 0);
-  detail::CpAsyncCommit();
-  if (n_tiles > 1) load_kv(1, 1);
+  if constexpr (MODE != kWarpSpecialized) {
+    if (n_tiles > 0) load_kv(0, 0);
+    detail::CpAsyncCommit();
+    if (n_tiles > 1) load_kv(1, 1);
+  }
   detail::CpAsyncCommit();
 
   float o[16][4];
@@ -319,6 +393,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     return;
+  } else if constexpr (MODE == kWarpSpecialized) {
+    // Q landed for both warpgroups before the first S; then each warpgroup runs at its own pace,
+    // waiting only for the stage it reads.
+    detail::CpAsyncWait<0>();
+    ConsumerSync();
+    FenceProxyAsync();
+    for (int t = 0; t < n_tiles; ++t) {
+      const int stage = t % kStages;
+      MbarWait(detail::SmemAddr(&s_full[stage]), (t / kStages) & 1);
+      FenceProxyAsync();  // the copies (generic proxy) before the MMAs' reads (async proxy)
+      WgFence();
+      issue_s(stage, s_cur);
+      WgCommit();
+      WgWait0();
+      softmax(s_cur, t);
+      WgFence();
+      issue_pv(stage);
+      WgCommit();
+      WgWait0();
+      __syncwarp();
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));
+    }
   } else if constexpr (MODE == kPipelined) {
     // S of tile t + 1 runs on the tensor cores while tile t's softmax runs on the ALUs.
     float s_nxt[kBn / 8][4];
@@ -414,7 +510,7 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
-  WgmmaFlashKernel<MODE><<<grid, kThreads, smem, stream>>>(p, st, G, qt);
+  WgmmaFlashKernel<MODE><<<grid, BlockThreads<MODE>(), smem, stream>>>(p, st, G, qt);
   return cudaGetLastError();
 }
 
@@ -443,12 +539,20 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p) {
          detail::Aligned16(p.q) && detail::Aligned16(p.k_pool) && detail::Aligned16(p.v_pool);
 }
 
-cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,
                                cudaStream_t stream) {
   if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p)) return cudaErrorInvalidValue;
   if (p.num_q == 0) return cudaSuccess;
   const AttentionStatsParams none;
-  return pipelined ? Launch<kPipelined>(p, none, stream) : Launch<kPlain>(p, none, stream);
+  switch (variant) {
+    case Sm90Variant::kPipelined:
+      return Launch<kPipelined>(p, none, stream);
+    case Sm90Variant::kWarpSpecialized:
+      return Launch<kWarpSpecialized>(p, none, stream);
+    case Sm90Variant::kPlain:
+      break;
+  }
+  return Launch<kPlain>(p, none, stream);
 }
 
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,

@@ -11,9 +11,12 @@ bool Sm90AttentionAvailable();
 // Whether the shapes and alignment of p suit the wgmma kernel (head_dim 128, 128 % G == 0,
 // 16-byte aligned rows).
 bool Sm90AttentionSupports(const PagedAttentionParams& p);
-// Unsplit attention for p (out and, when set, lse). pipelined: the next tile's Q K^T overlaps
-// this tile's softmax (else one step after the other).
-cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, bool pipelined,
+// The wgmma kernel's variants: one step after the other (plain); the next tile's Q K^T
+// overlapping this tile's softmax (pipelined); a producer warp loading the K/V stages for the
+// two consumer warpgroups through mbarriers (warp-specialised).
+enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized };
+// Unsplit attention for p (out and, when set, lse).
+cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,
                                cudaStream_t stream);
 // The statistics pass of AttentionStats on wgmma (p.lse from the attention pass).
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # The GPU paths built while no device machine could be lent, checked and measured in one device
 # call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage). Session 19
-# built the selection statistics on cuDNN (CudaBackendOptions::cudnn_statistics, off until this
-# runs): the full layers' attention on cuDNN with its softmax normaliser, the cross mass by
-# complement over each row's own segment (docs/perf-notes.md, "Session 19"). This call:
-#   1. the attention GPU tests, AttentionConsistency.CudnnSelectionStatisticsByComplement among
-#      them (cuDNN required: a fallback to the fused kernel fails it);
+# built two, both off by default until this runs (docs/perf-notes.md, "Session 19"):
+#   - the full layers' selection statistics on cuDNN (SPX_CUDNN_STATS=1): cuDNN's softmax
+#     normaliser out, the cross mass by complement over each row's own segment;
+#   - the warp-specialised wgmma attention (SPX_ATTN_IMPL=wgmma-ws): a producer warp loads the
+#     K/V stages, the two warpgroups consume them through mbarriers (the sparse layers' kernel).
+# This call:
+#   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
+#      a fallback fails it), the warp-specialised case alone under a short timeout (a hang
+#      there must not eat the call; later steps skip the variant when it failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) with SPX_CUDNN_STATS=0 then 1 in the same call: TTFT, our full prefill,
-#      and the profiled phase split (full layers, selection, sparse layers);
-#   3. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratio, time allowing;
-#   4. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K) on this call's card.
-# Session 18's pending paths (device draws, pinned fetch) passed on an H100 and are measured by
-# their own scripts now (bench/gpu/fetch.sh, gpu_prefill_bench). Writes to $OUT: verify.log (the
-# summary), bc.log, reuse_stats0.json / reuse_stats1.json (+ .log), hf.json, decode.json/.log.
+#      the issue-15 case): SPX_CUDNN_STATS=0, =1, and =1 with wgmma-ws, in the same call;
+#   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
+#      attention kernel (TFLOP/s), the statistics pass direct and by complement;
+#   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
+#   5. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K) on this call's card.
+# Session 18's pending paths (device draws, pinned fetch) passed on an H100 and have their own
+# scripts now (bench/gpu/fetch.sh, gpu_prefill_bench). Writes to $OUT: verify.log (the
+# summary), bc.log, ws.log, reuse_<v>.json/.log, micro.json/.log, hf.json, decode.json/.log.
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540)
 set -uo pipefail
@@ -29,20 +34,38 @@ stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 stamp "attention GPU tests"
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='AttentionConsistency.*' >"$FINAL/bc.log" 2>&1
+  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*' >"$FINAL/bc.log" 2>&1
 stamp "backend_consistency_test exit $?"
 grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/bc.log" | head -n 40 \
   | tee -a "$LOG"
+timeout 60 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+  --gtest_filter='*WarpSpecialized*' >"$FINAL/ws.log" 2>&1
+WS_RC=$?
+stamp "warp-specialised attention test exit $WS_RC (124: timed out, a hang)"
+grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/ws.log" | head -n 20 \
+  | tee -a "$LOG"
 
-for v in 0 1; do
-  stamp "reuse prefill 32K, SPX_CUDNN_STATS=$v"
-  SPX_CUDNN_STATS=$v timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b \
+reuse() {  # name, then environment assignments
+  local name=$1; shift
+  stamp "reuse prefill 32K, $*"
+  env "$@" timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b \
     --device cuda --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 \
     --ratio 0.15 --reps 5 --warmup 1 --cases full,reuse_device \
-    --out "$FINAL/reuse_stats$v.json" >"$FINAL/reuse_stats$v.log" 2>&1
+    --out "$FINAL/reuse_$name.json" >"$FINAL/reuse_$name.log" 2>&1
   stamp "reuse_prefill_bench exit $?"
-  grep -vE "^\s*$" "$FINAL/reuse_stats$v.log" | tail -n 6 | tee -a "$LOG"
-done
+  grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
+}
+reuse stats0 SPX_CUDNN_STATS=0
+reuse stats1 SPX_CUDNN_STATS=1
+[ "$WS_RC" = 0 ] && reuse stats1_ws SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma-ws
+
+stamp "single ops at 32K (attention kernels, statistics passes)"
+MICRO_ENV=""
+[ "$WS_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=mma"  # the wgmma rows include the ws variant
+env $MICRO_ENV timeout 200 "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 1 \
+  --decode-steps 0 --out "$FINAL/micro.json" >"$FINAL/micro.log" 2>&1
+stamp "gpu_prefill_bench exit $?"
+grep -E "device:|attention \(1 layer|statistics" "$FINAL/micro.log" | tee -a "$LOG"
 
 if [ "$(left)" -gt 200 ]; then
   stamp "transformers baseline 32K"
@@ -71,13 +94,13 @@ hf = load("hf.json")
 base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
-for v in ("0", "1"):
-    r = load(f"reuse_stats{v}.json")
-    if not r: print(f"SPX_CUDNN_STATS={v}: no record"); continue
+for v in ("stats0", "stats1", "stats1_ws"):
+    r = load(f"reuse_{v}.json")
+    if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):
         if c.get("case") != "reuse_device": continue
         ms = c["ms"]
-        print(f"SPX_CUDNN_STATS={v}: reuse {ms} ms, our full {c.get('full_ms')} ms "
+        print(f"{v}: reuse {ms} ms, our full {c.get('full_ms')} ms "
               f"({ms / c['full_ms']:.3f}x)" + (f", transformers {base} ms ({ms / base:.3f}x)" if base else "")
               + f", profile {c.get('profile_ms')}")
 PY

@@ -106,7 +106,13 @@ struct CudaBackendOptions {
   // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
   // kAuto: wgmma when the build has sm_90a code and the GPU is compute capability 9.0, else
   // mma.sync. Split-K (decode) always runs mma.sync.
-  enum class AttentionImpl { kAuto = 0, kMma = 1, kWgmma = 2, kWgmmaPipelined = 3 };
+  enum class AttentionImpl {
+    kAuto = 0,
+    kMma = 1,
+    kWgmma = 2,
+    kWgmmaPipelined = 3,
+    kWgmmaWarpSpecialized = 4  // built in session 19 without a GPU: not yet run
+  };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
   // Decode-sized matmuls on the weight-streaming small-n kernel; false sends them to cuBLASLt
@@ -143,7 +149,7 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe. Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
@@ -187,8 +193,8 @@ struct CudaBackendOptions {
 };
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
-// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe or auto (the
-// removed wgmma-128 included) keeps kAuto and says so on stderr. Only parses strings: defined
+// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws or auto
+// (the removed wgmma-128 included) keeps kAuto and says so on stderr. Only parses strings: defined
 // in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 

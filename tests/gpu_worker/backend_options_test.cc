@@ -69,6 +69,13 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   EXPECT_EQ(o.attn_impl, CudaBackendOptions::AttentionImpl::kWgmma);
   EXPECT_EQ(o.cudnn_attention, CudaBackendOptions::Cudnn::kRequired);
   EXPECT_EQ(o.cudnn_min_tokens, 64);
+  Env ws;
+  ws.Set("SPX_ATTN_IMPL", "wgmma-ws");
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
+            CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized);
+  Env bad;
+  bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);
 }
 
 }  // namespace

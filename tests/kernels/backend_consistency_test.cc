@@ -18,6 +18,7 @@
 #include "common/logits.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cuda/cudnn_attention.h"
+#include "kernels/attention_sm90.h"
 #include "gtest/gtest.h"
 
 namespace sparsex {
@@ -871,6 +872,25 @@ TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
   Run({"gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
   Run({"mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
   Run({"stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});
+}
+
+// The warp-specialised wgmma kernel (SPX_ATTN_IMPL=wgmma-ws: a producer warp loads the K/V
+// stages, the warpgroups wait on mbarriers): the unsplit cases above with it named, including
+// more tiles than stages (every stage reused several times) and a query tile of 128 rows (MHA).
+TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  CudaBackendOptions o = CudaBackendOptionsFromEnv();
+  o.attn_impl = CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized;
+  o.cudnn_attention = CudaBackendOptions::Cudnn::kOff;
+  auto g = CreateBackend({.kind = "cuda", .cuda = o});
+  ASSERT_TRUE(g.ok()) << g.status();
+  gpu_ = std::move(*g);
+  Run({"ws dense 2048 gqa4", 32, 8, 128, 2048, Dense(0, 2048)});
+  Run({"ws dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});
+  Run({"ws chunk 1100 after 1000", 32, 8, 128, 2100, Dense(1000, 2100)});
+  Run({"ws sparse 30% of 4000", 32, 8, 128, 4000, Sparse(4000, 0.3)});
+  Run({"ws gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
+  Run({"ws mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
 }
 
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
