@@ -53,6 +53,8 @@ reuse() {  # name, then environment assignments
     --ratio 0.15 --reps 5 --warmup 1 --cases full,reuse_device \
     --out "$FINAL/reuse_$name.json" >"$FINAL/reuse_$name.log" 2>&1
   stamp "reuse_prefill_bench exit $?"
+  # Whether cuDNN served (plan builds) or the backend fell back to its own kernel.
+  grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
 reuse stats0 SPX_CUDNN_STATS=0
