@@ -1,5 +1,6 @@
 #include "gpu_worker/backend/attention_stats_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -56,6 +57,46 @@ TEST(ComplementReadShare, SegmentsOfARagPromptReadAboutTheirOwn) {
                                                  ctx, 32);
   EXPECT_GT(interleaved, CudaBackendOptions{}.cudnn_statistics_max_share);
   EXPECT_EQ(ComplementReadShare({}, {}, {}, tiles, 64, ctx, 32), 0.0);
+}
+
+// The tiles a block skips (the kernel's test: tile range [lo, hi] misses the block's row
+// segments [qlo, qhi], and the tile holds no shared key) never hold a key the complement needs
+// (a shared key, or one of a row's own segment), over random segment layouts: runs of
+// segments, interleaved keys, rows of no segment.
+TEST(StatsTileGroups, SkippedTilesHoldNoNeededKey) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int ctx = 1 + static_cast<int>(rng() % 700);
+    std::vector<int32_t> kg(ctx);
+    int g = 0;
+    for (int j = 0; j < ctx; ++j) {
+      if (rng() % 50 == 0) g = static_cast<int>(rng() % 6);  // runs of one segment
+      kg[j] = rng() % 40 == 0 ? -1 : (trial % 3 == 0 ? static_cast<int>(rng() % 6) : g);
+    }
+    const std::vector<int32_t> tiles = StatsTileGroups(kg, 64);
+    // A block of rows whose segments are a few random values (-1: a row of no segment).
+    std::vector<int32_t> rows_g;
+    for (int i = 0; i < 1 + static_cast<int>(rng() % 4); ++i) {
+      rows_g.push_back(static_cast<int32_t>(rng() % 7) - 1);
+    }
+    int32_t lo = std::numeric_limits<int32_t>::max(), hi = -1;
+    for (int32_t q : rows_g) {
+      if (q >= 0) {
+        lo = std::min(lo, q);
+        hi = std::max(hi, q);
+      }
+    }
+    for (int t = 0; t * 64 < ctx; ++t) {
+      const bool visited = tiles[2 * t + 1] >= lo && tiles[2 * t] <= hi;
+      if (visited) continue;
+      for (int j = t * 64; j < std::min(ctx, (t + 1) * 64); ++j) {
+        EXPECT_GE(kg[j], 0) << "trial " << trial << ": a skipped tile holds a shared key";
+        for (int32_t q : rows_g) {
+          EXPECT_NE(kg[j], q) << "trial " << trial << ": a skipped tile holds a row's own key";
+        }
+      }
+    }
+  }
 }
 
 // The identity the complement pass rests on, on one row's softmax: the mass on keys of other
