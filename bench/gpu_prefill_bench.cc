@@ -702,13 +702,16 @@ int Main(const Options& o) {
       st.recv_weight = d_w;
       st.out_cross = d_cross;
       st.out_recv = d_recv;
-      auto [ms3, mn3] = time_op([&] {
-        const cudaError_t e = kernels::AttentionStats(p, st, stream);
-        if (e != cudaSuccess) {
-          std::fprintf(stderr, "AttentionStats: %s\n", cudaGetErrorString(e));
-          std::exit(1);
-        }
-      });
+      auto time_stats = [&](const char* what) {
+        return time_op([&] {
+          const cudaError_t e = kernels::AttentionStats(p, st, stream);
+          if (e != cudaSuccess) {
+            std::fprintf(stderr, "AttentionStats (%s): %s\n", what, cudaGetErrorString(e));
+            std::exit(1);
+          }
+        });
+      };
+      auto [ms3, mn3] = time_stats("direct");
       records.push_back({"attention_stats_layer", n, ms3, mn3, 5, ""});
       std::printf("selection statistics pass (1 layer, cross + recv of 256 rows) %6d: %8.3f ms\n",
                   n, ms3);
@@ -716,13 +719,7 @@ int Main(const Options& o) {
       // 4096-token segment and the sink only, every tile for the blocks of the 256 new rows.
       st.cross_complement = true;
       st.tile_groups = d_tiles;
-      auto [ms4, mn4] = time_op([&] {
-        const cudaError_t e = kernels::AttentionStats(p, st, stream);
-        if (e != cudaSuccess) {
-          std::fprintf(stderr, "AttentionStats (complement): %s\n", cudaGetErrorString(e));
-          std::exit(1);
-        }
-      });
+      auto [ms4, mn4] = time_stats("complement");
       records.push_back({"attention_stats_complement_layer", n, ms4, mn4, 5, ""});
       std::printf("selection statistics by complement (1 layer, 4096-token segments) %6d: "
                   "%8.3f ms\n", n, ms4);

@@ -179,6 +179,23 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   const int min_lim = s_min_lim;
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBn));
 
+  // K (and V) of key tile `tile` into `stage`, the 16-byte chunks split over `count` threads
+  // from `first` (every thread of the block, or the warp-specialised variant's producer warp).
+  auto load_kv_by = [&](int stage, int tile, int first, int count) {
+    unsigned char* dk = sKV + stage * kStageBytes;
+    unsigned char* dv = dk + kTileBytes;
+    for (int idx = first; idx < kBn * 16; idx += count) {
+      const int r = idx >> 4, c = idx & 15;
+      const int j = tile * kBn + r;
+      const bool valid = j < kv_end;
+      const int64_t slot = valid ? p.ctx_slots[j] : 0;
+      const int64_t off = slot * p.kv_stride + kvh * kHd + c * 8;
+      const uint32_t o = SwOff(r, c, kBn);
+      CpAsync16(dk + o, p.k_pool + (valid ? off : 0), valid);
+      if constexpr (!kStatsMode) CpAsync16(dv + o, p.v_pool + (valid ? off : 0), valid);
+    }
+  };
+
   if constexpr (MODE == kWarpSpecialized) {
     if (warp == kThreads / 32) {
       // The producer warp: K/V tile t into stage t % kStages once the consumers released the
@@ -186,18 +203,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       for (int t = 0; t < n_tiles; ++t) {
         const int stage = t % kStages;
         if (t >= kStages) MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kStages) - 1) & 1);
-        unsigned char* dk = sKV + stage * kStageBytes;
-        unsigned char* dv = dk + kTileBytes;
-        for (int idx = lane; idx < kBn * 16; idx += 32) {
-          const int r = idx >> 4, c = idx & 15;
-          const int j = t * kBn + r;
-          const bool valid = j < kv_end;
-          const int64_t slot = valid ? p.ctx_slots[j] : 0;
-          const int64_t off = slot * p.kv_stride + kvh * kHd + c * 8;
-          const uint32_t o = SwOff(r, c, kBn);
-          CpAsync16(dk + o, p.k_pool + (valid ? off : 0), valid);
-          CpAsync16(dv + o, p.v_pool + (valid ? off : 0), valid);
-        }
+        load_kv_by(stage, t, lane, 32);
         MbarArriveCpAsync(detail::SmemAddr(&s_full[stage]));
       }
       // Nothing may outlive the block's shared memory: wait for the last copies to land.
@@ -217,20 +223,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   }
   const float scale_log2 = p.scale * kLog2e;
 
-  auto load_kv = [&](int stage, int tile) {
-    unsigned char* dk = sKV + stage * kStageBytes;
-    unsigned char* dv = dk + kTileBytes;
-    for (int idx = tid; idx < kBn * 16; idx += kThreads) {
-      const int r = idx >> 4, c = idx & 15;
-      const int j = tile * kBn + r;
-      const bool valid = j < kv_end;
-      const int64_t slot = valid ? p.ctx_slots[j] : 0;
-      const int64_t off = slot * p.kv_stride + kvh * kHd + c * 8;
-      const uint32_t o = SwOff(r, c, kBn);
-      CpAsync16(dk + o, p.k_pool + (valid ? off : 0), valid);
-      if constexpr (!kStatsMode) CpAsync16(dv + o, p.v_pool + (valid ? off : 0), valid);
-    }
-  };
+  auto load_kv = [&](int stage, int tile) { load_kv_by(stage, tile, tid, kThreads); };
 
   // Q tile with the first K/V tile, the second K/V tile in its own group (the warp-specialised
   // variant: Q alone; its producer warp loads the K/V tiles).

@@ -759,6 +759,18 @@ struct AttnCase {
 
 class AttentionConsistency : public BackendConsistency {
  protected:
+  // gpu_ becomes a backend with options o whose dense attention must run on cuDNN (kRequired:
+  // a fallback is an error) from 64 rows; Unavailable when cuDNN does not load here.
+  absl::Status UseRequiredCudnn(CudaBackendOptions o) {
+    auto probe = CudnnAttention::Create(nullptr, o.cudnn_library);
+    if (!probe.ok()) return absl::UnavailableError(probe.status().message());
+    o.cudnn_attention = CudaBackendOptions::Cudnn::kRequired;
+    o.cudnn_min_tokens = 64;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    if (!g.ok()) return absl::InternalError(g.status().ToString());  // a failure, not a skip
+    gpu_ = std::move(*g);
+    return absl::OkStatus();
+  }
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
   void RunBatched(int H, int KV, int hd);
   void Run(const AttnCase& tc) {
@@ -898,16 +910,9 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
 // an error instead of the silent fallback to our kernel (Cudnn::kRequired).
 TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
-  CudaBackendOptions o = CudaBackendOptionsFromEnv();
-  {
-    auto probe = CudnnAttention::Create(nullptr, o.cudnn_library);
-    if (!probe.ok()) GTEST_SKIP() << probe.status();
-  }
-  o.cudnn_attention = CudaBackendOptions::Cudnn::kRequired;
-  o.cudnn_min_tokens = 64;
-  auto g = CreateBackend({.kind = "cuda", .cuda = o});
-  ASSERT_TRUE(g.ok()) << g.status();
-  gpu_ = std::move(*g);
+  const absl::Status s = UseRequiredCudnn(CudaBackendOptionsFromEnv());
+  if (absl::IsUnavailable(s)) GTEST_SKIP() << s;
+  ASSERT_TRUE(s.ok()) << s;
   Run({"cudnn dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});
   Run({"cudnn dense 2048 gqa4 gathered", 32, 8, 128, 2048, Dense(0, 2048)});
   Run({"cudnn chunk 700 after 1400", 32, 8, 128, 2100, Dense(1400, 2100)});
@@ -923,17 +928,11 @@ TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
 // ran.
 TEST_F(AttentionConsistency, CudnnSelectionStatisticsByComplement) {
   CudaBackendOptions o = CudaBackendOptionsFromEnv();
-  {
-    auto probe = CudnnAttention::Create(nullptr, o.cudnn_library);
-    if (!probe.ok()) GTEST_SKIP() << probe.status();
-  }
-  o.cudnn_attention = CudaBackendOptions::Cudnn::kRequired;
-  o.cudnn_min_tokens = 64;
   o.cudnn_statistics = true;
   o.cudnn_statistics_max_share = 1.0;  // every case takes the complement, however much it reads
-  auto g = CreateBackend({.kind = "cuda", .cuda = o});
-  ASSERT_TRUE(g.ok()) << g.status();
-  gpu_ = std::move(*g);
+  const absl::Status s = UseRequiredCudnn(o);
+  if (absl::IsUnavailable(s)) GTEST_SKIP() << s;
+  ASSERT_TRUE(s.ok()) << s;
   AttnCase dense{"complement dense 2048 gqa4, new rows last", 32, 8, 128, 2048, Dense(0, 2048),
                  true, true};
   dense.recv_last = 64;

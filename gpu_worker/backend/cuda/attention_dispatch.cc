@@ -351,22 +351,8 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   if (!kernels::PagedAttentionSupported(a.head_dim, a.n_heads, a.n_kv_heads)) {
     return absl::UnimplementedError("Attention: unsupported head_dim for batched sequences");
   }
-  kernels::PagedAttentionParams p;
-  p.q = B(q);
-  p.q_stride = q.cols;
-  p.out = B(out);
-  p.out_stride = out.cols;
-  p.num_q = static_cast<int>(n);
-  p.k_pool = B(pool.k[layer]);
-  p.v_pool = B(pool.v[layer]);
-  p.kv_stride = pool.kv_dim;
-  p.n_heads = a.n_heads;
-  p.n_kv_heads = a.n_kv_heads;
-  p.head_dim = a.head_dim;
-  p.scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(a.head_dim));
-  p.warps = options_.attn_warps;
-  p.impl = static_cast<int>(options_.attn_impl);
-  p.split_waves = options_.split_waves;
+  // Positions and tables are set once staged, below (the split decision needs neither).
+  kernels::PagedAttentionParams p = Params(q, pool, layer, a, out, nullptr, nullptr, options_);
   int64_t max_rows = 0;
   for (const SeqRows& sq : a.seqs) max_rows = std::max(max_rows, sq.row_end - sq.row_begin);
   if (max_rows > kernels::PagedAttentionMaxRowsPerSeq(p)) {
