@@ -111,19 +111,11 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
 
   kernels::PagedAttentionParams p = Params(q, pool, layer, a, out, d[0], d[1], options_);
 
-  // Workspace: [split-K partials | lse (n*H) | cross (n) | recv (ctx)], 256-byte aligned parts.
-  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
-  const size_t split_bytes = align(kernels::PagedAttentionWorkspaceBytes(p));
-  const size_t lse_bytes = stats ? align(static_cast<size_t>(n) * H * 4) : 0;
-  const size_t cross_bytes = want_cross ? align(static_cast<size_t>(n) * 4) : 0;
-  const size_t recv_bytes = want_recv ? align(static_cast<size_t>(ctx) * 4) : 0;
-  ASSIGN_OR_RETURN(void* ws, Workspace(attn_scratch_, split_bytes + lse_bytes + cross_bytes +
-                                                          recv_bytes + 256));
-  char* wp = static_cast<char*>(ws);
-  float* lse = stats ? reinterpret_cast<float*>(wp + split_bytes) : nullptr;
-  float* cross = want_cross ? reinterpret_cast<float*>(wp + split_bytes + lse_bytes) : nullptr;
-  float* recv =
-      want_recv ? reinterpret_cast<float*>(wp + split_bytes + lse_bytes + cross_bytes) : nullptr;
+  const size_t split_bytes = kernels::PagedAttentionWorkspaceBytes(p);
+  ASSIGN_OR_RETURN(const AttentionWorkspace w,
+                   CarveAttentionWorkspace(split_bytes, stats ? n * H : 0, want_cross ? n : 0,
+                                           want_recv ? ctx : 0));
+  float *lse = w.lse, *cross = w.cross, *recv = w.recv;
   p.lse = lse;
   // The cross mass rides in the attention pass (online softmax); only the received attention
   // needs the second pass, and only over the rows that carry a weight.
@@ -133,7 +125,7 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
     p.out_cross = cross;
     CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");
   }
-  void* split_ws = split_bytes ? ws : nullptr;
+  void* split_ws = w.split;
   if (!stats) {
     return Run("Attention", [=, this] {
       return kernels::PagedAttention(p, split_ws, split_bytes, stream_);
@@ -147,6 +139,27 @@ absl::Status CudaBackend::Attention(const Tensor& q, const KvPool& pool, int lay
     s.out_recv = recv;
   }
   return FinishStatistics(p, s, a, cross, recv);
+}
+
+// One carving of attn_scratch_ for every attention path: [split-K partials | lse | cross |
+// recv], each part 256-byte aligned (the kernels' vector loads); a part of size 0 stays null.
+absl::StatusOr<CudaBackend::AttentionWorkspace> CudaBackend::CarveAttentionWorkspace(
+    size_t split_bytes, int64_t lse_floats, int64_t cross_floats, int64_t recv_floats) {
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t sizes[4] = {align(split_bytes), align(static_cast<size_t>(lse_floats) * 4),
+                           align(static_cast<size_t>(cross_floats) * 4),
+                           align(static_cast<size_t>(recv_floats) * 4)};
+  ASSIGN_OR_RETURN(void* ws,
+                   Workspace(attn_scratch_, sizes[0] + sizes[1] + sizes[2] + sizes[3] + 256));
+  char* at[4];
+  at[0] = static_cast<char*>(ws);
+  for (int i = 1; i < 4; ++i) at[i] = at[i - 1] + sizes[i - 1];
+  AttentionWorkspace w;
+  w.split = sizes[0] ? at[0] : nullptr;
+  w.lse = sizes[1] ? reinterpret_cast<float*>(at[1]) : nullptr;
+  w.cross = sizes[2] ? reinterpret_cast<float*>(at[2]) : nullptr;
+  w.recv = sizes[3] ? reinterpret_cast<float*>(at[3]) : nullptr;
+  return w;
 }
 
 // Launches the statistics pass when s asks for anything (recv, or the cross mass by complement)
@@ -192,15 +205,9 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
   const int H = a.n_heads;
   const int64_t n = q.rows, ctx = static_cast<int64_t>(a.ctx_slots.size());
   const bool want_recv = a.out_recv != nullptr;
-  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
-  const size_t lse_bytes = align(static_cast<size_t>(n) * H * 4);
-  const size_t cross_bytes = align(static_cast<size_t>(n) * 4);
-  const size_t recv_bytes = want_recv ? align(static_cast<size_t>(ctx) * 4) : 0;
-  ASSIGN_OR_RETURN(void* ws, Workspace(attn_scratch_, lse_bytes + cross_bytes + recv_bytes + 256));
-  char* wp = static_cast<char*>(ws);
-  float* lse = reinterpret_cast<float*>(wp);
-  float* cross = reinterpret_cast<float*>(wp + lse_bytes);
-  float* recv = want_recv ? reinterpret_cast<float*>(wp + lse_bytes + cross_bytes) : nullptr;
+  ASSIGN_OR_RETURN(const AttentionWorkspace w,
+                   CarveAttentionWorkspace(0, n * H, n, want_recv ? ctx : 0));
+  float *lse = w.lse, *cross = w.cross, *recv = w.recv;
   RETURN_IF_ERROR(CudnnDense(q, pool, layer, a, out, lse));
 
   std::vector<HostSpan> spans = {{a.q_pos.data(), a.q_pos.size_bytes()},
@@ -399,8 +406,8 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
     p.ctx_len = p.max_seq_ctx;
   }
   const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
-  ASSIGN_OR_RETURN(void* ws, Workspace(attn_scratch_, ws_bytes + 256));
-  void* split_ws = ws_bytes ? ws : nullptr;
+  ASSIGN_OR_RETURN(const AttentionWorkspace w, CarveAttentionWorkspace(ws_bytes, 0, 0, 0));
+  void* split_ws = w.split;
   return Run("Attention (batched)", [=, this] {
     return kernels::PagedAttention(p, split_ws, ws_bytes, stream_);
   }, p, split_ws, ws_bytes);

@@ -153,6 +153,17 @@ class CudaBackend final : public Backend {
   absl::Status CudnnStatistics(const Tensor& q, const KvPool& pool, int layer,
                                const AttentionArgs& a, Tensor& out,
                                const std::vector<int32_t>& tile_groups);
+  // attn_scratch_ as [split-K partials | lse | cross | recv]; a part of size 0 is null.
+  struct AttentionWorkspace {
+    void* split = nullptr;
+    float* lse = nullptr;
+    float* cross = nullptr;
+    float* recv = nullptr;
+  };
+  absl::StatusOr<AttentionWorkspace> CarveAttentionWorkspace(size_t split_bytes,
+                                                             int64_t lse_floats,
+                                                             int64_t cross_floats,
+                                                             int64_t recv_floats);
   // The statistics pass (when s asks for one) and the sums back into a's host arrays.
   absl::Status FinishStatistics(const kernels::PagedAttentionParams& p,
                                 const kernels::AttentionStatsParams& s, const AttentionArgs& a,
