@@ -43,10 +43,17 @@ constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
 constexpr int kMaxSplits = 64;
 
 
+// K/V stages of FlashKernel: two for attention; four K tiles for the statistics pass, which has
+// no V to load and only Q K^T per tile to hide a tile's load behind (its complement form, a few
+// dozen tiles per block, measured 98 TFLOP/s of Q K^T with two: session 20, H100).
+template <bool STATS>
+constexpr int FlashStages() {
+  return STATS ? 4 : 2;
+}
 template <int HD, bool STATS, int NW>
 constexpr int FlashSmemBytes() {
-  // Q tile (16 * NW rows) + 2 K buffers (+ 2 V buffers).
-  return (16 * NW * HD + 2 * kBN * HD + (STATS ? 0 : 2 * kBN * HD)) * 2;
+  // Q tile (16 * NW rows) + the K stages (+ as many V stages).
+  return (16 * NW * HD + FlashStages<STATS>() * kBN * HD * (STATS ? 1 : 2)) * 2;
 }
 
 struct FlashExtra {
@@ -64,8 +71,9 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   constexpr int CH = HD / 8;  // 16-byte chunks per row
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
-  bf16* sK = sQ + kBM * HD;                // [2][kBN * HD]
-  bf16* sV = sK + 2 * kBN * HD;            // [2][kBN * HD] (unused in STATS)
+  constexpr int NS = FlashStages<STATS>();
+  bf16* sK = sQ + kBM * HD;                // [NS][kBN * HD]
+  bf16* sV = sK + NS * kBN * HD;           // [NS][kBN * HD] (none in STATS)
   __shared__ int s_lim[kBM];
   __shared__ int s_max_lim, s_min_lim;
   __shared__ int s_qg_lo, s_qg_hi;  // complement statistics: the segments of the block's rows
@@ -148,16 +156,22 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
   bool skip_tiles = false;
   if constexpr (STATS) skip_tiles = st.cross_complement && st.tile_groups != nullptr && !has_weight;
   const int qg_lo = s_qg_lo, qg_hi = s_qg_hi;
+  // Block-uniform; each warp scans 32 tiles per step (a block's own segment can lie hundreds of
+  // tiles past the first).
   auto next_tile = [&](int t) {
     ++t;
-    if (skip_tiles) {
-      while (t < t_end) {
-        const int lo = st.tile_groups[2 * t], hi = st.tile_groups[2 * t + 1];
-        if (hi >= qg_lo && lo <= qg_hi) break;
-        ++t;
+    if (!skip_tiles) return t;
+    for (; t < t_end; t += 32) {
+      const int c = t + lane;
+      bool hit = false;
+      if (c < t_end) {
+        const int lo = st.tile_groups[2 * c], hi = st.tile_groups[2 * c + 1];
+        hit = hi >= qg_lo && lo <= qg_hi;
       }
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (m != 0) return t + __ffs(m) - 1;
     }
-    return t;
+    return t_end;
   };
   const int t_first = next_tile(t_begin - 1);
 
@@ -228,16 +242,28 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
     }
   }
 
-  if (t_first < t_end) load_kv(0, t_first);
-  detail::CpAsyncCommit();
-
-  int it = 0;  // iterations so far (tiles may be skipped): the buffer parity
-  for (int t = t_first, tn = 0; t < t_end; t = tn, ++it) {
-    const int buf = it & 1;
-    tn = next_tile(t);
-    if (tn < t_end) load_kv(buf ^ 1, tn);
+  // NS - 1 tiles in flight ahead of the one computed; t_load walks the same tile sequence
+  // (tiles may be skipped) ahead of t.
+  int t_load = t_first;
+#pragma unroll
+  for (int b = 0; b < NS - 1; ++b) {
+    if (t_load < t_end) {
+      load_kv(b, t_load);
+      t_load = next_tile(t_load);
+    }
     detail::CpAsyncCommit();
-    detail::CpAsyncWait<1>();
+  }
+
+  int it = 0;  // iterations so far: the stage of this tile is it % NS
+  for (int t = t_first; t < t_end; t = next_tile(t), ++it) {
+    const int buf = it % NS;
+    // Into the stage the previous iteration computed on (free after its closing barrier).
+    if (t_load < t_end) {
+      load_kv((it + NS - 1) % NS, t_load);
+      t_load = next_tile(t_load);
+    }
+    detail::CpAsyncCommit();
+    detail::CpAsyncWait<NS - 1>();  // this tile's group has landed
     __syncthreads();
     // A warp whose 16 rows are all empty (short query tiles; decode, where a sequence has one
     // row per head) only helps load.

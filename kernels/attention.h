@@ -57,7 +57,7 @@ struct PagedAttentionParams {
   // Kernel choice for unsplit head_dim-128 attention: 0 auto (the wgmma kernel of
   // attention_sm90.cu when this build and the device are sm_90a, else mma.sync), 1 mma.sync,
   // 2 wgmma, 3 wgmma with the next tile's Q K^T overlapping this tile's softmax, 4 wgmma
-  // warp-specialised (a producer warp loads the K/V stages, the warpgroups wait on mbarriers).
+  // warp-specialised (a producer warpgroup loads the K/V stages, the warpgroups wait on mbarriers).
   // Split-K (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3.
   // Default: 0
   int impl = 0;

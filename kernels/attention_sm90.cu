@@ -10,13 +10,14 @@
 // from shared memory (K-major); O += P V takes P from registers (the S accumulator layout is the
 // A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
 // (docs/perf-notes.md has their timings; the plain one is the default): S of the next tile
-// issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a producer warp
-// gathers the K/V stages and the two warpgroups consume them through mbarriers, with no
+// issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a producer
+// warpgroup gathers the K/V stages and the two warpgroups consume them through mbarriers, with no
 // block-wide barrier in the loop), and the statistics pass of AttentionStats. Built only for
 // sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/common.cuh"
 
@@ -34,7 +35,10 @@ constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
 constexpr int kBn = 64, kStages = 3;             // keys per step, cp.async stages
 constexpr int kTileBytes = kBn * kHd * 2;         // 16 KiB
 constexpr int kStageBytes = 2 * kTileBytes;       // K + V
-constexpr int kSmem = 1024 + kQBytes + kStages * kStageBytes;
+// The warp-specialised variant keeps more tiles in flight: its producer runs ahead of both
+// warpgroups, and 5 stages (193 KiB with Q) still fit one block per SM.
+constexpr int kWsStages = 5;
+constexpr int SmemBytes(int stages) { return 1024 + kQBytes + stages * kStageBytes; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -85,7 +89,7 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// Barrier 1 over the two consumer warpgroups only (the producer warp does not take part).
+// Barrier 1 over the two consumer warpgroups only (the producer warpgroup does not take part).
 __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
 }
@@ -114,11 +118,18 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 enum Mode { kPlain = 0, kPipelined = 1, kStats = 2, kWarpSpecialized = 3 };
-// The warp-specialised variant adds one producer warp to the two consumer warpgroups.
-constexpr int kWsThreads = kThreads + 32;
+// The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
+// producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
+// dependent slot-load + copy pairs per lane and tile could not keep up with the MMAs).
+constexpr int kProducerThreads = 128;
+constexpr int kWsThreads = kThreads + kProducerThreads;
 template <int MODE>
 constexpr int BlockThreads() {
   return MODE == kWarpSpecialized ? kWsThreads : kThreads;
+}
+template <int MODE>
+constexpr int Stages() {
+  return MODE == kWarpSpecialized ? kWsStages : kStages;
 }
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
@@ -134,7 +145,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   __shared__ int s_max_lim, s_min_lim;
   // Warp-specialised variant: per stage, "full" (the producer's K/V landed) and "empty" (the
   // eight consumer warps are done reading it).
-  __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages];
+  __shared__ __align__(8) uint64_t s_full[kWsStages], s_empty[kWsStages];
   // Swizzle atoms must start on 1024-byte boundaries of the shared window.
   const uint32_t raw = detail::SmemAddr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
@@ -153,8 +164,9 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     s_max_lim = -1;
     s_min_lim = 0x7fffffff;
     if constexpr (MODE == kWarpSpecialized) {
-      for (int st_i = 0; st_i < kStages; ++st_i) {
-        MbarInit(detail::SmemAddr(&s_full[st_i]), 32);  // one cp.async arrival per producer lane
+      for (int st_i = 0; st_i < kWsStages; ++st_i) {
+        // One cp.async arrival per producer thread.
+        MbarInit(detail::SmemAddr(&s_full[st_i]), kProducerThreads);
         MbarInit(detail::SmemAddr(&s_empty[st_i]), kThreads / 32);  // one per consumer warp
       }
     }
@@ -179,31 +191,44 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   const int min_lim = s_min_lim;
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBn));
 
-  // K (and V) of key tile `tile` into `stage`, the 16-byte chunks split over `count` threads
-  // from `first` (every thread of the block, or the warp-specialised variant's producer warp).
-  auto load_kv_by = [&](int stage, int tile, int first, int count) {
+  // K (and V) of key tile `tile` into `stage`, the 16-byte chunks split over the `count`
+  // threads from `first` (every thread of the block, or the warp-specialised variant's producer
+  // warpgroup). The slot loads go first, all of them: each copy is an asm statement with a
+  // memory clobber, which would otherwise keep every slot load behind the copy before it.
+  auto load_kv_by = [&](int stage, int tile, int first, auto count_c) {
+    constexpr int kCount = decltype(count_c)::value;
+    constexpr int kIters = kBn * 16 / kCount;
+    static_assert(kBn * 16 % kCount == 0, "every thread issues the same number of copies");
     unsigned char* dk = sKV + stage * kStageBytes;
     unsigned char* dv = dk + kTileBytes;
-    for (int idx = first; idx < kBn * 16; idx += count) {
-      const int r = idx >> 4, c = idx & 15;
-      const int j = tile * kBn + r;
-      const bool valid = j < kv_end;
-      const int64_t slot = valid ? p.ctx_slots[j] : 0;
-      const int64_t off = slot * p.kv_stride + kvh * kHd + c * 8;
-      const uint32_t o = SwOff(r, c, kBn);
-      CpAsync16(dk + o, p.k_pool + (valid ? off : 0), valid);
-      if constexpr (!kStatsMode) CpAsync16(dv + o, p.v_pool + (valid ? off : 0), valid);
+    int64_t off[kIters];
+#pragma unroll
+    for (int k = 0; k < kIters; ++k) {
+      const int idx = first + k * kCount;
+      const int j = tile * kBn + (idx >> 4);
+      off[k] = j < kv_end ? static_cast<int64_t>(p.ctx_slots[j]) * p.kv_stride +
+                                kvh * kHd + (idx & 15) * 8
+                          : -1;
+    }
+#pragma unroll
+    for (int k = 0; k < kIters; ++k) {
+      const int idx = first + k * kCount;
+      const uint32_t o = SwOff(idx >> 4, idx & 15, kBn);
+      const bool valid = off[k] >= 0;
+      CpAsync16(dk + o, p.k_pool + (valid ? off[k] : 0), valid);
+      if constexpr (!kStatsMode) CpAsync16(dv + o, p.v_pool + (valid ? off[k] : 0), valid);
     }
   };
 
   if constexpr (MODE == kWarpSpecialized) {
-    if (warp == kThreads / 32) {
-      // The producer warp: K/V tile t into stage t % kStages once the consumers released the
-      // tile that was there; each lane's arrival fires when its copies have landed.
+    if (tid >= kThreads) {
+      // The producer warpgroup: K/V tile t into stage t % kWsStages once the consumers released
+      // the tile that was there; each thread's arrival fires when its copies have landed.
       for (int t = 0; t < n_tiles; ++t) {
-        const int stage = t % kStages;
-        if (t >= kStages) MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kStages) - 1) & 1);
-        load_kv_by(stage, t, lane, 32);
+        const int stage = t % kWsStages;
+        if (t >= kWsStages)
+          MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kWsStages) - 1) & 1);
+        load_kv_by(stage, t, tid - kThreads, std::integral_constant<int, kProducerThreads>());
         MbarArriveCpAsync(detail::SmemAddr(&s_full[stage]));
       }
       // Nothing may outlive the block's shared memory: wait for the last copies to land.
@@ -223,10 +248,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   }
   const float scale_log2 = p.scale * kLog2e;
 
-  auto load_kv = [&](int stage, int tile) { load_kv_by(stage, tile, tid, kThreads); };
+  auto load_kv = [&](int stage, int tile) {
+    load_kv_by(stage, tile, tid, std::integral_constant<int, kThreads>());
+  };
 
   // Q tile with the first K/V tile, the second K/V tile in its own group (the warp-specialised
-  // variant: Q alone; its producer warp loads the K/V tiles).
+  // variant: Q alone; its producer warpgroup loads the K/V tiles).
   for (int idx = tid; idx < kBm * 16; idx += kThreads) {
     const int m = idx >> 4, c = idx & 15;
     const int qr = q0 + m % QT;
@@ -393,8 +420,8 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     ConsumerSync();
     FenceProxyAsync();
     for (int t = 0; t < n_tiles; ++t) {
-      const int stage = t % kStages;
-      MbarWait(detail::SmemAddr(&s_full[stage]), (t / kStages) & 1);
+      const int stage = t % kWsStages;
+      MbarWait(detail::SmemAddr(&s_full[stage]), (t / kWsStages) & 1);
       FenceProxyAsync();  // the copies (generic proxy) before the MMAs' reads (async proxy)
       WgFence();
       issue_s(stage, s_cur);
@@ -492,7 +519,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 template <int MODE>
 cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st,
                    cudaStream_t stream) {
-  constexpr int smem = kSmem;
+  constexpr int smem = SmemBytes(Stages<MODE>());
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE>,

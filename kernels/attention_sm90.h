@@ -12,7 +12,7 @@ bool Sm90AttentionAvailable();
 // 16-byte aligned rows).
 bool Sm90AttentionSupports(const PagedAttentionParams& p);
 // The wgmma kernel's variants: one step after the other (plain); the next tile's Q K^T
-// overlapping this tile's softmax (pipelined); a producer warp loading the K/V stages for the
+// overlapping this tile's softmax (pipelined); a producer warpgroup loading the K/V stages for the
 // two consumer warpgroups through mbarriers (warp-specialised).
 enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized };
 // Unsplit attention for p (out and, when set, lse).

@@ -76,7 +76,15 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
-  if (const char* c = std::getenv("SPX_CUDNN_STATS")) o.cudnn_statistics = std::string(c) == "1";
+  if (const char* c = std::getenv("SPX_CUDNN_STATS")) {
+    const std::string v = c;
+    if (v == "0" || v == "1") {
+      o.cudnn_statistics = v == "1";
+    } else {
+      std::fprintf(stderr, "SPX_CUDNN_STATS=%s is not 0 or 1: %d used\n", c,
+                   o.cudnn_statistics ? 1 : 0);
+    }
+  }
   if (const char* m = std::getenv("SPX_CUDNN_STATS_MAX_SHARE")) {
     char* end = nullptr;
     const double v = std::strtod(m, &end);

@@ -182,9 +182,10 @@ struct CudaBackendOptions {
   // cross_complement), where that pass reads at most cudnn_statistics_max_share of the key
   // tiles a plain pass reads (ComplementReadShare, gpu_worker/backend/attention_stats_plan.h);
   // else our kernel with the cross mass fused. Needs cudnn_attention; its failure falls back
-  // like dense attention does (kRequired: an error). Off until measured on a GPU
-  // (docs/perf-notes.md, session 19). SPX_CUDNN_STATS=1 sets true. Default: false
-  bool cudnn_statistics = false;
+  // like dense attention does (kRequired: an error). Measured in session 20 (H100, 32K reuse
+  // prefill): the two full layers 113.0 -> 89.8 ms (docs/perf-notes.md). SPX_CUDNN_STATS=0 sets
+  // false, =1 true (anything else is reported and ignored). Default: true
+  bool cudnn_statistics = true;
   // Above this read share cuDNN plus the complement pass would cost about what our kernel with
   // the cross mass fused costs (a model from the H200's per-layer figures at 32K: cuDNN 14.8 ms,
   // our fused pass ~31 ms, a full statistics read ~27.5 ms; not yet measured as a whole).

@@ -38,7 +38,7 @@ class Env {
 
 TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
   const CudaBackendOptions d;
-  EXPECT_FALSE(d.cudnn_statistics);  // off until measured on a GPU
+  EXPECT_TRUE(d.cudnn_statistics);  // on since session 20's measurement
   EXPECT_DOUBLE_EQ(d.cudnn_statistics_max_share, 0.5);
   {
     Env e;
@@ -47,6 +47,11 @@ TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
     const CudaBackendOptions o = CudaBackendOptionsFromEnv();
     EXPECT_TRUE(o.cudnn_statistics);
     EXPECT_DOUBLE_EQ(o.cudnn_statistics_max_share, 0.25);
+  }
+  for (const char* bad : {"yes", "2", ""}) {
+    Env e;
+    e.Set("SPX_CUDNN_STATS", bad);
+    EXPECT_TRUE(CudaBackendOptionsFromEnv().cudnn_statistics) << "'" << bad << "' kept the default";
   }
   for (const char* bad : {"1.5", "-0.1", "half", "0.3x", ""}) {
     Env e;
