@@ -104,14 +104,15 @@ struct AttentionArgs {
 // the benchmarks). Ignored by the CPU backend.
 struct CudaBackendOptions {
   // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
-  // kAuto: wgmma when the build has sm_90a code and the GPU is compute capability 9.0, else
-  // mma.sync. Split-K (decode) always runs mma.sync.
+  // kAuto: the warp-specialised wgmma kernel when the build has sm_90a code and the GPU is
+  // compute capability 9.0 (since session 20), else mma.sync. Split-K (decode) always runs
+  // mma.sync.
   enum class AttentionImpl {
     kAuto = 0,
     kMma = 1,
     kWgmma = 2,
     kWgmmaPipelined = 3,
-    kWgmmaWarpSpecialized = 4  // built in session 19 without a GPU: not yet run
+    kWgmmaWarpSpecialized = 4
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
