@@ -280,29 +280,6 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
         LdMatrixX4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3],
                    sQ + Swz<HD>(warp * 16 + (lane & 15), ks * 2 + (lane >> 4)));
     }
-    // STATS: the tile's key segments, loaded before the MMAs so their latency hides behind
-    // them; a tile of one segment (tile_groups lo == hi, most tiles of a segmented prompt)
-    // needs no per-key load at all.
-    int kgv[STATS ? kBN / 8 : 1][2];
-    int tile_kg = -1;
-    bool tile_uniform = false;
-    if constexpr (STATS) {
-      if (st.tile_groups != nullptr) {
-        const int lo = st.tile_groups[2 * t], hi = st.tile_groups[2 * t + 1];
-        tile_uniform = lo == hi;
-        tile_kg = lo;
-      }
-      if (!tile_uniform) {
-#pragma unroll
-        for (int nb = 0; nb < kBN / 8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = t * kBN + 2 * tq + nb * 8 + e;
-            kgv[nb][e] = (key < ctx_len && st.key_group) ? st.key_group[key] : -1;
-          }
-        }
-      }
-    }
     const bf16* tK = sK + buf * kBN * HD;
     float s[kBN / 8][4];
 #pragma unroll
@@ -340,7 +317,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
       for (int nb = 0; nb < kBN / 8; ++nb) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int kg = tile_uniform ? tile_kg : kgv[nb][e];
+          const int key = key0 + nb * 8 + e;
+          const int kg = (key < ctx_len && st.key_group) ? st.key_group[key] : -1;
           const float p0 = Ex2(s[nb][e] - lse_row[0]);
           const float p1 = Ex2(s[nb][2 + e] - lse_row[1]);
           if (st.cross_complement) {  // own segment and shared keys; the cross mass is the rest
@@ -722,8 +700,10 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
     AttentionStatsParams none;
     if (plan.splits <= 1 && p.head_dim == 128 && p.impl != 1 && p.num_seqs == 0 &&
         (p.impl != 0 || kDefaultSm90) && Sm90AttentionAvailable() && Sm90AttentionSupports(p)) {
-      const Sm90Variant v = p.impl == 4 || (p.impl == 0 && kDefaultWarpSpecialized)
-                                ? Sm90Variant::kWarpSpecialized
+      // Auto keeps calls with the fused cross mass on the plain kernel: the ws kernel with it
+      // (AttentionConsistency.WarpSpecializedWgmma's statistics case) has not run on a GPU yet.
+      const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized && p.out_cross == nullptr;
+      const Sm90Variant v = p.impl == 4 || ws_auto ? Sm90Variant::kWarpSpecialized
                             : p.impl == 3 ? Sm90Variant::kPipelined
                                           : Sm90Variant::kPlain;
       return Sm90PagedAttention(p, v, stream);

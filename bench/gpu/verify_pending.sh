@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# The GPU paths built while no device machine could be lent, checked and measured in one device
-# call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage). Session 19
-# built two, both off by default until this runs (docs/perf-notes.md, "Session 19"):
-#   - the full layers' selection statistics on cuDNN (SPX_CUDNN_STATS=1): cuDNN's softmax
-#     normaliser out, the cross mass by complement over each row's own segment;
-#   - the warp-specialised wgmma attention (SPX_ATTN_IMPL=wgmma-ws): a producer warp loads the
-#     K/V stages, the two warpgroups consume them through mbarriers (the sparse layers' kernel).
+# Session 19's two GPU paths, built without a device and measured in session 20 (H100; both
+# are defaults now, docs/perf-notes.md "Session 20"), checked and timed against the paths they
+# replaced in one device call from the staged binaries (bench/gpu/stage_serve.sh; the call
+# carries .stage):
+#   - the full layers' selection statistics on cuDNN (SPX_CUDNN_STATS, on; =0: our fused kernel);
+#   - the warp-specialised wgmma attention (SPX_ATTN_IMPL auto = wgmma-ws; =wgmma: plain).
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the warp-specialised case alone under a short timeout (a hang
 #      there must not eat the call; later steps skip the variant when it failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case): SPX_CUDNN_STATS=0, =1, and =1 with wgmma-ws, in the same call;
+#      the issue-15 case): SPX_CUDNN_STATS=0 with plain wgmma (session 19's defaults), the
+#      statistics on cuDNN with plain wgmma, and the defaults, in the same call;
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
 #      attention kernel (TFLOP/s), the statistics pass direct and by complement;
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
 #   5. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K) on this call's card.
-# Session 18's pending paths (device draws, pinned fetch) passed on an H100 and have their own
-# scripts now (bench/gpu/fetch.sh, gpu_prefill_bench). Writes to $OUT: verify.log (the
-# summary), bc.log, ws.log, reuse_<v>.json/.log, micro.json/.log, hf.json, decode.json/.log.
+# Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
+# micro.json/.log, hf.json, decode.json/.log: a device call brings back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540)
 set -uo pipefail
@@ -57,9 +56,9 @@ reuse() {  # name, then environment assignments
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
-reuse stats0 SPX_CUDNN_STATS=0
-reuse stats1 SPX_CUDNN_STATS=1
-[ "$WS_RC" = 0 ] && reuse stats1_ws SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma-ws
+reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
+reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
+[ "$WS_RC" = 0 ] && reuse stats1_ws
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
@@ -107,3 +106,6 @@ for v in ("stats0", "stats1", "stats1_ws"):
               + f", profile {c.get('profile_ms')}")
 PY
 stamp "done"
+# Everything but the summary in one archive.
+(cd "$FINAL" && tar -czf /tmp/verify_all.tgz --exclude verify.log . && find . -type f \
+  ! -name verify.log -delete && mv /tmp/verify_all.tgz all.tgz)

@@ -105,8 +105,8 @@ struct AttentionArgs {
 struct CudaBackendOptions {
   // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
   // kAuto: the warp-specialised wgmma kernel when the build has sm_90a code and the GPU is
-  // compute capability 9.0 (since session 20), else mma.sync. Split-K (decode) always runs
-  // mma.sync.
+  // compute capability 9.0 (since session 20; calls with the fused cross mass: plain wgmma),
+  // else mma.sync. Split-K (decode) always runs mma.sync.
   enum class AttentionImpl {
     kAuto = 0,
     kMma = 1,

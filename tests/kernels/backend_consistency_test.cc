@@ -886,9 +886,10 @@ TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
   Run({"stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});
 }
 
-// The warp-specialised wgmma kernel (SPX_ATTN_IMPL=wgmma-ws: a producer warp loads the K/V
-// stages, the warpgroups wait on mbarriers): the unsplit cases above with it named, including
-// more tiles than stages (every stage reused several times) and a query tile of 128 rows (MHA).
+// The warp-specialised wgmma kernel (SPX_ATTN_IMPL=wgmma-ws: a producer warpgroup loads the
+// K/V stages, the consumer warpgroups wait on mbarriers): the unsplit cases above with it
+// named, including more tiles than stages (every stage reused several times), a query tile of
+// 128 rows (MHA) and the selection statistics (the cross mass fused into its softmax).
 TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
   CudaBackendOptions o = CudaBackendOptionsFromEnv();
@@ -903,6 +904,7 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
   Run({"ws sparse 30% of 4000", 32, 8, 128, 4000, Sparse(4000, 0.3)});
   Run({"ws gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
   Run({"ws mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
+  Run({"ws stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});  // fused cross mass
 }
 
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
