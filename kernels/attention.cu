@@ -703,9 +703,10 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
       // Auto keeps calls with the fused cross mass on the plain kernel: the ws kernel with it
       // (AttentionConsistency.WarpSpecializedWgmma's statistics case) has not run on a GPU yet.
       const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized && p.out_cross == nullptr;
-      const Sm90Variant v = p.impl == 4 || ws_auto ? Sm90Variant::kWarpSpecialized
-                            : p.impl == 3 ? Sm90Variant::kPipelined
-                                          : Sm90Variant::kPlain;
+      const Sm90Variant v = p.impl == 5                ? Sm90Variant::kWsPingPong
+                            : p.impl == 4 || ws_auto ? Sm90Variant::kWarpSpecialized
+                            : p.impl == 3            ? Sm90Variant::kPipelined
+                                                     : Sm90Variant::kPlain;
       return Sm90PagedAttention(p, v, stream);
     }
     if (plan.splits > 1) {

@@ -58,7 +58,8 @@ struct PagedAttentionParams {
   // of attention_sm90.cu when this build and the device are sm_90a, plain wgmma for calls with
   // out_cross, else mma.sync), 1 mma.sync,
   // 2 wgmma, 3 wgmma with the next tile's Q K^T overlapping this tile's softmax, 4 wgmma
-  // warp-specialised (a producer warpgroup loads the K/V stages, the warpgroups wait on mbarriers).
+  // warp-specialised (a producer warpgroup loads the K/V stages, the warpgroups wait on mbarriers),
+  // 5 the same with the consumer warpgroups taking turns at the tensor cores (ping-pong).
   // Split-K (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3.
   // Default: 0
   int impl = 0;

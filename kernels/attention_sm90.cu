@@ -89,6 +89,26 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// Register reallocation between warpgroups (all four warps of a warpgroup execute it).
+template <int N>
+__device__ __forceinline__ void SetMaxNRegDec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void SetMaxNRegInc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+// Ping-pong turns: barrier 2 + w is warpgroup w's; it waits there (bar.sync, 128 threads) for
+// the other warpgroup's arrival (bar.arrive, 128 threads).
+__device__ __forceinline__ void TurnWait(int bar) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void TurnGive(int bar) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(bar), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void WgWait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 // Barrier 1 over the two consumer warpgroups only (the producer warpgroup does not take part).
 __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
@@ -117,7 +137,15 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-enum Mode { kPlain = 0, kPipelined = 1, kStats = 2, kWarpSpecialized = 3 };
+// kWsPingPong: the warp-specialised layout with the consumer warpgroups taking turns at the
+// tensor cores (FlashAttention-3's ping-pong): a warpgroup issues this tile's Q K^T and the
+// previous tile's P V together, then hands the tensor cores to the other one and runs its
+// softmax while they work; setmaxnreg moves registers from the producer to the consumers.
+enum Mode { kPlain = 0, kPipelined = 1, kStats = 2, kWarpSpecialized = 3, kWsPingPong = 4 };
+template <int MODE>
+constexpr bool IsWs() {
+  return MODE == kWarpSpecialized || MODE == kWsPingPong;
+}
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
 // dependent slot-load + copy pairs per lane and tile could not keep up with the MMAs).
@@ -125,12 +153,15 @@ constexpr int kProducerThreads = 128;
 constexpr int kWsThreads = kThreads + kProducerThreads;
 template <int MODE>
 constexpr int BlockThreads() {
-  return MODE == kWarpSpecialized ? kWsThreads : kThreads;
+  return IsWs<MODE>() ? kWsThreads : kThreads;
 }
 template <int MODE>
 constexpr int Stages() {
-  return MODE == kWarpSpecialized ? kWsStages : kStages;
+  return IsWs<MODE>() ? kWsStages : kStages;
 }
+// Registers per thread after setmaxnreg (ping-pong): 128 x 40 + 256 x 232 = 64512 of the SM's
+// 65536, the producer's loads need no more.
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
@@ -163,7 +194,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   if (tid == 0) {
     s_max_lim = -1;
     s_min_lim = 0x7fffffff;
-    if constexpr (MODE == kWarpSpecialized) {
+    if constexpr (IsWs<MODE>()) {
       for (int st_i = 0; st_i < kWsStages; ++st_i) {
         // One cp.async arrival per producer thread.
         MbarInit(detail::SmemAddr(&s_full[st_i]), kProducerThreads);
@@ -200,7 +231,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     constexpr int kIters = kBn * 16 / kCount;
     static_assert(kBn * 16 % kCount == 0, "every thread issues the same number of copies");
     unsigned char* dk = sKV + stage * kStageBytes;
-    unsigned char* dv = dk + kTileBytes;
+    [[maybe_unused]] unsigned char* dv = dk + kTileBytes;
     int64_t off[kIters];
 #pragma unroll
     for (int k = 0; k < kIters; ++k) {
@@ -220,8 +251,9 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     }
   };
 
-  if constexpr (MODE == kWarpSpecialized) {
+  if constexpr (IsWs<MODE>()) {
     if (tid >= kThreads) {
+      if constexpr (MODE == kWsPingPong) SetMaxNRegDec<kProducerRegs>();
       // The producer warpgroup: K/V tile t into stage t % kWsStages once the consumers released
       // the tile that was there; each thread's arrival fires when its copies have landed.
       for (int t = 0; t < n_tiles; ++t) {
@@ -237,6 +269,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     }
   }
 
+  if constexpr (MODE == kWsPingPong) SetMaxNRegInc<kConsumerRegs>();
   const int g = lane >> 2, tq = lane & 3;
   const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
   const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
@@ -262,7 +295,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     const int64_t off = valid ? (int64_t)qr * p.q_stride + hh * kHd + c * 8 : 0;
     CpAsync16(sQ + SwOff(m, c, kBm), p.q + off, valid);
   }
-  if constexpr (MODE != kWarpSpecialized) {
+  if constexpr (!IsWs<MODE>()) {
     if (n_tiles > 0) load_kv(0, 0);
     detail::CpAsyncCommit();
     if (n_tiles > 1) load_kv(1, 1);
@@ -295,9 +328,11 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       WgmmaQK(&acc[0][0], da, db, ks > 0);
     }
   };
-  // Scale, causal mask, online softmax of tile t in acc; P into pa, O rescaled.
+  // Scale, causal mask, online softmax of tile t in acc (P in fp32, the row statistics and the
+  // cross mass updated, corr the factor O must be rescaled by), touching neither O nor pa: in
+  // the ping-pong variant the previous tile's P V still reads and writes them meanwhile.
   uint32_t pa[kBn / 16][4];  // P as the A fragments of the k-steps (16 keys each)
-  auto softmax = [&](float (&acc)[kBn / 8][4], int t) {
+  auto softmax_scores = [&](float (&acc)[kBn / 8][4], int t, float (&corr)[2]) {
     const int key0 = t * kBn + 2 * tq;
     const bool need_mask = (t * kBn + kBn - 1) > min_lim;
 #pragma unroll
@@ -310,11 +345,13 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
         acc[nb][c] = v;
       }
     }
-    float corr[2];
     detail::OnlineSoftmaxStep(acc, row_m, row_l, corr);
     xacc[0] *= corr[0];
     xacc[1] *= corr[1];
     if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);
+  };
+  // P into pa, O rescaled.
+  auto softmax_finish = [&](const float (&acc)[kBn / 8][4], const float (&corr)[2]) {
 #pragma unroll
     for (int kk = 0; kk < kBn / 16; ++kk) {
       pa[kk][0] = PackBf16x2(acc[2 * kk][0], acc[2 * kk][1]);
@@ -329,6 +366,11 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       o[nd][2] *= corr[1];
       o[nd][3] *= corr[1];
     }
+  };
+  auto softmax = [&](float (&acc)[kBn / 8][4], int t) {
+    float corr[2];
+    softmax_scores(acc, t, corr);
+    softmax_finish(acc, corr);
   };
   // O += P V of the tile in `stage`: V as stored (16 key rows per k-step, the 128 head columns
   // in two 64-column blocks 8 KiB apart), transposed by the instruction.
@@ -434,6 +476,61 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       WgWait0();
       __syncwarp();
       if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));
+    }
+  } else if constexpr (MODE == kWsPingPong) {
+    // A step issues this warpgroup's MMAs in its turn and hands the tensor cores to the other
+    // warpgroup, then runs the tile's softmax while they may still run; O and pa change only
+    // once the previous P V is done, which also frees its stage.
+    detail::CpAsyncWait<0>();
+    ConsumerSync();
+    FenceProxyAsync();
+    const int my_turn = 2 + wg, their_turn = 3 - wg;
+    // Steps: Q K^T of tile 0; then Q K^T of tile t with P V of tile t - 1; then P V of the last
+    // tile; the branches are block-uniform, and peeled so that no MMA sits in a divergent path
+    // (ptxas serialises those). Each wait for a warpgroup's turn matches one arrival of the
+    // other's: warpgroup 1's first arrival comes before the first step, so its last step has
+    // nobody left to hand over to.
+    float corr[2];
+    if (n_tiles > 0) {
+      if (wg == 1) TurnGive(2);  // warpgroup 0 goes first
+      MbarWait(detail::SmemAddr(&s_full[0]), 0);
+      FenceProxyAsync();  // the copies (generic proxy) before the MMAs' reads (async proxy)
+      TurnWait(my_turn);
+      WgFence();
+      issue_s(0, s_cur);
+      WgCommit();
+      TurnGive(their_turn);
+      WgWait0();
+      softmax(s_cur, 0);
+    }
+    for (int t = 1; t < n_tiles; ++t) {
+      const int stage = t % kWsStages, prev = (t + kWsStages - 1) % kWsStages;
+      MbarWait(detail::SmemAddr(&s_full[stage]), (t / kWsStages) & 1);
+      FenceProxyAsync();
+      TurnWait(my_turn);
+      WgFence();
+      issue_s(stage, s_cur);
+      WgCommit();
+      issue_pv(prev);
+      WgCommit();
+      TurnGive(their_turn);
+      WgWait1();  // Q K^T done (groups retire in order); the P V may still run
+      softmax_scores(s_cur, t, corr);
+      WgWait0();  // P V done: O and pa may change, its stage is free
+      __syncwarp();
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[prev]));
+      softmax_finish(s_cur, corr);
+    }
+    if (n_tiles > 0) {
+      const int last = (n_tiles - 1) % kWsStages;
+      TurnWait(my_turn);
+      WgFence();
+      issue_pv(last);
+      WgCommit();
+      if (wg == 0) TurnGive(their_turn);
+      WgWait0();
+      __syncwarp();
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[last]));
     }
   } else if constexpr (MODE == kPipelined) {
     // S of tile t + 1 runs on the tensor cores while tile t's softmax runs on the ALUs.
@@ -569,6 +666,8 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kPipelined>(p, none, stream);
     case Sm90Variant::kWarpSpecialized:
       return Launch<kWarpSpecialized>(p, none, stream);
+    case Sm90Variant::kWsPingPong:
+      return Launch<kWsPingPong>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

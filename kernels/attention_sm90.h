@@ -13,8 +13,9 @@ bool Sm90AttentionAvailable();
 bool Sm90AttentionSupports(const PagedAttentionParams& p);
 // The wgmma kernel's variants: one step after the other (plain); the next tile's Q K^T
 // overlapping this tile's softmax (pipelined); a producer warpgroup loading the K/V stages for the
-// two consumer warpgroups through mbarriers (warp-specialised).
-enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized };
+// two consumer warpgroups through mbarriers (warp-specialised); the same with the consumer
+// warpgroups taking turns at the tensor cores and setmaxnreg (ws ping-pong).
+enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized, kWsPingPong };
 // Unsplit attention for p (out and, when set, lse).
 cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,
                                cudaStream_t stream);

@@ -4,14 +4,17 @@
 # replaced in one device call from the staged binaries (bench/gpu/stage_serve.sh; the call
 # carries .stage):
 #   - the full layers' selection statistics on cuDNN (SPX_CUDNN_STATS, on; =0: our fused kernel);
-#   - the warp-specialised wgmma attention (SPX_ATTN_IMPL auto = wgmma-ws; =wgmma: plain).
+#   - the warp-specialised wgmma attention (SPX_ATTN_IMPL auto = wgmma-ws; =wgmma: plain);
+# and session 20's ws kernel with ping-pong turns and setmaxnreg (SPX_ATTN_IMPL=wgmma-ws-pp),
+# built without a device, not yet run.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
-#      a fallback fails it), the warp-specialised case alone under a short timeout (a hang
-#      there must not eat the call; later steps skip the variant when it failed);
+#      a fallback fails it), the warp-specialised and ping-pong cases alone under a short
+#      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
 #      the issue-15 case): SPX_CUDNN_STATS=0 with plain wgmma (session 19's defaults), the
-#      statistics on cuDNN with plain wgmma, and the defaults, in the same call;
+#      statistics on cuDNN with plain wgmma, the defaults, and the ping-pong kernel, in the
+#      same call;
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
 #      attention kernel (TFLOP/s), the statistics pass direct and by complement;
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
@@ -33,7 +36,7 @@ stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 stamp "attention GPU tests"
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*' >"$FINAL/bc.log" 2>&1
+  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*' >"$FINAL/bc.log" 2>&1
 stamp "backend_consistency_test exit $?"
 grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/bc.log" | head -n 40 \
   | tee -a "$LOG"
@@ -56,12 +59,21 @@ reuse() {  # name, then environment assignments
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
+timeout 60 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+  --gtest_filter='*WsPingPong*' >"$FINAL/pp.log" 2>&1
+PP_RC=$?
+stamp "ws ping-pong attention test exit $PP_RC (124: timed out, a hang)"
+grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/pp.log" | head -n 20 \
+  | tee -a "$LOG"
+
 reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && reuse stats1_ws
+[ "$PP_RC" = 0 ] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
+[ "$PP_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=no-pp"
 [ "$WS_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=mma"  # the wgmma rows include the ws variant
 env $MICRO_ENV timeout 200 "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 1 \
   --decode-steps 0 --out "$FINAL/micro.json" >"$FINAL/micro.log" 2>&1
@@ -95,7 +107,7 @@ hf = load("hf.json")
 base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
-for v in ("stats0", "stats1", "stats1_ws"):
+for v in ("stats0", "stats1", "stats1_ws", "stats1_pp"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):

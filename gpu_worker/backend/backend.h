@@ -112,7 +112,10 @@ struct CudaBackendOptions {
     kMma = 1,
     kWgmma = 2,
     kWgmmaPipelined = 3,
-    kWgmmaWarpSpecialized = 4
+    kWgmmaWarpSpecialized = 4,
+    // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong)
+    // and setmaxnreg: built in session 20 without a GPU, not yet run.
+    kWgmmaWsPingPong = 5
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -150,7 +153,7 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws. Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
@@ -195,7 +198,7 @@ struct CudaBackendOptions {
 };
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
-// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws or auto
+// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws(-pp) or auto
 // (the removed wgmma-128 included) keeps kAuto and says so on stderr. Only parses strings: defined
 // in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();

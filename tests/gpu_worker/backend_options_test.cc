@@ -78,6 +78,9 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   ws.Set("SPX_ATTN_IMPL", "wgmma-ws");
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
             CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized);
+  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pp");
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
+            CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong);
   Env bad;
   bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);

@@ -907,6 +907,27 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
   Run({"ws stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});  // fused cross mass
 }
 
+// The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong) and
+// setmaxnreg (SPX_ATTN_IMPL=wgmma-ws-pp): the same cases. A turn-taking mistake hangs rather
+// than fails; bench/gpu/verify_pending.sh runs this test alone under a timeout.
+TEST_F(AttentionConsistency, WsPingPongWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  CudaBackendOptions o = CudaBackendOptionsFromEnv();
+  o.attn_impl = CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong;
+  o.cudnn_attention = CudaBackendOptions::Cudnn::kOff;
+  auto g = CreateBackend({.kind = "cuda", .cuda = o});
+  ASSERT_TRUE(g.ok()) << g.status();
+  gpu_ = std::move(*g);
+  Run({"pp dense 2048 gqa4", 32, 8, 128, 2048, Dense(0, 2048)});
+  Run({"pp dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});
+  Run({"pp chunk 1100 after 1000", 32, 8, 128, 2100, Dense(1000, 2100)});
+  Run({"pp sparse 30% of 4000", 32, 8, 128, 4000, Sparse(4000, 0.3)});
+  Run({"pp gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
+  Run({"pp mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
+  Run({"pp stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});
+  Run({"pp one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+}
+
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
