@@ -5,6 +5,7 @@
 # gzip tarball under .stage/ (git-ignored), which a device call carries (`carry: [".stage"]`).
 #
 #   scripts/build.sh && bench/gpu/stage_serve.sh     # then bench/gpu/serve.sh runs there
+#   SPX_STAGE_LEAN=1 bench/gpu/stage_serve.sh       # kernel tests and benchmarks only
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${SPARSEX_BIN_DIR:-$ROOT/build/bin}
@@ -17,6 +18,11 @@ mkdir -p "$TMP/spx/bin" "$TMP/spx/lib" "$STAGE"
 BINS="sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen sparsex-rag sparsex \
   backend_consistency_test cuda_engine_test reuse_prefill_bench gpu_prefill_bench sparsex-fetch-bench \
   sampling_bench"
+# SPX_STAGE_LEAN=1: the kernel tests and benchmarks only (~19 MB instead of ~52: the carry limit
+# is 64 MiB with the working tree, so a call that also carries other files needs this).
+if [ "${SPX_STAGE_LEAN:-0}" = 1 ]; then
+  BINS="backend_consistency_test cuda_engine_test reuse_prefill_bench gpu_prefill_bench"
+fi
 for b in $BINS; do
   [ -x "$BIN/$b" ] || { echo "stage_serve: $BIN/$b missing (build first)" >&2; exit 1; }
   cp "$BIN/$b" "$TMP/spx/bin/"
@@ -29,8 +35,10 @@ for b in $BINS; do
     esac
   done
 done
-cp -r /usr/lib/x86_64-linux-gnu/ucx "$TMP/spx/lib/ucx"
-cp /usr/bin/etcd "$TMP/spx/bin/"
+if [ "${SPX_STAGE_LEAN:-0}" != 1 ]; then
+  cp -r /usr/lib/x86_64-linux-gnu/ucx "$TMP/spx/lib/ucx"
+  cp /usr/bin/etcd "$TMP/spx/bin/"
+fi
 cp "$ROOT/deploy/local/cluster.sh" "$TMP/spx/"
 MODELS=${SPARSEX_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 mkdir -p "$TMP/spx/models"
