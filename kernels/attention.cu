@@ -46,8 +46,9 @@ constexpr int kMaxSplits = 64;
 
 
 // K/V stages of FlashKernel: two for attention; four K tiles for the statistics pass, which has
-// no V to load and only Q K^T per tile to hide a tile's load behind (its complement form, a few
-// dozen tiles per block, measured 98 TFLOP/s of Q K^T with two: session 20, H100).
+// no V to load. Four were tried for its complement form's ~98 TFLOP/s of Q K^T and measured no
+// faster (9.58 against 9.71 ms, session 20, H100): it is bound by instruction latency at 2 warps
+// per scheduler, not by its loads (docs/perf-notes.md); kept, as the smem was unused.
 template <bool STATS>
 constexpr int FlashStages() {
   return STATS ? 4 : 2;

@@ -14,7 +14,9 @@ namespace {
 class Env {
  public:
   ~Env() {
-    for (const auto& [name, old] : saved_) {
+    // Newest first: a variable set twice gets back its value from before the first Set.
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      const auto& [name, old] = *it;
       if (old.has_value) {
         setenv(name.c_str(), old.value.c_str(), 1);
       } else {
@@ -51,7 +53,8 @@ TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
   for (const char* bad : {"yes", "2", ""}) {
     Env e;
     e.Set("SPX_CUDNN_STATS", bad);
-    EXPECT_TRUE(CudaBackendOptionsFromEnv().cudnn_statistics) << "'" << bad << "' kept the default";
+    EXPECT_TRUE(CudaBackendOptionsFromEnv().cudnn_statistics)
+        << "'" << bad << "' kept the default";
   }
   for (const char* bad : {"1.5", "-0.1", "half", "0.3x", ""}) {
     Env e;
