@@ -9,11 +9,13 @@
 // chunk c ^ (r & 7), a 128-wide head split into two 64-column blocks. S = Q K^T reads Q and K
 // from shared memory (K-major); O += P V takes P from registers (the S accumulator layout is the
 // A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
-// (docs/perf-notes.md has their timings; the plain one is the default): S of the next tile
-// issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a producer
-// warpgroup gathers the K/V stages and the two warpgroups consume them through mbarriers, with no
-// block-wide barrier in the loop), and the statistics pass of AttentionStats. Built only for
-// sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere Sm90AttentionAvailable() is false.
+// (docs/perf-notes.md has their timings; the automatic choice is ws, see PagedAttention): S of
+// the next tile issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a
+// producer warpgroup gathers the K/V stages into 5 stages and the two consumer warpgroups take
+// them through mbarriers, with no block-wide barrier in the loop), ws with the consumers taking
+// turns at the tensor cores ("ws ping-pong", not yet run on a GPU), and the statistics pass of
+// AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
+// Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
 #include <cmath>

@@ -40,12 +40,21 @@ timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
 stamp "backend_consistency_test exit $?"
 grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/bc.log" | head -n 40 \
   | tee -a "$LOG"
-timeout 60 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='*WarpSpecialized*' >"$FINAL/ws.log" 2>&1
+# A kernel variant's test alone under a short timeout (a hang must not eat the call): name,
+# gtest filter, what; the exit status is the test's (124: timed out).
+alone() {
+  timeout 60 "$SPX/bin/backend_consistency_test" --gtest_brief=1 --gtest_filter="$2" \
+    >"$FINAL/$1.log" 2>&1
+  local rc=$?
+  stamp "$3 attention test exit $rc (124: timed out, a hang)"
+  grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/$1.log" | head -n 20 \
+    | tee -a "$LOG"
+  return $rc
+}
+alone ws '*WarpSpecialized*' warp-specialised
 WS_RC=$?
-stamp "warp-specialised attention test exit $WS_RC (124: timed out, a hang)"
-grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/ws.log" | head -n 20 \
-  | tee -a "$LOG"
+alone pp '*WsPingPong*' "ws ping-pong"
+PP_RC=$?
 
 reuse() {  # name, then environment assignments
   local name=$1; shift
@@ -59,13 +68,6 @@ reuse() {  # name, then environment assignments
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
-timeout 60 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='*WsPingPong*' >"$FINAL/pp.log" 2>&1
-PP_RC=$?
-stamp "ws ping-pong attention test exit $PP_RC (124: timed out, a hang)"
-grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/pp.log" | head -n 20 \
-  | tee -a "$LOG"
-
 reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && reuse stats1_ws

@@ -771,6 +771,30 @@ class AttentionConsistency : public BackendConsistency {
     gpu_ = std::move(*g);
     return absl::OkStatus();
   }
+  // gpu_ becomes a backend running unsplit head-dim-128 attention on `impl`, cuDNN off.
+  void UseAttentionImpl(CudaBackendOptions::AttentionImpl impl) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.attn_impl = impl;
+    o.cudnn_attention = CudaBackendOptions::Cudnn::kOff;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+  }
+  // The unsplit head-dim-128 cases a wgmma variant must pass, named with `tag`: dense (read in
+  // place and gathered), a chunk, sparse rows, GQA 8:1 ragged, MHA (128-row query tiles), the
+  // fused cross mass; more key tiles than stages, so every stage is reused.
+  void RunUnsplitHd128(const std::string& tag) {
+    // AttnCase names are C strings; each temporary lives through its Run call.
+    auto name = [&](const char* what) { return tag + " " + what; };
+    Run({name("dense 2048 gqa4").c_str(), 32, 8, 128, 2048, Dense(0, 2048)});
+    Run({name("dense 2048 gqa4 in place").c_str(), 32, 8, 128, 2048, Dense(0, 2048), false,
+         true});
+    Run({name("chunk 1100 after 1000").c_str(), 32, 8, 128, 2100, Dense(1000, 2100)});
+    Run({name("sparse 30% of 4000").c_str(), 32, 8, 128, 4000, Sparse(4000, 0.3)});
+    Run({name("gqa8 dense 1500 ragged").c_str(), 32, 4, 128, 1500, Dense(0, 1500)});
+    Run({name("mha dense 1100").c_str(), 16, 16, 128, 1100, Dense(0, 1100)});
+    Run({name("stats dense 2048").c_str(), 32, 8, 128, 2048, Dense(0, 2048), true});
+  }
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
   void RunBatched(int H, int KV, int hd);
   void Run(const AttnCase& tc) {
@@ -892,19 +916,9 @@ TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
 // 128 rows (MHA) and the selection statistics (the cross mass fused into its softmax).
 TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  CudaBackendOptions o = CudaBackendOptionsFromEnv();
-  o.attn_impl = CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized;
-  o.cudnn_attention = CudaBackendOptions::Cudnn::kOff;
-  auto g = CreateBackend({.kind = "cuda", .cuda = o});
-  ASSERT_TRUE(g.ok()) << g.status();
-  gpu_ = std::move(*g);
-  Run({"ws dense 2048 gqa4", 32, 8, 128, 2048, Dense(0, 2048)});
-  Run({"ws dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});
-  Run({"ws chunk 1100 after 1000", 32, 8, 128, 2100, Dense(1000, 2100)});
-  Run({"ws sparse 30% of 4000", 32, 8, 128, 4000, Sparse(4000, 0.3)});
-  Run({"ws gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
-  Run({"ws mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
-  Run({"ws stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});  // fused cross mass
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("ws");
 }
 
 // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong) and
@@ -912,19 +926,9 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
 // than fails; bench/gpu/verify_pending.sh runs this test alone under a timeout.
 TEST_F(AttentionConsistency, WsPingPongWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  CudaBackendOptions o = CudaBackendOptionsFromEnv();
-  o.attn_impl = CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong;
-  o.cudnn_attention = CudaBackendOptions::Cudnn::kOff;
-  auto g = CreateBackend({.kind = "cuda", .cuda = o});
-  ASSERT_TRUE(g.ok()) << g.status();
-  gpu_ = std::move(*g);
-  Run({"pp dense 2048 gqa4", 32, 8, 128, 2048, Dense(0, 2048)});
-  Run({"pp dense 2048 gqa4 in place", 32, 8, 128, 2048, Dense(0, 2048), false, true});
-  Run({"pp chunk 1100 after 1000", 32, 8, 128, 2100, Dense(1000, 2100)});
-  Run({"pp sparse 30% of 4000", 32, 8, 128, 4000, Sparse(4000, 0.3)});
-  Run({"pp gqa8 dense 1500 ragged", 32, 4, 128, 1500, Dense(0, 1500)});
-  Run({"pp mha dense 1100", 16, 16, 128, 1100, Dense(0, 1100)});
-  Run({"pp stats dense 2048", 32, 8, 128, 2048, Dense(0, 2048), true});
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("pp");
   Run({"pp one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
 }
 
