@@ -66,8 +66,11 @@ struct FlashExtra {
   float* ws_lse = nullptr;  // [splits, num_q, n_heads]
 };
 
+// The statistics pass is bound by instruction latency with one 8-warp block per SM (141
+// registers, 2 warps per scheduler, session 20's ncu): it is held to 128 registers so that two
+// blocks share an SM (2 x 98 KB of shared memory fit).
 template <int HD, bool STATS, int NW>
-__global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
+__global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
     FlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, const FlashExtra ex) {
   constexpr int kBM = 16 * NW;       // M rows (query row x head-in-group) per block
   constexpr int kThreads = 32 * NW;
@@ -281,6 +284,17 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
         LdMatrixX4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3],
                    sQ + Swz<HD>(warp * 16 + (lane & 15), ks * 2 + (lane >> 4)));
     }
+    // STATS: a tile of one segment (tile_groups lo == hi: most tiles of a segmented prompt)
+    // needs no per-key segment load; read before the MMAs so its latency hides behind them.
+    int tile_kg = -1;
+    bool tile_uniform = false;
+    if constexpr (STATS) {
+      if (st.tile_groups != nullptr && st.key_group != nullptr) {
+        const int lo = st.tile_groups[2 * t], hi = st.tile_groups[2 * t + 1];
+        tile_uniform = lo == hi;
+        tile_kg = lo;
+      }
+    }
     const bf16* tK = sK + buf * kBN * HD;
     float s[kBN / 8][4];
 #pragma unroll
@@ -319,7 +333,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 2 : 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = key0 + nb * 8 + e;
-          const int kg = (key < ctx_len && st.key_group) ? st.key_group[key] : -1;
+          // Keys past ctx_len in a uniform tile are masked (p = 0): their group adds nothing.
+          const int kg = tile_uniform                    ? tile_kg
+                         : (key < ctx_len && st.key_group) ? st.key_group[key]
+                                                           : -1;
           const float p0 = Ex2(s[nb][e] - lse_row[0]);
           const float p1 = Ex2(s[nb][2 + e] - lse_row[1]);
           if (st.cross_complement) {  // own segment and shared keys; the cross mass is the rest

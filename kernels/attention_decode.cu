@@ -76,18 +76,30 @@ __global__ void __launch_bounds__(32 * NW)
   const int first = t_begin + warp;
   const int my_n = first < t_end ? static_cast<int>(CeilDiv(t_end - first, NW)) : 0;
   bf16* wKV = sKV + warp * ST * kStage;
-  auto load = [&](int stage, int tile) {
+  // Lane l holds the pool slot of key row l % BN of a tile: one load per lane, shuffled to the
+  // lanes that copy the row. The slots of a tile are loaded one loop step before its copies are
+  // issued, so a copy never waits on its own slot load (a dependent global load per row).
+  static_assert(BN <= 32, "one slot per lane");
+  auto slot_of = [&](int tile) -> int {
+    const int j = tile * BN + (lane % BN);
+    return j < kv_end ? __ldg(ctx_slots + j) : 0;
+  };
+  auto load = [&](int stage, int tile, int sl) {
     bf16* dk = wKV + stage * kStage;
     bf16* dv = dk + BN * HD;
+#pragma unroll
     for (int idx = lane; idx < BN * CH; idx += 32) {
       const int r = idx / CH, c = idx % CH;
-      const int j = tile * BN + r;
-      const bool valid = j < kv_end;
-      const int64_t off = valid ? (int64_t)ctx_slots[j] * p.kv_stride + kvh * HD + c * 8 : 0;
+      const int slot = __shfl_sync(0xffffffffu, sl, r);
+      const bool valid = tile * BN + r < kv_end;
+      const int64_t off = valid ? (int64_t)slot * p.kv_stride + kvh * HD + c * 8 : 0;
       CpAsync16(dk + Swz<HD>(r, c), p.k_pool + off, valid);
       CpAsync16(dv + Swz<HD>(r, c), p.v_pool + off, valid);
     }
   };
+  int pre[ST];  // the slots of this warp's first ST tiles, requested before anything waits
+#pragma unroll
+  for (int s = 0; s < ST; ++s) pre[s] = s < my_n ? slot_of(first + s * NW) : 0;
   // Q and the first key tiles are requested together: the tiles do not wait for Q to land.
   for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
     const int m = idx / CH, c = idx % CH;
@@ -99,9 +111,10 @@ __global__ void __launch_bounds__(32 * NW)
   detail::CpAsyncCommit();
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < my_n) load(s, first + s * NW);
+    if (s < my_n) load(s, first + s * NW, pre[s]);
     detail::CpAsyncCommit();  // empty groups keep the count the wait below relies on
   }
+  int next_slot = pre[ST - 1];  // the slots of the tile the loop's first step loads
   detail::CpAsyncWait<ST - 1>();  // Q's group (the oldest) has landed
   __syncthreads();
   uint32_t qf[HD / 16][4];
@@ -117,8 +130,10 @@ __global__ void __launch_bounds__(32 * NW)
   float row_m[2] = {kNegInf, kNegInf}, row_l[2] = {0.0f, 0.0f};
 
   for (int i = 0; i < my_n; ++i) {
-    if (i + ST - 1 < my_n) load((i + ST - 1) % ST, first + (i + ST - 1) * NW);
+    if (i + ST - 1 < my_n) load((i + ST - 1) % ST, first + (i + ST - 1) * NW, next_slot);
     detail::CpAsyncCommit();
+    // The next step's slots, landing while this step computes.
+    if (i + ST < my_n) next_slot = slot_of(first + (i + ST) * NW);
     detail::CpAsyncWait<ST - 1>();  // tile i has landed (this lane's copies) ...
     __syncwarp();                   // ... and every lane's
     const int t = first + i * NW;

@@ -22,7 +22,8 @@
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
 # micro.json/.log, hf.json, decode.json/.log: a device call brings back only a few files).
 #
-#   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540)
+#   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
+#                                                # SPX_VERIFY_REUSE (reuse variants)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify
@@ -68,10 +69,12 @@ reuse() {  # name, then environment assignments
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
-reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
-reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
-[ "$WS_RC" = 0 ] && reuse stats1_ws
-[ "$PP_RC" = 0 ] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
+# SPX_VERIFY_REUSE picks the variants (default all four; session 20 measured stats0 on an H100).
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats0 stats1 stats1_ws stats1_pp} "
+[[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
+[[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
+[ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
+[ "$PP_RC" = 0 ] && [[ $VARIANTS == *" stats1_pp "* ]] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
