@@ -16,6 +16,9 @@
 // --refresh-kv 0 turns off ReuseOptions::refresh_first_sparse_kv (its cost, measured).
 // --tp N runs every case on N tensor-parallel ranks (EngineGroup: CPU ranks in one process, or
 // one GPU per rank over NCCL); the segment stores hold each rank's KV-head share.
+// --profile-range CASE (CUDA builds): one more run of that case between cudaProfilerStart and
+// cudaProfilerStop, so that `ncu --profile-from-start off` times only its kernels
+// (bench/gpu/profile_reuse.sh) instead of the segment encoding's thousands before it.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -27,6 +30,10 @@
 #include <vector>
 
 #include "bench/gpu_memory.h"
+#if SPARSEX_WITH_CUDA
+#include <cuda_profiler_api.h>
+#include <cuda_runtime.h>
+#endif
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/engine_group.h"
 #include "gpu_worker/reuse/reuse_prefill.h"
@@ -60,7 +67,8 @@ int Main(int argc, char** argv) {
       {"segment-tokens", "256"},   {"new-tokens", "32"},   {"full-layers", "2"},
       {"ratio", "0.15"},           {"reps", "3"},          {"warmup", "1"},
       {"out", "reuse_prefill.json"}, {"seed", "7"},          {"tp", "1"},
-      {"cases", "full,reuse_device,reuse_pinned,reuse_host"}, {"refresh-kv", "1"}};
+      {"cases", "full,reuse_device,reuse_pinned,reuse_host"}, {"refresh-kv", "1"},
+      {"profile-range", ""}};
   for (int i = 1; i + 1 < argc; i += 2) a[std::string(argv[i]).substr(2)] = argv[i + 1];
   const int nseg = std::stoi(a["segments"]), seg_len = std::stoi(a["segment-tokens"]),
             n_new = std::stoi(a["new-tokens"]), reps = std::stoi(a["reps"]),
@@ -115,7 +123,8 @@ int Main(int argc, char** argv) {
   segs.push_back(question);
 
   std::map<const ReuseStats*, bench::GpuMemory> mem;  // each case's device memory peak
-  auto time_case = [&](EngineGroup& re, const ReuseOptions& o, ReuseStats* stats) {
+  auto time_case = [&](EngineGroup& re, const ReuseOptions& o, ReuseStats* stats,
+                       const char* name) {
     std::vector<double> ms;
     bench::GpuMemoryMeter meter;
     meter.Reset();
@@ -136,6 +145,18 @@ int Main(int argc, char** argv) {
       *stats = r.stats;
     }
     mem[stats] = meter.Read();
+    if (a["profile-range"] == name) {
+#if SPARSEX_WITH_CUDA
+      cudaDeviceSynchronize();
+      cudaProfilerStart();
+      auto r = Check(re.ReusePrefill(segs, true, &o), "prefill (profiler range)");
+      cudaDeviceSynchronize();
+      cudaProfilerStop();
+      re.Release(r.seq);
+#else
+      std::fprintf(stderr, "--profile-range: a CUDA build only\n");
+#endif
+    }
     return Median(ms);
   };
   ReuseOptions full = ro;
@@ -146,18 +167,18 @@ int Main(int argc, char** argv) {
     return ("," + a["cases"] + ",").find("," + std::string(c) + ",") != std::string::npos;
   };
   ReuseStats st_full, st_dev, st_pin, st_host;
-  const double full_ms = time_case(*host_only, full, &st_full);
+  const double full_ms = time_case(*host_only, full, &st_full, "full");
   double host_ms = 0, dev_ms = 0, pin_ms = 0;
-  if (wanted("reuse_host")) host_ms = time_case(*host_only, ro, &st_host);
+  if (wanted("reuse_host")) host_ms = time_case(*host_only, ro, &st_host, "reuse_host");
   host_only.reset();
   const size_t tier = (size_t{48} << 30) / static_cast<size_t>(tp);
   if (wanted("reuse_device")) {
     auto tiered = group(tier, 0);
-    dev_ms = time_case(*tiered, ro, &st_dev);
+    dev_ms = time_case(*tiered, ro, &st_dev, "reuse_device");
   }
   if (wanted("reuse_pinned")) {
     auto pinned = group(0, tier);
-    pin_ms = time_case(*pinned, ro, &st_pin);
+    pin_ms = time_case(*pinned, ro, &st_pin, "reuse_pinned");
   }
 
   std::printf("model %s on %s, tp %d: %d tokens (%d segments x %d + %d new), F=%d r=%.2f; "

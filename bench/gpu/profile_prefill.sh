@@ -1,43 +1,57 @@
 #!/usr/bin/env bash
-# Where a 32K prefill's GPU time goes (issue 15: full prefill 0.88x transformers against the
-# 0.83x target, reuse prefill 0.27x against 0.20x), from the staged binaries (bench/gpu/
-# stage_serve.sh; the device call carries .stage). Nsight Compute times every kernel with one
-# metric (gpu__time_duration.sum, clocks and caches left alone) and bench/gpu/ncu_sum.py sums
-# them by kernel:
-#   1. gpu_prefill_bench: one 32K full prefill (synthetic Llama-3-8B);
-#   2. reuse_prefill_bench (8 x 4064 stored segments + 256 new, F = 2, r = 0.15) twice: with
-#      the full case only, and with the reuse case too; their difference, halved, is one reuse
-#      prefill (the benchmark runs it timed and then profiled). SPX_CUDNN_STATS passes through.
+# Where a 32K prefill's GPU time goes (issue 15: reuse prefill against 0.20x transformers, full
+# prefill against 0.83x), from the staged binaries (bench/gpu/stage_serve.sh; the device call
+# carries .stage). Nsight Compute times every kernel of one prefill with one metric
+# (gpu__time_duration.sum, clocks and caches left alone) and bench/gpu/ncu_sum.py sums them by
+# kernel and grid (the full layers' and the sparse layers' launches of one GEMM apart):
+#   1. one reuse prefill (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15):
+#      reuse_prefill_bench --profile-range reuse_device runs it once more between
+#      cudaProfilerStart/Stop, and ncu --profile-from-start off sees only that run;
+#   2. the full prefill of the same prompt (--profile-range full);
+#   3. the selection statistics by complement (the cuDNN path's second pass; gpu_prefill_bench's
+#      single-op row, one launch) with Nsight Compute's throughput, occupancy, scheduler and
+#      warp-state sections: why a key tile costs what it does.
 # The kernel sums count no overlap and no launch gaps: read them against the unprofiled times
-# the same binaries print (docs/perf-notes.md has the last ones).
-# Writes to $OUT: profile_prefill.log, ncu_*.csv.gz, prefill_kernels.json, reuse_kernels.json.
+# the same binaries print. Writes to $OUT: profile_prefill.log, ncu_*.csv.gz, *_kernels.json.
 #
-#   OUT=/tmp/out bench/gpu/profile_prefill.sh     # SPX_PROFILE_TOKENS (32768)
+#   OUT=/tmp/out bench/gpu/profile_prefill.sh     # SPX_PROFILE_STEPS (default "reuse full stats")
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=profile_prefill
 . "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -z "$NCU" ]; then stamp "no ncu on this machine"; exit 0; fi
+STEPS=" ${SPX_PROFILE_STEPS:-reuse full stats} "
 PROF="$NCU --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --page raw"
-N=${SPX_PROFILE_TOKENS:-32768}
-
-stamp "full prefill $N under ncu"
-timeout 200 $PROF --log-file "$OUT/ncu_full.csv" "$SPX/bin/gpu_prefill_bench" --lengths "$N" \
-  --reps 1 --warmup 0 --decode-steps 0 --no-micro --out "$OUT/prefill_plain.json" >>"$LOG" 2>&1
-stamp "ncu exit $?"
-python3 "$ROOT/bench/gpu/ncu_sum.py" "$OUT/ncu_full.csv" --json "$OUT/prefill_kernels.json" \
-  2>&1 | tee -a "$LOG"
-
 R="--model synthetic:llama3-8b --device cuda --segments 8 --segment-tokens 4064 --new-tokens 256 \
 --full-layers 2 --ratio 0.15 --reps 1 --warmup 0"
-for c in full full,reuse_device; do
-  stamp "reuse_prefill_bench --cases $c under ncu"
-  timeout 200 $PROF --log-file "$OUT/ncu_reuse_${c//,/_}.csv" "$SPX/bin/reuse_prefill_bench" $R \
-    --cases "$c" --out "$OUT/reuse_${c//,/_}.json" >>"$LOG" 2>&1
+
+for c in reuse_device full; do
+  step=${c#reuse_}; step=${step/device/reuse}
+  [[ $STEPS == *" $step "* ]] || continue
+  cases=full; [ "$c" = full ] || cases=full,$c
+  stamp "one $c prefill under ncu"
+  timeout 240 $PROF --profile-from-start off --log-file "$OUT/ncu_$c.csv" \
+    "$SPX/bin/reuse_prefill_bench" $R --cases "$cases" --profile-range "$c" \
+    --out "$OUT/reuse_$c.json" >>"$LOG" 2>&1
   stamp "ncu exit $?"
+  python3 "$ROOT/bench/gpu/ncu_sum.py" "$OUT/ncu_$c.csv" --by-grid --top 40 \
+    --json "$OUT/${c}_kernels.json" 2>&1 | tee -a "$LOG"
 done
-python3 "$ROOT/bench/gpu/ncu_sum.py" "$OUT/ncu_reuse_full_reuse_device.csv" \
-  --minus "$OUT/ncu_reuse_full.csv" --scale 2 --json "$OUT/reuse_kernels.json" 2>&1 | tee -a "$LOG"
-gzip -f "$OUT"/ncu_*.csv
+
+if [[ $STEPS == *" stats "* ]]; then
+  # gpu_prefill_bench's statistics rows launch FlashKernel<128, true, 8> 7 times direct, then 7
+  # times by complement: the 10th launch is a complement one.
+  stamp "statistics by complement, one launch, ncu sections"
+  SPX_MICRO_IMPLS=mma timeout 200 "$NCU" --clock-control none --kernel-name-base mangled \
+    -k regex:FlashKernelILi128ELb1ELi8E --launch-skip 9 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 0 --decode-steps 0 \
+    --out "$OUT/stats_micro.json" >"$OUT/ncu_stats.txt" 2>&1
+  stamp "ncu exit $?"
+  grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Warp|No Eligible|Active Warps|Eligible Warps|Warp Cycles|Stall|Compute \(SM\)|Memory Throughput|L1/TEX Hit|L2 Hit|DRAM Throughput" \
+    "$OUT/ncu_stats.txt" | head -n 40 | tee -a "$LOG"
+fi
+gzip -f "$OUT"/ncu_*.csv 2>/dev/null
 stamp "done"
