@@ -725,6 +725,14 @@ int Main(const Options& o) {
       records.push_back({"attention_stats_complement_layer", n, ms4, mn4, 5, ""});
       std::printf("selection statistics by complement (1 layer, 4096-token segments) %6d: "
                   "%8.3f ms\n", n, ms4);
+      // Without the received attention: the blocks of the 256 weighted rows read every key
+      // tile (32K keys) where the others read their own segment; the difference is their cost.
+      st.recv_weight = nullptr;
+      st.out_recv = nullptr;
+      auto [ms5, mn5] = time_stats("complement, cross only");
+      records.push_back({"attention_stats_complement_cross_only_layer", n, ms5, mn5, 5, ""});
+      std::printf("selection statistics by complement, cross mass only (no received attention) "
+                  "%6d: %8.3f ms\n", n, ms5);
     }
     cudaFree(d_pos);
     cudaFree(d_slots);

@@ -718,9 +718,9 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
     AttentionStatsParams none;
     if (plan.splits <= 1 && p.head_dim == 128 && p.impl != 1 && p.num_seqs == 0 &&
         (p.impl != 0 || kDefaultSm90) && Sm90AttentionAvailable() && Sm90AttentionSupports(p)) {
-      // Auto keeps calls with the fused cross mass on the plain kernel: the ws kernel with it
-      // (AttentionConsistency.WarpSpecializedWgmma's statistics case) has not run on a GPU yet.
-      const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized && p.out_cross == nullptr;
+      // Calls with the fused cross mass too (AttentionConsistency.WarpSpecializedWgmma's
+      // statistics case passed in session 21).
+      const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized;
       const Sm90Variant v = p.impl == 5                ? Sm90Variant::kWsPingPong
                             : p.impl == 4 || ws_auto ? Sm90Variant::kWarpSpecialized
                             : p.impl == 3            ? Sm90Variant::kPipelined
