@@ -721,10 +721,19 @@ int Main(const Options& o) {
       // 4096-token segment and the sink only, every tile for the blocks of the 256 new rows.
       st.cross_complement = true;
       st.tile_groups = d_tiles;
+      // The weighted rows' received attention in blocks of their own over parts of the keys
+      // (the backend's choice), then in the cross-mass blocks (before session 21).
+      st.recv_rows_begin = std::min(std::max(0, nmax - 256), n);
+      st.recv_rows_end = n;
       auto [ms4, mn4] = time_stats("complement");
       records.push_back({"attention_stats_complement_layer", n, ms4, mn4, 5, ""});
       std::printf("selection statistics by complement (1 layer, 4096-token segments) %6d: "
                   "%8.3f ms\n", n, ms4);
+      st.recv_rows_begin = st.recv_rows_end = 0;
+      auto [ms6, mn6] = time_stats("complement, received attention unsplit");
+      records.push_back({"attention_stats_complement_unsplit_layer", n, ms6, mn6, 5, ""});
+      std::printf("selection statistics by complement, received attention unsplit %6d: "
+                  "%8.3f ms\n", n, ms6);
       // Without the received attention: the blocks of the 256 weighted rows read every key
       // tile (32K keys) where the others read their own segment; the difference is their cost.
       st.recv_weight = nullptr;

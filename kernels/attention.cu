@@ -64,6 +64,12 @@ struct FlashExtra {
   int qt = 64;              // query rows per block (16 * warps / G)
   float* ws_o = nullptr;    // [splits, num_q, n_heads, HD] fp32, split mode only
   float* ws_lse = nullptr;  // [splits, num_q, n_heads]
+  // Statistics by complement with AttentionStatsParams::recv_rows_*: x-blocks [0, recv_blocks)
+  // take the received attention of the query tiles from row recv_q0 on, recv_parts blocks per
+  // tile, each over its part of the keys; the other x-blocks take the cross mass only.
+  int recv_blocks = 0;
+  int recv_parts = 1;
+  int recv_q0 = 0;
 };
 
 // The statistics pass is bound by instruction latency with one 8-warp block per SM (141
@@ -94,7 +100,12 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
   // sequences) block x is sequence x with its own context.
   int q0, q_end = p.num_q, ctx_len = p.ctx_len;
   const int32_t* ctx_slots = p.ctx_slots;
-  if (p.num_seqs > 0) {
+  const int recv_part = static_cast<int>(blockIdx.x) < ex.recv_blocks
+                            ? static_cast<int>(blockIdx.x) % ex.recv_parts
+                            : -1;  // >= 0: a received-attention block (statistics only)
+  if (recv_part >= 0) {
+    q0 = ex.recv_q0 + static_cast<int>(blockIdx.x) / ex.recv_parts * QT;
+  } else if (p.num_seqs > 0) {
     const int sq = blockIdx.x;
     q0 = p.seq_rows[sq];
     q_end = min(p.seq_rows[sq + 1], q0 + QT);
@@ -113,6 +124,9 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
   }
   __syncthreads();
   bool has_weight = false;
+  // With split received attention (ex.recv_blocks), the other blocks take the cross mass only.
+  const bool take_recv = ex.recv_blocks == 0 || recv_part >= 0;
+  const bool take_cross = recv_part < 0;
   for (int m = tid; m < kBM; m += kThreads) {
     const int qrow = q0 + m % QT;
     int lim = -1;
@@ -120,7 +134,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
       lim = min(p.q_pos[qrow], ctx_len - 1);
       if (lim < 0) lim = -1;
       if constexpr (STATS) {
-        if (st.recv_weight && st.out_recv && st.recv_weight[qrow] > 0.0f) has_weight = true;
+        if (take_recv && st.recv_weight && st.out_recv && st.recv_weight[qrow] > 0.0f)
+          has_weight = true;
         if (st.cross_complement && lim >= 0) {
           const int gq = st.q_group[qrow];
           if (gq >= 0) {
@@ -139,7 +154,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
     has_weight = __syncthreads_or(has_weight);
     // Only received attention asked for (the cross mass was fused into the attention pass):
     // blocks without weighted rows have nothing to add.
-    if (!has_weight && !(st.out_cross && st.key_group && st.q_group)) return;
+    if (!has_weight && !(take_cross && st.out_cross && st.key_group && st.q_group)) return;
   } else {
     __syncthreads();
   }
@@ -153,6 +168,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
     // bucket of lengths (a replayed decode graph) loses nothing to empty splits.
     const int per = static_cast<int>(CeilDiv(n_tiles, static_cast<int>(gridDim.z)));
     t_begin = split * per;
+    t_end = min(n_tiles, t_begin + per);
+  } else if (recv_part >= 0) {  // this block's part of its rows' keys
+    const int per = static_cast<int>(CeilDiv(n_tiles, ex.recv_parts));
+    t_begin = recv_part * per;
     t_end = min(n_tiles, t_begin + per);
   }
 
@@ -401,7 +420,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
   detail::CpAsyncWait<0>();
 
   if constexpr (STATS) {
-    if (st.out_cross && st.key_group && st.q_group) {
+    if (take_cross && st.out_cross && st.key_group && st.q_group) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         float v = cross[i];
@@ -661,8 +680,8 @@ cudaError_t LaunchFlashNW(const PagedAttentionParams& p, const AttentionStatsPar
   const int G = p.n_heads / p.n_kv_heads;
   ex.group = G;
   ex.qt = 16 * NW / G;
-  const unsigned tiles_x = static_cast<unsigned>(p.num_seqs > 0 ? p.num_seqs
-                                                                : CeilDiv(p.num_q, ex.qt));
+  const unsigned tiles_x = static_cast<unsigned>(
+      (p.num_seqs > 0 ? p.num_seqs : CeilDiv(p.num_q, ex.qt)) + ex.recv_blocks);
   const dim3 grid(tiles_x, p.n_kv_heads, splits);
   return detail::LaunchPdl(FlashKernel<HD, STATS, NW>, grid, 32 * NW, smem, stream, p, st, ex);
 }
@@ -772,6 +791,19 @@ cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsPa
     return Sm90AttentionStats(p, s, stream);
   if (TensorCorePath(p)) {
     FlashExtra ex;
+    if (s.cross_complement && s.out_recv && s.recv_weight && s.recv_rows_begin >= 0 &&
+        s.recv_rows_begin < s.recv_rows_end && s.recv_rows_end <= p.num_q) {
+      // Blocks of about kRecvTiles key tiles each: ~64 at 32K, against the cross-mass blocks'
+      // ~34 (their own 4K segment), so the launch ends evenly.
+      constexpr int kRecvTiles = 64;
+      const int qt = 16 * Warps(p) / (p.n_heads / p.n_kv_heads);
+      ex.recv_q0 = s.recv_rows_begin / qt * qt;
+      const int tiles = static_cast<int>(CeilDiv(p.ctx_len, kBN));
+      const int parts = static_cast<int>(CeilDiv(tiles, kRecvTiles));
+      ex.recv_parts = parts > 1 ? parts : 1;
+      ex.recv_blocks =
+          static_cast<int>(CeilDiv(s.recv_rows_end - ex.recv_q0, qt)) * ex.recv_parts;
+    }
     return p.head_dim == 128 ? LaunchFlash<128, true>(p, s, ex, 1, stream)
                              : LaunchFlash<64, true>(p, s, ex, 1, stream);
   }

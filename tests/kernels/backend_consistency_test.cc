@@ -975,6 +975,11 @@ TEST_F(AttentionConsistency, CudnnSelectionStatisticsByComplement) {
   AttnCase hd64{"complement mha hd64 300", 8, 8, 64, 300, Dense(0, 300), true};
   hd64.recv_last = 20;
   Run(hd64);
+  // Over 64 key tiles: the weighted rows' received attention is split into two key parts.
+  AttnCase parts{"complement 4600 gqa4, new rows last, two key parts", 8, 2, 128, 4600,
+                 Dense(0, 4600), true};
+  parts.recv_last = 50;
+  Run(parts);
 }
 
 TEST_F(AttentionConsistency, DecodeSplitK) {

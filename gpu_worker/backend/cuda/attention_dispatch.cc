@@ -230,6 +230,13 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
   if (want_recv) {
     s.recv_weight = static_cast<const float*>(d[5]);
     s.out_recv = recv;
+    // The rows with weight (the new tokens) get blocks of their own over parts of the keys.
+    const auto& w = a.recv_weight;
+    int64_t lo = 0, hi = static_cast<int64_t>(w.size());
+    while (lo < hi && !(w[lo] > 0.0f)) ++lo;
+    while (hi > lo && !(w[hi - 1] > 0.0f)) --hi;
+    s.recv_rows_begin = static_cast<int>(lo);
+    s.recv_rows_end = static_cast<int>(hi);
   }
   return FinishStatistics(p, s, a, cross, recv);
 }
