@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# Session 19's two GPU paths, built without a device and measured in session 20 (H100; both
-# are defaults now, docs/perf-notes.md "Session 20"), checked and timed against the paths they
-# replaced in one device call from the staged binaries (bench/gpu/stage_serve.sh; the call
-# carries .stage):
-#   - the full layers' selection statistics on cuDNN (SPX_CUDNN_STATS, on; =0: our fused kernel);
-#   - the warp-specialised wgmma attention (SPX_ATTN_IMPL auto = wgmma-ws; =wgmma: plain);
-# and session 20's ws kernel with ping-pong turns and setmaxnreg (SPX_ATTN_IMPL=wgmma-ws-pp),
-# built without a device, not yet run.
+# The GPU paths built without a device, checked and timed against the paths they replace in
+# one device call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage).
+# Measured by now (docs/perf-notes.md, sessions 20-21, H100): the cuDNN statistics
+# (SPX_CUDNN_STATS, on), the ws attention (SPX_ATTN_IMPL auto = wgmma-ws), the ping-pong variant
+# (wgmma-ws-pp, slower). Pending (session 21): the complement pass's received attention in
+# blocks of their own (SPX_STATS_RECV_SPLIT=1, off by default): its test case runs in step 1,
+# its single-op rows (split and unsplit) in step 3, a reuse prefill with it in step 2.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the warp-specialised and ping-pong cases alone under a short
 #      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case): SPX_CUDNN_STATS=0 with plain wgmma (session 19's defaults), the
-#      statistics on cuDNN with plain wgmma, the defaults, and the ping-pong kernel, in the
-#      same call;
+#      the issue-15 case): by default the defaults and the defaults with
+#      SPX_STATS_RECV_SPLIT=1 in the same call (SPX_VERIFY_REUSE adds SPX_CUDNN_STATS=0 with
+#      plain wgmma: stats0, the cuDNN statistics with plain wgmma: stats1, ping-pong: stats1_pp);
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
-#      attention kernel (TFLOP/s), the statistics pass direct and by complement;
+#      attention kernel (TFLOP/s), the statistics pass direct and by complement (received
+#      attention split and unsplit, and without it);
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
 #   5. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K) on this call's card.
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
 # micro.json/.log, hf.json, decode.json/.log: a device call brings back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
-#                                                # SPX_VERIFY_REUSE (reuse variants)
+#                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
+#                                                # stats1_ws stats1_pp stats1_ws_split)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify
@@ -70,11 +71,12 @@ reuse() {  # name, then environment assignments
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
 # SPX_VERIFY_REUSE picks the variants (default all four; session 20 measured stats0 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats0 stats1 stats1_ws stats1_pp} "
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws_split} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
 [ "$PP_RC" = 0 ] && [[ $VARIANTS == *" stats1_pp "* ]] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
+[[ $VARIANTS == *" stats1_ws_split "* ]] && reuse stats1_ws_split SPX_STATS_RECV_SPLIT=1
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
@@ -112,7 +114,7 @@ hf = load("hf.json")
 base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
-for v in ("stats0", "stats1", "stats1_ws", "stats1_pp"):
+for v in ("stats0", "stats1", "stats1_ws", "stats1_pp", "stats1_ws_split"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):

@@ -87,6 +87,15 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
                    o.cudnn_statistics ? 1 : 0);
     }
   }
+  if (const char* c = std::getenv("SPX_STATS_RECV_SPLIT")) {
+    const std::string v = c;
+    if (v == "0" || v == "1") {
+      o.stats_recv_split = v == "1";
+    } else {
+      std::fprintf(stderr, "SPX_STATS_RECV_SPLIT=%s is not 0 or 1: %d used\n", c,
+                   o.stats_recv_split ? 1 : 0);
+    }
+  }
   if (const char* m = std::getenv("SPX_CUDNN_STATS_MAX_SHARE")) {
     char* end = nullptr;
     const double v = std::strtod(m, &end);

@@ -195,6 +195,13 @@ struct CudaBackendOptions {
   // our fused pass ~31 ms, a full statistics read ~27.5 ms; not yet measured as a whole).
   // SPX_CUDNN_STATS_MAX_SHARE. Default: 0.5
   double cudnn_statistics_max_share = 0.5;
+  // In that complement pass, the received attention of the weighted rows (the new tokens) in
+  // blocks of their own, each over a part of the keys, instead of inside the cross-mass blocks,
+  // where their reads of every key trail the launch (session 21, H100, 32K: the pass costs 6.40
+  // ms a layer with them, 3.99 without; kernels::AttentionStatsParams::recv_rows_begin). Built
+  // and tested on the CPU side only: off until a device call has run its test and timed it.
+  // SPX_STATS_RECV_SPLIT=1 sets true, =0 false. Default: false
+  bool stats_recv_split = false;
 };
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its

@@ -66,6 +66,23 @@ TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
   }
 }
 
+TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
+  EXPECT_FALSE(CudaBackendOptions{}.stats_recv_split);  // off until a GPU has run it
+  {
+    Env e;
+    e.Set("SPX_STATS_RECV_SPLIT", "1");
+    EXPECT_TRUE(CudaBackendOptionsFromEnv().stats_recv_split);
+    e.Set("SPX_STATS_RECV_SPLIT", "0");
+    EXPECT_FALSE(CudaBackendOptionsFromEnv().stats_recv_split);
+  }
+  for (const char* bad : {"on", "2", ""}) {
+    Env e;
+    e.Set("SPX_STATS_RECV_SPLIT", bad);
+    EXPECT_FALSE(CudaBackendOptionsFromEnv().stats_recv_split)
+        << "'" << bad << "' kept the default";
+  }
+}
+
 TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   Env e;
   e.Set("SPX_DEVICE_SAMPLING", "0");

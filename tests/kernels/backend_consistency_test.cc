@@ -954,32 +954,39 @@ TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
 // "require" turns a fallback to the fused kernel into an error, so the complement path is what
 // ran.
 TEST_F(AttentionConsistency, CudnnSelectionStatisticsByComplement) {
-  CudaBackendOptions o = CudaBackendOptionsFromEnv();
-  o.cudnn_statistics = true;
-  o.cudnn_statistics_max_share = 1.0;  // every case takes the complement, however much it reads
-  const absl::Status s = UseRequiredCudnn(o);
-  if (absl::IsUnavailable(s)) GTEST_SKIP() << s;
-  ASSERT_TRUE(s.ok()) << s;
-  AttnCase dense{"complement dense 2048 gqa4, new rows last", 32, 8, 128, 2048, Dense(0, 2048),
-                 true, true};
-  dense.recv_last = 64;
-  Run(dense);
-  Run({"complement dense 2048 gqa4, weights everywhere, gathered", 32, 8, 128, 2048,
-       Dense(0, 2048), true});
-  AttnCase chunk{"complement chunk 700 after 1400", 32, 8, 128, 2100, Dense(1400, 2100), true};
-  chunk.recv_last = 100;
-  Run(chunk);
-  AttnCase gqa8{"complement gqa8 ragged 1500", 32, 4, 128, 1500, Dense(0, 1500), true, true};
-  gqa8.recv_last = 37;
-  Run(gqa8);
-  AttnCase hd64{"complement mha hd64 300", 8, 8, 64, 300, Dense(0, 300), true};
-  hd64.recv_last = 20;
-  Run(hd64);
-  // Over 64 key tiles: the weighted rows' received attention is split into two key parts.
-  AttnCase parts{"complement 4600 gqa4, new rows last, two key parts", 8, 2, 128, 4600,
-                 Dense(0, 4600), true};
-  parts.recv_last = 50;
-  Run(parts);
+  // Each case with the weighted rows' received attention inside the cross-mass blocks, then in
+  // blocks of their own over parts of the keys (CudaBackendOptions::stats_recv_split).
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(split ? "received attention split" : "received attention unsplit");
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.cudnn_statistics = true;
+    o.cudnn_statistics_max_share = 1.0;  // every case takes the complement, however much it reads
+    o.stats_recv_split = split;
+    const absl::Status s = UseRequiredCudnn(o);
+    if (absl::IsUnavailable(s)) GTEST_SKIP() << s;
+    ASSERT_TRUE(s.ok()) << s;
+    AttnCase dense{"complement dense 2048 gqa4, new rows last", 32, 8, 128, 2048,
+                   Dense(0, 2048), true, true};
+    dense.recv_last = 64;
+    Run(dense);
+    Run({"complement dense 2048 gqa4, weights everywhere, gathered", 32, 8, 128, 2048,
+         Dense(0, 2048), true});
+    AttnCase chunk{"complement chunk 700 after 1400", 32, 8, 128, 2100, Dense(1400, 2100),
+                   true};
+    chunk.recv_last = 100;
+    Run(chunk);
+    AttnCase gqa8{"complement gqa8 ragged 1500", 32, 4, 128, 1500, Dense(0, 1500), true, true};
+    gqa8.recv_last = 37;
+    Run(gqa8);
+    AttnCase hd64{"complement mha hd64 300", 8, 8, 64, 300, Dense(0, 300), true};
+    hd64.recv_last = 20;
+    Run(hd64);
+    // Over 64 key tiles: split, the weighted rows' received attention takes two key parts.
+    AttnCase parts{"complement 4600 gqa4, new rows last", 8, 2, 128, 4600, Dense(0, 4600),
+                   true};
+    parts.recv_last = 50;
+    Run(parts);
+  }
 }
 
 TEST_F(AttentionConsistency, DecodeSplitK) {

@@ -230,6 +230,8 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
   if (want_recv) {
     s.recv_weight = static_cast<const float*>(d[5]);
     s.out_recv = recv;
+  }
+  if (want_recv && options_.stats_recv_split) {
     // The rows with weight (the new tokens) get blocks of their own over parts of the keys.
     const auto& w = a.recv_weight;
     int64_t lo = 0, hi = static_cast<int64_t>(w.size());
