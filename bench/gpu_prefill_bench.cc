@@ -649,8 +649,9 @@ int Main(const Options& o) {
       double sflops = 0;
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
-      // pipelined, warp-specialised, ws ping-pong). SPX_MICRO_IMPLS=mma limits the list to
-      // mma.sync, =no-pp leaves out the ping-pong kernel (a variant whose test failed).
+      // pipelined, warp-specialised, ws ping-pong, ws pipelined). SPX_MICRO_IMPLS=mma limits the
+      // list to mma.sync; no-pp and no-pipe in it (e.g. "no-pp,no-pipe") leave out that kernel
+      // (a variant whose test failed).
       struct Impl {
         int impl, warps;
         const char* name;
@@ -661,7 +662,10 @@ int Main(const Options& o) {
         impls.push_back({2, 8, "wgmma"});
         impls.push_back({3, 8, "wgmma pipelined"});
         impls.push_back({4, 8, "wgmma warp-specialised"});
-        if (!(only && std::string(only) == "no-pp")) impls.push_back({5, 8, "wgmma ws ping-pong"});
+        const std::string skip = only ? only : "";
+        if (skip.find("no-pp") == std::string::npos) impls.push_back({5, 8, "wgmma ws ping-pong"});
+        if (skip.find("no-pipe") == std::string::npos)
+          impls.push_back({6, 8, "wgmma ws pipelined"});
       }
       for (const Impl& im : impls) {
         const int warps = im.warps;

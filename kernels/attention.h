@@ -55,11 +55,11 @@ struct PagedAttentionParams {
   // (128 rows, 1 block per SM, half the K/V traffic per FLOP). 0: the default (8).
   int warps = 0;
   // Kernel choice for unsplit head_dim-128 attention: 0 auto (the warp-specialised wgmma kernel
-  // of attention_sm90.cu when this build and the device are sm_90a, plain wgmma for calls with
-  // out_cross, else mma.sync), 1 mma.sync,
+  // of attention_sm90.cu when this build and the device are sm_90a, else mma.sync), 1 mma.sync,
   // 2 wgmma, 3 wgmma with the next tile's Q K^T overlapping this tile's softmax, 4 wgmma
   // warp-specialised (a producer warpgroup loads the K/V stages, the warpgroups wait on mbarriers),
-  // 5 the same with the consumer warpgroups taking turns at the tensor cores (ping-pong).
+  // 5 the same with the consumer warpgroups taking turns at the tensor cores (ping-pong), 6 the
+  // ws kernel with each warpgroup's next Q K^T overlapping its softmax (ws pipelined).
   // Split-K (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3.
   // Default: 0
   int impl = 0;

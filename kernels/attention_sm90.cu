@@ -143,10 +143,25 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
 // tensor cores (FlashAttention-3's ping-pong): a warpgroup issues this tile's Q K^T and the
 // previous tile's P V together, then hands the tensor cores to the other one and runs its
 // softmax while they work; setmaxnreg moves registers from the producer to the consumers.
-enum Mode { kPlain = 0, kPipelined = 1, kStats = 2, kWarpSpecialized = 3, kWsPingPong = 4 };
+// kWsPipelined: the ping-pong schedule without the turns: each consumer warpgroup issues tile
+// t's Q K^T with tile t - 1's P V and runs tile t's softmax while that P V runs
+// (FlashAttention-3's overlap inside a warpgroup), the warpgroups free-running; setmaxnreg.
+enum Mode {
+  kPlain = 0,
+  kPipelined = 1,
+  kStats = 2,
+  kWarpSpecialized = 3,
+  kWsPingPong = 4,
+  kWsPipelined = 5
+};
 template <int MODE>
 constexpr bool IsWs() {
-  return MODE == kWarpSpecialized || MODE == kWsPingPong;
+  return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined;
+}
+// The variants whose consumers hold more than the 168 registers 384 threads leave each.
+template <int MODE>
+constexpr bool Reallocates() {
+  return MODE == kWsPingPong || MODE == kWsPipelined;
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
@@ -161,7 +176,7 @@ template <int MODE>
 constexpr int Stages() {
   return IsWs<MODE>() ? kWsStages : kStages;
 }
-// Registers per thread after setmaxnreg (ping-pong): 128 x 40 + 256 x 232 = 64512 of the SM's
+// Registers per thread after setmaxnreg (ping-pong, pipelined ws): 128 x 40 + 256 x 232 = 64512 of the SM's
 // 65536, the producer's loads need no more.
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
@@ -255,7 +270,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 
   if constexpr (IsWs<MODE>()) {
     if (tid >= kThreads) {
-      if constexpr (MODE == kWsPingPong) SetMaxNRegDec<kProducerRegs>();
+      if constexpr (Reallocates<MODE>()) SetMaxNRegDec<kProducerRegs>();
       // The producer warpgroup: K/V tile t into stage t % kWsStages once the consumers released
       // the tile that was there; each thread's arrival fires when its copies have landed.
       for (int t = 0; t < n_tiles; ++t) {
@@ -271,7 +286,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     }
   }
 
-  if constexpr (MODE == kWsPingPong) SetMaxNRegInc<kConsumerRegs>();
+  if constexpr (Reallocates<MODE>()) SetMaxNRegInc<kConsumerRegs>();
   const int g = lane >> 2, tq = lane & 3;
   const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
   const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
@@ -479,14 +494,19 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       __syncwarp();
       if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));
     }
-  } else if constexpr (MODE == kWsPingPong) {
-    // A step issues this warpgroup's MMAs in its turn and hands the tensor cores to the other
-    // warpgroup, then runs the tile's softmax while they may still run; O and pa change only
-    // once the previous P V is done, which also frees its stage.
+  } else if constexpr (MODE == kWsPingPong || MODE == kWsPipelined) {
+    // A step issues this warpgroup's MMAs (in its turn, ping-pong: then hands the tensor cores
+    // to the other warpgroup), then runs the tile's softmax while they may still run; O and pa
+    // change only once the previous P V is done, which also frees its stage. kWsPipelined is
+    // the same schedule without the turns: each warpgroup's softmax of tile t overlaps its own
+    // P V of tile t - 1 (FlashAttention-3's intra-warpgroup overlap); every step ends with no
+    // MMA pending, so ptxas keeps the MMAs asynchronous (a P V pending across the loop's back
+    // edge made it serialise them, C7514).
+    constexpr bool kTurns = MODE == kWsPingPong;
     detail::CpAsyncWait<0>();
     ConsumerSync();
     FenceProxyAsync();
-    const int my_turn = 2 + wg, their_turn = 3 - wg;
+    [[maybe_unused]] const int my_turn = 2 + wg, their_turn = 3 - wg;
     // Steps: Q K^T of tile 0; then Q K^T of tile t with P V of tile t - 1; then P V of the last
     // tile; the branches are block-uniform, and peeled so that no MMA sits in a divergent path
     // (ptxas serialises those). Each wait for a warpgroup's turn matches one arrival of the
@@ -494,14 +514,14 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     // nobody left to hand over to.
     float corr[2];
     if (n_tiles > 0) {
-      if (wg == 1) TurnGive(2);  // warpgroup 0 goes first
+      if (kTurns && wg == 1) TurnGive(2);  // warpgroup 0 goes first
       MbarWait(detail::SmemAddr(&s_full[0]), 0);
       FenceProxyAsync();  // the copies (generic proxy) before the MMAs' reads (async proxy)
-      TurnWait(my_turn);
+      if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
       issue_s(0, s_cur);
       WgCommit();
-      TurnGive(their_turn);
+      if constexpr (kTurns) TurnGive(their_turn);
       WgWait0();
       softmax(s_cur, 0);
     }
@@ -509,13 +529,13 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       const int stage = t % kWsStages, prev = (t + kWsStages - 1) % kWsStages;
       MbarWait(detail::SmemAddr(&s_full[stage]), (t / kWsStages) & 1);
       FenceProxyAsync();
-      TurnWait(my_turn);
+      if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
       issue_s(stage, s_cur);
       WgCommit();
       issue_pv(prev);
       WgCommit();
-      TurnGive(their_turn);
+      if constexpr (kTurns) TurnGive(their_turn);
       WgWait1();  // Q K^T done (groups retire in order); the P V may still run
       softmax_scores(s_cur, t, corr);
       WgWait0();  // P V done: O and pa may change, its stage is free
@@ -525,11 +545,11 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     }
     if (n_tiles > 0) {
       const int last = (n_tiles - 1) % kWsStages;
-      TurnWait(my_turn);
+      if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
       issue_pv(last);
       WgCommit();
-      if (wg == 0) TurnGive(their_turn);
+      if (kTurns && wg == 0) TurnGive(their_turn);
       WgWait0();
       __syncwarp();
       if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[last]));
@@ -670,6 +690,8 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kWarpSpecialized>(p, none, stream);
     case Sm90Variant::kWsPingPong:
       return Launch<kWsPingPong>(p, none, stream);
+    case Sm90Variant::kWsPipelined:
+      return Launch<kWsPipelined>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

@@ -5,15 +5,17 @@
 # (SPX_CUDNN_STATS, on), the ws attention (SPX_ATTN_IMPL auto = wgmma-ws), the ping-pong variant
 # (wgmma-ws-pp, slower). Pending (session 21): the complement pass's received attention in
 # blocks of their own (SPX_STATS_RECV_SPLIT=1, off by default): its test case runs in step 1,
-# its single-op rows (split and unsplit) in step 3, a reuse prefill with it in step 2.
+# its single-op rows (split and unsplit) in step 3, a reuse prefill with it in step 2; the ws
+# kernel with the ping-pong schedule but no turns (SPX_ATTN_IMPL=wgmma-ws-pipe): its test alone
+# in step 1, its single-op rows in step 3, a reuse prefill with it in step 2.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
-#      a fallback fails it), the warp-specialised and ping-pong cases alone under a short
+#      a fallback fails it), the ws, ping-pong and ws pipelined cases alone under a short
 #      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case): by default the defaults and the defaults with
-#      SPX_STATS_RECV_SPLIT=1 in the same call (SPX_VERIFY_REUSE adds SPX_CUDNN_STATS=0 with
-#      plain wgmma: stats0, the cuDNN statistics with plain wgmma: stats1, ping-pong: stats1_pp);
+#      the issue-15 case) in the same call: the defaults, with SPX_STATS_RECV_SPLIT=1, with
+#      SPX_ATTN_IMPL=wgmma-ws-pipe (SPX_VERIFY_REUSE can add SPX_CUDNN_STATS=0 with plain wgmma:
+#      stats0, the cuDNN statistics with plain wgmma: stats1, ping-pong: stats1_pp);
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
 #      attention kernel (TFLOP/s), the statistics pass direct and by complement (received
 #      attention split and unsplit, and without it);
@@ -24,7 +26,7 @@
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
-#                                                # stats1_ws stats1_pp stats1_ws_split)
+#                                                # stats1_ws stats1_pp stats1_ws_split stats1_pipe)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify
@@ -38,7 +40,7 @@ stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 stamp "attention GPU tests"
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*' >"$FINAL/bc.log" 2>&1
+  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*:*WsPipelined*' >"$FINAL/bc.log" 2>&1
 stamp "backend_consistency_test exit $?"
 grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/bc.log" | head -n 40 \
   | tee -a "$LOG"
@@ -57,6 +59,8 @@ alone ws '*WarpSpecialized*' warp-specialised
 WS_RC=$?
 alone pp '*WsPingPong*' "ws ping-pong"
 PP_RC=$?
+alone wspipe '*WsPipelined*' "ws pipelined"
+PIPE_RC=$?
 
 reuse() {  # name, then environment assignments
   local name=$1; shift
@@ -71,16 +75,18 @@ reuse() {  # name, then environment assignments
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
 # SPX_VERIFY_REUSE picks the variants (default all four; session 20 measured stats0 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws_split} "
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws_split stats1_pipe} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
 [ "$PP_RC" = 0 ] && [[ $VARIANTS == *" stats1_pp "* ]] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
 [[ $VARIANTS == *" stats1_ws_split "* ]] && reuse stats1_ws_split SPX_STATS_RECV_SPLIT=1
+[ "$PIPE_RC" = 0 ] && [[ $VARIANTS == *" stats1_pipe "* ]] && reuse stats1_pipe SPX_ATTN_IMPL=wgmma-ws-pipe
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
 [ "$PP_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=no-pp"
+[ "$PIPE_RC" = 0 ] || MICRO_ENV="${MICRO_ENV:-SPX_MICRO_IMPLS=},no-pipe"
 [ "$WS_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=mma"  # the wgmma rows include the ws variant
 env $MICRO_ENV timeout 200 "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 1 \
   --decode-steps 0 --out "$FINAL/micro.json" >"$FINAL/micro.log" 2>&1
@@ -114,7 +120,7 @@ hf = load("hf.json")
 base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
-for v in ("stats0", "stats1", "stats1_ws", "stats1_pp", "stats1_ws_split"):
+for v in ("stats0", "stats1", "stats1_ws", "stats1_pp", "stats1_ws_split", "stats1_pipe"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):

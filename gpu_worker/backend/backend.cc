@@ -49,9 +49,11 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
       o.attn_impl = Impl::kWgmmaWarpSpecialized;
     } else if (v == "wgmma-ws-pp") {
       o.attn_impl = Impl::kWgmmaWsPingPong;
+    } else if (v == "wgmma-ws-pipe") {
+      o.attn_impl = Impl::kWgmmaWsPipelined;
     } else if (!v.empty() && v != "auto") {
       std::fprintf(stderr, "SPX_ATTN_IMPL=%s is not one of mma, wgmma, wgmma-pipe, wgmma-ws, "
-                   "wgmma-ws-pp, auto: automatic choice used\n", im);
+                   "wgmma-ws-pp, wgmma-ws-pipe, auto: automatic choice used\n", im);
     }
   }
   if (const char* d = std::getenv("SPX_DECODE_ATTN")) {

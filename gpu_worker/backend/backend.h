@@ -114,8 +114,12 @@ struct CudaBackendOptions {
     kWgmmaPipelined = 3,
     kWgmmaWarpSpecialized = 4,
     // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong)
-    // and setmaxnreg: built in session 20 without a GPU, not yet run.
-    kWgmmaWsPingPong = 5
+    // and setmaxnreg: correct, measured slower than ws in session 21.
+    kWgmmaWsPingPong = 5,
+    // The ws kernel with each consumer warpgroup's next Q K^T issued before its softmax
+    // (FlashAttention-3's intra-warpgroup overlap) and setmaxnreg: built in session 21 without
+    // a GPU, not yet run.
+    kWgmmaWsPipelined = 6
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -153,7 +157,7 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp. Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,

@@ -101,6 +101,9 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pp");
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
             CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong);
+  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pipe");
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
+            CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
   Env bad;
   bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);

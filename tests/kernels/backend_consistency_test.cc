@@ -932,6 +932,17 @@ TEST_F(AttentionConsistency, WsPingPongWgmma) {
   Run({"pp one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
 }
 
+// The ping-pong schedule without the turns (SPX_ATTN_IMPL=wgmma-ws-pipe): each warpgroup's
+// softmax of tile t overlaps its P V of tile t - 1. The same cases; run alone under a timeout
+// by bench/gpu/verify_pending.sh like the others (an mbarrier mistake hangs).
+TEST_F(AttentionConsistency, WsPipelinedWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("ws pipe");
+  Run({"ws pipe one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+}
+
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
