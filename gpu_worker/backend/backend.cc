@@ -11,6 +11,22 @@
 
 namespace sparsex {
 
+namespace {
+
+// A strict 0/1 switch: other values are reported on stderr and leave the default.
+void SwitchFromEnv(const char* name, bool& field) {
+  const char* c = std::getenv(name);
+  if (c == nullptr) return;
+  const std::string v = c;
+  if (v == "0" || v == "1") {
+    field = v == "1";
+  } else {
+    std::fprintf(stderr, "%s=%s is not 0 or 1: %d used\n", name, c, field ? 1 : 0);
+  }
+}
+
+}  // namespace
+
 CudaBackendOptions CudaBackendOptionsFromEnv() {
   CudaBackendOptions o;
   const char* env = std::getenv("SPX_SMALL_N_GEMM");
@@ -80,24 +96,8 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
-  if (const char* c = std::getenv("SPX_CUDNN_STATS")) {
-    const std::string v = c;
-    if (v == "0" || v == "1") {
-      o.cudnn_statistics = v == "1";
-    } else {
-      std::fprintf(stderr, "SPX_CUDNN_STATS=%s is not 0 or 1: %d used\n", c,
-                   o.cudnn_statistics ? 1 : 0);
-    }
-  }
-  if (const char* c = std::getenv("SPX_STATS_RECV_SPLIT")) {
-    const std::string v = c;
-    if (v == "0" || v == "1") {
-      o.stats_recv_split = v == "1";
-    } else {
-      std::fprintf(stderr, "SPX_STATS_RECV_SPLIT=%s is not 0 or 1: %d used\n", c,
-                   o.stats_recv_split ? 1 : 0);
-    }
-  }
+  SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
+  SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   if (const char* m = std::getenv("SPX_CUDNN_STATS_MAX_SHARE")) {
     char* end = nullptr;
     const double v = std::strtod(m, &end);
