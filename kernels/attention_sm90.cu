@@ -500,8 +500,8 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     // change only once the previous P V is done, which also frees its stage. kWsPipelined is
     // the same schedule without the turns: each warpgroup's softmax of tile t overlaps its own
     // P V of tile t - 1 (FlashAttention-3's intra-warpgroup overlap); every step ends with no
-    // MMA pending, so ptxas keeps the MMAs asynchronous (a P V pending across the loop's back
-    // edge made it serialise them, C7514).
+    // MMA pending (a version with a P V pending across the loop's back edge drew ptxas's
+    // C7514: its MMAs serialised).
     constexpr bool kTurns = MODE == kWsPingPong;
     detail::CpAsyncWait<0>();
     ConsumerSync();
