@@ -44,5 +44,9 @@ MODELS=${SPARSEX_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 mkdir -p "$TMP/spx/models"
 cp -r "$MODELS/stories260K" "$MODELS/tinystories-text" "$TMP/spx/models/"
 strip --strip-unneeded "$TMP/spx/lib/"*.so* 2>/dev/null || true
+# Which tree the binaries were built from (a later session reads it before trusting a stage).
+{ git -C "$ROOT" rev-parse HEAD; git -C "$ROOT" status --short --untracked-files=no; } \
+  >"$TMP/spx/STAGED_FROM" 2>/dev/null
+cp "$TMP/spx/STAGED_FROM" "$STAGE/STAGED_FROM"
 tar -C "$TMP" -czf "$STAGE/serve.tar.gz" spx
 ls -la "$STAGE/serve.tar.gz"

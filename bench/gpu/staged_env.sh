@@ -21,6 +21,7 @@ if [ -z "$STAGE_SUM" ] || [ "$(cat "$SPX/.stage_sum" 2>/dev/null)" != "$STAGE_SU
   rm -rf "$SPX" && tar -C /tmp -xzf "$ROOT/.stage/serve.tar.gz" || { stamp "no staged binaries"; exit 1; }
   echo "$STAGE_SUM" >"$SPX/.stage_sum"
 fi
+[ -e "$SPX/STAGED_FROM" ] && stamp "staged from $(head -n 1 "$SPX/STAGED_FROM")$( [ "$(wc -l <"$SPX/STAGED_FROM")" -gt 1 ] && echo ' (with uncommitted changes)')"
 export LD_LIBRARY_PATH=$SPX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_MODULE_DIR=$SPX/lib/ucx PATH=$SPX/bin:$PATH
 # cuda_engine_test and the checks read stories260K from here (a device command that forgot
