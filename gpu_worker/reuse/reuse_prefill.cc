@@ -447,6 +447,8 @@ struct ReuseEngine::PrefillJob {
   // Layer F's K/V of every row were written from their exact input at the selection
   // (ReuseOptions::refresh_first_sparse_kv): the stored KV is not assembled at layer F.
   bool refreshed = false;
+  // [segment]: its KV of every sparse layer was queued at the selection (Select).
+  std::vector<char> assembled_ahead;
   std::chrono::steady_clock::time_point mark;
 
   ~PrefillJob() {
@@ -894,7 +896,7 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
         be.Free(x.k);  // stream-ordered: after the assembly that reads it
         be.Free(x.v);
         x.k = x.v = Tensor{};
-      } else if (assemble) {
+      } else if (assemble && !(s < j.assembled_ahead.size() && j.assembled_ahead[s])) {
         RETURN_IF_ERROR(r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
                                          pl.slots));
       }
@@ -982,6 +984,21 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
         RETURN_IF_ERROR(r.WriteProjectedKv(F, qg.t, j.pos_all, j.slot_all));
         j.refreshed = true;
       }
+    }
+    // The KV assembly of every sparse layer depends neither on the ranking nor on the
+    // activations: queued now, the device runs it while the host ranks (the deviation's
+    // download above left it idle), and the sparse layers need not stage it layer by layer.
+    // Device-tier segments only: host-tier ones arrive layer by layer on the copy stream,
+    // streamed ones as the cluster delivers them.
+    j.assembled_ahead.assign(j.segs.size(), 0);
+    for (size_t s = 0; s < j.segs.size(); ++s) {
+      const PrefillJob::Placement& pl = j.place[s];
+      if (pl.pos.empty() || !j.found[s] || j.from_host[s] || j.streamed[s]) continue;
+      for (int l = j.refreshed ? F + 1 : F; l < L; ++l) {
+        RETURN_IF_ERROR(r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
+                                         pl.slots));
+      }
+      j.assembled_ahead[s] = 1;
     }
     // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
     BudgetOptions b = j.o.budget;
