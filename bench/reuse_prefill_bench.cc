@@ -18,7 +18,7 @@
 // one GPU per rank over NCCL); the segment stores hold each rank's KV-head share.
 // --profile-range CASE (CUDA builds): one more run of that case between cudaProfilerStart and
 // cudaProfilerStop, so that `ncu --profile-from-start off` times only its kernels
-// (bench/gpu/profile_reuse.sh) instead of the segment encoding's thousands before it.
+// (bench/gpu/profile_prefill.sh) instead of the segment encoding's thousands before it.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

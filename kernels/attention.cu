@@ -161,19 +161,16 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
   const int kv_end = s_max_lim + 1;  // keys [0, kv_end) are needed by some row
   const int min_lim = s_min_lim;
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBN));
-  int t_begin = 0, t_end = n_tiles;
-  if (ex.ws_o != nullptr) {
-    // The block's own key range (not the launch's planned maximum) is divided over the
-    // splits: balanced for sequences of any length in one launch, and a launch planned for a
-    // bucket of lengths (a replayed decode graph) loses nothing to empty splits.
-    const int per = static_cast<int>(CeilDiv(n_tiles, static_cast<int>(gridDim.z)));
-    t_begin = split * per;
-    t_end = min(n_tiles, t_begin + per);
-  } else if (recv_part >= 0) {  // this block's part of its rows' keys
-    const int per = static_cast<int>(CeilDiv(n_tiles, ex.recv_parts));
-    t_begin = recv_part * per;
-    t_end = min(n_tiles, t_begin + per);
-  }
+  // The block's own key range (not the launch's planned maximum) is divided over the split-K
+  // splits (ws_o) or a received-attention block's parts: balanced for sequences of any length
+  // in one launch, and a launch planned for a bucket of lengths (a replayed decode graph) loses
+  // nothing to empty splits.
+  const int parts = ex.ws_o != nullptr ? static_cast<int>(gridDim.z)
+                    : recv_part >= 0   ? ex.recv_parts
+                                       : 1;
+  const int part = ex.ws_o != nullptr ? split : recv_part >= 0 ? recv_part : 0;
+  const int per = static_cast<int>(CeilDiv(n_tiles, parts));
+  const int t_begin = part * per, t_end = min(n_tiles, t_begin + per);
 
   // Complement statistics of a block without recv weight: only the key tiles that hold keys of
   // its rows' own segments or shared keys (tile_groups: each tile's segment range; shared keys

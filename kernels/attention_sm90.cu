@@ -13,8 +13,9 @@
 // the next tile issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a
 // producer warpgroup gathers the K/V stages into 5 stages and the two consumer warpgroups take
 // them through mbarriers, with no block-wide barrier in the loop), ws with the consumers taking
-// turns at the tensor cores ("ws ping-pong", not yet run on a GPU), and the statistics pass of
-// AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
+// turns at the tensor cores ("ws ping-pong", measured slower), ws with each consumer's softmax
+// overlapping its own previous P V ("ws pipelined", not yet run on a GPU), and the statistics
+// pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
 // Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
@@ -411,6 +412,17 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     WgCommit();
     WgWait0();
   };
+  // Warp-specialised variants: wait until tile t's K/V has landed (the producer's copies,
+  // generic proxy, before the MMAs' reads, async proxy); give tile t's stage back once this
+  // warp's MMAs on it are done (one arrival per consumer warp).
+  [[maybe_unused]] auto wait_tile = [&](int t) {
+    MbarWait(detail::SmemAddr(&s_full[t % kWsStages]), (t / kWsStages) & 1);
+    FenceProxyAsync();
+  };
+  [[maybe_unused]] auto release_tile = [&](int t) {
+    __syncwarp();
+    if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[t % kWsStages]));
+  };
   if constexpr (kStatsMode) {
     float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
     int qg[2] = {0, 0};
@@ -480,8 +492,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     FenceProxyAsync();
     for (int t = 0; t < n_tiles; ++t) {
       const int stage = t % kWsStages;
-      MbarWait(detail::SmemAddr(&s_full[stage]), (t / kWsStages) & 1);
-      FenceProxyAsync();  // the copies (generic proxy) before the MMAs' reads (async proxy)
+      wait_tile(t);
       WgFence();
       issue_s(stage, s_cur);
       WgCommit();
@@ -491,8 +502,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       issue_pv(stage);
       WgCommit();
       WgWait0();
-      __syncwarp();
-      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));
+      release_tile(t);
     }
   } else if constexpr (MODE == kWsPingPong || MODE == kWsPipelined) {
     // A step issues this warpgroup's MMAs (in its turn, ping-pong: then hands the tensor cores
@@ -515,8 +525,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     float corr[2];
     if (n_tiles > 0) {
       if (kTurns && wg == 1) TurnGive(2);  // warpgroup 0 goes first
-      MbarWait(detail::SmemAddr(&s_full[0]), 0);
-      FenceProxyAsync();  // the copies (generic proxy) before the MMAs' reads (async proxy)
+      wait_tile(0);
       if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
       issue_s(0, s_cur);
@@ -526,33 +535,28 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       softmax(s_cur, 0);
     }
     for (int t = 1; t < n_tiles; ++t) {
-      const int stage = t % kWsStages, prev = (t + kWsStages - 1) % kWsStages;
-      MbarWait(detail::SmemAddr(&s_full[stage]), (t / kWsStages) & 1);
-      FenceProxyAsync();
+      wait_tile(t);
       if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
-      issue_s(stage, s_cur);
+      issue_s(t % kWsStages, s_cur);
       WgCommit();
-      issue_pv(prev);
+      issue_pv((t - 1) % kWsStages);
       WgCommit();
       if constexpr (kTurns) TurnGive(their_turn);
       WgWait1();  // Q K^T done (groups retire in order); the P V may still run
       softmax_scores(s_cur, t, corr);
       WgWait0();  // P V done: O and pa may change, its stage is free
-      __syncwarp();
-      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[prev]));
+      release_tile(t - 1);
       softmax_finish(s_cur, corr);
     }
     if (n_tiles > 0) {
-      const int last = (n_tiles - 1) % kWsStages;
       if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
-      issue_pv(last);
+      issue_pv((n_tiles - 1) % kWsStages);
       WgCommit();
       if (kTurns && wg == 0) TurnGive(their_turn);
       WgWait0();
-      __syncwarp();
-      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[last]));
+      release_tile(n_tiles - 1);
     }
   } else if constexpr (MODE == kPipelined) {
     // S of tile t + 1 runs on the tensor cores while tile t's softmax runs on the ALUs.

@@ -2,8 +2,9 @@
 """Sums an Nsight Compute CSV (--csv --page raw, gpu__time_duration.sum) by kernel: where a
 prefill's GPU time goes. --minus subtracts another profile's sums (the same program run with
 less work, e.g. the reuse benchmark without its reuse runs), --scale divides the result (two
-reuse runs -> one), --by-grid keeps launches of one kernel with different grids apart (the same
-GEMM on the full layers' and the sparse layers' rows).
+reuse runs -> one), --by-grid keeps launches of one kernel with different grids apart (an
+element-wise kernel on the full layers' and the sparse layers' rows; persistent GEMMs launch the
+same grid for both).
 
   ncu_sum.py reuse.csv [--minus full.csv] [--scale 2] [--by-grid] [--json out.json] [--top 25]
 """

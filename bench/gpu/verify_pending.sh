@@ -74,7 +74,8 @@ reuse() {  # name, then environment assignments
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
-# SPX_VERIFY_REUSE picks the variants (default all four; session 20 measured stats0 on an H100).
+# SPX_VERIFY_REUSE picks the variants (default: the defaults, the split received attention, ws
+# pipelined; stats0, stats1 and stats1_pp were measured in sessions 20-21 on an H100).
 VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws_split stats1_pipe} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma

@@ -105,8 +105,8 @@ struct AttentionArgs {
 struct CudaBackendOptions {
   // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
   // kAuto: the warp-specialised wgmma kernel when the build has sm_90a code and the GPU is
-  // compute capability 9.0 (since session 20; calls with the fused cross mass: plain wgmma),
-  // else mma.sync. Split-K (decode) always runs mma.sync.
+  // compute capability 9.0 (since session 20; calls with the fused cross mass too since
+  // session 21), else mma.sync. Split-K (decode) always runs mma.sync.
   enum class AttentionImpl {
     kAuto = 0,
     kMma = 1,
@@ -209,8 +209,9 @@ struct CudaBackendOptions {
 };
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
-// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws(-pp) or auto
-// (the removed wgmma-128 included) keeps kAuto and says so on stderr. Only parses strings: defined
+// field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
+// wgmma-ws-pp, wgmma-ws-pipe or auto (the removed wgmma-128 included) keeps kAuto and says so on
+// stderr. Only parses strings: defined
 // in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 
