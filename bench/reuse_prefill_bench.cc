@@ -13,7 +13,8 @@
 //
 //   reuse_prefill_bench --model synthetic:llama3-8b --device cuda --segments 8
 //       --segment-tokens 4096 --new-tokens 256 --full-layers 2 --ratio 0.15 --out reuse.json
-// --refresh-kv 0 turns off ReuseOptions::refresh_first_sparse_kv (its cost, measured).
+// --refresh-kv 0 turns off ReuseOptions::refresh_first_sparse_kv (its cost, measured);
+// --assemble-ahead 0 turns off ReuseOptions::assemble_kv_ahead.
 // --tp N runs every case on N tensor-parallel ranks (EngineGroup: CPU ranks in one process, or
 // one GPU per rank over NCCL); the segment stores hold each rank's KV-head share.
 // --profile-range CASE (CUDA builds): one more run of that case between cudaProfilerStart and
@@ -68,7 +69,7 @@ int Main(int argc, char** argv) {
       {"ratio", "0.15"},           {"reps", "3"},          {"warmup", "1"},
       {"out", "reuse_prefill.json"}, {"seed", "7"},          {"tp", "1"},
       {"cases", "full,reuse_device,reuse_pinned,reuse_host"}, {"refresh-kv", "1"},
-      {"profile-range", ""}};
+      {"profile-range", ""}, {"assemble-ahead", "1"}};
   for (int i = 1; i + 1 < argc; i += 2) a[std::string(argv[i]).substr(2)] = argv[i + 1];
   const int nseg = std::stoi(a["segments"]), seg_len = std::stoi(a["segment-tokens"]),
             n_new = std::stoi(a["new-tokens"]), reps = std::stoi(a["reps"]),
@@ -94,6 +95,7 @@ int Main(int argc, char** argv) {
   ro.full_layers = std::stoi(a["full-layers"]);
   ro.budget.ratio = std::stof(a["ratio"]);
   ro.refresh_first_sparse_kv = a["refresh-kv"] != "0";  // layer F's KV for every reused row
+  ro.assemble_kv_ahead = a["assemble-ahead"] != "0";  // sparse layers' KV assembled at selection
   ro.store_new_segments = false;
   ro.register_prefix = false;
 

@@ -26,7 +26,8 @@
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
-#                                                # stats1_ws stats1_pp stats1_ws_split stats1_pipe)
+#                                                # stats1_ws no_ahead stats1_pp stats1_ws_split
+#                                                # stats1_pipe; no_ahead: --assemble-ahead 0)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify
@@ -62,12 +63,16 @@ PP_RC=$?
 alone wspipe '*WsPipelined*' "ws pipelined"
 PIPE_RC=$?
 
-reuse() {  # name, then environment assignments
+reuse() {  # name, then environment assignments (VAR=value) and benchmark flags (--flag value)
   local name=$1; shift
-  stamp "reuse prefill 32K, $*"
-  env "$@" timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b \
+  local envs=() flags=()
+  while [ $# -gt 0 ]; do
+    case "$1" in --*) flags+=("$1" "$2"); shift 2;; *) envs+=("$1"); shift;; esac
+  done
+  stamp "reuse prefill 32K, ${envs[*]} ${flags[*]}"
+  env "${envs[@]}" timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b \
     --device cuda --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 \
-    --ratio 0.15 --reps 5 --warmup 1 --cases full,reuse_device \
+    --ratio 0.15 --reps 5 --warmup 1 --cases full,reuse_device "${flags[@]}" \
     --out "$FINAL/reuse_$name.json" >"$FINAL/reuse_$name.log" 2>&1
   stamp "reuse_prefill_bench exit $?"
   # Whether cuDNN served (plan builds) or the backend fell back to its own kernel.
@@ -76,10 +81,11 @@ reuse() {  # name, then environment assignments
 }
 # SPX_VERIFY_REUSE picks the variants (default: the defaults, the split received attention, ws
 # pipelined; stats0, stats1 and stats1_pp were measured in sessions 20-21 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws_split stats1_pipe} "
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws no_ahead stats1_ws_split stats1_pipe} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
+[[ $VARIANTS == *" no_ahead "* ]] && reuse no_ahead --assemble-ahead 0
 [ "$PP_RC" = 0 ] && [[ $VARIANTS == *" stats1_pp "* ]] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
 [[ $VARIANTS == *" stats1_ws_split "* ]] && reuse stats1_ws_split SPX_STATS_RECV_SPLIT=1
 [ "$PIPE_RC" = 0 ] && [[ $VARIANTS == *" stats1_pipe "* ]] && reuse stats1_pipe SPX_ATTN_IMPL=wgmma-ws-pipe
@@ -121,7 +127,7 @@ hf = load("hf.json")
 base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
-for v in ("stats0", "stats1", "stats1_ws", "stats1_pp", "stats1_ws_split", "stats1_pipe"):
+for v in ("stats0", "stats1", "stats1_ws", "no_ahead", "stats1_pp", "stats1_ws_split", "stats1_pipe"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):

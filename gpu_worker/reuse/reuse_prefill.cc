@@ -991,7 +991,7 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
     // Device-tier segments only: host-tier ones arrive layer by layer on the copy stream,
     // streamed ones as the cluster delivers them.
     j.assembled_ahead.assign(j.segs.size(), 0);
-    for (size_t s = 0; s < j.segs.size(); ++s) {
+    for (size_t s = 0; s < j.segs.size() && j.o.assemble_kv_ahead; ++s) {
       const PrefillJob::Placement& pl = j.place[s];
       if (pl.pos.empty() || !j.found[s] || j.from_host[s] || j.streamed[s]) continue;
       for (int l = j.refreshed ? F + 1 : F; l < L; ++l) {

@@ -65,6 +65,10 @@ struct ReuseOptions {
   // only and are abandoned when a request arrives: fewer, larger slices finish more often).
   // Default: true
   bool split_full_layers = true;
+  // Queue the KV assembly of every sparse layer of the device-tier segments at the selection,
+  // so that the device assembles while the host ranks; false assembles each layer's just before
+  // it (same kernels, same results; benchmarks compare the two). Default: true
+  bool assemble_kv_ahead = true;
   // Context a segment is encoded in for storage: "none" (alone at positions 0..n-1), "bos"
   // (after BOS, only the segment part kept) or "prefix:<id> <id> ..." (after fixed tokens).
   // Default: none (stories260K: naive-reuse KL 3.6x lower than bos; docs/fidelity.md)
