@@ -117,9 +117,14 @@ struct CudaBackendOptions {
     // and setmaxnreg: correct, measured slower than ws in session 21.
     kWgmmaWsPingPong = 5,
     // The ws kernel with each consumer warpgroup's next Q K^T issued before its softmax
-    // (FlashAttention-3's intra-warpgroup overlap) and setmaxnreg: built in session 21 without
-    // a GPU, not yet run.
-    kWgmmaWsPipelined = 6
+    // (FlashAttention-3's intra-warpgroup overlap) and setmaxnreg: correct, measured slower
+    // than ws in session 22.
+    kWgmmaWsPipelined = 6,
+    // The ws kernel with each consumer warpgroup's Q in registers for its Q K^T (the MMAs then
+    // read only K and V from shared memory) and a producer of two warps; the same with the
+    // producer warpgroup and setmaxnreg. Built in session 22.
+    kWgmmaWsQReg = 7,
+    kWgmmaWsQRegRealloc = 8
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -157,7 +162,8 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe. Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-qreg|
+  // wgmma-ws-qreg-rr. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
@@ -201,16 +207,17 @@ struct CudaBackendOptions {
   double cudnn_statistics_max_share = 0.5;
   // In that complement pass, the received attention of the weighted rows (the new tokens) in
   // blocks of their own, each over a part of the keys, instead of inside the cross-mass blocks,
-  // where their reads of every key trail the launch (session 21, H100, 32K: the pass costs 6.40
-  // ms a layer with them, 3.99 without; kernels::AttentionStatsParams::recv_rows_begin). Built
-  // and tested on the CPU side only: off until a device call has run its test and timed it.
-  // SPX_STATS_RECV_SPLIT=1 sets true, =0 false. Default: false
-  bool stats_recv_split = false;
+  // where their reads of every key trail the launch (kernels::AttentionStatsParams::
+  // recv_rows_begin). Session 22, H100, 32K: 6.64 -> 4.72 ms a layer (3.99 without the received
+  // attention), reuse prefill 320.0 -> 314.7 ms; its GPU test passed.
+  // SPX_STATS_RECV_SPLIT=1 sets true, =0 false. Default: true
+  bool stats_recv_split = true;
 };
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe or auto (the removed wgmma-128 included) keeps kAuto and says so on
+// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-qreg, wgmma-ws-qreg-rr or auto (the removed wgmma-128
+// included) keeps kAuto and says so on
 // stderr. Only parses strings: defined
 // in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();

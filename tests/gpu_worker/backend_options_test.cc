@@ -67,7 +67,7 @@ TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
 }
 
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
-  EXPECT_FALSE(CudaBackendOptions{}.stats_recv_split);  // off until a GPU has run it
+  EXPECT_TRUE(CudaBackendOptions{}.stats_recv_split);  // on since session 22's GPU run
   {
     Env e;
     e.Set("SPX_STATS_RECV_SPLIT", "1");
@@ -78,7 +78,7 @@ TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
   for (const char* bad : {"on", "2", ""}) {
     Env e;
     e.Set("SPX_STATS_RECV_SPLIT", bad);
-    EXPECT_FALSE(CudaBackendOptionsFromEnv().stats_recv_split)
+    EXPECT_TRUE(CudaBackendOptionsFromEnv().stats_recv_split)
         << "'" << bad << "' kept the default";
   }
 }
@@ -104,6 +104,12 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pipe");
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
             CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
+  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-qreg");
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
+            CudaBackendOptions::AttentionImpl::kWgmmaWsQReg);
+  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-qreg-rr");
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
+            CudaBackendOptions::AttentionImpl::kWgmmaWsQRegRealloc);
   Env bad;
   bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);

@@ -623,6 +623,24 @@ TEST_F(BackendConsistency, FusedKvAssemblyFromDeviceAndPinnedHost) {
   ASSERT_TRUE(gpu_->ReadKv(*pg, 0, slots, kg, vg).ok());
   EXPECT_LT(RelErr(kg, kc), kTol);
   EXPECT_EQ(RelErr(vg, vc), 0.0);
+  {
+    // Adjacent-pair rotation (GPT-J / interleaved layouts) through the same kernel.
+    RopeParams pairs = rope;
+    pairs.layout = RopeLayout::kAdjacentPairs;
+    auto pc3 = cpu_->AllocKvPool(1, blocks, bs, kv_dim);
+    auto pg3 = gpu_->AllocKvPool(1, blocks, bs, kv_dim);
+    ASSERT_TRUE(pc3.ok() && pg3.ok());
+    ASSERT_TRUE(cpu_->AssembleKv(*pc3, 0, k.c, v.c, row0, pos, slots, pairs).ok());
+    ASSERT_TRUE(gpu_->AssembleKv(*pg3, 0, k.g, v.g, row0, pos, slots, pairs).ok());
+    std::vector<float> kc3(n * kv_dim), vc3(n * kv_dim), kg3(n * kv_dim), vg3(n * kv_dim);
+    ASSERT_TRUE(cpu_->ReadKv(*pc3, 0, slots, kc3, vc3).ok());
+    ASSERT_TRUE(gpu_->ReadKv(*pg3, 0, slots, kg3, vg3).ok());
+    EXPECT_LT(RelErr(kg3, kc3), kTol);
+    EXPECT_GT(RelErr(kg3, kg), 0.01) << "the layouts rotate different pairs";
+    EXPECT_EQ(RelErr(vg3, vc3), 0.0);
+    cpu_->FreeKvPool(*pc3);
+    gpu_->FreeKvPool(*pg3);
+  }
 
   // The same from pinned host memory through Prefetch / Await.
   auto hk_t = gpu_->AllocHost(n + row0, kv_dim);
@@ -941,6 +959,24 @@ TEST_F(AttentionConsistency, WsPipelinedWgmma) {
   if (HasFatalFailure()) return;
   RunUnsplitHd128("ws pipe");
   Run({"ws pipe one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+}
+
+// The ws kernel with each consumer warpgroup's Q in registers for its Q K^T, with a two-warp
+// producer (SPX_ATTN_IMPL=wgmma-ws-qreg) and with the producer warpgroup and setmaxnreg
+// (wgmma-ws-qreg-rr): the same cases, each alone under a timeout in verify_pending.sh.
+TEST_F(AttentionConsistency, WsQRegWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsQReg);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("ws qreg");
+  Run({"ws qreg one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+}
+TEST_F(AttentionConsistency, WsQRegReallocWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsQRegRealloc);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("ws qreg rr");
+  Run({"ws qreg rr one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
 }
 
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
