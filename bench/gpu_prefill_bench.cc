@@ -650,9 +650,9 @@ int Main(const Options& o) {
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
       // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws with Q in registers without
-      // and with setmaxnreg). SPX_MICRO_IMPLS=mma limits the list to mma.sync; no-pp, no-pipe
-      // and no-qreg in it (e.g. "no-pp,no-pipe") leave out those kernels (a variant whose test
-      // failed).
+      // and with setmaxnreg, ws with a two-warp producer). SPX_MICRO_IMPLS=mma limits the list
+      // to mma.sync; no-pp, no-pipe, no-qreg and no-p64 in it (e.g. "no-pp,no-pipe") leave out
+      // those kernels (a variant whose test failed).
       struct Impl {
         int impl, warps;
         const char* name;
@@ -671,6 +671,8 @@ int Main(const Options& o) {
           impls.push_back({7, 8, "wgmma ws Q in registers"});
           impls.push_back({8, 8, "wgmma ws Q in registers, setmaxnreg"});
         }
+        if (skip.find("no-p64") == std::string::npos)
+          impls.push_back({9, 8, "wgmma ws two-warp producer"});
       }
       for (const Impl& im : impls) {
         const int warps = im.warps;

@@ -15,7 +15,8 @@
 // them through mbarriers, with no block-wide barrier in the loop), ws with the consumers taking
 // turns at the tensor cores ("ws ping-pong", measured slower), ws with each consumer's softmax
 // overlapping its own previous P V ("ws pipelined", measured slower), ws with Q in registers
-// ("ws qreg", with or without setmaxnreg; not yet run on a GPU), and the statistics
+// ("ws qreg", with a two-warp producer or with setmaxnreg; measured slower), ws with the
+// two-warp producer and Q in shared memory ("ws p64"), and the statistics
 // pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
 // Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
@@ -158,14 +159,18 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
 // kWsPingPong: the warp-specialised layout with the consumer warpgroups taking turns at the
 // tensor cores (FlashAttention-3's ping-pong): a warpgroup issues this tile's Q K^T and the
 // previous tile's P V together, then hands the tensor cores to the other one and runs its
-// softmax while they work; setmaxnreg moves registers from the producer to the consumers.
+// softmax while they work. Sessions 21-22 (H100): every variant with setmaxnreg 40/232 (this
+// one, ws pipelined, ws qreg realloc) ran at ~257-266 TFLOP/s against ws's ~420, so ping-pong
+// and ws pipelined now run without it (168 registers, no spills), to be measured.
 // kWsPipelined: the ping-pong schedule without the turns: each consumer warpgroup issues tile
 // t's Q K^T with tile t - 1's P V and runs tile t's softmax while that P V runs
-// (FlashAttention-3's overlap inside a warpgroup), the warpgroups free-running; setmaxnreg.
+// (FlashAttention-3's overlap inside a warpgroup), the warpgroups free-running.
 // kWsQReg: the ws schedule with each consumer warpgroup's Q in registers (32 more a thread)
 // for its Q K^T, so the MMAs read only K and V from shared memory; a producer of two warps
 // (320 threads a block leave 200 registers a thread, no setmaxnreg). kWsQRegRealloc: the same
-// with the producer warpgroup and setmaxnreg 40/232 (ping-pong's and ws pipelined's split).
+// with the producer warpgroup and setmaxnreg 40/232. kWsSmallProducer: the ws kernel with the
+// two-warp producer and Q in shared memory (tells the producer's share of kWsQReg's time from
+// Q's).
 enum Mode {
   kPlain = 0,
   kPipelined = 1,
@@ -174,12 +179,13 @@ enum Mode {
   kWsPingPong = 4,
   kWsPipelined = 5,
   kWsQReg = 6,
-  kWsQRegRealloc = 7
+  kWsQRegRealloc = 7,
+  kWsSmallProducer = 8
 };
 template <int MODE>
 constexpr bool IsWs() {
   return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined ||
-         MODE == kWsQReg || MODE == kWsQRegRealloc;
+         MODE == kWsQReg || MODE == kWsQRegRealloc || MODE == kWsSmallProducer;
 }
 template <int MODE>
 constexpr bool QInRegisters() {
@@ -188,14 +194,14 @@ constexpr bool QInRegisters() {
 // The variants whose consumers hold more than the 168 registers 384 threads leave each.
 template <int MODE>
 constexpr bool Reallocates() {
-  return MODE == kWsPingPong || MODE == kWsPipelined || MODE == kWsQRegRealloc;
+  return MODE == kWsQRegRealloc;
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
 // dependent slot-load + copy pairs per lane and tile could not keep up with the MMAs).
 template <int MODE>
 constexpr int ProducerThreads() {
-  return MODE == kWsQReg ? 64 : 128;
+  return MODE == kWsQReg || MODE == kWsSmallProducer ? 64 : 128;
 }
 template <int MODE>
 constexpr int BlockThreads() {
@@ -205,7 +211,7 @@ template <int MODE>
 constexpr int Stages() {
   return IsWs<MODE>() ? kWsStages : kStages;
 }
-// Registers per thread after setmaxnreg (ping-pong, pipelined ws): 128 x 40 + 256 x 232 = 64512 of the SM's
+// Registers per thread after setmaxnreg (ws qreg realloc): 128 x 40 + 256 x 232 = 64512 of the SM's
 // 65536, the producer's loads need no more.
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
@@ -520,7 +526,8 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       }
     }
     return;
-  } else if constexpr (MODE == kWarpSpecialized || QInRegisters<MODE>()) {
+  } else if constexpr (MODE == kWarpSpecialized || MODE == kWsSmallProducer ||
+                       QInRegisters<MODE>()) {
     // Q landed for both warpgroups before the first S; then each warpgroup runs at its own pace,
     // waiting only for the stage it reads.
     detail::CpAsyncWait<0>();
@@ -749,6 +756,8 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kWsQReg>(p, none, stream);
     case Sm90Variant::kWsQRegRealloc:
       return Launch<kWsQRegRealloc>(p, none, stream);
+    case Sm90Variant::kWsSmallProducer:
+      return Launch<kWsSmallProducer>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

@@ -17,7 +17,7 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p);
 // warpgroups taking turns at the tensor cores and setmaxnreg (ws ping-pong); the same with each
 // warpgroup's next Q K^T overlapping its softmax and setmaxnreg (ws pipelined); ws with each
 // consumer warpgroup's Q in registers and a two-warp producer (ws qreg), or the producer
-// warpgroup and setmaxnreg (ws qreg realloc).
+// warpgroup and setmaxnreg (ws qreg realloc); ws with the two-warp producer (ws small producer).
 enum class Sm90Variant {
   kPlain,
   kPipelined,
@@ -25,7 +25,8 @@ enum class Sm90Variant {
   kWsPingPong,
   kWsPipelined,
   kWsQReg,
-  kWsQRegRealloc
+  kWsQRegRealloc,
+  kWsSmallProducer
 };
 // Unsplit attention for p (out and, when set, lse).
 cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,

@@ -114,17 +114,20 @@ struct CudaBackendOptions {
     kWgmmaPipelined = 3,
     kWgmmaWarpSpecialized = 4,
     // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong)
-    // and setmaxnreg: correct, measured slower than ws in session 21.
+    // (with setmaxnreg until session 22: correct, measured slower than ws in session 21).
     kWgmmaWsPingPong = 5,
     // The ws kernel with each consumer warpgroup's next Q K^T issued before its softmax
-    // (FlashAttention-3's intra-warpgroup overlap) and setmaxnreg: correct, measured slower
-    // than ws in session 22.
+    // (FlashAttention-3's intra-warpgroup overlap); with setmaxnreg correct but measured slower
+    // than ws in session 22, now without it.
     kWgmmaWsPipelined = 6,
     // The ws kernel with each consumer warpgroup's Q in registers for its Q K^T (the MMAs then
     // read only K and V from shared memory) and a producer of two warps; the same with the
-    // producer warpgroup and setmaxnreg. Built in session 22.
+    // producer warpgroup and setmaxnreg. Session 22, H100: both slower than ws (335 and 258
+    // against 419 TFLOP/s on a 32K causal layer).
     kWgmmaWsQReg = 7,
-    kWgmmaWsQRegRealloc = 8
+    kWgmmaWsQRegRealloc = 8,
+    // The ws kernel with the two-warp producer of kWgmmaWsQReg and Q in shared memory.
+    kWgmmaWsSmallProducer = 9
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -163,7 +166,7 @@ struct CudaBackendOptions {
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
   // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-qreg|
-  // wgmma-ws-qreg-rr. Default: kAuto
+  // wgmma-ws-qreg-rr|wgmma-ws-p64. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
@@ -216,7 +219,7 @@ struct CudaBackendOptions {
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-qreg, wgmma-ws-qreg-rr or auto (the removed wgmma-128
+// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-qreg, wgmma-ws-qreg-rr, wgmma-ws-p64 or auto (the removed wgmma-128
 // included) keeps kAuto and says so on
 // stderr. Only parses strings: defined
 // in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).

@@ -978,6 +978,13 @@ TEST_F(AttentionConsistency, WsQRegReallocWgmma) {
   RunUnsplitHd128("ws qreg rr");
   Run({"ws qreg rr one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
 }
+// The ws kernel with the two-warp producer and Q in shared memory (SPX_ATTN_IMPL=wgmma-ws-p64).
+TEST_F(AttentionConsistency, WsSmallProducerWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsSmallProducer);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("ws p64");
+}
 
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
