@@ -328,17 +328,17 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
       }
     }
 
-    // Scale (log2 domain) and causal mask by each row's own limit.
+    // Causal mask by each row's own limit, as a block-uniform branch taken only by tiles past
+    // some row's limit (a per-score predicate cost three instructions a score on every tile);
+    // the scale (log2 domain) rides in the exponent's FFMA (STATS) or is applied below.
     const int key0 = t * kBN + 2 * tq;
-    const bool need_mask = (t * kBN + kBN - 1) > min_lim;
+    if ((t * kBN + kBN - 1) > min_lim) {
 #pragma unroll
-    for (int nb = 0; nb < kBN / 8; ++nb) {
+      for (int nb = 0; nb < kBN / 8; ++nb) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key = key0 + nb * 8 + (c & 1);
-        float v = s[nb][c] * scale_log2;
-        if (need_mask && key > lim[c >> 1]) v = kNegInf;
-        s[nb][c] = v;
+        for (int c = 0; c < 4; ++c) {
+          if (key0 + nb * 8 + (c & 1) > lim[c >> 1]) s[nb][c] = kNegInf;
+        }
       }
     }
 
@@ -353,8 +353,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
           const int kg = tile_uniform                    ? tile_kg
                          : (key < ctx_len && st.key_group) ? st.key_group[key]
                                                            : -1;
-          const float p0 = Ex2(s[nb][e] - lse_row[0]);
-          const float p1 = Ex2(s[nb][2 + e] - lse_row[1]);
+          const float p0 = Ex2(fmaf(s[nb][e], scale_log2, -lse_row[0]));
+          const float p1 = Ex2(fmaf(s[nb][2 + e], scale_log2, -lse_row[1]));
           if (st.cross_complement) {  // own segment and shared keys; the cross mass is the rest
             if (kg < 0 || kg == qg[0]) cross[0] += p0;
             if (kg < 0 || kg == qg[1]) cross[1] += p1;
@@ -381,6 +381,11 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
         }
       }
     } else {
+#pragma unroll
+      for (int nb = 0; nb < kBN / 8; ++nb) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[nb][c] *= scale_log2;
+      }
       float corr[2];
       detail::OnlineSoftmaxStep(s, row_m, row_l, corr);
       cross[0] *= corr[0];

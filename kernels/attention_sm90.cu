@@ -154,6 +154,43 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
+// One tile of the online softmax on raw Q K^T scores (masked ones -inf): the row maxima of the
+// raw scores (a positive scale keeps their order) scaled once, then p = 2^(s scale - m) as one
+// FFMA and one ex2 a score, where scaling first took a multiply and a subtract. Advances row_m
+// (log2 domain) and row_l (this thread's partial sums); corr is what O must be rescaled by.
+template <int NB>
+__device__ __forceinline__ void ScaledSoftmaxStep(float (&s)[NB][4], float scale_log2,
+                                                  float (&row_m)[2], float (&row_l)[2],
+                                                  float (&corr)[2]) {
+  float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[nb][0], s[nb][1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[nb][2], s[nb][3]));
+  }
+  float neg_ref[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float m_new = fmaxf(row_m[i], mx[i] * scale_log2);
+    const float ref = m_new == kNegInf ? 0.0f : m_new;
+    corr[i] = Ex2(row_m[i] - ref);
+    row_m[i] = m_new;
+    row_l[i] *= corr[i];
+    neg_ref[i] = -ref;
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    s[nb][0] = Ex2(fmaf(s[nb][0], scale_log2, neg_ref[0]));
+    s[nb][1] = Ex2(fmaf(s[nb][1], scale_log2, neg_ref[0]));
+    s[nb][2] = Ex2(fmaf(s[nb][2], scale_log2, neg_ref[1]));
+    s[nb][3] = Ex2(fmaf(s[nb][3], scale_log2, neg_ref[1]));
+    row_l[0] += s[nb][0] + s[nb][1];
+    row_l[1] += s[nb][2] + s[nb][3];
+  }
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // kWsPingPong: the warp-specialised layout with the consumer warpgroups taking turns at the
@@ -392,25 +429,29 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   // cross mass updated, corr the factor O must be rescaled by), touching neither O nor pa: in
   // the ping-pong variant the previous tile's P V still reads and writes them meanwhile.
   uint32_t pa[kBn / 16][4];  // P as the A fragments of the k-steps (16 keys each)
+  // Instruction counts matter here (Nsight Compute, session 22: the ws kernel issues an
+  // instruction every 1.8 cycles per scheduler with ~1 eligible warp): the mask is a
+  // block-uniform branch taken only by tiles that reach past some row's causal limit (a per-score
+  // predicate cost three instructions a score on every tile), and the scale rides in the
+  // exponent's FFMA.
   auto softmax_scores = [&](float (&acc)[kBn / 8][4], int t, float (&corr)[2]) {
     const int key0 = t * kBn + 2 * tq;
-    const bool need_mask = (t * kBn + kBn - 1) > min_lim;
+    if ((t * kBn + kBn - 1) > min_lim) {
 #pragma unroll
-    for (int nb = 0; nb < kBn / 8; ++nb) {
+      for (int nb = 0; nb < kBn / 8; ++nb) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key = key0 + nb * 8 + (c & 1);
-        float v = acc[nb][c] * scale_log2;
-        if (need_mask && key > lim[c >> 1]) v = kNegInf;
-        acc[nb][c] = v;
+        for (int c = 0; c < 4; ++c) {
+          if (key0 + nb * 8 + (c & 1) > lim[c >> 1]) acc[nb][c] = kNegInf;
+        }
       }
     }
-    detail::OnlineSoftmaxStep(acc, row_m, row_l, corr);
+    ScaledSoftmaxStep(acc, scale_log2, row_m, row_l, corr);
     xacc[0] *= corr[0];
     xacc[1] *= corr[1];
     if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);
   };
-  // P into pa, O rescaled.
+  // P into pa, O rescaled unless no row of the warp changed its maximum (corr exactly 1: the
+  // usual case once the first tiles set the maxima), which skips 64 multiplies a thread.
   auto softmax_finish = [&](const float (&acc)[kBn / 8][4], const float (&corr)[2]) {
 #pragma unroll
     for (int kk = 0; kk < kBn / 16; ++kk) {
@@ -419,12 +460,14 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       pa[kk][2] = PackBf16x2(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
       pa[kk][3] = PackBf16x2(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
     }
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-    for (int nd = 0; nd < 16; ++nd) {
-      o[nd][0] *= corr[0];
-      o[nd][1] *= corr[0];
-      o[nd][2] *= corr[1];
-      o[nd][3] *= corr[1];
+      for (int nd = 0; nd < 16; ++nd) {
+        o[nd][0] *= corr[0];
+        o[nd][1] *= corr[0];
+        o[nd][2] *= corr[1];
+        o[nd][3] *= corr[1];
+      }
     }
   };
   auto softmax = [&](float (&acc)[kBn / 8][4], int t) {

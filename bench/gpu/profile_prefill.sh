@@ -12,7 +12,9 @@
 #   2. the full prefill of the same prompt (--profile-range full);
 #   3. the selection statistics by complement (the cuDNN path's second pass; gpu_prefill_bench's
 #      single-op row, one launch) with Nsight Compute's throughput, occupancy, scheduler and
-#      warp-state sections: why a key tile costs what it does.
+#      warp-state sections: why a key tile costs what it does;
+#   4. (attn, not by default) the ws attention kernel on the single-op sparse rows, one launch,
+#      with those sections, every warp-stall reason and each pipe's utilisation.
 # The kernel sums count no overlap and no launch gaps: read them against the unprofiled times
 # the same binaries print. Writes to $OUT: profile_prefill.log, ncu_*.csv.gz, *_kernels.json.
 #
@@ -54,6 +56,24 @@ if [[ $STEPS == *" stats "* ]]; then
   stamp "ncu exit $?"
   grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Warp|No Eligible|Active Warps|Eligible Warps|Warp Cycles|Stall|Compute \(SM\)|Memory Throughput|L1/TEX Hit|L2 Hit|DRAM Throughput" \
     "$OUT/ncu_stats.txt" | head -n 40 | tee -a "$LOG"
+fi
+if [[ $STEPS == *" attn "* ]]; then
+  # The ws attention kernel (WgmmaFlashKernel<3>) on gpu_prefill_bench's 4929 sparse rows: with
+  # --reps 1 --warmup 1 its launches are causal warmup, causal, sparse warmup, sparse, so the
+  # third is a sparse-rows one. Sections plus every warp-stall reason and pipe utilisation:
+  # what a key tile waits on (the producer's stages, the MMAs, the softmax's latency).
+  stamp "ws attention on sparse rows, one launch, ncu sections"
+  SPX_MICRO_IMPLS=no-pp,no-pipe,no-qreg,no-p64 timeout 200 "$NCU" --clock-control none \
+    --kernel-name-base mangled -k regex:WgmmaFlashKernelILi3E --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+    --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
+    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
+    "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 1 --decode-steps 0 \
+    --out "$OUT/attn_micro.json" >"$OUT/ncu_attn.txt" 2>&1
+  stamp "ncu exit $?"
+  grep -E "Duration|Registers|Issued Warp|No Eligible|Active Warps|Eligible Warps|Warp Cycles|stalled|pipe_|Compute \(SM\)|Memory Throughput|Shared|Bank" \
+    "$OUT/ncu_attn.txt" | grep -vE " 0(\.0+)?$" | head -n 80 | tee -a "$LOG"
 fi
 gzip -f "$OUT"/ncu_*.csv 2>/dev/null
 stamp "done"
