@@ -11,13 +11,10 @@
 // A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
 // (docs/perf-notes.md has their timings; the automatic choice is ws, see PagedAttention): S of
 // the next tile issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a
-// producer warpgroup gathers the K/V stages into 5 stages and the two consumer warpgroups take
+// producer warpgroup gathers the K/V stages into 6 stages and the two consumer warpgroups take
 // them through mbarriers, with no block-wide barrier in the loop), ws with the consumers taking
-// turns at the tensor cores ("ws ping-pong", measured slower), ws with each consumer's softmax
-// overlapping its own previous P V ("ws pipelined", measured slower), ws with Q in registers
-// ("ws qreg", with a two-warp producer or with setmaxnreg; measured slower), ws with the
-// two-warp producer and Q in shared memory ("ws p64"), and the statistics
-// pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
+// turns at the tensor cores ("ws ping-pong"), ws with each consumer's softmax overlapping its
+// own previous P V ("ws pipelined"), and the statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
 // Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
@@ -41,8 +38,8 @@ constexpr int kBn = 64, kStages = 3;             // keys per step, cp.async stag
 constexpr int kTileBytes = kBn * kHd * 2;         // 16 KiB
 constexpr int kStageBytes = 2 * kTileBytes;       // K + V
 // The warp-specialised variant keeps more tiles in flight: its producer runs ahead of both
-// warpgroups, and 5 stages (193 KiB with Q) still fit one block per SM.
-constexpr int kWsStages = 5;
+// warpgroups, and 6 stages (225 KiB with Q, of the 227 a block may have) fit one block per SM.
+constexpr int kWsStages = 6;
 constexpr int SmemBytes(int stages) { return 1024 + kQBytes + stages * kStageBytes; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -94,15 +91,6 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// Register reallocation between warpgroups (all four warps of a warpgroup execute it).
-template <int N>
-__device__ __forceinline__ void SetMaxNRegDec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void SetMaxNRegInc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 // Ping-pong turns: barrier 2 + w is warpgroup w's; it waits there (bar.sync, 128 threads) for
 // the other warpgroup's arrival (bar.arrive, 128 threads).
 __device__ __forceinline__ void TurnWait(int bar) {
@@ -128,20 +116,6 @@ __device__ __forceinline__ void WgmmaQK(float* d, uint64_t da, uint64_t db, int 
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// D[64x64] (+)= A[64x16] (registers: Q) * B[16x64] in shared memory (K-major descriptor);
-// accumulate = 0 overwrites D. Q from registers leaves shared memory only K to read: with both
-// operands there, an m64n64k16 reads 4 KiB in the 32 cycles it computes, the SM's whole
-// shared-memory bandwidth (128 B a cycle), before the K/V stage writes and the P V reads.
-__device__ __forceinline__ void WgmmaQKReg(float* d, const uint32_t* a, uint64_t db,
-                                           int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
 // D[64x128] += A[64x16] (registers: P) * B[16x128] in shared memory, B MN-major (the V tile as stored, hd contiguous; transposed by the instruction).
@@ -196,61 +170,39 @@ __device__ __forceinline__ void ScaledSoftmaxStep(float (&s)[NB][4], float scale
 // kWsPingPong: the warp-specialised layout with the consumer warpgroups taking turns at the
 // tensor cores (FlashAttention-3's ping-pong): a warpgroup issues this tile's Q K^T and the
 // previous tile's P V together, then hands the tensor cores to the other one and runs its
-// softmax while they work. Sessions 21-22 (H100): every variant with setmaxnreg 40/232 (this
-// one, ws pipelined, ws qreg realloc) ran at ~257-266 TFLOP/s against ws's ~420, so ping-pong
-// and ws pipelined now run without it (168 registers, no spills), to be measured.
+// softmax while they work.
 // kWsPipelined: the ping-pong schedule without the turns: each consumer warpgroup issues tile
 // t's Q K^T with tile t - 1's P V and runs tile t's softmax while that P V runs
 // (FlashAttention-3's overlap inside a warpgroup), the warpgroups free-running.
-// kWsQReg: the ws schedule with each consumer warpgroup's Q in registers (32 more a thread)
-// for its Q K^T, so the MMAs read only K and V from shared memory; a producer of two warps
-// (320 threads a block leave 200 registers a thread, no setmaxnreg). kWsQRegRealloc: the same
-// with the producer warpgroup and setmaxnreg 40/232. kWsSmallProducer: the ws kernel with the
-// two-warp producer and Q in shared memory (tells the producer's share of kWsQReg's time from
-// Q's).
+// Neither uses setmaxnreg: session 22 (H100) measured every variant with it (producer 40,
+// consumers 232 registers) at ~257-266 TFLOP/s against ws's ~420, and both at ~390 without it
+// (perf-notes.md, session 22, also for Q in registers and a two-warp producer, both slower).
 enum Mode {
   kPlain = 0,
   kPipelined = 1,
   kStats = 2,
   kWarpSpecialized = 3,
   kWsPingPong = 4,
-  kWsPipelined = 5,
-  kWsQReg = 6,
-  kWsQRegRealloc = 7,
-  kWsSmallProducer = 8
+  kWsPipelined = 5
 };
 template <int MODE>
 constexpr bool IsWs() {
-  return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined ||
-         MODE == kWsQReg || MODE == kWsQRegRealloc || MODE == kWsSmallProducer;
-}
-template <int MODE>
-constexpr bool QInRegisters() {
-  return MODE == kWsQReg || MODE == kWsQRegRealloc;
-}
-// The variants whose consumers hold more than the 168 registers 384 threads leave each.
-template <int MODE>
-constexpr bool Reallocates() {
-  return MODE == kWsQRegRealloc;
+  return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined;
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
-// dependent slot-load + copy pairs per lane and tile could not keep up with the MMAs).
-template <int MODE>
-constexpr int ProducerThreads() {
-  return MODE == kWsQReg || MODE == kWsSmallProducer ? 64 : 128;
-}
+// dependent slot-load + copy pairs per lane and tile could not keep up with the MMAs), two
+// warps ~20% slower (session 22).
+constexpr int kProducerThreads = 128;
+constexpr int kWsThreads = kThreads + kProducerThreads;
 template <int MODE>
 constexpr int BlockThreads() {
-  return IsWs<MODE>() ? kThreads + ProducerThreads<MODE>() : kThreads;
+  return IsWs<MODE>() ? kWsThreads : kThreads;
 }
 template <int MODE>
 constexpr int Stages() {
   return IsWs<MODE>() ? kWsStages : kStages;
 }
-// Registers per thread after setmaxnreg (ws qreg realloc): 128 x 40 + 256 x 232 = 64512 of the SM's
-// 65536, the producer's loads need no more.
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
@@ -286,7 +238,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     if constexpr (IsWs<MODE>()) {
       for (int st_i = 0; st_i < kWsStages; ++st_i) {
         // One cp.async arrival per producer thread.
-        MbarInit(detail::SmemAddr(&s_full[st_i]), ProducerThreads<MODE>());
+        MbarInit(detail::SmemAddr(&s_full[st_i]), kProducerThreads);
         MbarInit(detail::SmemAddr(&s_empty[st_i]), kThreads / 32);  // one per consumer warp
       }
     }
@@ -342,15 +294,13 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 
   if constexpr (IsWs<MODE>()) {
     if (tid >= kThreads) {
-      if constexpr (Reallocates<MODE>()) SetMaxNRegDec<kProducerRegs>();
       // The producer warpgroup: K/V tile t into stage t % kWsStages once the consumers released
       // the tile that was there; each thread's arrival fires when its copies have landed.
       for (int t = 0; t < n_tiles; ++t) {
         const int stage = t % kWsStages;
         if (t >= kWsStages)
           MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kWsStages) - 1) & 1);
-        load_kv_by(stage, t, tid - kThreads,
-                   std::integral_constant<int, ProducerThreads<MODE>()>());
+        load_kv_by(stage, t, tid - kThreads, std::integral_constant<int, kProducerThreads>());
         MbarArriveCpAsync(detail::SmemAddr(&s_full[stage]));
       }
       // Nothing may outlive the block's shared memory: wait for the last copies to land.
@@ -359,7 +309,6 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     }
   }
 
-  if constexpr (Reallocates<MODE>()) SetMaxNRegInc<kConsumerRegs>();
   const int g = lane >> 2, tq = lane & 3;
   const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
   const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
@@ -408,21 +357,14 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   const uint32_t q_desc_base = sbase + wg * 64 * 128;  // this warpgroup's 64 rows
 
   // S = Q K^T of the tile in `stage` into acc (8 k-steps over the head dimension).
-  // QInRegisters: this thread's A fragments of its warpgroup's 64 Q rows, one per k-step
-  // (loaded once Q has landed; the wgmma A layout is mma.sync's m16n8k16 one per warp).
-  [[maybe_unused]] uint32_t qa[QInRegisters<MODE>() ? 8 : 1][4];
   auto issue_s = [&](int stage, float (&acc)[kBn / 8][4]) {
     const uint32_t k_s = sbase + kQBytes + stage * kStageBytes;
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const uint32_t koff = (ks & 3) * 32;
+      const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
       const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024);
-      if constexpr (QInRegisters<MODE>()) {
-        WgmmaQKReg(&acc[0][0], qa[ks], db, ks > 0);
-      } else {
-        const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
-        WgmmaQK(&acc[0][0], da, db, ks > 0);
-      }
+      WgmmaQK(&acc[0][0], da, db, ks > 0);
     }
   };
   // Scale, causal mask, online softmax of tile t in acc (P in fp32, the row statistics and the
@@ -569,26 +511,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       }
     }
     return;
-  } else if constexpr (MODE == kWarpSpecialized || MODE == kWsSmallProducer ||
-                       QInRegisters<MODE>()) {
+  } else if constexpr (MODE == kWarpSpecialized) {
     // Q landed for both warpgroups before the first S; then each warpgroup runs at its own pace,
     // waiting only for the stage it reads.
     detail::CpAsyncWait<0>();
     ConsumerSync();
     FenceProxyAsync();
-    if constexpr (QInRegisters<MODE>()) {
-      // Rows g and g + 8 of this warp's 16, columns 2 tq (+ 8) of k-step ks: 16-byte chunk
-      // 2 ks (+ 1) of the swizzled Q tile, 4 bytes in.
-      const int r0 = wg * 64 + (warp & 3) * 16 + g;
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int row = r0 + (i & 1) * 8, chunk = 2 * ks + (i >> 1);
-          qa[ks][i] = *reinterpret_cast<const uint32_t*>(sQ + SwOff(row, chunk, kBm) + 4 * tq);
-        }
-      }
-    }
     for (int t = 0; t < n_tiles; ++t) {
       const int stage = t % kWsStages;
       wait_tile(t);
@@ -795,12 +723,6 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kWsPingPong>(p, none, stream);
     case Sm90Variant::kWsPipelined:
       return Launch<kWsPipelined>(p, none, stream);
-    case Sm90Variant::kWsQReg:
-      return Launch<kWsQReg>(p, none, stream);
-    case Sm90Variant::kWsQRegRealloc:
-      return Launch<kWsQRegRealloc>(p, none, stream);
-    case Sm90Variant::kWsSmallProducer:
-      return Launch<kWsSmallProducer>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

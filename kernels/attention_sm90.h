@@ -14,20 +14,9 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p);
 // The wgmma kernel's variants: one step after the other (plain); the next tile's Q K^T
 // overlapping this tile's softmax (pipelined); a producer warpgroup loading the K/V stages for the
 // two consumer warpgroups through mbarriers (warp-specialised); the same with the consumer
-// warpgroups taking turns at the tensor cores and setmaxnreg (ws ping-pong); the same with each
-// warpgroup's next Q K^T overlapping its softmax and setmaxnreg (ws pipelined); ws with each
-// consumer warpgroup's Q in registers and a two-warp producer (ws qreg), or the producer
-// warpgroup and setmaxnreg (ws qreg realloc); ws with the two-warp producer (ws small producer).
-enum class Sm90Variant {
-  kPlain,
-  kPipelined,
-  kWarpSpecialized,
-  kWsPingPong,
-  kWsPipelined,
-  kWsQReg,
-  kWsQRegRealloc,
-  kWsSmallProducer
-};
+// warpgroups taking turns at the tensor cores (ws ping-pong); the same with each
+// warpgroup's next Q K^T overlapping its softmax (ws pipelined).
+enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized, kWsPingPong, kWsPipelined };
 // Unsplit attention for p (out and, when set, lse).
 cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,
                                cudaStream_t stream);

@@ -63,7 +63,7 @@ if [[ $STEPS == *" attn "* ]]; then
   # third is a sparse-rows one. Sections plus every warp-stall reason and pipe utilisation:
   # what a key tile waits on (the producer's stages, the MMAs, the softmax's latency).
   stamp "ws attention on sparse rows, one launch, ncu sections"
-  SPX_MICRO_IMPLS=no-pp,no-pipe,no-qreg,no-p64 timeout 200 "$NCU" --clock-control none \
+  SPX_MICRO_IMPLS=no-pp,no-pipe timeout 200 "$NCU" --clock-control none \
     --kernel-name-base mangled -k regex:WgmmaFlashKernelILi3E --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
     --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \

@@ -67,16 +67,9 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
       o.attn_impl = Impl::kWgmmaWsPingPong;
     } else if (v == "wgmma-ws-pipe") {
       o.attn_impl = Impl::kWgmmaWsPipelined;
-    } else if (v == "wgmma-ws-qreg") {
-      o.attn_impl = Impl::kWgmmaWsQReg;
-    } else if (v == "wgmma-ws-qreg-rr") {
-      o.attn_impl = Impl::kWgmmaWsQRegRealloc;
-    } else if (v == "wgmma-ws-p64") {
-      o.attn_impl = Impl::kWgmmaWsSmallProducer;
     } else if (!v.empty() && v != "auto") {
       std::fprintf(stderr, "SPX_ATTN_IMPL=%s is not one of mma, wgmma, wgmma-pipe, wgmma-ws, "
-                   "wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-qreg, wgmma-ws-qreg-rr, wgmma-ws-p64, "
-                   "auto: automatic choice used\n", im);
+                   "wgmma-ws-pp, wgmma-ws-pipe, auto: automatic choice used\n", im);
     }
   }
   if (const char* d = std::getenv("SPX_DECODE_ATTN")) {

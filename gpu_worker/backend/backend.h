@@ -113,21 +113,12 @@ struct CudaBackendOptions {
     kWgmma = 2,
     kWgmmaPipelined = 3,
     kWgmmaWarpSpecialized = 4,
-    // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong)
-    // (with setmaxnreg until session 22: correct, measured slower than ws in session 21).
+    // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong).
+    // Session 22 (H100, no setmaxnreg since): level with ws.
     kWgmmaWsPingPong = 5,
     // The ws kernel with each consumer warpgroup's next Q K^T issued before its softmax
-    // (FlashAttention-3's intra-warpgroup overlap); with setmaxnreg correct but measured slower
-    // than ws in session 22, now without it.
-    kWgmmaWsPipelined = 6,
-    // The ws kernel with each consumer warpgroup's Q in registers for its Q K^T (the MMAs then
-    // read only K and V from shared memory) and a producer of two warps; the same with the
-    // producer warpgroup and setmaxnreg. Session 22, H100: both slower than ws (335 and 258
-    // against 419 TFLOP/s on a 32K causal layer).
-    kWgmmaWsQReg = 7,
-    kWgmmaWsQRegRealloc = 8,
-    // The ws kernel with the two-warp producer of kWgmmaWsQReg and Q in shared memory.
-    kWgmmaWsSmallProducer = 9
+    // (FlashAttention-3's intra-warpgroup overlap). Session 22: ~1-2% behind ws.
+    kWgmmaWsPipelined = 6
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -165,8 +156,7 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-qreg|
-  // wgmma-ws-qreg-rr|wgmma-ws-p64. Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
@@ -219,10 +209,9 @@ struct CudaBackendOptions {
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-qreg, wgmma-ws-qreg-rr, wgmma-ws-p64 or auto (the removed wgmma-128
-// included) keeps kAuto and says so on
-// stderr. Only parses strings: defined
-// in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
+// wgmma-ws-pp, wgmma-ws-pipe or auto (the removed wgmma-128 and the session-22 experiments
+// wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 included) keeps kAuto and says so on stderr.
+// Only parses strings: defined in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 
 struct BackendOptions {

@@ -104,14 +104,10 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pipe");
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
             CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
-  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-qreg");
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
-            CudaBackendOptions::AttentionImpl::kWgmmaWsQReg);
-  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-qreg-rr");
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
-            CudaBackendOptions::AttentionImpl::kWgmmaWsQRegRealloc);
   Env bad;
   bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);
+  bad.Set("SPX_ATTN_IMPL", "wgmma-ws-qreg");  // a session-22 experiment, removed
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);
 }
 

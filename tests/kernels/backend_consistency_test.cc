@@ -939,8 +939,8 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
   RunUnsplitHd128("ws");
 }
 
-// The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong) and
-// setmaxnreg (SPX_ATTN_IMPL=wgmma-ws-pp): the same cases. A turn-taking mistake hangs rather
+// The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong,
+// SPX_ATTN_IMPL=wgmma-ws-pp): the same cases. A turn-taking mistake hangs rather
 // than fails; bench/gpu/verify_pending.sh runs this test alone under a timeout.
 TEST_F(AttentionConsistency, WsPingPongWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
@@ -959,31 +959,6 @@ TEST_F(AttentionConsistency, WsPipelinedWgmma) {
   if (HasFatalFailure()) return;
   RunUnsplitHd128("ws pipe");
   Run({"ws pipe one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
-}
-
-// The ws kernel with each consumer warpgroup's Q in registers for its Q K^T, with a two-warp
-// producer (SPX_ATTN_IMPL=wgmma-ws-qreg) and with the producer warpgroup and setmaxnreg
-// (wgmma-ws-qreg-rr): the same cases, each alone under a timeout in verify_pending.sh.
-TEST_F(AttentionConsistency, WsQRegWgmma) {
-  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsQReg);
-  if (HasFatalFailure()) return;
-  RunUnsplitHd128("ws qreg");
-  Run({"ws qreg one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
-}
-TEST_F(AttentionConsistency, WsQRegReallocWgmma) {
-  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsQRegRealloc);
-  if (HasFatalFailure()) return;
-  RunUnsplitHd128("ws qreg rr");
-  Run({"ws qreg rr one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
-}
-// The ws kernel with the two-warp producer and Q in shared memory (SPX_ATTN_IMPL=wgmma-ws-p64).
-TEST_F(AttentionConsistency, WsSmallProducerWgmma) {
-  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsSmallProducer);
-  if (HasFatalFailure()) return;
-  RunUnsplitHd128("ws p64");
 }
 
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
