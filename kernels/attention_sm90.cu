@@ -11,7 +11,7 @@
 // A-fragment layout) and V as stored (MN-major, transposed by the instruction). Variants
 // (docs/perf-notes.md has their timings; the automatic choice is ws, see PagedAttention): S of
 // the next tile issued before this tile's softmax ("pipelined"), warp-specialised ("ws": a
-// producer warpgroup gathers the K/V stages into 6 stages and the two consumer warpgroups take
+// producer warpgroup gathers the K/V stages into 5 stages and the two consumer warpgroups take
 // them through mbarriers, with no block-wide barrier in the loop), ws with the consumers taking
 // turns at the tensor cores ("ws ping-pong"), ws with each consumer's softmax overlapping its
 // own previous P V ("ws pipelined"), and the statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
@@ -38,8 +38,9 @@ constexpr int kBn = 64, kStages = 3;             // keys per step, cp.async stag
 constexpr int kTileBytes = kBn * kHd * 2;         // 16 KiB
 constexpr int kStageBytes = 2 * kTileBytes;       // K + V
 // The warp-specialised variant keeps more tiles in flight: its producer runs ahead of both
-// warpgroups, and 6 stages (225 KiB with Q, of the 227 a block may have) fit one block per SM.
-constexpr int kWsStages = 6;
+// warpgroups, and 5 stages (193 KiB with Q) still fit one block per SM (6, 225 KiB, measured
+// no faster in session 22).
+constexpr int kWsStages = 5;
 constexpr int SmemBytes(int stages) { return 1024 + kQBytes + stages * kStageBytes; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -162,6 +162,27 @@ TEST_F(ReuseTest, LayerFKvIsRefreshedForEveryReusedToken) {
   }
 }
 
+TEST_F(ReuseTest, KvAssembledAheadOrLayerByLayerGivesTheSameLogits) {
+  // ReuseOptions::assemble_kv_ahead only moves the device-tier segments' KV assembly of every
+  // sparse layer to the selection: the same writes in the same per-layer order, so the logits
+  // are identical, with layer F refreshed or assembled too, at several ratios.
+  std::vector<PromptSegment> segs = {{Enc(kDocA)}, {Enc(kDocB)}, {Enc(kDocC)}, {Enc(kQ), false}};
+  for (auto& s : segs) ASSERT_TRUE(reuse_->EnsureStored(s.tokens).ok());
+  for (bool refresh : {true, false}) {
+    for (float ratio : {0.0f, 0.15f, 0.5f}) {
+      ReuseOptions o;
+      o.budget.ratio = ratio;
+      o.refresh_first_sparse_kv = refresh;
+      ReusePrefillResult ahead = Run(segs, o);
+      EXPECT_GT(ahead.stats.reused_tokens, 0);
+      o.assemble_kv_ahead = false;
+      ReusePrefillResult by_layer = Run(segs, o);
+      EXPECT_EQ(testing::MaxAbsDiff(ahead.logits, by_layer.logits), 0.0)
+          << "refresh " << refresh << " ratio " << ratio;
+    }
+  }
+}
+
 TEST_F(ReuseTest, NaiveReuseEqualsExactKvWhenTheEncodingContextMatches) {
   // A segment stored after a fixed prefix and reused right after that same prefix at its new
   // position has exactly the KV full prefill computes: naive reuse (F=0, r=0) must match full
