@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
 # The GPU paths built without a device, checked and timed against the paths they replace in
 # one device call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage).
-# Measured by now (docs/perf-notes.md, sessions 20-21, H100): the cuDNN statistics
-# (SPX_CUDNN_STATS, on), the ws attention (SPX_ATTN_IMPL auto = wgmma-ws), the ping-pong variant
-# (wgmma-ws-pp, slower). Pending (session 21): the complement pass's received attention in
-# blocks of their own (SPX_STATS_RECV_SPLIT=1, off by default): its test case runs in step 1,
-# its single-op rows (split and unsplit) in step 3, a reuse prefill with it in step 2; the ws
-# kernel with the ping-pong schedule but no turns (SPX_ATTN_IMPL=wgmma-ws-pipe): its test alone
-# in step 1, its single-op rows in step 3, a reuse prefill with it in step 2.
+# Measured by now (docs/perf-notes.md, sessions 20-22, H100): the cuDNN statistics
+# (SPX_CUDNN_STATS, on), the ws attention (SPX_ATTN_IMPL auto = wgmma-ws), ping-pong and ws
+# pipelined (wgmma-ws-pp, wgmma-ws-pipe: level with ws), the complement pass's split received
+# attention (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference,
+# on). Nothing is pending; the script re-checks and times these paths on a new card (an H200).
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong and ws pipelined cases alone under a short
 #      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) in the same call: the defaults, with SPX_STATS_RECV_SPLIT=1, with
+#      the issue-15 case) in the same call: the defaults, the assembly layer by layer
+#      (--assemble-ahead 0), with SPX_STATS_RECV_SPLIT=1 (the default since session 22), with
 #      SPX_ATTN_IMPL=wgmma-ws-pipe (SPX_VERIFY_REUSE can add SPX_CUDNN_STATS=0 with plain wgmma:
 #      stats0, the cuDNN statistics with plain wgmma: stats1, ping-pong: stats1_pp);
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
