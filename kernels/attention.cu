@@ -742,7 +742,8 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
       // Calls with the fused cross mass too (AttentionConsistency.WarpSpecializedWgmma's
       // statistics case passed in session 21).
       const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized;
-      const Sm90Variant v = p.impl == 6                ? Sm90Variant::kWsPipelined
+      const Sm90Variant v = p.impl == 7                ? Sm90Variant::kWs128
+                            : p.impl == 6            ? Sm90Variant::kWsPipelined
                             : p.impl == 5            ? Sm90Variant::kWsPingPong
                             : p.impl == 4 || ws_auto ? Sm90Variant::kWarpSpecialized
                             : p.impl == 3            ? Sm90Variant::kPipelined

@@ -34,14 +34,11 @@ using detail::PackBf16x2;
 constexpr int kHd = 128, kBm = 128, kThreads = 256;
 // Shared layout (bytes from the 1024-aligned base): Q, then K and V of each stage.
 constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
-constexpr int kBn = 64, kStages = 3;             // keys per step, cp.async stages
-constexpr int kTileBytes = kBn * kHd * 2;         // 16 KiB
-constexpr int kStageBytes = 2 * kTileBytes;       // K + V
+constexpr int kStages = 3;  // cp.async stages of the variants without a producer
 // The warp-specialised variant keeps more tiles in flight: its producer runs ahead of both
-// warpgroups, and 5 stages (193 KiB with Q) still fit one block per SM (6, 225 KiB, measured
-// no faster in session 22).
+// warpgroups, and 5 stages of 64 keys (193 KiB with Q) still fit one block per SM (6, 225 KiB,
+// measured no faster in session 22).
 constexpr int kWsStages = 5;
-constexpr int SmemBytes(int stages) { return 1024 + kQBytes + stages * kStageBytes; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -184,11 +181,13 @@ enum Mode {
   kStats = 2,
   kWarpSpecialized = 3,
   kWsPingPong = 4,
-  kWsPipelined = 5
+  kWsPipelined = 5,
+  kWs128 = 6
 };
 template <int MODE>
 constexpr bool IsWs() {
-  return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined;
+  return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined ||
+         MODE == kWs128;
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
@@ -200,9 +199,20 @@ template <int MODE>
 constexpr int BlockThreads() {
   return IsWs<MODE>() ? kWsThreads : kThreads;
 }
+// Keys per step: 64; kWs128 (the ws schedule on 128-key tiles) halves the per-tile overheads
+// (stage waits and releases, row maxima, MMA fences and waits) and fits 3 stages (225 KiB).
+template <int MODE>
+constexpr int TileKeys() {
+  return MODE == kWs128 ? 128 : 64;
+}
 template <int MODE>
 constexpr int Stages() {
-  return IsWs<MODE>() ? kWsStages : kStages;
+  return MODE == kWs128 ? 3 : IsWs<MODE>() ? kWsStages : kStages;
+}
+// Shared bytes: 1024 of alignment slack, Q, then K and V of each stage.
+template <int MODE>
+constexpr int SmemBytes() {
+  return 1024 + kQBytes + Stages<MODE>() * 2 * TileKeys<MODE>() * kHd * 2;
 }
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
@@ -213,12 +223,16 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
                      int qt) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kStatsMode = MODE == kStats;
+  constexpr int kBn = TileKeys<MODE>();          // keys per step
+  constexpr int kTileBytes = kBn * kHd * 2;      // 16 or 32 KiB
+  constexpr int kStageBytes = 2 * kTileBytes;    // K + V
+  constexpr int kNs = Stages<MODE>();            // stages (the ws variants' ring)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_lim[kBm];
   __shared__ int s_max_lim, s_min_lim;
   // Warp-specialised variant: per stage, "full" (the producer's K/V landed) and "empty" (the
   // eight consumer warps are done reading it).
-  __shared__ __align__(8) uint64_t s_full[kWsStages], s_empty[kWsStages];
+  __shared__ __align__(8) uint64_t s_full[kNs], s_empty[kNs];
   // Swizzle atoms must start on 1024-byte boundaries of the shared window.
   const uint32_t raw = detail::SmemAddr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
@@ -237,7 +251,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     s_max_lim = -1;
     s_min_lim = 0x7fffffff;
     if constexpr (IsWs<MODE>()) {
-      for (int st_i = 0; st_i < kWsStages; ++st_i) {
+      for (int st_i = 0; st_i < kNs; ++st_i) {
         // One cp.async arrival per producer thread.
         MbarInit(detail::SmemAddr(&s_full[st_i]), kProducerThreads);
         MbarInit(detail::SmemAddr(&s_empty[st_i]), kThreads / 32);  // one per consumer warp
@@ -295,12 +309,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 
   if constexpr (IsWs<MODE>()) {
     if (tid >= kThreads) {
-      // The producer warpgroup: K/V tile t into stage t % kWsStages once the consumers released
+      // The producer warpgroup: K/V tile t into stage t % kNs once the consumers released
       // the tile that was there; each thread's arrival fires when its copies have landed.
       for (int t = 0; t < n_tiles; ++t) {
-        const int stage = t % kWsStages;
-        if (t >= kWsStages)
-          MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kWsStages) - 1) & 1);
+        const int stage = t % kNs;
+        if (t >= kNs)
+          MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kNs) - 1) & 1);
         load_kv_by(stage, t, tid - kThreads, std::integral_constant<int, kProducerThreads>());
         MbarArriveCpAsync(detail::SmemAddr(&s_full[stage]));
       }
@@ -364,8 +378,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     for (int ks = 0; ks < 8; ++ks) {
       const uint32_t koff = (ks & 3) * 32;
       const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
-      const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024);
-      WgmmaQK(&acc[0][0], da, db, ks > 0);
+      // 64 keys per MMA: a 128-key tile's second half starts 64 rows (8 swizzle atoms) on.
+#pragma unroll
+      for (int h = 0; h < kBn / 64; ++h) {
+        const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + h * 64 * 128 + koff, 16, 1024);
+        WgmmaQK(&acc[h * 8][0], da, db, ks > 0);
+      }
     }
   };
   // Scale, causal mask, online softmax of tile t in acc (P in fp32, the row statistics and the
@@ -444,12 +462,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   // generic proxy, before the MMAs' reads, async proxy); give tile t's stage back once this
   // warp's MMAs on it are done (one arrival per consumer warp).
   [[maybe_unused]] auto wait_tile = [&](int t) {
-    MbarWait(detail::SmemAddr(&s_full[t % kWsStages]), (t / kWsStages) & 1);
+    MbarWait(detail::SmemAddr(&s_full[t % kNs]), (t / kNs) & 1);
     FenceProxyAsync();
   };
   [[maybe_unused]] auto release_tile = [&](int t) {
     __syncwarp();
-    if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[t % kWsStages]));
+    if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[t % kNs]));
   };
   if constexpr (kStatsMode) {
     float lse_row[2] = {0.0f, 0.0f}, w_row[2] = {0.0f, 0.0f}, cross[2] = {0.0f, 0.0f};
@@ -512,14 +530,14 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       }
     }
     return;
-  } else if constexpr (MODE == kWarpSpecialized) {
+  } else if constexpr (MODE == kWarpSpecialized || MODE == kWs128) {
     // Q landed for both warpgroups before the first S; then each warpgroup runs at its own pace,
     // waiting only for the stage it reads.
     detail::CpAsyncWait<0>();
     ConsumerSync();
     FenceProxyAsync();
     for (int t = 0; t < n_tiles; ++t) {
-      const int stage = t % kWsStages;
+      const int stage = t % kNs;
       wait_tile(t);
       WgFence();
       issue_s(stage, s_cur);
@@ -566,9 +584,9 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       wait_tile(t);
       if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
-      issue_s(t % kWsStages, s_cur);
+      issue_s(t % kNs, s_cur);
       WgCommit();
-      issue_pv((t - 1) % kWsStages);
+      issue_pv((t - 1) % kNs);
       WgCommit();
       if constexpr (kTurns) TurnGive(their_turn);
       WgWait1();  // Q K^T done (groups retire in order); the P V may still run
@@ -580,7 +598,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     if (n_tiles > 0) {
       if constexpr (kTurns) TurnWait(my_turn);
       WgFence();
-      issue_pv((n_tiles - 1) % kWsStages);
+      issue_pv((n_tiles - 1) % kNs);
       WgCommit();
       if (kTurns && wg == 0) TurnGive(their_turn);
       WgWait0();
@@ -670,7 +688,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 template <int MODE>
 cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st,
                    cudaStream_t stream) {
-  constexpr int smem = SmemBytes(Stages<MODE>());
+  constexpr int smem = SmemBytes<MODE>();
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(WgmmaFlashKernel<MODE>,
@@ -724,6 +742,8 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kWsPingPong>(p, none, stream);
     case Sm90Variant::kWsPipelined:
       return Launch<kWsPipelined>(p, none, stream);
+    case Sm90Variant::kWs128:
+      return Launch<kWs128>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

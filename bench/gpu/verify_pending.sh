@@ -5,15 +5,17 @@
 # (SPX_CUDNN_STATS, on), the ws attention (SPX_ATTN_IMPL auto = wgmma-ws), ping-pong and ws
 # pipelined (wgmma-ws-pp, wgmma-ws-pipe: level with ws), the complement pass's split received
 # attention (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference,
-# on). Nothing is pending; the script re-checks and times these paths on a new card (an H200).
+# on). Pending (built at the end of session 22): the ws kernel on 128-key tiles
+# (SPX_ATTN_IMPL=wgmma-ws-128): its test alone in step 1, its single-op rows in step 3, a reuse
+# prefill with it in step 2. The script also re-checks and times the rest on a new card.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
-#      a fallback fails it), the ws, ping-pong and ws pipelined cases alone under a short
+#      a fallback fails it), the ws, ping-pong, ws pipelined and ws 128 cases alone under a short
 #      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
 #      the issue-15 case) in the same call: the defaults, the assembly layer by layer
 #      (--assemble-ahead 0), with SPX_STATS_RECV_SPLIT=1 (the default since session 22), with
-#      SPX_ATTN_IMPL=wgmma-ws-pipe (SPX_VERIFY_REUSE can add SPX_CUDNN_STATS=0 with plain wgmma:
+#      SPX_ATTN_IMPL=wgmma-ws-pipe, with wgmma-ws-128 (SPX_VERIFY_REUSE can add SPX_CUDNN_STATS=0 with plain wgmma:
 #      stats0, the cuDNN statistics with plain wgmma: stats1, ping-pong: stats1_pp);
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
 #      attention kernel (TFLOP/s), the statistics pass direct and by complement (received
@@ -26,7 +28,8 @@
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
 #                                                # stats1_ws no_ahead stats1_pp stats1_ws_split
-#                                                # stats1_pipe; no_ahead: --assemble-ahead 0)
+#                                                # stats1_pipe stats1_ws128; no_ahead:
+#                                                # --assemble-ahead 0)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify
@@ -40,7 +43,8 @@ stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 stamp "attention GPU tests"
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*:*WsPipelined*' >"$FINAL/bc.log" 2>&1
+  --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*:*WsPipelined*:*Ws128*' \
+  >"$FINAL/bc.log" 2>&1
 stamp "backend_consistency_test exit $?"
 grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|seed" "$FINAL/bc.log" | head -n 40 \
   | tee -a "$LOG"
@@ -61,6 +65,8 @@ alone pp '*WsPingPong*' "ws ping-pong"
 PP_RC=$?
 alone wspipe '*WsPipelined*' "ws pipelined"
 PIPE_RC=$?
+alone ws128 '*Ws128*' "ws 128-key tiles"
+WS128_RC=$?
 
 reuse() {  # name, then environment assignments (VAR=value) and benchmark flags (--flag value)
   local name=$1; shift
@@ -80,7 +86,7 @@ reuse() {  # name, then environment assignments (VAR=value) and benchmark flags 
 }
 # SPX_VERIFY_REUSE picks the variants (default: the defaults, the split received attention, ws
 # pipelined; stats0, stats1 and stats1_pp were measured in sessions 20-21 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws no_ahead stats1_ws_split stats1_pipe} "
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_pipe stats1_ws128} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
@@ -88,11 +94,13 @@ VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws no_ahead stats1_ws_split stats1_pipe} "
 [ "$PP_RC" = 0 ] && [[ $VARIANTS == *" stats1_pp "* ]] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
 [[ $VARIANTS == *" stats1_ws_split "* ]] && reuse stats1_ws_split SPX_STATS_RECV_SPLIT=1
 [ "$PIPE_RC" = 0 ] && [[ $VARIANTS == *" stats1_pipe "* ]] && reuse stats1_pipe SPX_ATTN_IMPL=wgmma-ws-pipe
+[ "$WS128_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws128 "* ]] && reuse stats1_ws128 SPX_ATTN_IMPL=wgmma-ws-128
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
 [ "$PP_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=no-pp"
 [ "$PIPE_RC" = 0 ] || MICRO_ENV="${MICRO_ENV:-SPX_MICRO_IMPLS=},no-pipe"
+[ "$WS128_RC" = 0 ] || MICRO_ENV="${MICRO_ENV:-SPX_MICRO_IMPLS=},no-ws128"
 [ "$WS_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=mma"  # the wgmma rows include the ws variant
 env $MICRO_ENV timeout 200 "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 1 \
   --decode-steps 0 --out "$FINAL/micro.json" >"$FINAL/micro.log" 2>&1
@@ -126,7 +134,8 @@ hf = load("hf.json")
 base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
-for v in ("stats0", "stats1", "stats1_ws", "no_ahead", "stats1_pp", "stats1_ws_split", "stats1_pipe"):
+for v in ("stats0", "stats1", "stats1_ws", "no_ahead", "stats1_pp", "stats1_ws_split", "stats1_pipe",
+          "stats1_ws128"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):

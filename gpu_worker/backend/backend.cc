@@ -67,9 +67,12 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
       o.attn_impl = Impl::kWgmmaWsPingPong;
     } else if (v == "wgmma-ws-pipe") {
       o.attn_impl = Impl::kWgmmaWsPipelined;
+    } else if (v == "wgmma-ws-128") {
+      o.attn_impl = Impl::kWgmmaWs128;
     } else if (!v.empty() && v != "auto") {
       std::fprintf(stderr, "SPX_ATTN_IMPL=%s is not one of mma, wgmma, wgmma-pipe, wgmma-ws, "
-                   "wgmma-ws-pp, wgmma-ws-pipe, auto: automatic choice used\n", im);
+                   "wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, auto: automatic choice used\n",
+                   im);
     }
   }
   if (const char* d = std::getenv("SPX_DECODE_ATTN")) {

@@ -118,7 +118,10 @@ struct CudaBackendOptions {
     kWgmmaWsPingPong = 5,
     // The ws kernel with each consumer warpgroup's next Q K^T issued before its softmax
     // (FlashAttention-3's intra-warpgroup overlap). Session 22: ~1-2% behind ws.
-    kWgmmaWsPipelined = 6
+    kWgmmaWsPipelined = 6,
+    // The ws kernel on 128-key tiles (3 stages): half the per-tile overheads of an
+    // issue-bound kernel. Built at the end of session 22 without device time: not yet run.
+    kWgmmaWs128 = 7
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -156,7 +159,8 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe. Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128.
+  // Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
@@ -209,7 +213,7 @@ struct CudaBackendOptions {
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe or auto (the removed wgmma-128 and the session-22 experiments
+// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128 or auto (the removed wgmma-128 and the session-22 experiments
 // wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 included) keeps kAuto and says so on stderr.
 // Only parses strings: defined in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();

@@ -104,6 +104,9 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pipe");
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
             CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
+  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-128");
+  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
+            CudaBackendOptions::AttentionImpl::kWgmmaWs128);
   Env bad;
   bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
   EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);

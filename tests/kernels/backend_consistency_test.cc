@@ -961,6 +961,18 @@ TEST_F(AttentionConsistency, WsPipelinedWgmma) {
   Run({"ws pipe one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
 }
 
+// The ws kernel on 128-key tiles (SPX_ATTN_IMPL=wgmma-ws-128): the same cases (their key counts
+// are not multiples of 128, so the last tile is partial), one row, and a context of exactly
+// 128 keys; run alone under a timeout by bench/gpu/verify_pending.sh.
+TEST_F(AttentionConsistency, Ws128Wgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWs128);
+  if (HasFatalFailure()) return;
+  RunUnsplitHd128("ws 128");
+  Run({"ws 128 one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+  Run({"ws 128 one tile", 32, 8, 128, 128, Dense(0, 128)});
+}
+
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
