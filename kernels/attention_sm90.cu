@@ -14,8 +14,9 @@
 // producer warpgroup gathers the K/V stages into 5 stages and the two consumer warpgroups take
 // them through mbarriers, with no block-wide barrier in the loop), ws with the consumers taking
 // turns at the tensor cores ("ws ping-pong"), ws with each consumer's softmax overlapping its
-// own previous P V ("ws pipelined"), and the statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere
-// Sm90AttentionAvailable() is false.
+// own previous P V ("ws pipelined"), ws on 128-key tiles ("ws 128", not yet run on a GPU), and
+// the statistics pass of AttentionStats. Built only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL);
+// elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
 #include <cmath>

@@ -13,10 +13,11 @@
 #      a fallback fails it), the ws, ping-pong, ws pipelined and ws 128 cases alone under a short
 #      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) in the same call: the defaults, the assembly layer by layer
-#      (--assemble-ahead 0), with SPX_STATS_RECV_SPLIT=1 (the default since session 22), with
-#      SPX_ATTN_IMPL=wgmma-ws-pipe, with wgmma-ws-128 (SPX_VERIFY_REUSE can add SPX_CUDNN_STATS=0 with plain wgmma:
-#      stats0, the cuDNN statistics with plain wgmma: stats1, ping-pong: stats1_pp);
+#      the issue-15 case) in the same call: the defaults, with SPX_ATTN_IMPL=wgmma-ws-pipe, with
+#      wgmma-ws-128 (SPX_VERIFY_REUSE can add the assembly layer by layer, --assemble-ahead 0:
+#      no_ahead; SPX_STATS_RECV_SPLIT=1, the default since session 22: stats1_ws_split;
+#      SPX_CUDNN_STATS=0 with plain wgmma: stats0; the cuDNN statistics with plain wgmma:
+#      stats1; ping-pong: stats1_pp);
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
 #      attention kernel (TFLOP/s), the statistics pass direct and by complement (received
 #      attention split and unsplit, and without it);
@@ -94,7 +95,8 @@ VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_pipe stats1_ws128} "
 [ "$PP_RC" = 0 ] && [[ $VARIANTS == *" stats1_pp "* ]] && reuse stats1_pp SPX_ATTN_IMPL=wgmma-ws-pp
 [[ $VARIANTS == *" stats1_ws_split "* ]] && reuse stats1_ws_split SPX_STATS_RECV_SPLIT=1
 [ "$PIPE_RC" = 0 ] && [[ $VARIANTS == *" stats1_pipe "* ]] && reuse stats1_pipe SPX_ATTN_IMPL=wgmma-ws-pipe
-[ "$WS128_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws128 "* ]] && reuse stats1_ws128 SPX_ATTN_IMPL=wgmma-ws-128
+[ "$WS128_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws128 "* ]] &&
+  reuse stats1_ws128 SPX_ATTN_IMPL=wgmma-ws-128
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
