@@ -6,6 +6,8 @@
 #
 #   scripts/build.sh && bench/gpu/stage_serve.sh     # then bench/gpu/serve.sh runs there
 #   SPX_STAGE_LEAN=1 bench/gpu/stage_serve.sh       # kernel tests and benchmarks only
+#   SPX_STAGE_KEEP_OLD=1 ...                         # the previous stage kept as .stage/old.tar.gz
+#                                                    # (bench/gpu/ab_stages.sh compares the two)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${SPARSEX_BIN_DIR:-$ROOT/build/bin}
@@ -47,6 +49,9 @@ strip --strip-unneeded "$TMP/spx/lib/"*.so* 2>/dev/null || true
 # Which tree the binaries were built from (a later session reads it before trusting a stage).
 { git -C "$ROOT" rev-parse HEAD; git -C "$ROOT" status --short --untracked-files=no; } \
   >"$TMP/spx/STAGED_FROM" 2>/dev/null
+if [ "${SPX_STAGE_KEEP_OLD:-0}" = 1 ] && [ -e "$STAGE/serve.tar.gz" ]; then
+  mv "$STAGE/serve.tar.gz" "$STAGE/old.tar.gz"
+fi
 cp "$TMP/spx/STAGED_FROM" "$STAGE/STAGED_FROM"
 tar -C "$TMP" -czf "$STAGE/serve.tar.gz" spx
 ls -la "$STAGE/serve.tar.gz"
