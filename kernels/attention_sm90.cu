@@ -127,43 +127,6 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// One tile of the online softmax on raw Q K^T scores (masked ones -inf): the row maxima of the
-// raw scores (a positive scale keeps their order) scaled once, then p = 2^(s scale - m) as one
-// FFMA and one ex2 a score, where scaling first took a multiply and a subtract. Advances row_m
-// (log2 domain) and row_l (this thread's partial sums); corr is what O must be rescaled by.
-template <int NB>
-__device__ __forceinline__ void ScaledSoftmaxStep(float (&s)[NB][4], float scale_log2,
-                                                  float (&row_m)[2], float (&row_l)[2],
-                                                  float (&corr)[2]) {
-  float mx[2] = {kNegInf, kNegInf};
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    mx[0] = fmaxf(mx[0], fmaxf(s[nb][0], s[nb][1]));
-    mx[1] = fmaxf(mx[1], fmaxf(s[nb][2], s[nb][3]));
-  }
-  float neg_ref[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    const float m_new = fmaxf(row_m[i], mx[i] * scale_log2);
-    const float ref = m_new == kNegInf ? 0.0f : m_new;
-    corr[i] = Ex2(row_m[i] - ref);
-    row_m[i] = m_new;
-    row_l[i] *= corr[i];
-    neg_ref[i] = -ref;
-  }
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    s[nb][0] = Ex2(fmaf(s[nb][0], scale_log2, neg_ref[0]));
-    s[nb][1] = Ex2(fmaf(s[nb][1], scale_log2, neg_ref[0]));
-    s[nb][2] = Ex2(fmaf(s[nb][2], scale_log2, neg_ref[1]));
-    s[nb][3] = Ex2(fmaf(s[nb][3], scale_log2, neg_ref[1]));
-    row_l[0] += s[nb][0] + s[nb][1];
-    row_l[1] += s[nb][2] + s[nb][3];
-  }
-}
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // kWsPingPong: the warp-specialised layout with the consumer warpgroups taking turns at the
@@ -407,7 +370,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
         }
       }
     }
-    ScaledSoftmaxStep(acc, scale_log2, row_m, row_l, corr);
+    detail::OnlineSoftmaxStep(acc, scale_log2, row_m, row_l, corr);
     xacc[0] *= corr[0];
     xacc[1] *= corr[1];
     if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);

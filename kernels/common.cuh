@@ -177,40 +177,51 @@ __device__ __forceinline__ float Ex2(float x) {
   return y;
 }
 
-// One tile of the online softmax. A thread holds scores (log2 domain, masked keys -inf) of two
-// rows (g, g + 8) for NB groups of 8 keys: element [nb][c] belongs to row c >> 1, and a row is
-// spread over the 4 lanes of a quad. Replaces the scores by their exponentials against the
-// running maximum, advances row_m and row_l (this thread's partial row sums), and returns in
-// corr the factor by which the caller rescales whatever else it accumulated (O, cross mass).
+// One tile of the online softmax. A thread holds raw scores (masked keys -inf) of two rows
+// (g, g + 8) for NB groups of 8 keys: element [nb][c] belongs to row c >> 1, and a row is spread
+// over the 4 lanes of a quad. scale_log2 > 0 takes them to the log2 domain: the row maxima of
+// the raw scores (a positive scale keeps their order) are scaled once and p = 2^(s scale - m)
+// is one FFMA and one ex2 a score. Replaces the scores by those exponentials, advances row_m
+// (log2 domain) and row_l (this thread's partial row sums), and returns in corr the factor by
+// which the caller rescales whatever else it accumulated (O, cross mass).
 template <int NB>
-__device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float (&row_m)[2],
-                                                  float (&row_l)[2], float (&corr)[2]) {
+__device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float scale_log2,
+                                                  float (&row_m)[2], float (&row_l)[2],
+                                                  float (&corr)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     mx[0] = fmaxf(mx[0], fmaxf(s[nb][0], s[nb][1]));
     mx[1] = fmaxf(mx[1], fmaxf(s[nb][2], s[nb][3]));
   }
-  float ref[2];
+  float neg_ref[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    const float m_new = fmaxf(row_m[i], mx[i]);
-    ref[i] = m_new == -INFINITY ? 0.0f : m_new;
-    corr[i] = Ex2(row_m[i] - ref[i]);
+    const float m_new = fmaxf(row_m[i], mx[i] * scale_log2);
+    const float ref = m_new == -INFINITY ? 0.0f : m_new;
+    corr[i] = Ex2(row_m[i] - ref);
     row_m[i] = m_new;
     row_l[i] *= corr[i];
+    neg_ref[i] = -ref;
   }
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    s[nb][0] = Ex2(s[nb][0] - ref[0]);
-    s[nb][1] = Ex2(s[nb][1] - ref[0]);
-    s[nb][2] = Ex2(s[nb][2] - ref[1]);
-    s[nb][3] = Ex2(s[nb][3] - ref[1]);
+    s[nb][0] = Ex2(fmaf(s[nb][0], scale_log2, neg_ref[0]));
+    s[nb][1] = Ex2(fmaf(s[nb][1], scale_log2, neg_ref[0]));
+    s[nb][2] = Ex2(fmaf(s[nb][2], scale_log2, neg_ref[1]));
+    s[nb][3] = Ex2(fmaf(s[nb][3], scale_log2, neg_ref[1]));
     row_l[0] += s[nb][0] + s[nb][1];
     row_l[1] += s[nb][2] + s[nb][3];
   }
+}
+// The same for scores already in the log2 domain: with a scale of 1 the maximum is unchanged and
+// fmaf(s, 1, -m) rounds exactly as s - m does.
+template <int NB>
+__device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float (&row_m)[2],
+                                                  float (&row_l)[2], float (&corr)[2]) {
+  OnlineSoftmaxStep(s, 1.0f, row_m, row_l, corr);
 }
 
 // ---- fused cross-segment mass (selection statistic) for the flash kernels ----

@@ -46,10 +46,9 @@ done
 for v in new old; do
   bin=$SPX/bin env=()
   [ $v = old ] && bin=$OLD/spx/bin env=("$OLD_ENV")
-  # shellcheck disable=SC2086  # SPX_AB_REUSE_ENV holds VAR=value words
-  env "${env[@]}" ${SPX_AB_REUSE_ENV:-} timeout 150 "$bin/reuse_prefill_bench" \
-    --model synthetic:llama3-8b --device cuda --segments 8 --segment-tokens 4064 \
-    --new-tokens 256 --full-layers 2 --ratio 0.15 --reps 7 --warmup 1 --cases full,reuse_device \
+  # shellcheck disable=SC2086  # SPX_AB_REUSE_ENV holds VAR=value words, REUSE_32K flags
+  env "${env[@]}" ${SPX_AB_REUSE_ENV:-} timeout 150 "$bin/reuse_prefill_bench" $REUSE_32K \
+    --reps 7 --warmup 1 --cases full,reuse_device \
     --out "$F/reuse_$v.json" >"$F/reuse_$v.log" 2>&1
   stamp "reuse prefill 32K, $v build: exit $?"
   grep -E "^full|^reuse" "$F/reuse_$v.log" | tee -a "$LOG"

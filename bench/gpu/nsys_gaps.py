@@ -49,16 +49,16 @@ def main():
         print("nsys_gaps: no operations")
         return 1
     kernels = [o for o in ops if not o[2].startswith("[CUDA")]
+    # Merged busy intervals (cur_s, cur_e); cur_name is the operation that ends the current one.
     busy, gaps = 0.0, []
     cur_s, cur_e, cur_name = ops[0]
     for s, e, n in ops[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
             gaps.append((s - cur_e, cur_name, n))
-            cur_s, cur_e = s, e
+            cur_s, cur_e, cur_name = s, e, n
         elif e > cur_e:
-            cur_e = e
-        cur_name = n if e >= cur_e else cur_name
+            cur_e, cur_name = e, n
     busy += cur_e - cur_s
     span = ops[-1][1] - ops[0][0]
     bins = [(0, 2e3), (2e3, 10e3), (10e3, 100e3), (100e3, float("inf"))]

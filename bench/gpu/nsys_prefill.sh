@@ -19,8 +19,7 @@ stamp "nsys: $NSYS"
 TMPD=$(mktemp -d)
 timeout 240 "$NSYS" profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda \
   --sample=none --cpuctxsw=none -o "$TMPD/reuse" -f true \
-  "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b --device cuda --segments 8 \
-  --segment-tokens 4064 --new-tokens 256 --full-layers 2 --ratio 0.15 --reps 1 --warmup 1 \
+  "$SPX/bin/reuse_prefill_bench" $REUSE_32K --reps 1 --warmup 1 \
   --cases full,reuse_device --profile-range reuse_device ${SPX_NSYS_ARGS:-} \
   --out "$OUT/nsys_reuse.json" >>"$LOG" 2>&1
 stamp "nsys profile exit $?"

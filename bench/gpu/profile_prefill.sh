@@ -27,8 +27,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/
 if [ -z "$NCU" ]; then stamp "no ncu on this machine"; exit 0; fi
 STEPS=" ${SPX_PROFILE_STEPS:-reuse full stats} "
 PROF="$NCU --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --page raw"
-R="--model synthetic:llama3-8b --device cuda --segments 8 --segment-tokens 4064 --new-tokens 256 \
---full-layers 2 --ratio 0.15 --reps 1 --warmup 0"
+R="$REUSE_32K --reps 1 --warmup 0"
 
 for c in reuse_device full; do
   step=${c#reuse_}; step=${step/device/reuse}

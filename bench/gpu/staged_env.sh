@@ -4,7 +4,8 @@
 # already (a device command sourcing this file by hand); then unpacks the staged binaries
 # (bench/gpu/stage_serve.sh -> .stage/serve.tar.gz, carried by the device call) into $SPX once
 # per call, points the loader, UCX and PATH at them, and SPARSEX_MODELS at the staged test
-# models (stories260K, TinyStories text) unless set.
+# models (stories260K, TinyStories text) unless set; REUSE_32K holds reuse_prefill_bench's flags
+# for issue 15's reuse case (32K: 8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15).
 SPX_SCRIPT=${SPX_SCRIPT:-gpu}
 OUT=${OUT:-/tmp/spx-$SPX_SCRIPT-out}
 mkdir -p "$OUT"
@@ -34,3 +35,5 @@ for b in sparsex-worker sparsex-router sparsex-cache-server sparsex-loadgen; do
   [ -e "$SPX/bin/$b" ] || continue  # a lean stage (SPX_STAGE_LEAN=1) has no services
   if ldd "$SPX/bin/$b" | grep "not found"; then stamp "$b: missing libraries"; exit 1; fi
 done
+REUSE_32K="--model synthetic:llama3-8b --device cuda --segments 8 --segment-tokens 4064 \
+--new-tokens 256 --full-layers 2 --ratio 0.15"

@@ -76,9 +76,9 @@ reuse() {  # name, then environment assignments (VAR=value) and benchmark flags 
     case "$1" in --*) flags+=("$1" "$2"); shift 2;; *) envs+=("$1"); shift;; esac
   done
   stamp "reuse prefill 32K, ${envs[*]} ${flags[*]}"
-  env "${envs[@]}" timeout 150 "$SPX/bin/reuse_prefill_bench" --model synthetic:llama3-8b \
-    --device cuda --segments 8 --segment-tokens 4064 --new-tokens 256 --full-layers 2 \
-    --ratio 0.15 --reps 5 --warmup 1 --cases full,reuse_device "${flags[@]}" \
+  # shellcheck disable=SC2086  # REUSE_32K holds flags
+  env "${envs[@]}" timeout 150 "$SPX/bin/reuse_prefill_bench" $REUSE_32K --reps 5 --warmup 1 \
+    --cases full,reuse_device "${flags[@]}" \
     --out "$FINAL/reuse_$name.json" >"$FINAL/reuse_$name.log" 2>&1
   stamp "reuse_prefill_bench exit $?"
   # Whether cuDNN served (plan builds) or the backend fell back to its own kernel.

@@ -575,6 +575,7 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
   // store hit is uploaded into a tier; checksums verified on Get, a corrupt entry is a miss) ----
   j->found.resize(segs.size());
   j->from_host.assign(segs.size(), 0);
+  j->assembled_ahead.assign(segs.size(), 0);
   j->streamed.resize(segs.size());
   j->streamed_dst.resize(segs.size());
   auto& found = j->found;
@@ -896,7 +897,7 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
         be.Free(x.k);  // stream-ordered: after the assembly that reads it
         be.Free(x.v);
         x.k = x.v = Tensor{};
-      } else if (assemble && !(s < j.assembled_ahead.size() && j.assembled_ahead[s])) {
+      } else if (assemble && !j.assembled_ahead[s]) {
         RETURN_IF_ERROR(r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
                                          pl.slots));
       }
@@ -990,7 +991,6 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
     // download above left it idle), and the sparse layers need not stage it layer by layer.
     // Device-tier segments only: host-tier ones arrive layer by layer on the copy stream,
     // streamed ones as the cluster delivers them.
-    j.assembled_ahead.assign(j.segs.size(), 0);
     for (size_t s = 0; s < j.segs.size() && j.o.assemble_kv_ahead; ++s) {
       const PrefillJob::Placement& pl = j.place[s];
       if (pl.pos.empty() || !j.found[s] || j.from_host[s] || j.streamed[s]) continue;

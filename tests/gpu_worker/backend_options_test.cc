@@ -2,6 +2,7 @@
 // parsed into CudaBackendOptions; a value it cannot take leaves the default.
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
@@ -94,24 +95,22 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   EXPECT_EQ(o.attn_impl, CudaBackendOptions::AttentionImpl::kWgmma);
   EXPECT_EQ(o.cudnn_attention, CudaBackendOptions::Cudnn::kRequired);
   EXPECT_EQ(o.cudnn_min_tokens, 64);
+  using Impl = CudaBackendOptions::AttentionImpl;
   Env ws;
-  ws.Set("SPX_ATTN_IMPL", "wgmma-ws");
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
-            CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized);
-  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pp");
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
-            CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong);
-  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-pipe");
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
-            CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
-  ws.Set("SPX_ATTN_IMPL", "wgmma-ws-128");
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl,
-            CudaBackendOptions::AttentionImpl::kWgmmaWs128);
+  for (const auto& [value, impl] : {std::pair{"wgmma-ws", Impl::kWgmmaWarpSpecialized},
+                                    std::pair{"wgmma-ws-pp", Impl::kWgmmaWsPingPong},
+                                    std::pair{"wgmma-ws-pipe", Impl::kWgmmaWsPipelined},
+                                    std::pair{"wgmma-ws-128", Impl::kWgmmaWs128}}) {
+    ws.Set("SPX_ATTN_IMPL", value);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, impl) << value;
+  }
   Env bad;
-  bad.Set("SPX_ATTN_IMPL", "wgmma-128");  // removed: the automatic choice
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);
-  bad.Set("SPX_ATTN_IMPL", "wgmma-ws-qreg");  // a session-22 experiment, removed
-  EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, CudaBackendOptions::AttentionImpl::kAuto);
+  // Removed values mean the automatic choice: the 128-key kernel of early sessions, a
+  // session-22 experiment.
+  for (const char* value : {"wgmma-128", "wgmma-ws-qreg"}) {
+    bad.Set("SPX_ATTN_IMPL", value);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, Impl::kAuto) << value;
+  }
 }
 
 }  // namespace

@@ -798,9 +798,15 @@ class AttentionConsistency : public BackendConsistency {
     ASSERT_TRUE(g.ok()) << g.status();
     gpu_ = std::move(*g);
   }
+  // A wgmma variant forced by `impl` through the unsplit cases (RunUnsplitHd128), named `tag`.
+  void RunWgmmaVariant(CudaBackendOptions::AttentionImpl impl, const std::string& tag) {
+    UseAttentionImpl(impl);
+    if (HasFatalFailure()) return;
+    RunUnsplitHd128(tag);
+  }
   // The unsplit head-dim-128 cases a wgmma variant must pass, named with `tag`: dense (read in
   // place and gathered), a chunk, sparse rows, GQA 8:1 ragged, MHA (128-row query tiles), the
-  // fused cross mass; more key tiles than stages, so every stage is reused.
+  // fused cross mass, a single row; more key tiles than stages, so every stage is reused.
   void RunUnsplitHd128(const std::string& tag) {
     // AttnCase names are C strings; each temporary lives through its Run call.
     auto name = [&](const char* what) { return tag + " " + what; };
@@ -812,6 +818,7 @@ class AttentionConsistency : public BackendConsistency {
     Run({name("gqa8 dense 1500 ragged").c_str(), 32, 4, 128, 1500, Dense(0, 1500)});
     Run({name("mha dense 1100").c_str(), 16, 16, 128, 1100, Dense(0, 1100)});
     Run({name("stats dense 2048").c_str(), 32, 8, 128, 2048, Dense(0, 2048), true});
+    Run({name("one row").c_str(), 32, 8, 128, 700, std::vector<int32_t>{699}});
   }
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
   void RunBatched(int H, int KV, int hd);
@@ -934,9 +941,7 @@ TEST_F(AttentionConsistency, LongUnsplitRowsHd128) {
 // 128 rows (MHA) and the selection statistics (the cross mass fused into its softmax).
 TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized);
-  if (HasFatalFailure()) return;
-  RunUnsplitHd128("ws");
+  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWarpSpecialized, "ws");
 }
 
 // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong,
@@ -944,10 +949,7 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
 // than fails; bench/gpu/verify_pending.sh runs this test alone under a timeout.
 TEST_F(AttentionConsistency, WsPingPongWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong);
-  if (HasFatalFailure()) return;
-  RunUnsplitHd128("pp");
-  Run({"pp one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong, "pp");
 }
 
 // The ping-pong schedule without the turns (SPX_ATTN_IMPL=wgmma-ws-pipe): each warpgroup's
@@ -955,10 +957,7 @@ TEST_F(AttentionConsistency, WsPingPongWgmma) {
 // by bench/gpu/verify_pending.sh like the others (an mbarrier mistake hangs).
 TEST_F(AttentionConsistency, WsPipelinedWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined);
-  if (HasFatalFailure()) return;
-  RunUnsplitHd128("ws pipe");
-  Run({"ws pipe one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
+  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined, "ws pipe");
 }
 
 // The ws kernel on 128-key tiles (SPX_ATTN_IMPL=wgmma-ws-128): the same cases (their key counts
@@ -966,10 +965,8 @@ TEST_F(AttentionConsistency, WsPipelinedWgmma) {
 // 128 keys; run alone under a timeout by bench/gpu/verify_pending.sh.
 TEST_F(AttentionConsistency, Ws128Wgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  UseAttentionImpl(CudaBackendOptions::AttentionImpl::kWgmmaWs128);
+  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWs128, "ws 128");
   if (HasFatalFailure()) return;
-  RunUnsplitHd128("ws 128");
-  Run({"ws 128 one row", 32, 8, 128, 700, std::vector<int32_t>{699}});
   Run({"ws 128 one tile", 32, 8, 128, 128, Dense(0, 128)});
 }
 
