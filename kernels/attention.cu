@@ -35,7 +35,8 @@ constexpr float kNegInf = -INFINITY;
 // (docs/perf-notes.md has the measurements behind it).
 constexpr bool kDefaultSm90 = true;
 // The warp-specialised variant: 21.1 against 25.0 ms for a 32K causal layer, 3.39 against 4.02
-// for 15% sparse rows (session 20, H100).
+// for 15% sparse rows (session 20, H100); on 128-key tiles 18.6 against 20.1 ms and 3.07
+// against 3.41 (session 23, H100).
 constexpr bool kDefaultWarpSpecialized = true;
 constexpr int kBN = 64;       // keys per step
 static_assert(kBN == kStatsTileKeys, "AttentionStatsParams::tile_groups counts key steps");
@@ -742,10 +743,10 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
       // Calls with the fused cross mass too (AttentionConsistency.WarpSpecializedWgmma's
       // statistics case passed in session 21).
       const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized;
-      const Sm90Variant v = p.impl == 7                ? Sm90Variant::kWs128
+      const Sm90Variant v = p.impl == 7 || ws_auto     ? Sm90Variant::kWs128
                             : p.impl == 6            ? Sm90Variant::kWsPipelined
                             : p.impl == 5            ? Sm90Variant::kWsPingPong
-                            : p.impl == 4 || ws_auto ? Sm90Variant::kWarpSpecialized
+                            : p.impl == 4            ? Sm90Variant::kWarpSpecialized
                             : p.impl == 3            ? Sm90Variant::kPipelined
                                                      : Sm90Variant::kPlain;
       return Sm90PagedAttention(p, v, stream);

@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Idle time in an Nsight Systems GPU trace (`nsys stats -r cuda_gpu_trace -f csv`).
+"""Idle time in a GPU trace: Nsight Systems' (`nsys stats -r cuda_gpu_trace -f csv`) or the
+CUPTI tracer's (bench/gpu_trace/cupti_trace.cc, which adds each operation's launch time).
 
 Prints the traced span, the time some kernel or copy ran (overlaps merged), the idle time
 between them binned by gap length, and the largest gaps with the operations on either side:
-launch gaps show as many short gaps, host stalls as a few long ones.
+launch gaps show as many short gaps, host stalls as a few long ones. With launch times, each
+gap is split into the part the host caused (the next operation was queued after the device
+ran dry) and the rest (queued in time: dependencies, launch latency); and the kernel time by
+name.
 
     nsys_gaps.py trace.csv [--out gaps.json] [--top 15]
 """
@@ -34,6 +38,7 @@ def main():
     h = rows[0]
     i_start, i_dur = col(h, "Start"), col(h, "Duration")
     i_name = col(h, "Name")
+    i_launch = col(h, "Launch")
     if i_start is None or i_dur is None or i_name is None:
         print(f"nsys_gaps: unexpected columns {h}")
         return 1
@@ -43,19 +48,23 @@ def main():
             s, d = float(r[i_start]), float(r[i_dur])
         except (ValueError, IndexError):
             continue
-        ops.append((s, s + d, r[i_name]))
+        ln = float(r[i_launch]) if i_launch is not None and r[i_launch] else 0.0
+        ops.append((s, s + d, r[i_name], ln))
     ops.sort()
     if not ops:
         print("nsys_gaps: no operations")
         return 1
     kernels = [o for o in ops if not o[2].startswith("[CUDA")]
     # Merged busy intervals (cur_s, cur_e); cur_name is the operation that ends the current one.
-    busy, gaps = 0.0, []
-    cur_s, cur_e, cur_name = ops[0]
-    for s, e, n in ops[1:]:
+    # A gap's host part: from the device running dry to the next operation's launch call.
+    busy, gaps, host_late = 0.0, [], 0.0
+    cur_s, cur_e, cur_name, _ = ops[0]
+    for s, e, n, ln in ops[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
             gaps.append((s - cur_e, cur_name, n))
+            if ln > cur_e:
+                host_late += min(ln, s) - cur_e
             cur_s, cur_e, cur_name = s, e, n
         elif e > cur_e:
             cur_e, cur_name = e, n
@@ -72,20 +81,34 @@ def main():
         "span_ms": span / 1e6,
         "busy_ms": busy / 1e6,
         "idle_ms": (span - busy) / 1e6,
-        "kernel_ms": sum(e - s for s, e, _ in kernels) / 1e6,
+        "kernel_ms": sum(o[1] - o[0] for o in kernels) / 1e6,
         "kernels": len(kernels),
         "operations": len(ops),
         "gap_bins": binned,
         "largest_gaps": [{"us": g / 1e3, "after": b[:80], "before": n[:80]} for g, b, n in top],
     }
+    if i_launch is not None:
+        res["idle_host_late_ms"] = host_late / 1e6
+        by_name = {}
+        for o in ops:
+            t = by_name.setdefault(o[2][:80], [0, 0.0])
+            t[0] += 1
+            t[1] += o[1] - o[0]
+        res["by_name"] = [{"name": n, "count": c, "ms": t / 1e6}
+                          for n, (c, t) in sorted(by_name.items(), key=lambda x: -x[1][1])][:25]
     print(f"traced span {res['span_ms']:.2f} ms: busy {res['busy_ms']:.2f}, idle "
           f"{res['idle_ms']:.2f} ({res['kernels']} kernels summing {res['kernel_ms']:.2f} ms, "
           f"{res['operations']} operations)")
+    if "idle_host_late_ms" in res:
+        print(f"  of the idle time {res['idle_host_late_ms']:.2f} ms with the next operation "
+              f"not yet queued (host-bound), the rest queued in time")
     for b in binned:
         to = "inf" if b["to_us"] is None else f"{b['to_us']:g}"
         print(f"  gaps {b['from_us']:g}-{to} us: {b['count']} summing {b['ms']:.2f} ms")
     for g in res["largest_gaps"]:
         print(f"  {g['us']:9.1f} us after {g['after']} | before {g['before']}")
+    for t in res.get("by_name", []):
+        print(f"  {t['ms']:9.2f} ms in {t['count']:5d} x {t['name']}")
     if a.out:
         json.dump(res, open(a.out, "w"), indent=1)
     return 0

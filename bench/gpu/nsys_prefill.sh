@@ -5,7 +5,9 @@
 # launch gaps, host stalls) between reuse_prefill_bench --profile-range's cudaProfilerStart/Stop,
 # then bench/gpu/nsys_gaps.py sums kernel time, idle gaps and the largest gaps with the kernels
 # around them. From the staged binaries (bench/gpu/stage_serve.sh; the device call carries
-# .stage). Writes to $OUT: nsys_prefill.log, nsys_trace.csv.gz, nsys_gaps.json.
+# .stage). Writes to $OUT: nsys_prefill.log, nsys_trace.csv.gz, nsys_gaps.json. Without nsys
+# (the H100 machines) the staged CUPTI tracer (bench/gpu_trace/cupti_trace.cc) records the range
+# instead: cupti_trace.csv.gz with launch times, the gaps split into host-bound and the rest.
 #
 #   OUT=/tmp/out bench/gpu/nsys_prefill.sh     # SPX_NSYS_ARGS: extra reuse_prefill_bench flags
 set -uo pipefail
@@ -14,7 +16,25 @@ SPX_SCRIPT=nsys_prefill
 . "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
   2>/dev/null | head -1)
-if [ -z "$NSYS" ]; then stamp "no nsys on this machine"; exit 0; fi
+TRACER=$SPX/lib/libspx_cupti_trace.so
+if [ -z "$NSYS" ] && [ -e "$TRACER" ]; then
+  # No Nsight Systems (the H100 machines): the CUPTI tracer records the same range, with each
+  # operation's launch time, so the gaps split into host-bound and queued-in-time.
+  stamp "no nsys on this machine: the CUPTI tracer"
+  CUDA_INJECTION64_PATH=$TRACER SPX_CUPTI_OUT=$OUT/cupti_trace.csv timeout 240 \
+    "$SPX/bin/reuse_prefill_bench" $REUSE_32K --reps 1 --warmup 1 \
+    --cases full,reuse_device --profile-range reuse_device ${SPX_NSYS_ARGS:-} \
+    --out "$OUT/nsys_reuse.json" >>"$LOG" 2>&1
+  stamp "traced run exit $?"
+  grep -E "cupti_trace|reuse_device" "$LOG" | tail -n 3
+  if [ -s "$OUT/cupti_trace.csv" ]; then
+    python3 "$ROOT/bench/gpu/nsys_gaps.py" "$OUT/cupti_trace.csv" --out "$OUT/nsys_gaps.json" \
+      | tee -a "$LOG"
+    gzip -f "$OUT/cupti_trace.csv"
+  fi
+  exit 0
+fi
+if [ -z "$NSYS" ]; then stamp "no nsys on this machine and no staged CUPTI tracer"; exit 0; fi
 stamp "nsys: $NSYS"
 TMPD=$(mktemp -d)
 timeout 240 "$NSYS" profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda \

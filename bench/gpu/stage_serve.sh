@@ -37,6 +37,13 @@ for b in $BINS; do
     esac
   done
 done
+# The CUPTI timeline tracer (bench/gpu/nsys_prefill.sh on machines without nsys) with the
+# toolkit's libcupti it was built against.
+TRACER=${BIN%/bin}/lib/libspx_cupti_trace.so
+if [ -e "$TRACER" ]; then
+  cp "$TRACER" "$TMP/spx/lib/"
+  ldd "$TRACER" | awk '/libcupti/ {print $3}' | xargs -r -I{} cp -L {} "$TMP/spx/lib/"
+fi
 if [ "${SPX_STAGE_LEAN:-0}" != 1 ]; then
   cp -r /usr/lib/x86_64-linux-gnu/ucx "$TMP/spx/lib/ucx"
   cp /usr/bin/etcd "$TMP/spx/bin/"

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The GPU paths built without a device, checked and timed against the paths they replace in
 # one device call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage).
-# Measured by now (docs/perf-notes.md, sessions 20-22, H100): the cuDNN statistics
-# (SPX_CUDNN_STATS, on), the ws attention (SPX_ATTN_IMPL auto = wgmma-ws), ping-pong and ws
-# pipelined (wgmma-ws-pp, wgmma-ws-pipe: level with ws), the complement pass's split received
-# attention (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference,
-# on). Pending (built at the end of session 22): the ws kernel on 128-key tiles
-# (SPX_ATTN_IMPL=wgmma-ws-128): its test alone in step 1, its single-op rows in step 3, a reuse
-# prefill with it in step 2. The script also re-checks and times the rest on a new card.
+# Measured by now (docs/perf-notes.md, sessions 20-23, H100): the cuDNN statistics
+# (SPX_CUDNN_STATS, on), the ws attention on 128-key tiles (SPX_ATTN_IMPL auto = wgmma-ws-128
+# since session 23; wgmma-ws on 64-key tiles before), ping-pong and ws pipelined (wgmma-ws-pp,
+# wgmma-ws-pipe: level with ws), the complement pass's split received attention
+# (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference, on). The
+# script re-checks and times them on a new card, the defaults against the 64-key ws kernel.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined and ws 128 cases alone under a short
 #      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) in the same call: the defaults, with SPX_ATTN_IMPL=wgmma-ws-pipe, with
-#      wgmma-ws-128 (SPX_VERIFY_REUSE can add the assembly layer by layer, --assemble-ahead 0:
+#      the issue-15 case) in the same call: the defaults, with SPX_ATTN_IMPL=wgmma-ws (64-key
+#      tiles: stats1_ws64; SPX_VERIFY_REUSE can add wgmma-ws-pipe: stats1_pipe; wgmma-ws-128,
+#      the default's kernel forced: stats1_ws128; the assembly layer by layer, --assemble-ahead 0:
 #      no_ahead; SPX_STATS_RECV_SPLIT=1, the default since session 22: stats1_ws_split;
 #      SPX_CUDNN_STATS=0 with plain wgmma: stats0; the cuDNN statistics with plain wgmma:
 #      stats1; ping-pong: stats1_pp);
@@ -29,7 +29,8 @@
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
 #                                                # stats1_ws no_ahead stats1_pp stats1_ws_split
-#                                                # stats1_pipe stats1_ws128; no_ahead:
+#                                                # stats1_pipe stats1_ws128 stats1_ws64;
+#                                                # no_ahead:
 #                                                # --assemble-ahead 0)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -85,9 +86,9 @@ reuse() {  # name, then environment assignments (VAR=value) and benchmark flags 
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
-# SPX_VERIFY_REUSE picks the variants (default: the defaults, the split received attention, ws
-# pipelined; stats0, stats1 and stats1_pp were measured in sessions 20-21 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_pipe stats1_ws128} "
+# SPX_VERIFY_REUSE picks the variants (default: the defaults and the 64-key ws kernel; the
+# others were measured in sessions 20-23 on an H100).
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws64} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
@@ -97,6 +98,7 @@ VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_pipe stats1_ws128} "
 [ "$PIPE_RC" = 0 ] && [[ $VARIANTS == *" stats1_pipe "* ]] && reuse stats1_pipe SPX_ATTN_IMPL=wgmma-ws-pipe
 [ "$WS128_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws128 "* ]] &&
   reuse stats1_ws128 SPX_ATTN_IMPL=wgmma-ws-128
+[ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws64 "* ]] && reuse stats1_ws64 SPX_ATTN_IMPL=wgmma-ws
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
@@ -137,7 +139,7 @@ base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
 for v in ("stats0", "stats1", "stats1_ws", "no_ahead", "stats1_pp", "stats1_ws_split", "stats1_pipe",
-          "stats1_ws128"):
+          "stats1_ws128", "stats1_ws64"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):
