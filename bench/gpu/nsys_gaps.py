@@ -9,7 +9,10 @@ gap is split into the part the host caused (the next operation was queued after 
 ran dry) and the rest (queued in time: dependencies, launch latency); and the kernel time by
 name.
 
-    nsys_gaps.py trace.csv [--out gaps.json] [--top 15]
+    nsys_gaps.py trace.csv [--out gaps.json] [--top 15] [--api trace.csv.api.csv]
+
+--api (the CUPTI tracer's list of the host's CUDA calls): what the host called during each of
+the largest gaps, by name.
 """
 import argparse
 import csv
@@ -30,6 +33,7 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--out")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--api")
     a = ap.parse_args()
     rows = list(csv.reader(open(a.csv, newline="")))
     if not rows:
@@ -62,7 +66,7 @@ def main():
     for s, e, n, ln in ops[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
-            gaps.append((s - cur_e, cur_name, n))
+            gaps.append((s - cur_e, cur_name, n, cur_e, s))
             if ln > cur_e:
                 host_late += min(ln, s) - cur_e
             cur_s, cur_e, cur_name = s, e, n
@@ -85,8 +89,25 @@ def main():
         "kernels": len(kernels),
         "operations": len(ops),
         "gap_bins": binned,
-        "largest_gaps": [{"us": g / 1e3, "after": b[:80], "before": n[:80]} for g, b, n in top],
+        "largest_gaps": [{"us": g[0] / 1e3, "after": g[1][:80], "before": g[2][:80]} for g in top],
     }
+    if a.api:
+        calls = []
+        for r in list(csv.reader(open(a.api, newline="")))[1:]:
+            try:
+                calls.append((float(r[0]), float(r[1]), r[2]))
+            except (ValueError, IndexError):
+                continue
+        for g, entry in zip(top, res["largest_gaps"]):
+            by = {}
+            for cs, cd, cn in calls:
+                if cs < g[4] and cs + cd > g[3]:
+                    # The part of the call inside the gap.
+                    t = by.setdefault(cn, [0, 0.0])
+                    t[0] += 1
+                    t[1] += min(cs + cd, g[4]) - max(cs, g[3])
+            entry["host_calls"] = [{"name": k, "count": c, "us": t / 1e3}
+                                   for k, (c, t) in sorted(by.items(), key=lambda x: -x[1][1])][:5]
     if i_launch is not None:
         res["idle_host_late_ms"] = host_late / 1e6
         by_name = {}
@@ -107,6 +128,8 @@ def main():
         print(f"  gaps {b['from_us']:g}-{to} us: {b['count']} summing {b['ms']:.2f} ms")
     for g in res["largest_gaps"]:
         print(f"  {g['us']:9.1f} us after {g['after']} | before {g['before']}")
+        for c in g.get("host_calls", []):
+            print(f"      host: {c['count']} x {c['name']} ({c['us']:.1f} us in the gap)")
     for t in res.get("by_name", []):
         print(f"  {t['ms']:9.2f} ms in {t['count']:5d} x {t['name']}")
     if a.out:

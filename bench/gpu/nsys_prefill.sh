@@ -7,7 +7,8 @@
 # around them. From the staged binaries (bench/gpu/stage_serve.sh; the device call carries
 # .stage). Writes to $OUT: nsys_prefill.log, nsys_trace.csv.gz, nsys_gaps.json. Without nsys
 # (the H100 machines) the staged CUPTI tracer (bench/gpu_trace/cupti_trace.cc) records the range
-# instead: cupti_trace.csv.gz with launch times, the gaps split into host-bound and the rest.
+# instead: cupti_trace.csv.gz with launch times, the gaps split into host-bound and the rest, and
+# cupti_trace.csv.api.csv.gz, the host's CUDA calls (what it did during the largest gaps).
 #
 #   OUT=/tmp/out bench/gpu/nsys_prefill.sh     # SPX_NSYS_ARGS: extra reuse_prefill_bench flags
 set -uo pipefail
@@ -29,8 +30,8 @@ if [ -z "$NSYS" ] && [ -e "$TRACER" ]; then
   grep -E "cupti_trace|reuse_device" "$LOG" | tail -n 3
   if [ -s "$OUT/cupti_trace.csv" ]; then
     python3 "$ROOT/bench/gpu/nsys_gaps.py" "$OUT/cupti_trace.csv" --out "$OUT/nsys_gaps.json" \
-      | tee -a "$LOG"
-    gzip -f "$OUT/cupti_trace.csv"
+      --api "$OUT/cupti_trace.csv.api.csv" | tee -a "$LOG"
+    gzip -f "$OUT/cupti_trace.csv" "$OUT/cupti_trace.csv.api.csv"
   fi
   exit 0
 fi

@@ -5,7 +5,8 @@
 // writes them at the stop as CSV to $SPX_CUPTI_OUT (default cupti_trace.csv), the columns
 // bench/gpu/nsys_gaps.py reads: Start (ns), Duration (ns), Launch (ns), Stream, Name. With the
 // launch times a gap shows whether the host queued the next operation late (host-bound) or the
-// device sat on work it already had (dependencies, launch latency).
+// device sat on work it already had (dependencies, launch latency); <out>.api.csv lists the
+// host's CUDA calls (what it was doing meanwhile).
 //
 //   CUDA_INJECTION64_PATH=.../libspx_cupti_trace.so SPX_CUPTI_OUT=t.csv \
 //     reuse_prefill_bench ... --profile-range reuse_device
@@ -32,6 +33,12 @@ struct Op {
 std::mutex mu;  // CUPTI delivers buffers from its own thread
 std::vector<Op> ops;
 std::unordered_map<uint32_t, uint64_t> launch_at;  // correlation id -> API call start
+struct ApiCall {
+  uint64_t start, end;
+  CUpti_CallbackDomain domain;
+  CUpti_CallbackId cbid;
+};
+std::vector<ApiCall> api;  // the host's CUDA calls (what it did while the device idled)
 std::atomic<bool> tracing{false}, written{false};
 
 constexpr CUpti_ActivityKind kKinds[] = {
@@ -45,16 +52,28 @@ void Report(CUptiResult r, const char* what) {
   std::fprintf(stderr, "cupti_trace: %s: %s\n", what, s ? s : "unknown error");
 }
 
+// The kernel's qualified name with its template arguments (which tell the variants apart),
+// without the return type, the parameter list and the anonymous namespaces; CSV-safe.
 std::string Demangled(const char* n) {
   int st = 0;
   char* d = abi::__cxa_demangle(n, nullptr, nullptr, &st);
   std::string out = st == 0 && d ? d : n;
   std::free(d);
-  // Template arguments make names long and carry commas: the CSV keeps the part before them.
-  if (size_t lt = out.find('<'); lt != std::string::npos) out.resize(lt);
-  if (size_t par = out.find('('); par != std::string::npos) out.resize(par);
+  const std::string anon = "(anonymous namespace)::";
+  for (size_t at; (at = out.find(anon)) != std::string::npos;) out.erase(at, anon.size());
+  if (out.rfind("void ", 0) == 0) out.erase(0, 5);
+  // The parameter list: the first '(' outside template brackets.
+  int depth = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == '<') ++depth;
+    if (out[i] == '>') --depth;
+    if (out[i] == '(' && depth == 0) {
+      out.resize(i);
+      break;
+    }
+  }
   for (char& c : out) {
-    if (c == ',' || c == '"') c = ' ';
+    if (c == ',' || c == '"') c = ';';
   }
   return out;
 }
@@ -98,6 +117,10 @@ void CUPTIAPI BufferCompleted(CUcontext, uint32_t, uint8_t* buf, size_t, size_t 
         const uint64_t at = a->start;
         auto [it, fresh] = launch_at.emplace(id, at);
         if (!fresh && at < it->second) it->second = at;
+        api.push_back({at, a->end,
+                       rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? CUPTI_CB_DOMAIN_RUNTIME_API
+                                                                : CUPTI_CB_DOMAIN_DRIVER_API,
+                       a->cbid});
         break;
       }
       default:
@@ -131,6 +154,18 @@ void Write() {
   }
   std::fclose(f);
   std::fprintf(stderr, "cupti_trace: %zu operations written to %s\n", ops.size(), path);
+  // The host's CUDA calls beside it (<path>.api.csv): Start (ns), Duration (ns), Name.
+  const std::string api_path = std::string(path) + ".api.csv";
+  if (std::FILE* g = std::fopen(api_path.c_str(), "w")) {
+    std::fprintf(g, "Start (ns),Duration (ns),Name\n");
+    for (const ApiCall& c : api) {
+      const char* name = nullptr;
+      cuptiGetCallbackName(c.domain, c.cbid, &name);
+      std::fprintf(g, "%llu,%llu,%s\n", static_cast<unsigned long long>(c.start),
+                   static_cast<unsigned long long>(c.end - c.start), name ? name : "?");
+    }
+    std::fclose(g);
+  }
 }
 
 void Enable(bool on) {
