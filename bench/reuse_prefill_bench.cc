@@ -218,6 +218,7 @@ int Main(int argc, char** argv) {
       << ", \"full_ms\": " << full_ms << ", \"speedup_vs_full\": " << full_ms / ms
       << ", \"reused_tokens\": " << s.reused_tokens << ", \"selected_tokens\": "
       << s.selected_tokens << ", \"compute_share\": " << s.compute_share
+      << ", \"sparse_attended_keys\": " << s.sparse_attended_keys
       << ", \"profile_ms\": {\"lookup\": " << s.lookup_ms << ", \"full_layers\": " << s.full_ms
       << ", \"select\": " << s.select_ms << ", \"sparse_layers\": " << s.sparse_ms
       << ", \"logits\": " << s.logits_ms << "}" << mem[&s].JsonFields() << "}"

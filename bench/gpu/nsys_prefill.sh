@@ -31,6 +31,20 @@ if [ -z "$NSYS" ] && [ -e "$TRACER" ]; then
   if [ -s "$OUT/cupti_trace.csv" ]; then
     python3 "$ROOT/bench/gpu/nsys_gaps.py" "$OUT/cupti_trace.csv" --out "$OUT/nsys_gaps.json" \
       --api "$OUT/cupti_trace.csv.api.csv" | tee -a "$LOG"
+    # The sparse rows' attention rate counting only unmasked work (issue 15's target): the
+    # run's attended keys (reuse_prefill_bench's record) x 4 x head_dim x heads of the
+    # synthetic Llama-3-8B over the wgmma attention kernels' time (the full layers' attention
+    # runs on cuDNN, their statistics on the mma.sync kernel).
+    python3 - "$OUT/nsys_reuse.json" "$OUT/nsys_gaps.json" <<'PY' | tee -a "$LOG"
+import json, sys
+rec = [r for r in json.load(open(sys.argv[1])) if r.get("case") == "reuse_device"]
+ms = sum(t["ms"] for t in json.load(open(sys.argv[2])).get("by_name", [])
+         if "WgmmaFlashKernel" in t["name"])
+if rec and ms > 0 and rec[0].get("sparse_attended_keys"):
+    keys = rec[0]["sparse_attended_keys"]
+    print(f"sparse rows' attention: {keys} attended keys, {ms:.2f} ms of wgmma attention: "
+          f"{keys * 4 * 128 * 32 / ms * 1e-9:.1f} TFLOP/s (unmasked work)")
+PY
     gzip -f "$OUT/cupti_trace.csv" "$OUT/cupti_trace.csv.api.csv"
   fi
   exit 0

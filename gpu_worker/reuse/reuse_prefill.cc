@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <iostream>
 #include <sstream>
 
@@ -882,6 +883,7 @@ absl::StatusOr<bool> ReuseEngine::RunPrefillLayers(int64_t max_row_layers) {
     for (size_t i = 0; i < j.cur.size(); ++i) {
       pos[i] = P + j.cur[i];
       slots[i] = j.ctx[P + j.cur[i]];
+      st.sparse_attended_keys += pos[i] + 1;
     }
     // The reused KV of this layer goes in first; the rows recomputed below overwrite theirs.
     // Layer F's was written fresh at the selection (refresh_first_sparse_kv).
@@ -986,20 +988,6 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
         j.refreshed = true;
       }
     }
-    // The KV assembly of every sparse layer depends neither on the ranking nor on the
-    // activations: queued now, the device runs it while the host ranks (the deviation's
-    // download above left it idle), and the sparse layers need not stage it layer by layer.
-    // Device-tier segments only: host-tier ones arrive layer by layer on the copy stream,
-    // streamed ones as the cluster delivers them.
-    for (size_t s = 0; s < j.segs.size() && j.o.assemble_kv_ahead; ++s) {
-      const PrefillJob::Placement& pl = j.place[s];
-      if (pl.pos.empty() || !j.found[s] || j.from_host[s] || j.streamed[s]) continue;
-      for (int l = j.refreshed ? F + 1 : F; l < L; ++l) {
-        RETURN_IF_ERROR(r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
-                                         pl.slots));
-      }
-      j.assembled_ahead[s] = 1;
-    }
     // The kept tokens, best first: per-layer ratios take prefixes of this ranking.
     BudgetOptions b = j.o.budget;
     const float slope = j.o.calibration.SlopeFor(F, b.drop_per_uncovered);
@@ -1012,8 +1000,35 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
       b.drop_per_uncovered = slope;
       b.max_ratio = static_cast<float>(std::clamp(k_max / reused, 0.0, 1.0));
     }
-    j.ranked = j.selector->Rank(in, b);
-    j.res.stats.uncovered_share = UncoveredShare(j.selector->Score(in), j.ranked);
+    // The ranking (host only, ~1-2 ms at 32K) runs beside the KV assembly's launches below
+    // (one per segment and layer, ~4 ms of launching at 8 segments x 30 layers), so the GPU
+    // does not wait for both one after the other. The task only reads `in` and the selector;
+    // the future is waited for on every path out of this scope.
+    double uncovered = 0;
+    std::future<std::vector<int32_t>> ranking =
+        std::async(std::launch::async, [&j, &in, &b, &uncovered] {
+          std::vector<int32_t> ranked = j.selector->Rank(in, b);
+          uncovered = UncoveredShare(j.selector->Score(in), ranked);
+          return ranked;
+        });
+    // The KV assembly of every sparse layer depends neither on the ranking nor on the
+    // activations: queued now, the device runs it while the host ranks (the deviation's
+    // download above left it idle), and the sparse layers need not stage it layer by layer.
+    // Device-tier segments only: host-tier ones arrive layer by layer on the copy stream,
+    // streamed ones as the cluster delivers them.
+    absl::Status queued = absl::OkStatus();
+    for (size_t s = 0; s < j.segs.size() && j.o.assemble_kv_ahead && queued.ok(); ++s) {
+      const PrefillJob::Placement& pl = j.place[s];
+      if (pl.pos.empty() || !j.found[s] || j.from_host[s] || j.streamed[s]) continue;
+      for (int l = j.refreshed ? F + 1 : F; l < L && queued.ok(); ++l) {
+        queued = r.AssembleKvFrom(l, j.found[s]->k[l], j.found[s]->v[l], pl.row0, pl.pos,
+                                  pl.slots);
+      }
+      if (queued.ok()) j.assembled_ahead[s] = 1;
+    }
+    j.ranked = ranking.get();
+    RETURN_IF_ERROR(queued);
+    j.res.stats.uncovered_share = uncovered;
     j.res.stats.predicted_drop = slope * j.res.stats.uncovered_share;
   }
   return j.Phase(&j.res.stats.select_ms);

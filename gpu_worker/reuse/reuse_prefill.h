@@ -108,6 +108,10 @@ struct ReuseStats {
   // layers' uploads: with the fetch's own time, where a streamed request's TTFT goes.
   double stream_wait_ms = 0, stream_upload_ms = 0;
   int64_t computed_token_layers = 0;
+  // Keys the sparse layers' recomputed rows attend to, summed over rows and layers (a row at
+  // position p reads p + 1): their attention's unmasked work is 4 x head_dim x n_heads FLOPs
+  // a key, so a kernel trace's attention time gives the achieved rate (issue 15's target).
+  int64_t sparse_attended_keys = 0;
   // The selection's layer-F projection of every non-prefix row, in layers' worth of rows
   // (rows x ModelRunner::ProjectionCost()): the deviation signal and refresh_first_sparse_kv.
   double projected_token_layers = 0;

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <set>
@@ -131,6 +132,78 @@ TEST(Selectors, SparsexProductAndSuccessorPrior) {
   EXPECT_EQ((*prior)->Rank(s2, b), (std::vector<int32_t>{2, 5, 3, 4, 0}));
   EXPECT_EQ((*sum)->Rank(s2, b), (std::vector<int32_t>{2, 5, 0, 1, 3}));
   EXPECT_TRUE(CreateSelector("sparsex-sum:block").ok());
+}
+
+// The sparsex score against its definition written out with one vector per term (how
+// selector.cc computed it before it was fused into two passes for the host's sake): equal to
+// the bit, with and without the deviation, the product term and the successor prior.
+TEST(Selectors, SparsexScoreMatchesItsDefinition) {
+  auto normalized = [](const std::vector<float>& v) {
+    double s = 0;
+    for (float x : v) s += std::max(0.0f, x);
+    std::vector<float> out(v.size(), 0.0f);
+    for (size_t i = 0; i < v.size() && s > 0; ++i) {
+      out[i] = static_cast<float>(std::max(0.0f, v[i]) / s);
+    }
+    return out;
+  };
+  auto reference = [&](const SelectionInput& in, const SparsexWeights& w) {
+    const std::vector<float> a = normalized(in.cross_mass), b = normalized(in.new_recv);
+    const std::vector<float> c = normalized(in.kv_deviation);
+    const size_t n = a.size();
+    std::vector<float> s(n);
+    for (size_t i = 0; i < n; ++i) {
+      s[i] = w.cross * a[i] + w.recv * b[i] + (c.empty() ? 0.0f : w.deviation * c[i]);
+    }
+    if (w.product > 0) {
+      std::vector<float> d = in.kv_deviation;
+      for (float& x : d) x = std::sqrt(std::max(0.0f, x));
+      d = normalized(d);
+      std::vector<float> p(n);
+      for (size_t i = 0; i < n; ++i) {
+        p[i] = b[i] * (w.cross * a[i] + (d.empty() ? 0.0f : w.deviation * d[i]));
+      }
+      p = normalized(p);
+      for (size_t i = 0; i < n; ++i) s[i] += w.product * p[i];
+    }
+    std::vector<float> out = s;
+    for (size_t i = 0; i < n && w.successor_window > 0 && w.successor_weight != 0; ++i) {
+      double sum = 0;
+      int cnt = 0;
+      for (int k = 1; k <= w.successor_window && static_cast<int>(i) - k >= 0; ++k) {
+        if (in.segment[i - k] != in.segment[i]) break;
+        sum += s[i - k];
+        ++cnt;
+      }
+      if (cnt > 0) out[i] += w.successor_weight * static_cast<float>(sum / cnt);
+    }
+    return out;
+  };
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-0.1f, 1.0f);
+  for (int trial = 0; trial < 24; ++trial) {
+    SelectionInput in;
+    for (int seg = 0; seg < 1 + trial % 5; ++seg) {
+      for (int o = 0; o < 300 + 17 * seg; ++o) {
+        in.segment.push_back(seg);
+        in.offset.push_back(o);
+        in.cross_mass.push_back(u(rng));
+        in.new_recv.push_back(trial % 6 == 0 ? 0.0f : u(rng) * u(rng));  // no new-token signal
+        if (trial % 3 != 0) in.kv_deviation.push_back(u(rng));
+      }
+    }
+    SparsexWeights w;
+    if (trial % 4 == 1) w.product = 0;
+    if (trial % 4 == 2) w.successor_window = 5;
+    if (trial % 4 == 3) w.successor_weight = 0;
+    auto sel = CreateSelector("sparsex", w);
+    ASSERT_TRUE(sel.ok());
+    const std::vector<float> want = reference(in, w), got = (*sel)->Score(in);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "trial " << trial << " token " << i;
+    }
+  }
 }
 
 // ProphetKV-style: the budget is split over segments by their share of the new tokens'
