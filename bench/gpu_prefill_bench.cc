@@ -649,11 +649,9 @@ int Main(const Options& o) {
       double sflops = 0;
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
-      // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws on 128-key tiles, ws
-      // pipelined on them).
-      // SPX_MICRO_IMPLS=mma limits the list to mma.sync; no-pp, no-pipe, no-ws128 and
-      // no-ws128pipe in it (e.g. "no-pp,no-pipe") leave out that kernel (a variant whose test
-      // failed).
+      // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws on 128-key tiles).
+      // SPX_MICRO_IMPLS=mma limits the list to mma.sync; no-pp, no-pipe and no-ws128 in it (e.g.
+      // "no-pp,no-pipe") leave out that kernel (a variant whose test failed).
       struct Impl {
         int impl, warps;
         const char* name;
@@ -668,10 +666,8 @@ int Main(const Options& o) {
         if (skip.find("no-pp") == std::string::npos) impls.push_back({5, 8, "wgmma ws ping-pong"});
         if (skip.find("no-pipe") == std::string::npos)
           impls.push_back({6, 8, "wgmma ws pipelined"});
-        if (skip.find("no-ws128,") == std::string::npos && !skip.ends_with("no-ws128"))
+        if (skip.find("no-ws128") == std::string::npos)
           impls.push_back({7, 8, "wgmma ws 128-key tiles"});
-        if (skip.find("no-ws128pipe") == std::string::npos)
-          impls.push_back({8, 8, "wgmma ws pipelined 128-key tiles"});
       }
       for (const Impl& im : impls) {
         const int warps = im.warps;

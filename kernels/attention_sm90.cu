@@ -146,13 +146,12 @@ enum Mode {
   kWarpSpecialized = 3,
   kWsPingPong = 4,
   kWsPipelined = 5,
-  kWs128 = 6,
-  kWs128Pipelined = 7
+  kWs128 = 6
 };
 template <int MODE>
 constexpr bool IsWs() {
   return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined ||
-         MODE == kWs128 || MODE == kWs128Pipelined;
+         MODE == kWs128;
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
@@ -165,19 +164,14 @@ constexpr int BlockThreads() {
   return IsWs<MODE>() ? kWsThreads : kThreads;
 }
 // Keys per step: 64; kWs128 (the ws schedule on 128-key tiles) halves the per-tile overheads
-// (stage waits and releases, row maxima, MMA fences and waits) and fits 3 stages (225 KiB);
-// kWs128Pipelined is kWsPipelined's schedule on those tiles.
-template <int MODE>
-constexpr bool Is128() {
-  return MODE == kWs128 || MODE == kWs128Pipelined;
-}
+// (stage waits and releases, row maxima, MMA fences and waits) and fits 3 stages (225 KiB).
 template <int MODE>
 constexpr int TileKeys() {
-  return Is128<MODE>() ? 128 : 64;
+  return MODE == kWs128 ? 128 : 64;
 }
 template <int MODE>
 constexpr int Stages() {
-  return Is128<MODE>() ? 3 : IsWs<MODE>() ? kWsStages : kStages;
+  return MODE == kWs128 ? 3 : IsWs<MODE>() ? kWsStages : kStages;
 }
 // Shared bytes: 1024 of alignment slack, Q, then K and V of each stage.
 template <int MODE>
@@ -520,28 +514,6 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       WgWait0();
       release_tile(t);
     }
-  } else if constexpr (MODE == kWs128Pipelined) {
-    // ws 128 with each tile's Q K^T issued right behind the previous tile's P V, without
-    // waiting for it: the tensor cores get both back to back, and one wait a tile covers both.
-    // Nothing else overlaps, so the registers stay those of ws 128 (S is written while P V
-    // reads P and accumulates O; the softmax touches O and P only after the wait).
-    detail::CpAsyncWait<0>();
-    ConsumerSync();
-    FenceProxyAsync();
-    for (int t = 0; t < n_tiles; ++t) {
-      wait_tile(t);
-      WgFence();
-      issue_s(t % kNs, s_cur);
-      WgCommit();
-      WgWait0();  // Q K^T of tile t and P V of tile t - 1 done
-      if (t > 0) release_tile(t - 1);
-      softmax(s_cur, t);
-      WgFence();
-      issue_pv(t % kNs);
-      WgCommit();
-    }
-    WgWait0();
-    if (n_tiles > 0) release_tile(n_tiles - 1);
   } else if constexpr (MODE == kWsPingPong || MODE == kWsPipelined) {
     // A step issues this warpgroup's MMAs (in its turn, ping-pong: then hands the tensor cores
     // to the other warpgroup), then runs the tile's softmax while they may still run; O and pa
@@ -736,8 +708,6 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kWsPipelined>(p, none, stream);
     case Sm90Variant::kWs128:
       return Launch<kWs128>(p, none, stream);
-    case Sm90Variant::kWs128Pipelined:
-      return Launch<kWs128Pipelined>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

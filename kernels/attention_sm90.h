@@ -15,17 +15,8 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p);
 // overlapping this tile's softmax (pipelined); a producer warpgroup loading the K/V stages for the
 // two consumer warpgroups through mbarriers (warp-specialised); the same with the consumer
 // warpgroups taking turns at the tensor cores (ws ping-pong); the same with each
-// warpgroup's next Q K^T overlapping its softmax (ws pipelined); ws on 128-key tiles (ws 128,
-// the automatic choice), and ws pipelined on them (ws 128 pipelined).
-enum class Sm90Variant {
-  kPlain,
-  kPipelined,
-  kWarpSpecialized,
-  kWsPingPong,
-  kWsPipelined,
-  kWs128,
-  kWs128Pipelined
-};
+// warpgroup's next Q K^T overlapping its softmax (ws pipelined); ws on 128-key tiles (ws 128).
+enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized, kWsPingPong, kWsPipelined, kWs128 };
 // Unsplit attention for p (out and, when set, lse).
 cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,
                                cudaStream_t stream);

@@ -122,10 +122,7 @@ struct CudaBackendOptions {
     // The ws kernel on 128-key tiles (3 stages): half the per-tile overheads of an
     // issue-bound kernel. Session 23 (H100): 473 against ws's 439 TFLOP/s on a 32K causal
     // layer, 431 against 389 on 15% sparse rows; kAuto's choice since.
-    kWgmmaWs128 = 7,
-    // kWgmmaWsPipelined's schedule on 128-key tiles (the same registers: the next Q K^T goes
-    // into the scores just consumed, P V reads P from registers). Built in session 23.
-    kWgmmaWs128Pipelined = 8
+    kWgmmaWs128 = 7
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -163,8 +160,7 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128|
-  // wgmma-ws-128-pipe.
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128.
   // Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
@@ -218,9 +214,8 @@ struct CudaBackendOptions {
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, wgmma-ws-128-pipe or auto (the removed wgmma-128
-// and the session-22 experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 included)
-// keeps kAuto and says so
+// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128 or auto (the removed wgmma-128 and the session-22
+// experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 included) keeps kAuto and says so
 // on stderr. Only parses strings: defined in CPU-only builds too. SPX_PDL is read by the kernels
 // themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();

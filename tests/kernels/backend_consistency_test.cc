@@ -970,15 +970,6 @@ TEST_F(AttentionConsistency, Ws128Wgmma) {
   Run({"ws 128 one tile", 32, 8, 128, 128, Dense(0, 128)});
 }
 
-// ws pipelined on 128-key tiles (SPX_ATTN_IMPL=wgmma-ws-128-pipe): the same cases as ws 128;
-// run alone under a timeout by bench/gpu/verify_pending.sh (an mbarrier mistake hangs).
-TEST_F(AttentionConsistency, Ws128PipelinedWgmma) {
-  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWs128Pipelined, "ws 128 pipe");
-  if (HasFatalFailure()) return;
-  Run({"ws 128 pipe one tile", 32, 8, 128, 128, Dense(0, 128)});
-}
-
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
