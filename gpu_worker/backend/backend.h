@@ -214,9 +214,9 @@ struct CudaBackendOptions {
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128 or auto (the removed wgmma-128 and the session-22
-// experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 included) keeps kAuto and says so
-// on stderr. Only parses strings: defined in CPU-only builds too. SPX_PDL is read by the kernels
+// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128 or auto (the removed wgmma-128, the session-22
+// experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 and session 23's
+// wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings: defined in CPU-only builds too. SPX_PDL is read by the kernels
 // themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 

@@ -105,9 +105,9 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
     EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, impl) << value;
   }
   Env bad;
-  // Removed values mean the automatic choice: the 128-key kernel of early sessions, a
-  // session-22 experiment.
-  for (const char* value : {"wgmma-128", "wgmma-ws-qreg"}) {
+  // Removed values mean the automatic choice: the 128-key kernel of early sessions, session-22
+  // and session-23 experiments.
+  for (const char* value : {"wgmma-128", "wgmma-ws-qreg", "wgmma-ws-128-pipe"}) {
     bad.Set("SPX_ATTN_IMPL", value);
     EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, Impl::kAuto) << value;
   }
