@@ -106,7 +106,8 @@ struct CudaBackendOptions {
   // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
   // kAuto: the warp-specialised wgmma kernel when the build has sm_90a code and the GPU is
   // compute capability 9.0 (since session 20; calls with the fused cross mass too since
-  // session 21; on 128-key tiles, kWgmmaWs128, since session 23), else mma.sync. Split-K (decode) always runs mma.sync.
+  // session 21; on 128-key tiles, kWgmmaWs128, since session 23), else mma.sync. Split-K
+  // (decode) always runs mma.sync.
   enum class AttentionImpl {
     kAuto = 0,
     kMma = 1,
@@ -216,8 +217,8 @@ struct CudaBackendOptions {
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
 // wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128 or auto (the removed wgmma-128, the session-22
 // experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 and session 23's
-// wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings: defined in CPU-only builds too. SPX_PDL is read by the kernels
-// themselves (kernels/ops.cu).
+// wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings: defined
+// in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 
 struct BackendOptions {

@@ -28,7 +28,8 @@ class SparsexSelector final : public Selector {
     // new tokens read from it (errors there reach the answer directly). Each is normalised to a
     // distribution so neither dominates by scale. One output vector and one temporary: this
     // runs on the host between the full and the sparse layers of a 32K prefill, where each
-    // fresh 128 KiB vector cost its page faults (~2.4 ms for the eight this took before).
+    // fresh 128 KiB vector costs its page faults (the eight this took before: ~2.4 ms of the
+    // build machine's 3.3 ms score, bench-timed in session 23).
     const size_t n = in.cross_mass.size();
     const bool has_dev = !in.kv_deviation.empty();
     // The staleness term uses the deviation's norm: the square root of the squared distance
@@ -333,9 +334,9 @@ std::vector<int32_t> ApplyBudget(const std::vector<float>& score, const BudgetOp
   std::vector<int32_t> idx(n);
   std::iota(idx.begin(), idx.end(), 0);
   // Only the best `cap` tokens can be kept: selected in linear time, then only they are sorted
-  // (a 32K-token prompt keeps ~15%; a heap-based partial sort took ~2 ms on the host while the
-  // GPU waited). Ties go by token order, as a stable sort would give: the order is total, so
-  // the kept set and its order are deterministic.
+  // (a 32K-token prompt keeps ~15%; a heap-based partial sort cost ~1 ms more of host time
+  // between the full and the sparse layers). Ties go by token order, as a stable sort would
+  // give: the order is total, so the kept set and its order are deterministic.
   const auto better = [&](int x, int y) {
     return score[x] > score[y] || (score[x] == score[y] && x < y);
   };
