@@ -9,7 +9,8 @@
 #      the statistics passes);
 #   3. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15)
 #      of both builds, median of 7 (SPX_AB_REUSE_ENV: environment for both, e.g.
-#      SPX_ATTN_IMPL=wgmma-ws-128);
+#      SPX_ATTN_IMPL=wgmma-ws), with the card's clocks and power sampled beside each
+#      (bench/gpu/clocks_summary.py);
 #   4. the transformers baseline at 32K for the ratios.
 # Writes to $OUT: ab.log (the summary) and all.tgz (every log and JSON).
 #
@@ -47,12 +48,16 @@ for v in new old; do
   bin=$SPX/bin env=()
   [ $v = old ] && bin=$OLD/spx/bin env=("$OLD_ENV")
   # shellcheck disable=SC2086  # SPX_AB_REUSE_ENV holds VAR=value words, REUSE_32K flags
-  env "${env[@]}" ${SPX_AB_REUSE_ENV:-} timeout 150 "$bin/reuse_prefill_bench" $REUSE_32K \
-    --reps 7 --warmup 1 --cases full,reuse_device \
+  OUT=$F sample_clocks "reuse_$v" env "${env[@]}" ${SPX_AB_REUSE_ENV:-} timeout 150 \
+    "$bin/reuse_prefill_bench" $REUSE_32K --reps 7 --warmup 1 --cases full,reuse_device \
     --out "$F/reuse_$v.json" >"$F/reuse_$v.log" 2>&1
   stamp "reuse prefill 32K, $v build: exit $?"
   grep -E "^full|^reuse" "$F/reuse_$v.log" | tee -a "$LOG"
 done
+# Both builds' clocks and power over their reuse runs: a change that only removes idle time
+# gains nothing on a power-capped card.
+python3 "$ROOT/bench/gpu/clocks_summary.py" "$F/clocks_reuse_new.csv" "$F/clocks_reuse_old.csv" \
+  --out "$F/clocks.json" | tee -a "$LOG"
 stamp "transformers baseline 32K"
 timeout 150 python3 "$ROOT/bench/gpu/hf_baseline.py" --lengths 32768 --reps 3 --warmup 1 \
   --out "$F/hf.json" 2>&1 | grep -v Warning | tail -n 2 | tee -a "$LOG"
