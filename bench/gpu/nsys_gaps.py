@@ -28,6 +28,16 @@ def col(header, *names):
     return None
 
 
+def tally(items, top):
+    """(name, duration) pairs summed by name: the `top` largest as {name, count, total}."""
+    by = {}
+    for name, d in items:
+        t = by.setdefault(name, [0, 0.0])
+        t[0] += 1
+        t[1] += d
+    return [(n, c, t) for n, (c, t) in sorted(by.items(), key=lambda x: -x[1][1])][:top]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
@@ -99,24 +109,15 @@ def main():
             except (ValueError, IndexError):
                 continue
         for g, entry in zip(top, res["largest_gaps"]):
-            by = {}
-            for cs, cd, cn in calls:
-                if cs < g[4] and cs + cd > g[3]:
-                    # The part of the call inside the gap.
-                    t = by.setdefault(cn, [0, 0.0])
-                    t[0] += 1
-                    t[1] += min(cs + cd, g[4]) - max(cs, g[3])
-            entry["host_calls"] = [{"name": k, "count": c, "us": t / 1e3}
-                                   for k, (c, t) in sorted(by.items(), key=lambda x: -x[1][1])][:5]
+            # The part of each call inside the gap [g[3], g[4]).
+            inside = [(cn, min(cs + cd, g[4]) - max(cs, g[3])) for cs, cd, cn in calls
+                      if cs < g[4] and cs + cd > g[3]]
+            entry["host_calls"] = [{"name": n, "count": c, "us": t / 1e3}
+                                   for n, c, t in tally(inside, 5)]
     if i_launch is not None:
         res["idle_host_late_ms"] = host_late / 1e6
-        by_name = {}
-        for o in ops:
-            t = by_name.setdefault(o[2][:80], [0, 0.0])
-            t[0] += 1
-            t[1] += o[1] - o[0]
         res["by_name"] = [{"name": n, "count": c, "ms": t / 1e6}
-                          for n, (c, t) in sorted(by_name.items(), key=lambda x: -x[1][1])][:25]
+                          for n, c, t in tally(((o[2][:80], o[1] - o[0]) for o in ops), 25)]
     print(f"traced span {res['span_ms']:.2f} ms: busy {res['busy_ms']:.2f}, idle "
           f"{res['idle_ms']:.2f} ({res['kernels']} kernels summing {res['kernel_ms']:.2f} ms, "
           f"{res['operations']} operations)")

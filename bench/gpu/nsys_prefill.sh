@@ -17,15 +17,18 @@ SPX_SCRIPT=nsys_prefill
 . "$ROOT/bench/gpu/staged_env.sh"  # OUT, LOG, stamp, SPX, SPARSEX_MODELS
 NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
   2>/dev/null | head -1)
+# The traced run: one reuse prefill between cudaProfilerStart/Stop, under either tracer.
+# shellcheck disable=SC2206  # REUSE_32K and SPX_NSYS_ARGS hold flags
+TRACED_RUN=("$SPX/bin/reuse_prefill_bench" $REUSE_32K --reps 1 --warmup 1
+  --cases full,reuse_device --profile-range reuse_device ${SPX_NSYS_ARGS:-}
+  --out "$OUT/nsys_reuse.json")
 TRACER=$SPX/lib/libspx_cupti_trace.so
 if [ -z "$NSYS" ] && [ -e "$TRACER" ]; then
   # No Nsight Systems (the H100 machines): the CUPTI tracer records the same range, with each
   # operation's launch time, so the gaps split into host-bound and queued-in-time.
   stamp "no nsys on this machine: the CUPTI tracer"
   CUDA_INJECTION64_PATH=$TRACER SPX_CUPTI_OUT=$OUT/cupti_trace.csv timeout 240 \
-    "$SPX/bin/reuse_prefill_bench" $REUSE_32K --reps 1 --warmup 1 \
-    --cases full,reuse_device --profile-range reuse_device ${SPX_NSYS_ARGS:-} \
-    --out "$OUT/nsys_reuse.json" >>"$LOG" 2>&1
+    "${TRACED_RUN[@]}" >>"$LOG" 2>&1
   stamp "traced run exit $?"
   grep -E "cupti_trace|reuse_device" "$LOG" | tail -n 3
   if [ -s "$OUT/cupti_trace.csv" ]; then
@@ -53,10 +56,7 @@ if [ -z "$NSYS" ]; then stamp "no nsys on this machine and no staged CUPTI trace
 stamp "nsys: $NSYS"
 TMPD=$(mktemp -d)
 timeout 240 "$NSYS" profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda \
-  --sample=none --cpuctxsw=none -o "$TMPD/reuse" -f true \
-  "$SPX/bin/reuse_prefill_bench" $REUSE_32K --reps 1 --warmup 1 \
-  --cases full,reuse_device --profile-range reuse_device ${SPX_NSYS_ARGS:-} \
-  --out "$OUT/nsys_reuse.json" >>"$LOG" 2>&1
+  --sample=none --cpuctxsw=none -o "$TMPD/reuse" -f true "${TRACED_RUN[@]}" >>"$LOG" 2>&1
 stamp "nsys profile exit $?"
 timeout 120 "$NSYS" stats -q -r cuda_gpu_trace -f csv -o "$TMPD/trace" "$TMPD/reuse.nsys-rep" \
   >>"$LOG" 2>&1

@@ -30,8 +30,7 @@
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
 #                                                # stats1_ws no_ahead stats1_pp stats1_ws_split
 #                                                # stats1_pipe stats1_ws128 stats1_ws64;
-#                                                # no_ahead:
-#                                                # --assemble-ahead 0)
+#                                                # no_ahead: --assemble-ahead 0)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SPX_SCRIPT=verify

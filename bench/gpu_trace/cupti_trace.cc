@@ -111,8 +111,8 @@ void CUPTIAPI BufferCompleted(CUcontext, uint32_t, uint8_t* buf, size_t, size_t 
       case CUPTI_ACTIVITY_KIND_RUNTIME:
       case CUPTI_ACTIVITY_KIND_DRIVER: {
         auto* a = reinterpret_cast<CUpti_ActivityAPI*>(rec);
-        // A runtime call and the driver call under it share nothing; each launch's
-        // correlation id names the outermost API call that queued it.
+        // A launch's correlation id may name both a runtime call and the driver call under
+        // it: the earliest start is kept, the outermost call's.
         const uint32_t id = a->correlationId;  // packed fields: copied, not bound
         const uint64_t at = a->start;
         auto [it, fresh] = launch_at.emplace(id, at);

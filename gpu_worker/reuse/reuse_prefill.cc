@@ -6,6 +6,8 @@
 #include <future>
 #include <iostream>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include "common/fingerprint.h"
 #include "common/huge_pages.h"
@@ -1006,12 +1008,12 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
     // ms; its wall time on a power-capped H100 did not change, docs/perf-notes.md session 23).
     // The task only reads `in` and the selector; the future is waited for on every path out of
     // this scope.
-    double uncovered = 0;
-    std::future<std::vector<int32_t>> ranking =
-        std::async(std::launch::async, [&j, &in, &b, &uncovered] {
+    // The ranking and its uncovered share.
+    std::future<std::pair<std::vector<int32_t>, double>> ranking =
+        std::async(std::launch::async, [&j, &in, &b] {
           std::vector<int32_t> ranked = j.selector->Rank(in, b);
-          uncovered = UncoveredShare(j.selector->Score(in), ranked);
-          return ranked;
+          const double uncovered = UncoveredShare(j.selector->Score(in), ranked);
+          return std::make_pair(std::move(ranked), uncovered);
         });
     // The KV assembly of every sparse layer depends neither on the ranking nor on the
     // activations: queued now, the device runs it while the host ranks (the deviation's
@@ -1028,9 +1030,8 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
       }
       if (queued.ok()) j.assembled_ahead[s] = 1;
     }
-    j.ranked = ranking.get();
+    std::tie(j.ranked, j.res.stats.uncovered_share) = ranking.get();
     RETURN_IF_ERROR(queued);
-    j.res.stats.uncovered_share = uncovered;
     j.res.stats.predicted_drop = slope * j.res.stats.uncovered_share;
   }
   return j.Phase(&j.res.stats.select_ms);
