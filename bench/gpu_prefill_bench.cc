@@ -649,12 +649,14 @@ int Main(const Options& o) {
       double sflops = 0;
       for (int q : sel) sflops += 4.0 * (q + 1) * hd * H;
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
-      // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws on 128-key tiles).
+      // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws on 128-key tiles with its
+      // K/V gathered by cp.async and with whole pool blocks as bulk tensor copies).
       // SPX_MICRO_IMPLS=mma limits the list to mma.sync; no-pp, no-pipe and no-ws128 in it (e.g.
       // "no-pp,no-pipe") leave out that kernel (a variant whose test failed).
       struct Impl {
         int impl, warps;
         const char* name;
+        bool bulk = false;  // PagedAttentionParams::num_slots set (bulk copies where they fit)
       };
       std::vector<Impl> impls = {{1, 4, "mma.sync 4 warps"}, {1, 8, "mma.sync 8 warps"}};
       const char* only = std::getenv("SPX_MICRO_IMPLS");
@@ -666,13 +668,16 @@ int Main(const Options& o) {
         if (skip.find("no-pp") == std::string::npos) impls.push_back({5, 8, "wgmma ws ping-pong"});
         if (skip.find("no-pipe") == std::string::npos)
           impls.push_back({6, 8, "wgmma ws pipelined"});
-        if (skip.find("no-ws128") == std::string::npos)
+        if (skip.find("no-ws128") == std::string::npos) {
           impls.push_back({7, 8, "wgmma ws 128-key tiles"});
+          impls.push_back({7, 8, "wgmma ws 128-key tiles bulk K/V", true});
+        }
       }
       for (const Impl& im : impls) {
         const int warps = im.warps;
         p.warps = warps;
         p.impl = im.impl;
+        p.num_slots = im.bulk ? runner->pool().k[0].rows : 0;
         p.q_pos = d_pos;
         p.num_q = n;
         p.lse = nullptr;
@@ -698,6 +703,7 @@ int Main(const Options& o) {
                     "TFLOP/s\n", sel.size(), im.name, n, ms2, sflops / ms2 * 1e-9);
       }
       p.impl = 0;
+      p.num_slots = 0;
       // Selection statistics (second pass) over the dense causal layer, default block size.
       p.warps = 0;
       p.q_pos = d_pos;

@@ -44,6 +44,11 @@ struct PagedAttentionParams {
   const bf16* k_pool = nullptr;   // [num_slots, kv_stride]; KV head h at columns [h*hd, ...)
   const bf16* v_pool = nullptr;   // [num_slots, kv_stride]
   int64_t kv_stride = 0;
+  // Rows of k_pool and v_pool. With it the ws kernel on 128-key tiles (impl 7, the automatic
+  // choice on sm_90a) loads a tile whose 16-key groups each sit in 16 consecutive pool rows
+  // (a pool block) as bulk tensor copies (TMA) instead of per-thread cp.async; other tiles,
+  // and every tile when 0, take the cp.async gathers. Default: 0
+  int64_t num_slots = 0;
   const int32_t* ctx_slots = nullptr;  // [ctx_len] pool row of each key position
   int ctx_len = 0;
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;

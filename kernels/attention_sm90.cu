@@ -19,6 +19,9 @@
 // elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <cmath>
 #include <type_traits>
 
@@ -97,6 +100,24 @@ __device__ __forceinline__ void TurnWait(int bar) {
 }
 __device__ __forceinline__ void TurnGive(int bar) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(bar), "n"(kThreads) : "memory");
+}
+// Arrives on bar and adds `bytes` to the transaction count its phase waits for (the bulk tensor
+// copies below complete it).
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+                   bar),
+               "r"(bytes)
+               : "memory");
+}
+// A box of the 2-D tensor map `map` at element coordinates (c0, c1) into shared memory at dst,
+// completing `bar`'s transaction bytes when it lands.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void WgWait1() {
   asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -179,12 +200,22 @@ constexpr int SmemBytes() {
   return 1024 + kQBytes + Stages<MODE>() * 2 * TileKeys<MODE>() * kHd * 2;
 }
 
+// Tensor maps of the K and V pools for kWs128's bulk loads: 2-D, [num_slots rows, kv_stride
+// bf16], boxes of {64 head dims, 16 rows} with the 128-byte swizzle the MMAs read, so one box is
+// a 16-key pool block's half of one KV head, landing as rows of a stage's 64-column block.
+struct KvMaps {
+  CUtensorMap k, v;
+  int ok = 0;  // 0: no maps (cp.async only)
+};
+constexpr int kBulkKeys = 16;   // rows of a box: a pool block of 16 consecutive slots
+constexpr int kBulkCols = 64;   // head dims of a box: one 128-byte swizzle row
+
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
 template <int MODE>
 __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     WgmmaFlashKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
-                     int qt) {
+                     int qt, const __grid_constant__ KvMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kStatsMode = MODE == kStats;
   constexpr int kBn = TileKeys<MODE>();          // keys per step
@@ -275,12 +306,59 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     if (tid >= kThreads) {
       // The producer warpgroup: K/V tile t into stage t % kNs once the consumers released
       // the tile that was there; each thread's arrival fires when its copies have landed.
+      const int ptid = tid - kThreads;
       for (int t = 0; t < n_tiles; ++t) {
         const int stage = t % kNs;
         if (t >= kNs)
           MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kNs) - 1) & 1);
-        load_kv_by(stage, t, tid - kThreads, std::integral_constant<int, kProducerThreads>());
-        MbarArriveCpAsync(detail::SmemAddr(&s_full[stage]));
+        const uint32_t full = detail::SmemAddr(&s_full[stage]);
+        if constexpr (MODE == kWs128) {
+          // A whole tile whose 16-key groups each sit in consecutive pool rows goes as 32 bulk
+          // tensor copies issued by one thread (K and V, 8 groups, two 64-column halves)
+          // instead of 4096 cp.async from the producer's 128 threads, whose issue slots the
+          // consumers' schedulers share. Every producer warp reads the same slots, so all
+          // agree on the path; each thread still arrives once, as the barrier counts.
+          static_assert(kBn == 4 * 32, "a lane checks 4 keys of the tile");
+          bool bulk = maps.ok != 0 && t * kBn + kBn <= kv_end;
+          int32_t slot[4] = {0, 0, 0, 0};
+          if (bulk) {
+            bool ok = true;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              slot[k] = p.ctx_slots[t * kBn + 32 * k + lane];
+              const int32_t first = __shfl_sync(0xffffffffu, slot[k], lane & kBulkKeys);
+              ok = ok && slot[k] == first + (lane & (kBulkKeys - 1));
+            }
+            bulk = __all_sync(0xffffffffu, ok);
+          }
+          if (bulk) {
+            int32_t first[kBn / kBulkKeys];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              first[2 * k] = __shfl_sync(0xffffffffu, slot[k], 0);
+              first[2 * k + 1] = __shfl_sync(0xffffffffu, slot[k], kBulkKeys);
+            }
+            if (ptid == 0) {
+              MbarArriveExpectTx(full, kStageBytes);
+              const uint32_t dk = sbase + kQBytes + stage * kStageBytes, dv = dk + kTileBytes;
+#pragma unroll
+              for (int gi = 0; gi < kBn / kBulkKeys; ++gi) {
+#pragma unroll
+                for (int h = 0; h < kHd / kBulkCols; ++h) {
+                  const uint32_t off = h * kBn * 128 + gi * kBulkKeys * 128;
+                  const int c0 = kvh * kHd + h * kBulkCols;
+                  TmaLoad2d(dk + off, &maps.k, c0, first[gi], full);
+                  TmaLoad2d(dv + off, &maps.v, c0, first[gi], full);
+                }
+              }
+            } else {
+              MbarArrive(full);
+            }
+            continue;
+          }
+        }
+        load_kv_by(stage, t, ptid, std::integral_constant<int, kProducerThreads>());
+        MbarArriveCpAsync(full);
       }
       // Nothing may outlive the block's shared memory: wait for the last copies to land.
       detail::CpAsyncWait<0>();
@@ -645,8 +723,47 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   (void)st;
   (void)group;
   (void)qt;
+  (void)maps;
   __trap();  // never launched: Sm90AttentionAvailable() is false without sm_90a code
 #endif
+}
+
+// cuTensorMapEncodeTiled from the driver (through the runtime's entry point query, so the
+// kernels link no libcuda); null where the driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The K and V pools' tensor maps for kWs128's bulk loads; ok = 0 when p.num_slots is 0 or the
+// driver cannot encode them (the kernel then gathers with cp.async).
+KvMaps BulkKvMaps(const PagedAttentionParams& p) {
+  KvMaps m{};
+  const auto encode = TensorMapEncoder();
+  if (p.num_slots <= 0 || encode == nullptr || p.kv_stride < kHd) return m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.kv_stride),
+                              static_cast<cuuint64_t>(p.num_slots)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.kv_stride) * 2};
+  const cuuint32_t box[2] = {kBulkCols, kBulkKeys};
+  const cuuint32_t elem[2] = {1, 1};
+  for (int i = 0; i < 2; ++i) {
+    void* base = const_cast<bf16*>(i == 0 ? p.k_pool : p.v_pool);
+    if (encode(i == 0 ? &m.k : &m.v, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides,
+               box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return KvMaps{};
+  }
+  m.ok = 1;
+  return m;
 }
 
 template <int MODE>
@@ -663,7 +780,8 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
-  WgmmaFlashKernel<MODE><<<grid, BlockThreads<MODE>(), smem, stream>>>(p, st, G, qt);
+  const KvMaps maps = MODE == kWs128 ? BulkKvMaps(p) : KvMaps{};
+  WgmmaFlashKernel<MODE><<<grid, BlockThreads<MODE>(), smem, stream>>>(p, st, G, qt, maps);
   return cudaGetLastError();
 }
 

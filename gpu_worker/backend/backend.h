@@ -164,6 +164,11 @@ struct CudaBackendOptions {
   // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128.
   // Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
+  // The ws-128 kernel (kWgmmaWs128, kAuto's choice on sm_90a) loads each key tile whose 16-key
+  // groups sit in whole pool blocks (BlockManagerOptions' 16-slot blocks: every full tile of a
+  // sequence) as bulk tensor copies from one thread (PagedAttentionParams::num_slots); false
+  // gathers every tile with cp.async (comparisons). SPX_ATTN_BULK_KV=0 sets false. Default: true
+  bool attn_bulk_kv = true;
   // Batched decode attention (PagedAttentionParams::decode_kernel): kAuto the packed decode
   // kernel whenever a sequence's rows x G fit 16 (decode), kTile the general tile kernel,
   // kPacked32 the packed kernel on 32-key tiles (comparisons). SPX_DECODE_ATTN=tile|packed32.

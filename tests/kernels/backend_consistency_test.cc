@@ -773,6 +773,11 @@ struct AttnCase {
   // > 0: only the last recv_last rows carry a recv weight (the new tokens of a reuse prefill),
   // so the other rows' blocks take the statistics pass without it. 0: every third row.
   int recv_last = 0;
+  // Pool block size, and the first block of the table that is shuffled (the ones before stay
+  // in order): 8-slot blocks split every 16-key group of the ws-128 kernel's bulk copies, unless
+  // two of them lie in order.
+  int block_size = 16;
+  int shuffle_from = 0;
 };
 
 class AttentionConsistency : public BackendConsistency {
@@ -823,7 +828,7 @@ class AttentionConsistency : public BackendConsistency {
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
   void RunBatched(int H, int KV, int hd);
   void Run(const AttnCase& tc) {
-    const int bs = 16;
+    const int bs = tc.block_size;
     const int blocks = (tc.ctx + bs - 1) / bs + 3;
     const int kv_dim = tc.KV * tc.hd;
     auto pc = cpu_->AllocKvPool(1, blocks, bs, kv_dim);
@@ -832,7 +837,7 @@ class AttentionConsistency : public BackendConsistency {
     // Block table: a shuffled set of blocks.
     std::vector<int32_t> table(blocks);
     std::iota(table.begin(), table.end(), 0);
-    if (!tc.in_order) std::shuffle(table.begin(), table.end(), rng_);
+    if (!tc.in_order) std::shuffle(table.begin() + tc.shuffle_from, table.end(), rng_);
     std::vector<int32_t> ctx_slots(tc.ctx);
     for (int j = 0; j < tc.ctx; ++j) ctx_slots[j] = table[j / bs] * bs + j % bs;
     // Keys and values of every position (K scaled so that softmax is far from uniform).
@@ -962,12 +967,33 @@ TEST_F(AttentionConsistency, WsPipelinedWgmma) {
 
 // The ws kernel on 128-key tiles (SPX_ATTN_IMPL=wgmma-ws-128): the same cases (their key counts
 // are not multiples of 128, so the last tile is partial), one row, and a context of exactly
-// 128 keys; run alone under a timeout by bench/gpu/verify_pending.sh.
+// 128 keys; run alone under a timeout by bench/gpu/verify_pending.sh. Its full tiles of
+// 16-slot blocks load as bulk tensor copies: the cases with 8-slot blocks take the cp.async
+// gathers on every tile, or on the shuffled half of the table only (both paths in one launch),
+// and the whole list runs again with the bulk copies off (SPX_ATTN_BULK_KV=0).
 TEST_F(AttentionConsistency, Ws128Wgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
-  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWs128, "ws 128");
-  if (HasFatalFailure()) return;
-  Run({"ws 128 one tile", 32, 8, 128, 128, Dense(0, 128)});
+  for (bool bulk : {true, false}) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.attn_impl = CudaBackendOptions::AttentionImpl::kWgmmaWs128;
+    o.attn_bulk_kv = bulk;
+    o.cudnn_attention = CudaBackendOptions::Cudnn::kOff;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    const std::string tag = bulk ? "ws 128" : "ws 128 gathers";
+    RunUnsplitHd128(tag);
+    if (HasFatalFailure()) return;
+    Run({(tag + " one tile").c_str(), 32, 8, 128, 128, Dense(0, 128)});
+    AttnCase small_blocks{"", 32, 8, 128, 3000, Sparse(3000, 0.3)};
+    const std::string sb = tag + " 8-slot blocks", half = tag + " 8-slot blocks half in order";
+    small_blocks.name = sb.c_str();
+    small_blocks.block_size = 8;
+    Run(small_blocks);
+    small_blocks.name = half.c_str();
+    small_blocks.shuffle_from = 3000 / 8 / 2;
+    Run(small_blocks);
+  }
 }
 
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long

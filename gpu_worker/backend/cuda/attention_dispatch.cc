@@ -43,6 +43,7 @@ kernels::PagedAttentionParams Params(const Tensor& q, const KvPool& pool, int la
   p.k_pool = B(pool.k[layer]);
   p.v_pool = B(pool.v[layer]);
   p.kv_stride = pool.kv_dim;
+  p.num_slots = o.attn_bulk_kv ? pool.k[layer].rows : 0;
   p.ctx_slots = static_cast<const int32_t*>(ctx_slots);
   p.ctx_len = static_cast<int>(a.ctx_slots.size());
   p.n_heads = a.n_heads;
