@@ -19,13 +19,11 @@
 // elsewhere Sm90AttentionAvailable() is false.
 #include "kernels/attention_sm90.h"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <cmath>
 #include <type_traits>
 
 #include "kernels/common.cuh"
+#include "kernels/wgmma.cuh"
 
 namespace sparsex::kernels {
 namespace {
@@ -34,6 +32,7 @@ using detail::CeilDiv;
 using detail::CpAsync16;
 using detail::Ex2;
 using detail::PackBf16x2;
+using namespace sm90;  // NOLINT: the shared wgmma building blocks (kernels/wgmma.cuh)
 
 constexpr int kHd = 128, kBm = 128, kThreads = 256;
 // Shared layout (bytes from the 1024-aligned base): Q, then K and V of each stage.
@@ -48,51 +47,6 @@ constexpr int kWsStages = 5;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
 
-// Byte offset of 16-byte chunk `chunk` (0..15 over a 128-wide row) of row `row` in a tile of
-// `rows` rows stored as two 64-column blocks with the 128-byte swizzle.
-__device__ __forceinline__ uint32_t SwOff(int row, int chunk, int rows) {
-  return (chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
-}
-
-// wgmma shared-memory descriptor, 128-byte swizzle.
-__device__ __forceinline__ uint64_t Desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void WgFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void WgCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void WgWait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// mbarriers of the warp-specialised variant (shared-memory addresses).
-__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Arrives on bar once every cp.async this thread issued before has landed; .noinc: the
-// barrier's count includes these arrivals.
-__device__ __forceinline__ void MbarArriveCpAsync(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
-               : "memory");
-}
-// Waits until the phase of the given parity has completed.
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 // Ping-pong turns: barrier 2 + w is warpgroup w's; it waits there (bar.sync, 128 threads) for
 // the other warpgroup's arrival (bar.arrive, 128 threads).
 __device__ __forceinline__ void TurnWait(int bar) {
@@ -101,41 +55,9 @@ __device__ __forceinline__ void TurnWait(int bar) {
 __device__ __forceinline__ void TurnGive(int bar) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(bar), "n"(kThreads) : "memory");
 }
-// Arrives on bar and adds `bytes` to the transaction count its phase waits for (the bulk tensor
-// copies below complete it).
-__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
-                   bar),
-               "r"(bytes)
-               : "memory");
-}
-// A box of the 2-D tensor map `map` at element coordinates (c0, c1) into shared memory at dst,
-// completing `bar`'s transaction bytes when it lands.
-__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
-      "[%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void WgWait1() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
 // Barrier 1 over the two consumer warpgroups only (the producer warpgroup does not take part).
 __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
-}
-
-// D[64x64] (+)= A[64x16] * B[16x64], A and B in shared memory (K-major descriptors);
-// accumulate = 0 overwrites D.
-__device__ __forceinline__ void WgmmaQK(float* d, uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
 }
 
 // D[64x128] += A[64x16] (registers: P) * B[16x128] in shared memory, B MN-major (the V tile as stored, hd contiguous; transposed by the instruction).
@@ -199,16 +121,6 @@ template <int MODE>
 constexpr int SmemBytes() {
   return 1024 + kQBytes + Stages<MODE>() * 2 * TileKeys<MODE>() * kHd * 2;
 }
-
-// Tensor maps of the K and V pools for kWs128's bulk loads: 2-D, [num_slots rows, kv_stride
-// bf16], boxes of {64 head dims, 16 rows} with the 128-byte swizzle the MMAs read, so one box is
-// a 16-key pool block's half of one KV head, landing as rows of a stage's 64-column block.
-struct KvMaps {
-  CUtensorMap k, v;
-  int ok = 0;  // 0: no maps (cp.async only)
-};
-constexpr int kBulkKeys = 16;   // rows of a box: a pool block of 16 consecutive slots
-constexpr int kBulkCols = 64;   // head dims of a box: one 128-byte swizzle row
 
 // MODE kStats: the selection statistics pass (AttentionStats): S again, p = 2^(s - lse) with the
 // log-sum-exp of the attention pass, cross-segment mass per row and received attention per key.
@@ -728,44 +640,6 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver (through the runtime's entry point query, so the
-// kernels link no libcuda); null where the driver lacks it.
-PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// The K and V pools' tensor maps for kWs128's bulk loads; ok = 0 when p.num_slots is 0 or the
-// driver cannot encode them (the kernel then gathers with cp.async).
-KvMaps BulkKvMaps(const PagedAttentionParams& p) {
-  KvMaps m{};
-  const auto encode = TensorMapEncoder();
-  if (p.num_slots <= 0 || encode == nullptr || p.kv_stride < kHd) return m;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.kv_stride),
-                              static_cast<cuuint64_t>(p.num_slots)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.kv_stride) * 2};
-  const cuuint32_t box[2] = {kBulkCols, kBulkKeys};
-  const cuuint32_t elem[2] = {1, 1};
-  for (int i = 0; i < 2; ++i) {
-    void* base = const_cast<bf16*>(i == 0 ? p.k_pool : p.v_pool);
-    if (encode(i == 0 ? &m.k : &m.v, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides,
-               box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-      return KvMaps{};
-  }
-  m.ok = 1;
-  return m;
-}
-
 template <int MODE>
 cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st,
                    cudaStream_t stream) {
@@ -780,7 +654,7 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
-  const KvMaps maps = MODE == kWs128 ? BulkKvMaps(p) : KvMaps{};
+  const KvMaps maps = MODE == kWs128 ? EncodeKvMaps(p) : KvMaps{};
   WgmmaFlashKernel<MODE><<<grid, BlockThreads<MODE>(), smem, stream>>>(p, st, G, qt, maps);
   return cudaGetLastError();
 }
