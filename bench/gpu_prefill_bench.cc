@@ -735,12 +735,19 @@ int Main(const Options& o) {
       st.tile_groups = d_tiles;
       // The weighted rows' received attention in blocks of their own over parts of the keys
       // (the backend's choice), then in the cross-mass blocks (before session 21).
+      // The cross mass on the wgmma kernel (sm_90a: the default, with the pool's whole blocks
+      // as bulk copies), then on mma.sync (AttentionStatsParams::impl 1).
       st.recv_rows_begin = std::min(std::max(0, nmax - 256), n);
       st.recv_rows_end = n;
+      p.num_slots = runner->pool().k[0].rows;
       auto [ms4, mn4] = time_stats("complement");
       records.push_back({"attention_stats_complement_layer", n, ms4, mn4, 5, ""});
       std::printf("selection statistics by complement (1 layer, 4096-token segments) %6d: "
                   "%8.3f ms\n", n, ms4);
+      st.impl = 1;
+      auto [ms7, mn7] = time_stats("complement, mma.sync");
+      records.push_back({"attention_stats_complement_mma_layer", n, ms7, mn7, 5, ""});
+      std::printf("selection statistics by complement on mma.sync %6d: %8.3f ms\n", n, ms7);
       st.recv_rows_begin = st.recv_rows_end = 0;
       auto [ms6, mn6] = time_stats("complement, received attention unsplit");
       records.push_back({"attention_stats_complement_unsplit_layer", n, ms6, mn6, 5, ""});
@@ -754,6 +761,18 @@ int Main(const Options& o) {
       records.push_back({"attention_stats_complement_cross_only_layer", n, ms5, mn5, 5, ""});
       std::printf("selection statistics by complement, cross mass only (no received attention) "
                   "%6d: %8.3f ms\n", n, ms5);
+      // The cross mass alone on the wgmma kernel: bulk copies, then cp.async gathers.
+      st.impl = 0;
+      for (bool bulk : {true, false}) {
+        p.num_slots = bulk ? runner->pool().k[0].rows : 0;
+        auto [ms8, mn8] = time_stats("complement, cross only, wgmma");
+        char extra[80];
+        std::snprintf(extra, sizeof extra, ", \"kernel\": \"wgmma%s\"", bulk ? " bulk" : "");
+        records.push_back({"attention_stats_complement_cross_only_layer", n, ms8, mn8, 5, extra});
+        std::printf("selection statistics by complement, cross mass only, wgmma%s %6d: %8.3f "
+                    "ms\n", bulk ? " (bulk K)" : " (gathered K)", n, ms8);
+      }
+      p.num_slots = 0;
     }
     cudaFree(d_pos);
     cudaFree(d_slots);

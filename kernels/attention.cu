@@ -71,6 +71,7 @@ struct FlashExtra {
   int recv_blocks = 0;
   int recv_parts = 1;
   int recv_q0 = 0;
+  bool recv_only = false;  // launch the received-attention x-blocks only
 };
 
 // The statistics pass is bound by instruction latency with one 8-warp block per SM (141
@@ -684,7 +685,8 @@ cudaError_t LaunchFlashNW(const PagedAttentionParams& p, const AttentionStatsPar
   ex.group = G;
   ex.qt = 16 * NW / G;
   const unsigned tiles_x = static_cast<unsigned>(
-      (p.num_seqs > 0 ? p.num_seqs : CeilDiv(p.num_q, ex.qt)) + ex.recv_blocks);
+      ex.recv_only ? ex.recv_blocks
+                   : (p.num_seqs > 0 ? p.num_seqs : CeilDiv(p.num_q, ex.qt)) + ex.recv_blocks);
   const dim3 grid(tiles_x, p.n_kv_heads, splits);
   return detail::LaunchPdl(FlashKernel<HD, STATS, NW>, grid, 32 * NW, smem, stream, p, st, ex);
 }
@@ -781,7 +783,8 @@ cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsPa
                            cudaStream_t stream) {
   if (!ValidCommon(p) || (p.lse == nullptr && s.lse_by_head == nullptr) || p.num_seqs > 0)
     return cudaErrorInvalidValue;
-  // The complement and cuDNN's normaliser are read by the mma.sync kernel only.
+  // The complement and cuDNN's normaliser are read by the mma.sync kernel and the wgmma
+  // cross-mass kernel only.
   const bool complement_path = s.cross_complement || s.lse_by_head != nullptr;
   if (s.cross_complement &&
       (!s.out_cross || !s.q_group || !s.tile_groups || (p.ctx_len > 0 && !s.key_group)))
@@ -794,10 +797,17 @@ cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsPa
   if (!complement_path && p.head_dim == 128 && (p.impl == 2 || p.impl == 3) &&
       Sm90AttentionAvailable() && Sm90AttentionSupports(p))
     return Sm90AttentionStats(p, s, stream);
+  const bool recv_split = s.cross_complement && s.out_recv && s.recv_weight &&
+                          s.recv_rows_begin >= 0 && s.recv_rows_begin < s.recv_rows_end &&
+                          s.recv_rows_end <= p.num_q;
+  // The cross mass on wgmma (attention_stats_sm90.cu: ~3x the mma.sync pass's rate expected),
+  // the received attention of the weighted rows in a launch of their own blocks before it.
+  const bool wgmma_cross = s.cross_complement && s.impl == 0 && p.head_dim == 128 &&
+                           Sm90AttentionAvailable() && Sm90AttentionSupports(p) &&
+                           (!s.out_recv || recv_split);
   if (TensorCorePath(p)) {
     FlashExtra ex;
-    if (s.cross_complement && s.out_recv && s.recv_weight && s.recv_rows_begin >= 0 &&
-        s.recv_rows_begin < s.recv_rows_end && s.recv_rows_end <= p.num_q) {
+    if (recv_split) {
       // Blocks of about kRecvTiles key tiles each: ~64 at 32K, against the cross-mass blocks'
       // ~34 (their own 4K segment), so the launch ends evenly.
       constexpr int kRecvTiles = 64;
@@ -808,6 +818,14 @@ cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsPa
       ex.recv_parts = parts > 1 ? parts : 1;
       ex.recv_blocks =
           static_cast<int>(CeilDiv(s.recv_rows_end - ex.recv_q0, qt)) * ex.recv_parts;
+    }
+    if (wgmma_cross) {
+      if (recv_split) {
+        ex.recv_only = true;
+        const cudaError_t e = LaunchFlash<128, true>(p, s, ex, 1, stream);
+        if (e != cudaSuccess) return e;
+      }
+      return Sm90CrossComplement(p, s, stream);
     }
     return p.head_dim == 128 ? LaunchFlash<128, true>(p, s, ex, 1, stream)
                              : LaunchFlash<64, true>(p, s, ex, 1, stream);

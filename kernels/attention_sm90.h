@@ -23,5 +23,10 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
 // The statistics pass of AttentionStats on wgmma (p.lse from the attention pass).
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                                cudaStream_t stream);
+// The cross mass by complement of s (s.cross_complement, out_cross, q_group, key_group,
+// tile_groups; the normaliser from s.lse_by_head or p.lse) on wgmma
+// (kernels/attention_stats_sm90.cu); s's received attention is left to the caller.
+cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionStatsParams& s,
+                                cudaStream_t stream);
 
 }  // namespace sparsex::kernels

@@ -778,6 +778,7 @@ struct AttnCase {
   // two of them lie in order.
   int block_size = 16;
   int shuffle_from = 0;
+  int segment = 100;  // keys of a segment (stats): most 64-key tiles of 100 straddle two
 };
 
 class AttentionConsistency : public BackendConsistency {
@@ -861,7 +862,7 @@ class AttentionConsistency : public BackendConsistency {
     std::vector<float> recv_w(n), cross_c(n), cross_g(n), recv_c(tc.ctx), recv_g(tc.ctx);
     if (tc.stats) {
       // Segments of ~100 tokens after a shared sink at position 0.
-      for (int j = 0; j < tc.ctx; ++j) key_group[j] = j == 0 ? -1 : 1 + (j - 1) / 100;
+      for (int j = 0; j < tc.ctx; ++j) key_group[j] = j == 0 ? -1 : 1 + (j - 1) / tc.segment;
       for (int i = 0; i < n; ++i) {
         q_group[i] = key_group[tc.q_pos[i]];
         recv_w[i] = tc.recv_last > 0 ? (i >= n - tc.recv_last ? 1.0f : 0.0f)
@@ -1018,14 +1019,21 @@ TEST_F(AttentionConsistency, CudnnDenseAndChunkedPrefill) {
 // "require" turns a fallback to the fused kernel into an error, so the complement path is what
 // ran.
 TEST_F(AttentionConsistency, CudnnSelectionStatisticsByComplement) {
-  // Each case with the weighted rows' received attention inside the cross-mass blocks, then in
-  // blocks of their own over parts of the keys (CudaBackendOptions::stats_recv_split).
-  for (bool split : {false, true}) {
-    SCOPED_TRACE(split ? "received attention split" : "received attention unsplit");
+  // Each case with the weighted rows' received attention inside the cross-mass blocks (all on
+  // mma.sync), then in blocks of their own over parts of the keys
+  // (CudaBackendOptions::stats_recv_split) with the cross mass on mma.sync, then on the wgmma
+  // kernel (wgmma_statistics; sm_90a only).
+  for (int mode : {0, 1, 2}) {
+    const bool split = mode > 0, wgmma = mode == 2;
+    if (wgmma && !kernels::Sm90AttentionAvailable()) continue;
+    SCOPED_TRACE(wgmma  ? "received attention split, cross mass on wgmma"
+                 : split ? "received attention split"
+                         : "received attention unsplit");
     CudaBackendOptions o = CudaBackendOptionsFromEnv();
     o.cudnn_statistics = true;
     o.cudnn_statistics_max_share = 1.0;  // every case takes the complement, however much it reads
     o.stats_recv_split = split;
+    o.wgmma_statistics = wgmma;
     const absl::Status s = UseRequiredCudnn(o);
     if (absl::IsUnavailable(s)) GTEST_SKIP() << s;
     ASSERT_TRUE(s.ok()) << s;
@@ -1050,6 +1058,16 @@ TEST_F(AttentionConsistency, CudnnSelectionStatisticsByComplement) {
                    true};
     parts.recv_last = 50;
     Run(parts);
+    // Segments of 1000 keys: most tiles hold one segment's keys (read whole or skipped), in
+    // 16-slot blocks (whole tiles as bulk copies on the wgmma kernel) and 8-slot ones (gathers).
+    AttnCase wide{"complement 4600 gqa4, 1000-key segments", 32, 8, 128, 4600, Dense(0, 4600),
+                  true};
+    wide.recv_last = 70;
+    wide.segment = 1000;
+    Run(wide);
+    wide.name = "complement 4600 gqa4, 1000-key segments, 8-slot blocks";
+    wide.block_size = 8;
+    Run(wide);
   }
 }
 

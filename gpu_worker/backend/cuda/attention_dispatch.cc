@@ -218,13 +218,15 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
                                  {tile_groups.data(), tile_groups.size() * sizeof(int32_t)}};
   if (want_recv) spans.push_back({a.recv_weight.data(), a.recv_weight.size_bytes()});
   ASSIGN_OR_RETURN(auto d, Stage(spans));
-  // The statistics pass runs on mma.sync whatever attn_impl says, and writes no output.
+  // The statistics pass runs on mma.sync, or its cross mass on the wgmma statistics kernel
+  // (wgmma_statistics), whatever attn_impl says, and writes no output.
   const kernels::PagedAttentionParams p = Params(q, pool, layer, a, out, d[0], d[1], options_);
   kernels::AttentionStatsParams s;
   s.key_group = static_cast<const int32_t*>(d[2]);
   s.q_group = static_cast<const int32_t*>(d[3]);
   s.tile_groups = static_cast<const int32_t*>(d[4]);
   s.cross_complement = true;
+  s.impl = options_.wgmma_statistics ? 0 : 1;
   s.lse_by_head = lse;
   s.out_cross = cross;
   CUDA_RETURN(cudaMemsetAsync(cross, 0, n * 4, stream_), "Attention stats clear");

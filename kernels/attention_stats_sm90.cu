@@ -1,0 +1,317 @@
+// The cross mass by complement (AttentionStatsParams::cross_complement) on Hopper warpgroup MMAs:
+// per row and head, the probability on the keys of the row's own segment and the shared keys,
+// p = 2^(s scale log2 e - lse) with the normaliser of an attention pass that ran elsewhere
+// (cuDNN's, lse_by_head, or PagedAttention's p.lse); out_cross gets 1 minus its head mean. Only
+// the key tiles holding such keys for some row of the block are read (tile_groups), so a row of
+// a 4K segment in a 32K prompt reads about its own segment.
+//
+// Why a kernel of its own: the mma.sync statistics pass ran this at ~140 TFLOP/s of Q K^T (4.0
+// ms a layer at 32K, session 22, H100) bound by instruction latency; here each score is one MMA
+// share, one FFMA, one ex2 and one add, with the Q K^T of one warpgroup running on the tensor
+// cores while another one exponentiates. Block: one producer warp (bulk tensor copies of whole
+// 16-slot pool blocks, cp.async gathers for other tiles) and two consumer warpgroups of 64
+// "M rows" (query row x head-in-group, as in attention_sm90.cu) over 64-key tiles in a 4-stage
+// ring of K only; two blocks per SM. Received attention is not computed here (AttentionStats
+// runs it beside, on mma.sync).
+#include "kernels/attention_sm90.h"
+
+#include <cmath>
+
+#include "kernels/common.cuh"
+#include "kernels/wgmma.cuh"
+
+namespace sparsex::kernels {
+namespace {
+
+using detail::CeilDiv;
+using detail::CpAsync16;
+using detail::Ex2;
+using namespace sm90;  // NOLINT: the shared wgmma building blocks (kernels/wgmma.cuh)
+
+constexpr int kHd = 128, kBm = 128;
+constexpr int kBn = kStatsTileKeys;  // keys per tile: tile_groups' unit
+constexpr int kStages = 4;
+constexpr int kConsumers = 256;             // two warpgroups
+constexpr int kThreads = kConsumers + 32;   // and the producer warp
+constexpr int kQBytes = kBm * kHd * 2;      // 32 KiB
+constexpr int kTileBytes = kBn * kHd * 2;   // 16 KiB of K
+constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes;  // 97 KiB: two blocks an SM
+static_assert(kBn == 64, "a producer lane checks 2 keys of a tile");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -INFINITY;
+#endif
+
+__global__ void __launch_bounds__(kThreads, 2)
+    CrossComplementKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
+                          int qt, const __grid_constant__ KvMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int s_lim[kBm];
+  __shared__ int s_max_lim, s_min_lim, s_qg_lo, s_qg_hi;
+  // Per stage: "full" (the producer's K landed), "empty" (the eight consumer warps read it).
+  __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages];
+  const uint32_t raw = detail::SmemAddr(smem_raw);
+  const uint32_t sbase = raw + ((1024u - (raw & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
+  const uint32_t k_base = sbase + kQBytes;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = group, QT = qt;
+  const int kvh = blockIdx.y;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * QT;  // late (heavier) tiles first
+  if (tid == 0) {
+    s_max_lim = -1;
+    s_min_lim = 0x7fffffff;
+    s_qg_lo = 0x7fffffff;
+    s_qg_hi = -1;
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(detail::SmemAddr(&s_full[i]), 32);                // each producer lane arrives
+      MbarInit(detail::SmemAddr(&s_empty[i]), kConsumers / 32);  // one per consumer warp
+    }
+  }
+  __syncthreads();
+  for (int m = tid; m < kBm; m += kThreads) {
+    const int qrow = q0 + m % QT;
+    int lim = -1;
+    if (qrow < p.num_q) {
+      lim = min(p.q_pos[qrow], p.ctx_len - 1);
+      if (lim < 0) lim = -1;
+      if (lim >= 0) {
+        const int gq = st.q_group[qrow];
+        if (gq >= 0) {
+          atomicMin(&s_qg_lo, gq);
+          atomicMax(&s_qg_hi, gq);
+        }
+      }
+    }
+    s_lim[m] = lim;
+    atomicMin(&s_min_lim, lim);  // rows without keys (-1) mask every tile for them
+    if (lim >= 0) atomicMax(&s_max_lim, lim);
+  }
+  __syncthreads();
+  const int kv_end = s_max_lim + 1;
+  const int min_lim = s_min_lim;
+  const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBn));
+  const int qg_lo = s_qg_lo, qg_hi = s_qg_hi;
+  // The tiles holding keys of the block's segments or shared keys, in order: the producer warp
+  // and every consumer warp walk the same sequence (a warp-wide ballot over 32 tiles a step).
+  auto next_tile = [&](int t) {
+    for (++t; t < n_tiles; t += 32) {
+      const int c = t + lane;
+      bool hit = false;
+      if (c < n_tiles) {
+        const int lo = st.tile_groups[2 * c], hi = st.tile_groups[2 * c + 1];
+        hit = hi >= qg_lo && lo <= qg_hi;
+      }
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (m != 0) return t + __ffs(m) - 1;
+    }
+    return n_tiles;
+  };
+
+  if (warp == kConsumers / 32) {
+    // The producer warp: tile t's K into the stage of its iteration once the consumers released
+    // what was there. A whole tile whose 16-key groups each sit in consecutive pool rows goes as
+    // 8 bulk tensor copies from lane 0; other tiles (the last, partial one; 8-slot blocks) as
+    // 32 cp.async a lane, zero-filled past kv_end.
+    int it = 0;
+    for (int t = next_tile(-1); t < n_tiles; t = next_tile(t), ++it) {
+      const int stage = it % kStages;
+      if (it >= kStages) MbarWait(detail::SmemAddr(&s_empty[stage]), ((it / kStages) - 1) & 1);
+      const uint32_t full = detail::SmemAddr(&s_full[stage]);
+      const uint32_t dk = k_base + stage * kTileBytes;
+      bool bulk = maps.ok != 0 && t * kBn + kBn <= kv_end;
+      int32_t slot[2] = {0, 0};
+      if (bulk) {
+        bool ok = true;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          slot[k] = p.ctx_slots[t * kBn + 32 * k + lane];
+          const int32_t first = __shfl_sync(0xffffffffu, slot[k], lane & kBulkKeys);
+          ok = ok && slot[k] == first + (lane & (kBulkKeys - 1));
+        }
+        bulk = __all_sync(0xffffffffu, ok);
+      }
+      if (bulk) {
+        int32_t first[kBn / kBulkKeys];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          first[2 * k] = __shfl_sync(0xffffffffu, slot[k], 0);
+          first[2 * k + 1] = __shfl_sync(0xffffffffu, slot[k], kBulkKeys);
+        }
+        if (lane == 0) {
+          MbarArriveExpectTx(full, kTileBytes);
+#pragma unroll
+          for (int gi = 0; gi < kBn / kBulkKeys; ++gi) {
+#pragma unroll
+            for (int h = 0; h < kHd / kBulkCols; ++h)
+              TmaLoad2d(dk + h * kBn * 128 + gi * kBulkKeys * 128, &maps.k,
+                        kvh * kHd + h * kBulkCols, first[gi], full);
+          }
+        } else {
+          MbarArrive(full);
+        }
+        continue;
+      }
+      unsigned char* dst = smem_raw + (dk - raw);
+      constexpr int kIters = kBn * 16 / 32;
+      int64_t off[kIters];
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        const int idx = lane + 32 * k;
+        const int j = t * kBn + (idx >> 4);
+        off[k] = j < kv_end ? static_cast<int64_t>(p.ctx_slots[j]) * p.kv_stride + kvh * kHd +
+                                  (idx & 15) * 8
+                            : -1;
+      }
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        const int idx = lane + 32 * k;
+        CpAsync16(dst + SwOff(idx >> 4, idx & 15, kBn), p.k_pool + (off[k] >= 0 ? off[k] : 0),
+                  off[k] >= 0);
+      }
+      MbarArriveCpAsync(full);
+    }
+    detail::CpAsyncWait<0>();  // nothing may outlive the block's shared memory
+    return;
+  }
+
+  // Consumers: Q of the block's 128 M rows, once.
+  for (int idx = tid; idx < kBm * 16; idx += kConsumers) {
+    const int m = idx >> 4, c = idx & 15;
+    const int qr = q0 + m % QT;
+    const int hh = kvh * G + m / QT;
+    const bool valid = qr < p.num_q;
+    const int64_t off = valid ? static_cast<int64_t>(qr) * p.q_stride + hh * kHd + c * 8 : 0;
+    CpAsync16(smem_raw + (sbase - raw) + SwOff(m, c, kBm), p.q + off, valid);
+  }
+  detail::CpAsyncCommit();
+
+  const int wg = warp >> 2, g = lane >> 2, tq = lane & 3;
+  const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
+  const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
+  int qrow[2], qg[2] = {-1, -1};
+  float lse[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    qrow[i] = q0 + mr[i] % QT;
+    const int head = kvh * G + mr[i] / QT;
+    if (lim[i] >= 0) {
+      lse[i] = st.lse_by_head != nullptr
+                   ? st.lse_by_head[static_cast<int64_t>(head) * p.num_q + qrow[i]] * kLog2e
+                   : p.lse[static_cast<int64_t>(qrow[i]) * p.n_heads + head];
+      qg[i] = st.q_group[qrow[i]];
+    }
+  }
+  const float scale_log2 = p.scale * kLog2e;
+  detail::CpAsyncWait<0>();
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");  // Q of both warpgroups
+  FenceProxyAsync();
+  const uint32_t q_desc = sbase + wg * 64 * 128;  // this warpgroup's 64 rows
+
+  float own[2] = {0.0f, 0.0f};  // this thread's share of its rows' own-segment + shared mass
+  int it = 0;
+  for (int t = next_tile(-1); t < n_tiles; t = next_tile(t), ++it) {
+    const int stage = it % kStages;
+    // The tile's segment range, read before the wait so that its latency hides behind it.
+    const int lo = st.tile_groups[2 * t], hi = st.tile_groups[2 * t + 1];
+    MbarWait(detail::SmemAddr(&s_full[stage]), (it / kStages) & 1);
+    FenceProxyAsync();  // cp.async-written tiles, before the MMAs' reads
+    const uint32_t k_s = k_base + stage * kTileBytes;
+    float acc[kBn / 8][4];
+    WgFence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const uint32_t koff = (ks & 3) * 32;
+      WgmmaQK(&acc[0][0], Desc(q_desc + (ks >> 2) * (kBm * 128) + koff, 16, 1024),
+              Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024), ks > 0);
+    }
+    WgCommit();
+    WgWait0();
+    __syncwarp();
+    if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));  // S is in registers
+
+    const int key0 = t * kBn + 2 * tq;
+    if (t * kBn + kBn - 1 > min_lim) {  // block-uniform: only tiles past some row's limit
+#pragma unroll
+      for (int nb = 0; nb < kBn / 8; ++nb) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (key0 + nb * 8 + (c & 1) > lim[c >> 1]) acc[nb][c] = kNegInf;
+      }
+    }
+    if (lo == hi) {
+      // One segment's keys (most tiles): a row takes the whole tile or none of it.
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (lo != qg[i]) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < kBn / 8; ++nb) {
+          sum += Ex2(fmaf(acc[nb][2 * i], scale_log2, -lse[i]));
+          sum += Ex2(fmaf(acc[nb][2 * i + 1], scale_log2, -lse[i]));
+        }
+        own[i] += sum;
+      }
+    } else {
+      // Shared keys or a segment boundary: each key's group decides (keys past ctx_len are
+      // masked above, p = 0).
+#pragma unroll
+      for (int nb = 0; nb < kBn / 8; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + nb * 8 + e;
+          const int kg = key < p.ctx_len ? st.key_group[key] : -1;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (kg < 0 || kg == qg[i]) own[i] += Ex2(fmaf(acc[nb][2 * i + e], scale_log2, -lse[i]));
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float v = own[i];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v = fminf(fmaxf(1.0f - v, 0.0f), 1.0f);
+    if (tq == 0 && lim[i] >= 0 && v != 0.0f)
+      atomicAdd(st.out_cross + qrow[i], v / static_cast<float>(p.n_heads));
+  }
+#else
+  (void)p;
+  (void)st;
+  (void)group;
+  (void)qt;
+  (void)maps;
+  __trap();  // never launched: Sm90AttentionAvailable() is false without sm_90a code
+#endif
+}
+
+}  // namespace
+
+cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionStatsParams& s,
+                                cudaStream_t stream) {
+  if (!Sm90AttentionAvailable() || !Sm90AttentionSupports(p) || !s.cross_complement ||
+      !s.out_cross || !s.q_group || !s.tile_groups || (p.lse == nullptr && !s.lse_by_head) ||
+      (p.ctx_len > 0 && !s.key_group))
+    return cudaErrorInvalidValue;
+  if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        CrossComplementKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  const int G = p.n_heads / p.n_kv_heads;
+  const int qt = kBm / G;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
+  const KvMaps maps = EncodeKvMaps(p);
+  CrossComplementKernel<<<grid, kThreads, kSmemBytes, stream>>>(p, s, G, qt, maps);
+  return cudaGetLastError();
+}
+
+}  // namespace sparsex::kernels
