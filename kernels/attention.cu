@@ -71,7 +71,6 @@ struct FlashExtra {
   int recv_blocks = 0;
   int recv_parts = 1;
   int recv_q0 = 0;
-  bool recv_only = false;  // launch the received-attention x-blocks only
 };
 
 // The statistics pass is bound by instruction latency with one 8-warp block per SM (141
@@ -685,8 +684,7 @@ cudaError_t LaunchFlashNW(const PagedAttentionParams& p, const AttentionStatsPar
   ex.group = G;
   ex.qt = 16 * NW / G;
   const unsigned tiles_x = static_cast<unsigned>(
-      ex.recv_only ? ex.recv_blocks
-                   : (p.num_seqs > 0 ? p.num_seqs : CeilDiv(p.num_q, ex.qt)) + ex.recv_blocks);
+      (p.num_seqs > 0 ? p.num_seqs : CeilDiv(p.num_q, ex.qt)) + ex.recv_blocks);
   const dim3 grid(tiles_x, p.n_kv_heads, splits);
   return detail::LaunchPdl(FlashKernel<HD, STATS, NW>, grid, 32 * NW, smem, stream, p, st, ex);
 }
@@ -800,11 +798,11 @@ cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsPa
   const bool recv_split = s.cross_complement && s.out_recv && s.recv_weight &&
                           s.recv_rows_begin >= 0 && s.recv_rows_begin < s.recv_rows_end &&
                           s.recv_rows_end <= p.num_q;
-  // The cross mass on wgmma (attention_stats_sm90.cu: ~3x the mma.sync pass's rate expected),
-  // the received attention of the weighted rows in a launch of their own blocks before it.
-  const bool wgmma_cross = s.cross_complement && s.impl == 0 && p.head_dim == 128 &&
-                           Sm90AttentionAvailable() && Sm90AttentionSupports(p) &&
-                           (!s.out_recv || recv_split);
+  // The cross mass by complement, and the weighted rows' received attention, on wgmma
+  // (attention_stats_sm90.cu).
+  if (s.cross_complement && s.impl == 0 && p.head_dim == 128 && Sm90AttentionAvailable() &&
+      Sm90AttentionSupports(p) && (!s.out_recv || recv_split))
+    return Sm90CrossComplement(p, s, stream);
   if (TensorCorePath(p)) {
     FlashExtra ex;
     if (recv_split) {
@@ -818,14 +816,6 @@ cudaError_t AttentionStats(const PagedAttentionParams& p, const AttentionStatsPa
       ex.recv_parts = parts > 1 ? parts : 1;
       ex.recv_blocks =
           static_cast<int>(CeilDiv(s.recv_rows_end - ex.recv_q0, qt)) * ex.recv_parts;
-    }
-    if (wgmma_cross) {
-      if (recv_split) {
-        ex.recv_only = true;
-        const cudaError_t e = LaunchFlash<128, true>(p, s, ex, 1, stream);
-        if (e != cudaSuccess) return e;
-      }
-      return Sm90CrossComplement(p, s, stream);
     }
     return p.head_dim == 128 ? LaunchFlash<128, true>(p, s, ex, 1, stream)
                              : LaunchFlash<64, true>(p, s, ex, 1, stream);

@@ -131,10 +131,10 @@ struct AttentionStatsParams {
   // that tail). A weighted row outside the range would lose its received attention. 0, 0: off.
   int recv_rows_begin = 0;
   int recv_rows_end = 0;
-  // Kernel of the cross mass by complement: 0 auto (on sm_90a with head_dim 128, the wgmma
-  // kernel of attention_stats_sm90.cu, with the received attention, when asked for, in blocks
-  // of its own on mma.sync: needs recv_rows_begin/end then, else all on mma.sync), 1 mma.sync
-  // (comparisons). Default: 0
+  // Kernel of the statistics by complement: 0 auto (on sm_90a with head_dim 128, the wgmma
+  // kernel of attention_stats_sm90.cu, the received attention, when asked for, in blocks of
+  // its own in the same launch: that needs recv_rows_begin/end, else all on mma.sync),
+  // 1 mma.sync (comparisons). Default: 0
   int impl = 0;
 };
 

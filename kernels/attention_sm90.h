@@ -24,8 +24,9 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
 cudaError_t Sm90AttentionStats(const PagedAttentionParams& p, const AttentionStatsParams& s,
                                cudaStream_t stream);
 // The cross mass by complement of s (s.cross_complement, out_cross, q_group, key_group,
-// tile_groups; the normaliser from s.lse_by_head or p.lse) on wgmma
-// (kernels/attention_stats_sm90.cu); s's received attention is left to the caller.
+// tile_groups; the normaliser from s.lse_by_head or p.lse) and, when s.out_recv is set, the
+// received attention of rows [s.recv_rows_begin, s.recv_rows_end), on wgmma
+// (kernels/attention_stats_sm90.cu).
 cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionStatsParams& s,
                                 cudaStream_t stream);
 

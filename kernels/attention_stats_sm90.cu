@@ -11,8 +11,8 @@
 // cores while another one exponentiates. Block: one producer warp (bulk tensor copies of whole
 // 16-slot pool blocks, cp.async gathers for other tiles) and two consumer warpgroups of 64
 // "M rows" (query row x head-in-group, as in attention_sm90.cu) over 64-key tiles in a 4-stage
-// ring of K only; two blocks per SM. Received attention is not computed here (AttentionStats
-// runs it beside, on mma.sync).
+// ring of K only; two blocks per SM. The received attention of the weighted rows (the new
+// tokens) runs in the same launch, in blocks of its own over 128 keys each (see the kernel).
 #include "kernels/attention_sm90.h"
 
 #include <cmath>
@@ -43,60 +43,95 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
 #endif
 
+// The received attention's rows (AttentionStatsParams::recv_rows_begin/end) for the blocks that
+// take it: x-blocks [0, recv_blocks) each take 128 keys of one KV head.
+struct RecvRows {
+  int blocks = 0;
+  int begin = 0, end = 0;
+};
+
+// Two roles, by x-block. Cross mass: the stationary operand is the block's 128 M rows of Q (as in
+// attention_sm90.cu), the ring carries the K tiles of its own segments and the shared keys, each
+// row sums its probabilities. Received attention (the first rr.blocks x-blocks): the same
+// schedule with the operands' roles swapped: the stationary operand is 128 keys, the ring
+// carries 64-row tiles of the weighted rows' Q (one query head of the group a tile), and each
+// key sums w_i p(i, key) over the tile's rows, w_i folded into the exponent's bias
+// (lse - log2 w_i, which the producer puts beside each tile).
 __global__ void __launch_bounds__(kThreads, 2)
     CrossComplementKernel(const PagedAttentionParams p, const AttentionStatsParams st, int group,
-                          int qt, const __grid_constant__ KvMaps maps) {
+                          int qt, const RecvRows rr, const __grid_constant__ KvMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_lim[kBm];
   __shared__ int s_max_lim, s_min_lim, s_qg_lo, s_qg_hi;
-  // Per stage: "full" (the producer's K landed), "empty" (the eight consumer warps read it).
+  // Per stage: "full" (the producer's tile landed), "empty" (the eight consumer warps read it).
   __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages];
+  // Received attention: each ring tile's column biases and causal limits, and their minimum.
+  __shared__ float s_bias[kStages][kBn];
+  __shared__ int s_clim[kStages][kBn];
+  __shared__ int s_tmin[kStages];
   const uint32_t raw = detail::SmemAddr(smem_raw);
   const uint32_t sbase = raw + ((1024u - (raw & 1023u)) & 1023u);  // swizzle atoms: 1024-aligned
-  const uint32_t k_base = sbase + kQBytes;
+  const uint32_t k_base = sbase + kQBytes;  // the ring
+  unsigned char* const s_a = smem_raw + (sbase - raw);  // the stationary operand
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = group, QT = qt;
   const int kvh = blockIdx.y;
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * QT;  // late (heavier) tiles first
+  const bool recv = static_cast<int>(blockIdx.x) < rr.blocks;
+  const int key_base = static_cast<int>(blockIdx.x) * kBm;    // recv: the block's keys
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * QT;            // cross: late (heavier) tiles first
+  const int recv_rows = rr.end - rr.begin;
+  const int recv_tiles = G * static_cast<int>(CeilDiv(recv_rows, kBn));
+  const float scale_log2 = p.scale * kLog2e;
+  // The normaliser of row r, head h, in the log2 domain.
+  auto lse_of = [&](int r, int h) {
+    return st.lse_by_head != nullptr ? st.lse_by_head[static_cast<int64_t>(h) * p.num_q + r] * kLog2e
+                                     : p.lse[static_cast<int64_t>(r) * p.n_heads + h];
+  };
   if (tid == 0) {
     s_max_lim = -1;
     s_min_lim = 0x7fffffff;
     s_qg_lo = 0x7fffffff;
     s_qg_hi = -1;
     for (int i = 0; i < kStages; ++i) {
-      MbarInit(detail::SmemAddr(&s_full[i]), 32);                // each producer lane arrives
+      // Each producer lane arrives once (cross), or twice (received attention: its copies, then
+      // its stores of the tile's biases).
+      MbarInit(detail::SmemAddr(&s_full[i]), recv ? 64 : 32);
       MbarInit(detail::SmemAddr(&s_empty[i]), kConsumers / 32);  // one per consumer warp
     }
   }
   __syncthreads();
-  for (int m = tid; m < kBm; m += kThreads) {
-    const int qrow = q0 + m % QT;
-    int lim = -1;
-    if (qrow < p.num_q) {
-      lim = min(p.q_pos[qrow], p.ctx_len - 1);
-      if (lim < 0) lim = -1;
-      if (lim >= 0) {
-        const int gq = st.q_group[qrow];
-        if (gq >= 0) {
-          atomicMin(&s_qg_lo, gq);
-          atomicMax(&s_qg_hi, gq);
+  if (!recv) {
+    for (int m = tid; m < kBm; m += kThreads) {
+      const int qrow = q0 + m % QT;
+      int lim = -1;
+      if (qrow < p.num_q) {
+        lim = min(p.q_pos[qrow], p.ctx_len - 1);
+        if (lim < 0) lim = -1;
+        if (lim >= 0) {
+          const int gq = st.q_group[qrow];
+          if (gq >= 0) {
+            atomicMin(&s_qg_lo, gq);
+            atomicMax(&s_qg_hi, gq);
+          }
         }
       }
+      s_lim[m] = lim;
+      atomicMin(&s_min_lim, lim);  // rows without keys (-1) mask every tile for them
+      if (lim >= 0) atomicMax(&s_max_lim, lim);
     }
-    s_lim[m] = lim;
-    atomicMin(&s_min_lim, lim);  // rows without keys (-1) mask every tile for them
-    if (lim >= 0) atomicMax(&s_max_lim, lim);
+    __syncthreads();
   }
-  __syncthreads();
   const int kv_end = s_max_lim + 1;
   const int min_lim = s_min_lim;
-  const int n_tiles = static_cast<int>(CeilDiv(kv_end, kBn));
+  const int n_tiles = recv ? recv_tiles : static_cast<int>(CeilDiv(kv_end, kBn));
   const int qg_lo = s_qg_lo, qg_hi = s_qg_hi;
-  // The tiles holding keys of the block's segments or shared keys, in order: the producer warp
-  // and every consumer warp walk the same sequence (a warp-wide ballot over 32 tiles a step).
+  // Cross: the tiles holding keys of the block's segments or shared keys, in order; the
+  // producer warp and every consumer warp walk the same sequence (a warp-wide ballot over 32
+  // tiles a step). Received attention: every tile of the weighted rows.
   auto next_tile = [&](int t) {
+    if (recv) return t + 1;
     for (++t; t < n_tiles; t += 32) {
       const int c = t + lane;
       bool hit = false;
@@ -111,16 +146,55 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
 
   if (warp == kConsumers / 32) {
-    // The producer warp: tile t's K into the stage of its iteration once the consumers released
-    // what was there. A whole tile whose 16-key groups each sit in consecutive pool rows goes as
-    // 8 bulk tensor copies from lane 0; other tiles (the last, partial one; 8-slot blocks) as
-    // 32 cp.async a lane, zero-filled past kv_end.
+    // The producer warp: tile t into the stage of its iteration once the consumers released
+    // what was there.
     int it = 0;
     for (int t = next_tile(-1); t < n_tiles; t = next_tile(t), ++it) {
       const int stage = it % kStages;
       if (it >= kStages) MbarWait(detail::SmemAddr(&s_empty[stage]), ((it / kStages) - 1) & 1);
       const uint32_t full = detail::SmemAddr(&s_full[stage]);
       const uint32_t dk = k_base + stage * kTileBytes;
+      unsigned char* dst = smem_raw + (dk - raw);
+      constexpr int kIters = kBn * 16 / 32;
+      if (recv) {
+        // 64 weighted rows of query head kvh * G + t % G (zero past the range), their biases
+        // and limits; the copies arrive when they land, the stores with a release arrival.
+        const int h = kvh * G + t % G, r0 = rr.begin + t / G * kBn;
+        int tmin = 0x7fffffff;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int c = lane + 32 * k, r = r0 + c;
+          int lim = -1;
+          float bias = INFINITY;  // p = 0
+          if (r < rr.end) {
+            lim = min(p.q_pos[r], p.ctx_len - 1);
+            const float w = st.recv_weight[r];
+            if (lim >= 0 && w > 0.0f) bias = lse_of(r, h) - log2f(w);
+            if (lim < 0) lim = -1;
+          }
+          s_bias[stage][c] = bias;
+          s_clim[stage][c] = lim;
+          tmin = min(tmin, lim);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) tmin = min(tmin, __shfl_xor_sync(0xffffffffu, tmin, o));
+        if (lane == 0) s_tmin[stage] = tmin;
+#pragma unroll
+        for (int k = 0; k < kIters; ++k) {
+          const int idx = lane + 32 * k, r = r0 + (idx >> 4);
+          const bool valid = r < rr.end;
+          CpAsync16(dst + SwOff(idx >> 4, idx & 15, kBn),
+                    p.q + (valid ? static_cast<int64_t>(r) * p.q_stride + h * kHd + (idx & 15) * 8
+                                 : 0),
+                    valid);
+        }
+        MbarArriveCpAsync(full);
+        MbarArrive(full);
+        continue;
+      }
+      // Cross: a whole tile whose 16-key groups each sit in consecutive pool rows goes as 8
+      // bulk tensor copies from lane 0; other tiles (the last, partial one; 8-slot blocks) as
+      // 32 cp.async a lane, zero-filled past kv_end.
       bool bulk = maps.ok != 0 && t * kBn + kBn <= kv_end;
       int32_t slot[2] = {0, 0};
       if (bulk) {
@@ -154,8 +228,6 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         continue;
       }
-      unsigned char* dst = smem_raw + (dk - raw);
-      constexpr int kIters = kBn * 16 / 32;
       int64_t off[kIters];
 #pragma unroll
       for (int k = 0; k < kIters; ++k) {
@@ -177,45 +249,54 @@ __global__ void __launch_bounds__(kThreads, 2)
     return;
   }
 
-  // Consumers: Q of the block's 128 M rows, once.
+  // Consumers: the stationary operand once: Q of the block's 128 M rows (cross), or K of its
+  // 128 keys (received attention, zero past ctx_len).
   for (int idx = tid; idx < kBm * 16; idx += kConsumers) {
     const int m = idx >> 4, c = idx & 15;
-    const int qr = q0 + m % QT;
-    const int hh = kvh * G + m / QT;
-    const bool valid = qr < p.num_q;
-    const int64_t off = valid ? static_cast<int64_t>(qr) * p.q_stride + hh * kHd + c * 8 : 0;
-    CpAsync16(smem_raw + (sbase - raw) + SwOff(m, c, kBm), p.q + off, valid);
+    int64_t off = -1;
+    if (recv) {
+      const int key = key_base + m;
+      if (key < p.ctx_len)
+        off = static_cast<int64_t>(p.ctx_slots[key]) * p.kv_stride + kvh * kHd + c * 8;
+    } else {
+      const int qr = q0 + m % QT;
+      if (qr < p.num_q) off = static_cast<int64_t>(qr) * p.q_stride + (kvh * G + m / QT) * kHd + c * 8;
+    }
+    CpAsync16(s_a + SwOff(m, c, kBm), (recv ? p.k_pool : p.q) + (off >= 0 ? off : 0), off >= 0);
   }
   detail::CpAsyncCommit();
 
   const int wg = warp >> 2, g = lane >> 2, tq = lane & 3;
   const int mr[2] = {warp * 16 + g, warp * 16 + g + 8};
-  const int lim[2] = {s_lim[mr[0]], s_lim[mr[1]]};
-  int qrow[2], qg[2] = {-1, -1};
+  int lim[2] = {-1, -1}, qrow[2] = {0, 0}, qg[2] = {-1, -1};
   float lse[2] = {0.0f, 0.0f};
+  if (!recv) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    qrow[i] = q0 + mr[i] % QT;
-    const int head = kvh * G + mr[i] / QT;
-    if (lim[i] >= 0) {
-      lse[i] = st.lse_by_head != nullptr
-                   ? st.lse_by_head[static_cast<int64_t>(head) * p.num_q + qrow[i]] * kLog2e
-                   : p.lse[static_cast<int64_t>(qrow[i]) * p.n_heads + head];
-      qg[i] = st.q_group[qrow[i]];
+    for (int i = 0; i < 2; ++i) {
+      lim[i] = s_lim[mr[i]];
+      qrow[i] = q0 + mr[i] % QT;
+      if (lim[i] >= 0) {
+        lse[i] = lse_of(qrow[i], kvh * G + mr[i] / QT);
+        qg[i] = st.q_group[qrow[i]];
+      }
     }
   }
-  const float scale_log2 = p.scale * kLog2e;
   detail::CpAsyncWait<0>();
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");  // Q of both warpgroups
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");  // both warpgroups' rows
   FenceProxyAsync();
-  const uint32_t q_desc = sbase + wg * 64 * 128;  // this warpgroup's 64 rows
+  const uint32_t a_desc = sbase + wg * 64 * 128;  // this warpgroup's 64 rows
 
-  float own[2] = {0.0f, 0.0f};  // this thread's share of its rows' own-segment + shared mass
+  // Per row of this thread: the own-segment + shared mass (cross), or the received attention.
+  float sum_row[2] = {0.0f, 0.0f};
   int it = 0;
   for (int t = next_tile(-1); t < n_tiles; t = next_tile(t), ++it) {
     const int stage = it % kStages;
-    // The tile's segment range, read before the wait so that its latency hides behind it.
-    const int lo = st.tile_groups[2 * t], hi = st.tile_groups[2 * t + 1];
+    // Cross: the tile's segment range, read before the wait so that its latency hides there.
+    int lo = 0, hi = 0;
+    if (!recv) {
+      lo = st.tile_groups[2 * t];
+      hi = st.tile_groups[2 * t + 1];
+    }
     MbarWait(detail::SmemAddr(&s_full[stage]), (it / kStages) & 1);
     FenceProxyAsync();  // cp.async-written tiles, before the MMAs' reads
     const uint32_t k_s = k_base + stage * kTileBytes;
@@ -224,11 +305,44 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const uint32_t koff = (ks & 3) * 32;
-      WgmmaQK(&acc[0][0], Desc(q_desc + (ks >> 2) * (kBm * 128) + koff, 16, 1024),
+      WgmmaQK(&acc[0][0], Desc(a_desc + (ks >> 2) * (kBm * 128) + koff, 16, 1024),
               Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024), ks > 0);
     }
     WgCommit();
     WgWait0();
+    if (recv) {
+      // Column j of this thread: nb * 8 + 2 * tq + e. Its bias and limit, read before the
+      // stage goes back to the producer.
+      float bias[kBn / 8][2];
+      int clim[kBn / 8][2];
+#pragma unroll
+      for (int nb = 0; nb < kBn / 8; ++nb) {
+        const float2 b = *reinterpret_cast<const float2*>(&s_bias[stage][nb * 8 + 2 * tq]);
+        const int2 l = *reinterpret_cast<const int2*>(&s_clim[stage][nb * 8 + 2 * tq]);
+        bias[nb][0] = b.x;
+        bias[nb][1] = b.y;
+        clim[nb][0] = l.x;
+        clim[nb][1] = l.y;
+      }
+      const bool need_mask = key_base + kBm - 1 > s_tmin[stage];
+      __syncwarp();
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int key = key_base + mr[i];
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < kBn / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float v = fmaf(acc[nb][2 * i + e], scale_log2, -bias[nb][e]);
+            sum += Ex2(need_mask && key > clim[nb][e] ? kNegInf : v);
+          }
+        }
+        sum_row[i] += sum;
+      }
+      continue;
+    }
     __syncwarp();
     if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));  // S is in registers
 
@@ -252,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           sum += Ex2(fmaf(acc[nb][2 * i], scale_log2, -lse[i]));
           sum += Ex2(fmaf(acc[nb][2 * i + 1], scale_log2, -lse[i]));
         }
-        own[i] += sum;
+        sum_row[i] += sum;
       }
     } else {
       // Shared keys or a segment boundary: each key's group decides (keys past ctx_len are
@@ -265,7 +379,8 @@ __global__ void __launch_bounds__(kThreads, 2)
           const int kg = key < p.ctx_len ? st.key_group[key] : -1;
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            if (kg < 0 || kg == qg[i]) own[i] += Ex2(fmaf(acc[nb][2 * i + e], scale_log2, -lse[i]));
+            if (kg < 0 || kg == qg[i])
+              sum_row[i] += Ex2(fmaf(acc[nb][2 * i + e], scale_log2, -lse[i]));
           }
         }
       }
@@ -273,9 +388,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    float v = own[i];
+    float v = sum_row[i];
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if (recv) {
+      const int key = key_base + mr[i];
+      if (tq == 0 && key < p.ctx_len && v != 0.0f)
+        atomicAdd(st.out_recv + key, v / static_cast<float>(p.n_heads));
+      continue;
+    }
     v = fminf(fmaxf(1.0f - v, 0.0f), 1.0f);
     if (tq == 0 && lim[i] >= 0 && v != 0.0f)
       atomicAdd(st.out_cross + qrow[i], v / static_cast<float>(p.n_heads));
@@ -285,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   (void)st;
   (void)group;
   (void)qt;
+  (void)rr;
   (void)maps;
   __trap();  // never launched: Sm90AttentionAvailable() is false without sm_90a code
 #endif
@@ -298,6 +420,11 @@ cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionSt
       !s.out_cross || !s.q_group || !s.tile_groups || (p.lse == nullptr && !s.lse_by_head) ||
       (p.ctx_len > 0 && !s.key_group))
     return cudaErrorInvalidValue;
+  // Received attention needs its rows' range (every weighted row inside it).
+  if (s.out_recv != nullptr &&
+      (!s.recv_weight || s.recv_rows_begin < 0 || s.recv_rows_begin >= s.recv_rows_end ||
+       s.recv_rows_end > p.num_q))
+    return cudaErrorInvalidValue;
   if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
   static bool configured = false;
   if (!configured) {
@@ -308,9 +435,15 @@ cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionSt
   }
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
-  const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
+  RecvRows rr;
+  if (s.out_recv != nullptr) {
+    rr.blocks = static_cast<int>(CeilDiv(p.ctx_len, kBm));
+    rr.begin = s.recv_rows_begin;
+    rr.end = s.recv_rows_end;
+  }
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt) + rr.blocks), p.n_kv_heads, 1);
   const KvMaps maps = EncodeKvMaps(p);
-  CrossComplementKernel<<<grid, kThreads, kSmemBytes, stream>>>(p, s, G, qt, maps);
+  CrossComplementKernel<<<grid, kThreads, kSmemBytes, stream>>>(p, s, G, qt, rr, maps);
   return cudaGetLastError();
 }
 

@@ -216,9 +216,9 @@ struct CudaBackendOptions {
   // attention), reuse prefill 320.0 -> 314.7 ms; its GPU test passed.
   // SPX_STATS_RECV_SPLIT=1 sets true, =0 false. Default: true
   bool stats_recv_split = true;
-  // The complement pass's cross mass on the wgmma kernel of kernels/attention_stats_sm90.cu
-  // (sm_90a; AttentionStatsParams::impl 0), the received attention beside it on mma.sync
-  // (needs stats_recv_split); false keeps the whole pass on mma.sync (comparisons).
+  // The complement pass (cross mass and the new rows' received attention) on the wgmma kernel
+  // of kernels/attention_stats_sm90.cu (sm_90a; AttentionStatsParams::impl 0; needs
+  // stats_recv_split); false keeps it on mma.sync (comparisons).
   // SPX_WGMMA_STATS=0 sets false. Default: true
   bool wgmma_statistics = true;
 };
