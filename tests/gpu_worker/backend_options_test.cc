@@ -67,6 +67,30 @@ TEST(CudaBackendOptionsFromEnv, CudnnStatisticsSwitchAndShare) {
   }
 }
 
+// Session 24's switches: bulk K/V copies in the ws-128 attention kernel and the statistics by
+// complement on wgmma, both on by default; 0 turns each off, other values keep the default.
+TEST(CudaBackendOptionsFromEnv, BulkKvAndWgmmaStatistics) {
+  const CudaBackendOptions d;
+  EXPECT_TRUE(d.attn_bulk_kv);
+  EXPECT_TRUE(d.wgmma_statistics);
+  {
+    Env e;
+    e.Set("SPX_ATTN_BULK_KV", "0");
+    e.Set("SPX_WGMMA_STATS", "0");
+    const CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    EXPECT_FALSE(o.attn_bulk_kv);
+    EXPECT_FALSE(o.wgmma_statistics);
+  }
+  for (const char* bad : {"no", "2", ""}) {
+    Env e;
+    e.Set("SPX_ATTN_BULK_KV", bad);
+    e.Set("SPX_WGMMA_STATS", bad);
+    const CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    EXPECT_TRUE(o.attn_bulk_kv) << "'" << bad << "' kept the default";
+    EXPECT_TRUE(o.wgmma_statistics) << "'" << bad << "' kept the default";
+  }
+}
+
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
   EXPECT_TRUE(CudaBackendOptions{}.stats_recv_split);  // on since session 22's GPU run
   {
