@@ -651,8 +651,9 @@ int Main(const Options& o) {
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
       // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws on 128-key tiles with its
       // K/V gathered by cp.async and with whole pool blocks as bulk tensor copies).
-      // SPX_MICRO_IMPLS=mma limits the list to mma.sync; no-pp, no-pipe and no-ws128 in it (e.g.
-      // "no-pp,no-pipe") leave out that kernel (a variant whose test failed).
+      // SPX_MICRO_IMPLS=mma limits the list to mma.sync, ws128-only to the two ws-128 rows;
+      // no-pp, no-pipe and no-ws128 in it (e.g. "no-pp,no-pipe") leave out that kernel (a
+      // variant whose test failed).
       struct Impl {
         int impl, warps;
         const char* name;
@@ -660,14 +661,19 @@ int Main(const Options& o) {
       };
       std::vector<Impl> impls = {{1, 4, "mma.sync 4 warps"}, {1, 8, "mma.sync 8 warps"}};
       const char* only = std::getenv("SPX_MICRO_IMPLS");
+      const bool ws128_only = only && std::string(only).find("ws128-only") != std::string::npos;
+      if (ws128_only) impls.clear();
       if (kernels::Sm90AttentionAvailable() && !(only && std::string(only) == "mma")) {
-        impls.push_back({2, 8, "wgmma"});
-        impls.push_back({3, 8, "wgmma pipelined"});
-        impls.push_back({4, 8, "wgmma warp-specialised"});
         const std::string skip = only ? only : "";
-        if (skip.find("no-pp") == std::string::npos) impls.push_back({5, 8, "wgmma ws ping-pong"});
-        if (skip.find("no-pipe") == std::string::npos)
-          impls.push_back({6, 8, "wgmma ws pipelined"});
+        if (!ws128_only) {
+          impls.push_back({2, 8, "wgmma"});
+          impls.push_back({3, 8, "wgmma pipelined"});
+          impls.push_back({4, 8, "wgmma warp-specialised"});
+          if (skip.find("no-pp") == std::string::npos)
+            impls.push_back({5, 8, "wgmma ws ping-pong"});
+          if (skip.find("no-pipe") == std::string::npos)
+            impls.push_back({6, 8, "wgmma ws pipelined"});
+        }
         if (skip.find("no-ws128") == std::string::npos) {
           impls.push_back({7, 8, "wgmma ws 128-key tiles"});
           impls.push_back({7, 8, "wgmma ws 128-key tiles bulk K/V", true});
