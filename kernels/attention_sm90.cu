@@ -332,11 +332,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
     for (int ks = 0; ks < 8; ++ks) {
       const uint32_t koff = (ks & 3) * 32;
       const uint64_t da = Desc(q_desc_base + (ks >> 2) * (kBm * 128) + koff, 16, 1024);
-      // 64 keys per MMA: a 128-key tile's second half starts 64 rows (8 swizzle atoms) on.
-#pragma unroll
-      for (int h = 0; h < kBn / 64; ++h) {
-        const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + h * 64 * 128 + koff, 16, 1024);
-        WgmmaQK(&acc[h * 8][0], da, db, ks > 0);
+      const uint64_t db = Desc(k_s + (ks >> 2) * (kBn * 128) + koff, 16, 1024);
+      // A 128-key tile in one MMA (its 128 rows are consecutive 8-row swizzle atoms).
+      if constexpr (kBn == 128) {
+        WgmmaQK128(&acc[0][0], da, db, ks > 0);
+      } else {
+        WgmmaQK(&acc[0][0], da, db, ks > 0);
       }
     }
   };
