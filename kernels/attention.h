@@ -131,6 +131,12 @@ struct AttentionStatsParams {
   // that tail). A weighted row outside the range would lose its received attention. 0, 0: off.
   int recv_rows_begin = 0;
   int recv_rows_end = 0;
+  // For the wgmma kernel (impl below): the rows with recv_weight > 0 among those, ascending
+  // (device array), so that its received-attention blocks read only those rows' Q; a range's
+  // rows without weight cost a full pass there (a reuse prefill's one unreused early row
+  // stretched the range over the prompt: 40 ms a layer). Null: every row of the range.
+  const int32_t* recv_rows = nullptr;
+  int num_recv_rows = 0;
   // Kernel of the statistics by complement: 0 auto (on sm_90a with head_dim 128, the wgmma
   // kernel of attention_stats_sm90.cu, the received attention, when asked for, in blocks of
   // its own in the same launch: that needs recv_rows_begin/end, else all on mma.sync),

@@ -43,11 +43,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
 #endif
 
-// The received attention's rows (AttentionStatsParams::recv_rows_begin/end) for the blocks that
-// take it: x-blocks [0, recv_blocks) each take 128 keys of one KV head.
+// The received attention's rows for the blocks that take it (x-blocks [0, blocks), 128 keys of
+// one KV head each): list[0, count) (AttentionStatsParams::recv_rows), or begin + [0, count)
+// (recv_rows_begin/end) where list is null.
 struct RecvRows {
   int blocks = 0;
-  int begin = 0, end = 0;
+  int begin = 0, count = 0;
+  const int32_t* list = nullptr;
 };
 
 // Two roles, by x-block. Cross mass: the stationary operand is the block's 128 M rows of Q (as in
@@ -81,8 +83,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool recv = static_cast<int>(blockIdx.x) < rr.blocks;
   const int key_base = static_cast<int>(blockIdx.x) * kBm;    // recv: the block's keys
   const int q0 = (gridDim.x - 1 - blockIdx.x) * QT;            // cross: late (heavier) tiles first
-  const int recv_rows = rr.end - rr.begin;
-  const int recv_tiles = G * static_cast<int>(CeilDiv(recv_rows, kBn));
+  const int recv_tiles = G * static_cast<int>(CeilDiv(rr.count, kBn));
   const float scale_log2 = p.scale * kLog2e;
   // The normaliser of row r, head h, in the log2 domain.
   auto lse_of = [&](int r, int h) {
@@ -157,16 +158,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       unsigned char* dst = smem_raw + (dk - raw);
       constexpr int kIters = kBn * 16 / 32;
       if (recv) {
-        // 64 weighted rows of query head kvh * G + t % G (zero past the range), their biases
+        // 64 weighted rows of query head kvh * G + t % G (zero past the last), their biases
         // and limits; the copies arrive when they land, the stores with a release arrival.
-        const int h = kvh * G + t % G, r0 = rr.begin + t / G * kBn;
+        const int h = kvh * G + t % G, c0 = t / G * kBn;
         int tmin = 0x7fffffff;
+        int rows[2];  // the rows of columns lane and lane + 32 (-1: none)
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const int c = lane + 32 * k, r = r0 + c;
+          const int c = lane + 32 * k, ci = c0 + c;
+          const int r = ci >= rr.count ? -1 : rr.list != nullptr ? rr.list[ci] : rr.begin + ci;
+          rows[k] = r;
           int lim = -1;
           float bias = INFINITY;  // p = 0
-          if (r < rr.end) {
+          if (r >= 0) {
             lim = min(p.q_pos[r], p.ctx_len - 1);
             const float w = st.recv_weight[r];
             if (lim >= 0 && w > 0.0f) bias = lse_of(r, h) - log2f(w);
@@ -181,8 +185,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (lane == 0) s_tmin[stage] = tmin;
 #pragma unroll
         for (int k = 0; k < kIters; ++k) {
-          const int idx = lane + 32 * k, r = r0 + (idx >> 4);
-          const bool valid = r < rr.end;
+          // Column idx >> 4 (< 32 for the first 16 copies, lane + 32's after) from its lane.
+          const int idx = lane + 32 * k;
+          const int r = __shfl_sync(0xffffffffu, rows[k < kIters / 2 ? 0 : 1], (idx >> 4) & 31);
+          const bool valid = r >= 0;
           CpAsync16(dst + SwOff(idx >> 4, idx & 15, kBn),
                     p.q + (valid ? static_cast<int64_t>(r) * p.q_stride + h * kHd + (idx & 15) * 8
                                  : 0),
@@ -420,10 +426,12 @@ cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionSt
       !s.out_cross || !s.q_group || !s.tile_groups || (p.lse == nullptr && !s.lse_by_head) ||
       (p.ctx_len > 0 && !s.key_group))
     return cudaErrorInvalidValue;
-  // Received attention needs its rows' range (every weighted row inside it).
+  // Received attention needs its rows: a list, or a range (every weighted row inside it).
   if (s.out_recv != nullptr &&
-      (!s.recv_weight || s.recv_rows_begin < 0 || s.recv_rows_begin >= s.recv_rows_end ||
-       s.recv_rows_end > p.num_q))
+      (!s.recv_weight || (s.recv_rows != nullptr ? s.num_recv_rows < 0
+                                                 : s.recv_rows_begin < 0 ||
+                                                       s.recv_rows_begin >= s.recv_rows_end ||
+                                                       s.recv_rows_end > p.num_q)))
     return cudaErrorInvalidValue;
   if (p.num_q == 0 || p.ctx_len == 0) return cudaSuccess;
   static bool configured = false;
@@ -437,9 +445,10 @@ cudaError_t Sm90CrossComplement(const PagedAttentionParams& p, const AttentionSt
   const int qt = kBm / G;
   RecvRows rr;
   if (s.out_recv != nullptr) {
-    rr.blocks = static_cast<int>(CeilDiv(p.ctx_len, kBm));
+    rr.list = s.recv_rows;
     rr.begin = s.recv_rows_begin;
-    rr.end = s.recv_rows_end;
+    rr.count = s.recv_rows != nullptr ? s.num_recv_rows : s.recv_rows_end - s.recv_rows_begin;
+    rr.blocks = rr.count > 0 ? static_cast<int>(CeilDiv(p.ctx_len, kBm)) : 0;
   }
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt) + rr.blocks), p.n_kv_heads, 1);
   const KvMaps maps = EncodeKvMaps(p);

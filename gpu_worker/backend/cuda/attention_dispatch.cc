@@ -216,7 +216,14 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
                                  {a.key_group.data(), a.key_group.size_bytes()},
                                  {a.q_group.data(), a.q_group.size_bytes()},
                                  {tile_groups.data(), tile_groups.size() * sizeof(int32_t)}};
-  if (want_recv) spans.push_back({a.recv_weight.data(), a.recv_weight.size_bytes()});
+  // The weighted rows (the new tokens), for the wgmma kernel's received-attention blocks.
+  std::vector<int32_t> weighted;
+  if (want_recv) {
+    spans.push_back({a.recv_weight.data(), a.recv_weight.size_bytes()});
+    for (int64_t i = 0; i < n; ++i)
+      if (a.recv_weight[i] > 0.0f) weighted.push_back(static_cast<int32_t>(i));
+    if (!weighted.empty()) spans.push_back({weighted.data(), weighted.size() * sizeof(int32_t)});
+  }
   ASSIGN_OR_RETURN(auto d, Stage(spans));
   // The statistics pass runs on mma.sync, or its cross mass on the wgmma statistics kernel
   // (wgmma_statistics), whatever attn_impl says, and writes no output.
@@ -233,6 +240,8 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
   if (want_recv) {
     s.recv_weight = static_cast<const float*>(d[5]);
     s.out_recv = recv;
+    s.recv_rows = weighted.empty() ? nullptr : static_cast<const int32_t*>(d[6]);
+    s.num_recv_rows = static_cast<int>(weighted.size());
   }
   if (want_recv && options_.stats_recv_split) {
     // The rows with weight (the new tokens) get blocks of their own over parts of the keys.
