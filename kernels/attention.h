@@ -45,9 +45,10 @@ struct PagedAttentionParams {
   const bf16* v_pool = nullptr;   // [num_slots, kv_stride]
   int64_t kv_stride = 0;
   // Rows of k_pool and v_pool. With it the ws kernel on 128-key tiles (impl 7, the automatic
-  // choice on sm_90a) loads a tile whose 16-key groups each sit in 16 consecutive pool rows
-  // (a pool block) as bulk tensor copies (TMA) instead of per-thread cp.async; other tiles,
-  // and every tile when 0, take the cp.async gathers. Default: 0
+  // choice on sm_90a) and the wgmma statistics kernel (AttentionStatsParams::impl 0) load a
+  // key tile whose 16-key groups each sit in 16 consecutive pool rows (a pool block) as bulk
+  // tensor copies (TMA) instead of per-thread cp.async; other tiles, and every tile when 0,
+  // take the cp.async gathers. Default: 0
   int64_t num_slots = 0;
   const int32_t* ctx_slots = nullptr;  // [ctx_len] pool row of each key position
   int ctx_len = 0;
@@ -133,8 +134,9 @@ struct AttentionStatsParams {
   int recv_rows_end = 0;
   // For the wgmma kernel (impl below): the rows with recv_weight > 0 among those, ascending
   // (device array), so that its received-attention blocks read only those rows' Q; a range's
-  // rows without weight cost a full pass there (a reuse prefill's one unreused early row
-  // stretched the range over the prompt: 40 ms a layer). Null: every row of the range.
+  // rows without weight cost a full pass there (a reuse prefill weights every row outside the
+  // reused segments, such as an early token in no segment, which stretched the range over the
+  // prompt: 40 ms a layer). Null: every row of the range.
   const int32_t* recv_rows = nullptr;
   int num_recv_rows = 0;
   // Kernel of the statistics by complement: 0 auto (on sm_90a with head_dim 128, the wgmma
