@@ -5,10 +5,11 @@
 // the key tiles holding such keys for some row of the block are read (tile_groups), so a row of
 // a 4K segment in a 32K prompt reads about its own segment.
 //
-// Why a kernel of its own: the mma.sync statistics pass ran this at ~140 TFLOP/s of Q K^T (4.0
-// ms a layer at 32K, session 22, H100) bound by instruction latency; here each score is one MMA
-// share, one FFMA, one ex2 and one add, with the Q K^T of one warpgroup running on the tensor
-// cores while another one exponentiates. Block: one producer warp (bulk tensor copies of whole
+// Why a kernel of its own: the mma.sync statistics pass, bound by instruction latency, took
+// 3.5 ms a layer for this at 32K (4.2 with the new rows' received attention); this one takes
+// 1.6 (1.9) (session 24, H100, docs/perf-notes.md). Each score is one MMA share, an FFMA, an
+// ex2 and an add, the Q K^T of one warpgroup running on the tensor cores while another
+// exponentiates. Block: one producer warp (bulk tensor copies of whole
 // 16-slot pool blocks, cp.async gathers for other tiles) and two consumer warpgroups of 64
 // "M rows" (query row x head-in-group, as in attention_sm90.cu) over 64-key tiles in a 4-stage
 // ring of K only; two blocks per SM. The received attention of the weighted rows (the new
