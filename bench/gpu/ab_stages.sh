@@ -28,7 +28,7 @@ rm -rf "$OLD" && mkdir -p "$OLD" && tar -C "$OLD" -xzf "$ROOT/.stage/old.tar.gz"
 stamp "old build: $(head -n 1 "$OLD/spx/STAGED_FROM" 2>/dev/null)"
 OLD_ENV="LD_LIBRARY_PATH=$OLD/spx/lib:$LD_LIBRARY_PATH"
 
-timeout 200 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+timeout 300 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter="${SPX_AB_TESTS:-AttentionConsistency.*}" >"$F/tests.log" 2>&1
 stamp "backend_consistency_test exit $?"
 grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is" "$F/tests.log" | head -n 20 | tee -a "$LOG"

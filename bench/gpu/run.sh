@@ -108,7 +108,7 @@ SPX_ATTN_WARPS=4 SPX_ATTN_IMPL=mma "$BUILD/bin/backend_consistency_test" --gtest
 impl_ok=""
 for im in wgmma wgmma-pipe; do
   echo "== SPX_ATTN_IMPL=$im" >>"$OUT/tests.log"
-  if SPX_ATTN_IMPL=$im timeout 120 "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
+  if SPX_ATTN_IMPL=$im timeout 300 "$BUILD/bin/backend_consistency_test" --gtest_brief=1 \
       --gtest_filter='AttentionConsistency.*' >>"$OUT/tests.log" 2>&1; then
     impl_ok="$impl_ok $im"
   else

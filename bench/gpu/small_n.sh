@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
   >>"$LOG" 2>&1
 
 stamp "GPU tests"
-timeout 240 "$SPX/bin/backend_consistency_test" --gtest_brief=1 >>"$OUT/small_n_tests.log" 2>&1
+timeout 420 "$SPX/bin/backend_consistency_test" --gtest_brief=1 >>"$OUT/small_n_tests.log" 2>&1
 stamp "backend_consistency_test exit $?"
 timeout 240 "$SPX/bin/cuda_engine_test" --gtest_brief=1 >>"$OUT/small_n_tests.log" 2>&1
 stamp "cuda_engine_test exit $?"

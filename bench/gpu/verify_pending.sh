@@ -5,7 +5,9 @@
 # (SPX_CUDNN_STATS, on), the ws attention on 128-key tiles (SPX_ATTN_IMPL auto = wgmma-ws-128
 # since session 23; wgmma-ws on 64-key tiles before), ping-pong and ws pipelined (wgmma-ws-pp,
 # wgmma-ws-pipe: level with ws), the complement pass's split received attention
-# (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference, on). The
+# (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference, on), the
+# ws-128 kernel's bulk K/V copies and the statistics by complement on wgmma (SPX_ATTN_BULK_KV,
+# SPX_WGMMA_STATS, on since session 24). The
 # script re-checks and times them on a new card, the defaults against the 64-key ws kernel.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
@@ -43,7 +45,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 stamp "attention GPU tests"
-timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+# The complement test runs its cases three ways since session 24 (~70 s on an H100, its CPU
+# reference the slow part), the rest ~70 s.
+timeout 240 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*:*WsPipelined*:*Ws128*' \
   >"$FINAL/bc.log" 2>&1
 stamp "backend_consistency_test exit $?"
