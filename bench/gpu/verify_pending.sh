@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU paths built without a device, checked and timed against the paths they replace in
 # one device call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage).
-# Measured by now (docs/perf-notes.md, sessions 20-23, H100): the cuDNN statistics
+# Measured by now (docs/perf-notes.md, sessions 20-24, H100): the cuDNN statistics
 # (SPX_CUDNN_STATS, on), the ws attention on 128-key tiles (SPX_ATTN_IMPL auto = wgmma-ws-128
 # since session 23; wgmma-ws on 64-key tiles before), ping-pong and ws pipelined (wgmma-ws-pp,
 # wgmma-ws-pipe: level with ws), the complement pass's split received attention
 # (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference, on), the
 # ws-128 kernel's bulk K/V copies and the statistics by complement on wgmma (SPX_ATTN_BULK_KV,
-# SPX_WGMMA_STATS, on since session 24). The
-# script re-checks and times them on a new card, the defaults against the 64-key ws kernel.
+# SPX_WGMMA_STATS, on since session 24). The script re-checks and times them on a new card, the
+# defaults against the 64-key ws kernel.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined and ws 128 cases alone under a short
