@@ -651,8 +651,8 @@ int Main(const Options& o) {
       // Kernels: mma.sync with 4 and 8 warps, then (sm_90a) the wgmma variants (plain,
       // pipelined, warp-specialised, ws ping-pong, ws pipelined, ws on 128-key tiles with its
       // K/V gathered by cp.async and with whole pool blocks as bulk tensor copies).
-      // SPX_MICRO_IMPLS=mma limits the list to mma.sync, ws128-only to the two ws-128 rows;
-      // no-pp, no-pipe and no-ws128 in it (e.g. "no-pp,no-pipe") leave out that kernel (a
+      // SPX_MICRO_IMPLS=mma limits the list to mma.sync, ws128-only to the ws-128 rows; no-pp,
+      // no-pipe, no-ws128 and no-lsum in it (e.g. "no-pp,no-pipe") leave out that kernel (a
       // variant whose test failed).
       struct Impl {
         int impl, warps;
@@ -677,6 +677,8 @@ int Main(const Options& o) {
         if (skip.find("no-ws128") == std::string::npos) {
           impls.push_back({7, 8, "wgmma ws 128-key tiles"});
           impls.push_back({7, 8, "wgmma ws 128-key tiles bulk K/V", true});
+          if (skip.find("no-lsum") == std::string::npos)
+            impls.push_back({8, 8, "wgmma ws 128-key tiles bulk K/V, row sums on MMA", true});
         }
       }
       for (const Impl& im : impls) {

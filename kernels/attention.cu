@@ -743,7 +743,8 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
       // Calls with the fused cross mass too (AttentionConsistency.WarpSpecializedWgmma's
       // statistics case passed in session 21).
       const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized;
-      const Sm90Variant v = p.impl == 7 || ws_auto     ? Sm90Variant::kWs128
+      const Sm90Variant v = p.impl == 8                ? Sm90Variant::kWs128RowSum
+                            : p.impl == 7 || ws_auto ? Sm90Variant::kWs128
                             : p.impl == 6            ? Sm90Variant::kWsPipelined
                             : p.impl == 5            ? Sm90Variant::kWsPingPong
                             : p.impl == 4            ? Sm90Variant::kWarpSpecialized

@@ -66,7 +66,7 @@ struct PagedAttentionParams {
   // warp-specialised (a producer warpgroup loads the K/V stages, the warpgroups wait on mbarriers),
   // 5 the same with the consumer warpgroups taking turns at the tensor cores (ping-pong), 6 the
   // ws kernel with each warpgroup's next Q K^T overlapping its softmax (ws pipelined), 7 the ws
-  // kernel on 128-key tiles.
+  // kernel on 128-key tiles, 8 the same with the softmax's row sums on the tensor cores.
   // Split-K (decode) always uses mma.sync; the statistics pass uses wgmma only with 2 or 3.
   // Default: 0
   int impl = 0;

@@ -89,12 +89,21 @@ enum Mode {
   kWarpSpecialized = 3,
   kWsPingPong = 4,
   kWsPipelined = 5,
-  kWs128 = 6
+  kWs128 = 6,
+  kWs128RowSum = 7
 };
+// kWs128RowSum: kWs128 with the softmax's row sums on the tensor cores: each tile's P times a
+// 16 x 8 block of ones (one m64n8k16 a k-step beside P V) instead of an FADD a score, in an
+// issue-bound softmax (~300 instructions a thread and tile); the sums then use P as rounded to
+// bf16, as P V does. Built in session 24, not yet run on a GPU.
+template <int MODE>
+constexpr bool IsWs128() {
+  return MODE == kWs128 || MODE == kWs128RowSum;
+}
 template <int MODE>
 constexpr bool IsWs() {
   return MODE == kWarpSpecialized || MODE == kWsPingPong || MODE == kWsPipelined ||
-         MODE == kWs128;
+         IsWs128<MODE>();
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
 // producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
@@ -110,11 +119,11 @@ constexpr int BlockThreads() {
 // (stage waits and releases, row maxima, MMA fences and waits) and fits 3 stages (225 KiB).
 template <int MODE>
 constexpr int TileKeys() {
-  return MODE == kWs128 ? 128 : 64;
+  return IsWs128<MODE>() ? 128 : 64;
 }
 template <int MODE>
 constexpr int Stages() {
-  return MODE == kWs128 ? 3 : IsWs<MODE>() ? kWsStages : kStages;
+  return IsWs128<MODE>() ? 3 : IsWs<MODE>() ? kWsStages : kStages;
 }
 // Shared bytes: 1024 of alignment slack, Q, then K and V of each stage.
 template <int MODE>
@@ -224,7 +233,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
         if (t >= kNs)
           MbarWait(detail::SmemAddr(&s_empty[stage]), ((t / kNs) - 1) & 1);
         const uint32_t full = detail::SmemAddr(&s_full[stage]);
-        if constexpr (MODE == kWs128) {
+        if constexpr (IsWs128<MODE>()) {
           // A whole tile whose 16-key groups each sit in consecutive pool rows goes as 32 bulk
           // tensor copies issued by one thread (K and V, 8 groups, two 64-column halves)
           // instead of 4096 cp.async from the producer's 128 threads, whose issue slots the
@@ -314,6 +323,15 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
 #pragma unroll
   for (int nd = 0; nd < 16; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
   float row_m[2] = {kNegInf, kNegInf}, row_l[2] = {0.0f, 0.0f};
+  // kWs128RowSum: the row sums as an m64n8 accumulator (every column the sum of its row) and the
+  // block of ones its MMAs read (static shared memory, written before the consumers' barrier).
+  constexpr bool kMmaRowSum = MODE == kWs128RowSum;
+  float lsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  __shared__ __align__(128) bf16 s_ones[kMmaRowSum ? 256 : 1];
+  if constexpr (kMmaRowSum) {
+    for (int i = tid; i < 256; i += kThreads) s_ones[i] = __float2bfloat16(1.0f);
+    FenceProxyAsync();  // generic stores, read by the MMAs (async proxy) after ConsumerSync
+  }
   // Fused cross-segment mass (p.out_cross), rescaled with the row sums.
   const bool fused_cross = !kStatsMode && p.out_cross != nullptr;
   float xacc[2] = {0.0f, 0.0f};
@@ -361,7 +379,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
         }
       }
     }
-    detail::OnlineSoftmaxStep(acc, scale_log2, row_m, row_l, corr);
+    detail::OnlineSoftmaxStep<kBn / 8, !kMmaRowSum>(acc, scale_log2, row_m, row_l, corr);
     xacc[0] *= corr[0];
     xacc[1] *= corr[1];
     if (fused_cross) detail::AccumulateCross(acc, key0, p.key_group, p.ctx_len, xqg, xacc);
@@ -384,6 +402,10 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
         o[nd][2] *= corr[1];
         o[nd][3] *= corr[1];
       }
+      lsum[0] *= corr[0];
+      lsum[1] *= corr[0];
+      lsum[2] *= corr[1];
+      lsum[3] *= corr[1];
     }
   };
   auto softmax = [&](float (&acc)[kBn / 8][4], int t) {
@@ -396,7 +418,12 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   auto issue_pv = [&](int stage) {
     const uint32_t v_s = sbase + kQBytes + stage * kStageBytes + kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < kBn / 16; ++kk) WgmmaPVMn(&o[0][0], pa[kk], Desc(v_s + kk * 2048, kBn * 128, 1024));
+    for (int kk = 0; kk < kBn / 16; ++kk) {
+      WgmmaPVMn(&o[0][0], pa[kk], Desc(v_s + kk * 2048, kBn * 128, 1024));
+      // Every byte the descriptor can reach (two core matrices 128 bytes apart) holds a one.
+      if constexpr (kMmaRowSum)
+        WgmmaRowSum(lsum, pa[kk], DescNoSwizzle(detail::SmemAddr(s_ones), 128, 256));
+    }
   };
 
   float s_cur[kBn / 8][4];
@@ -485,7 +512,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
       }
     }
     return;
-  } else if constexpr (MODE == kWarpSpecialized || MODE == kWs128) {
+  } else if constexpr (MODE == kWarpSpecialized || IsWs128<MODE>()) {
     // Q landed for both warpgroups before the first S; then each warpgroup runs at its own pace,
     // waiting only for the stage it reads.
     detail::CpAsyncWait<0>();
@@ -607,10 +634,15 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   }
   detail::CpAsyncWait<0>();
 
+  if constexpr (kMmaRowSum) {
+    row_l[0] = lsum[0];  // whole rows already: the MMAs summed over every key
+    row_l[1] = lsum[2];
+  } else {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 1);
-    row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 2);
+    for (int i = 0; i < 2; ++i) {
+      row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 1);
+      row_l[i] += __shfl_xor_sync(0xffffffffu, row_l[i], 2);
+    }
   }
   if (fused_cross) {
 #pragma unroll
@@ -655,7 +687,7 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
   const int G = p.n_heads / p.n_kv_heads;
   const int qt = kBm / G;
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.num_q, qt)), p.n_kv_heads, 1);
-  const KvMaps maps = MODE == kWs128 ? EncodeKvMaps(p) : KvMaps{};
+  const KvMaps maps = IsWs128<MODE>() ? EncodeKvMaps(p) : KvMaps{};
   WgmmaFlashKernel<MODE><<<grid, BlockThreads<MODE>(), smem, stream>>>(p, st, G, qt, maps);
   return cudaGetLastError();
 }
@@ -701,6 +733,8 @@ cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant varian
       return Launch<kWsPipelined>(p, none, stream);
     case Sm90Variant::kWs128:
       return Launch<kWs128>(p, none, stream);
+    case Sm90Variant::kWs128RowSum:
+      return Launch<kWs128RowSum>(p, none, stream);
     case Sm90Variant::kPlain:
       break;
   }

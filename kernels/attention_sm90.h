@@ -15,8 +15,17 @@ bool Sm90AttentionSupports(const PagedAttentionParams& p);
 // overlapping this tile's softmax (pipelined); a producer warpgroup loading the K/V stages for the
 // two consumer warpgroups through mbarriers (warp-specialised); the same with the consumer
 // warpgroups taking turns at the tensor cores (ws ping-pong); the same with each
-// warpgroup's next Q K^T overlapping its softmax (ws pipelined); ws on 128-key tiles (ws 128).
-enum class Sm90Variant { kPlain, kPipelined, kWarpSpecialized, kWsPingPong, kWsPipelined, kWs128 };
+// warpgroup's next Q K^T overlapping its softmax (ws pipelined); ws on 128-key tiles (ws 128);
+// ws 128 with the softmax's row sums on the tensor cores (P times a block of ones).
+enum class Sm90Variant {
+  kPlain,
+  kPipelined,
+  kWarpSpecialized,
+  kWsPingPong,
+  kWsPipelined,
+  kWs128,
+  kWs128RowSum
+};
 // Unsplit attention for p (out and, when set, lse).
 cudaError_t Sm90PagedAttention(const PagedAttentionParams& p, Sm90Variant variant,
                                cudaStream_t stream);

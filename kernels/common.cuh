@@ -183,8 +183,9 @@ __device__ __forceinline__ float Ex2(float x) {
 // the raw scores (a positive scale keeps their order) are scaled once and p = 2^(s scale - m)
 // is one FFMA and one ex2 a score. Replaces the scores by those exponentials, advances row_m
 // (log2 domain) and row_l (this thread's partial row sums), and returns in corr the factor by
-// which the caller rescales whatever else it accumulated (O, cross mass).
-template <int NB>
+// which the caller rescales whatever else it accumulated (O, cross mass). kRowSum false leaves
+// row_l's additions to the caller (a kernel that sums the rows on the tensor cores).
+template <int NB, bool kRowSum = true>
 __device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float scale_log2,
                                                   float (&row_m)[2], float (&row_l)[2],
                                                   float (&corr)[2]) {
@@ -212,8 +213,10 @@ __device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float scale
     s[nb][1] = Ex2(fmaf(s[nb][1], scale_log2, neg_ref[0]));
     s[nb][2] = Ex2(fmaf(s[nb][2], scale_log2, neg_ref[1]));
     s[nb][3] = Ex2(fmaf(s[nb][3], scale_log2, neg_ref[1]));
-    row_l[0] += s[nb][0] + s[nb][1];
-    row_l[1] += s[nb][2] + s[nb][3];
+    if constexpr (kRowSum) {
+      row_l[0] += s[nb][0] + s[nb][1];
+      row_l[1] += s[nb][2] + s[nb][3];
+    }
   }
 }
 // The same for scores already in the log2 domain: with a scale of 1 the maximum is unchanged and

@@ -11,11 +11,13 @@
 # defaults against the 64-key ws kernel.
 # This call:
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
-#      a fallback fails it), the ws, ping-pong, ws pipelined and ws 128 cases alone under a short
-#      timeout each (a hang there must not eat the call; later steps skip a variant that failed);
+#      a fallback fails it), the ws, ping-pong, ws pipelined, ws 128 and ws 128 with row sums on
+#      MMA cases alone under a short timeout each (a hang there must not eat the call; later
+#      steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) in the same call: the defaults, with SPX_ATTN_IMPL=wgmma-ws (64-key
-#      tiles: stats1_ws64; SPX_VERIFY_REUSE can add wgmma-ws-pipe: stats1_pipe; wgmma-ws-128,
+#      the issue-15 case) in the same call: the defaults, with SPX_ATTN_IMPL=wgmma-ws-128-lsum
+#      (the row sums on MMA, built in session 24: lsum; SPX_VERIFY_REUSE can add wgmma-ws, 64-key
+#      tiles: stats1_ws64; wgmma-ws-pipe: stats1_pipe; wgmma-ws-128,
 #      the default's kernel forced: stats1_ws128; the assembly layer by layer, --assemble-ahead 0:
 #      no_ahead; SPX_STATS_RECV_SPLIT=1, the default since session 22: stats1_ws_split;
 #      SPX_CUDNN_STATS=0 with plain wgmma: stats0; the cuDNN statistics with plain wgmma:
@@ -31,7 +33,7 @@
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
 #                                                # stats1_ws no_ahead stats1_pp stats1_ws_split
-#                                                # stats1_pipe stats1_ws128 stats1_ws64;
+#                                                # stats1_pipe stats1_ws128 stats1_ws64 lsum;
 #                                                # no_ahead: --assemble-ahead 0)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -70,8 +72,10 @@ alone pp '*WsPingPong*' "ws ping-pong"
 PP_RC=$?
 alone wspipe '*WsPipelined*' "ws pipelined"
 PIPE_RC=$?
-alone ws128 '*Ws128*' "ws 128-key tiles"
+alone ws128 '*Ws128Wgmma*' "ws 128-key tiles"
 WS128_RC=$?
+alone lsum '*Ws128RowSum*' "ws 128 with row sums on MMA"
+LSUM_RC=$?
 
 reuse() {  # name, then environment assignments (VAR=value) and benchmark flags (--flag value)
   local name=$1; shift
@@ -89,9 +93,9 @@ reuse() {  # name, then environment assignments (VAR=value) and benchmark flags 
   grep -E "cuDNN|unavailable" "$FINAL/reuse_$name.log" | head -n 4 | tee -a "$LOG"
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
-# SPX_VERIFY_REUSE picks the variants (default: the defaults and the 64-key ws kernel; the
-# others were measured in sessions 20-23 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws64} "
+# SPX_VERIFY_REUSE picks the variants (default: the defaults and the ws-128 kernel with its row
+# sums on MMA, built in session 24; the others were measured in sessions 20-24 on an H100).
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws lsum} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
@@ -102,12 +106,14 @@ VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws stats1_ws64} "
 [ "$WS128_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws128 "* ]] &&
   reuse stats1_ws128 SPX_ATTN_IMPL=wgmma-ws-128
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws64 "* ]] && reuse stats1_ws64 SPX_ATTN_IMPL=wgmma-ws
+[ "$LSUM_RC" = 0 ] && [[ $VARIANTS == *" lsum "* ]] && reuse lsum SPX_ATTN_IMPL=wgmma-ws-128-lsum
 
 stamp "single ops at 32K (attention kernels, statistics passes)"
 MICRO_ENV=""
 [ "$PP_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=no-pp"
 [ "$PIPE_RC" = 0 ] || MICRO_ENV="${MICRO_ENV:-SPX_MICRO_IMPLS=},no-pipe"
 [ "$WS128_RC" = 0 ] || MICRO_ENV="${MICRO_ENV:-SPX_MICRO_IMPLS=},no-ws128"
+[ "$LSUM_RC" = 0 ] || MICRO_ENV="${MICRO_ENV:-SPX_MICRO_IMPLS=},no-lsum"
 [ "$WS_RC" = 0 ] || MICRO_ENV="SPX_MICRO_IMPLS=mma"  # the wgmma rows include the ws variant
 env $MICRO_ENV timeout 200 "$SPX/bin/gpu_prefill_bench" --lengths 32768 --reps 1 --warmup 1 \
   --decode-steps 0 --out "$FINAL/micro.json" >"$FINAL/micro.log" 2>&1

@@ -69,9 +69,12 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
       o.attn_impl = Impl::kWgmmaWsPipelined;
     } else if (v == "wgmma-ws-128") {
       o.attn_impl = Impl::kWgmmaWs128;
+    } else if (v == "wgmma-ws-128-lsum") {
+      o.attn_impl = Impl::kWgmmaWs128RowSum;
     } else if (!v.empty() && v != "auto") {
       std::fprintf(stderr, "SPX_ATTN_IMPL=%s is not one of mma, wgmma, wgmma-pipe, wgmma-ws, "
-                   "wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, auto: automatic choice used\n",
+                   "wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, wgmma-ws-128-lsum, auto: "
+                   "automatic choice used\n",
                    im);
     }
   }

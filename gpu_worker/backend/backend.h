@@ -123,7 +123,10 @@ struct CudaBackendOptions {
     // The ws kernel on 128-key tiles (3 stages): half the per-tile overheads of an
     // issue-bound kernel. Session 23 (H100): 473 against ws's 439 TFLOP/s on a 32K causal
     // layer, 431 against 389 on 15% sparse rows; kAuto's choice since.
-    kWgmmaWs128 = 7
+    kWgmmaWs128 = 7,
+    // The ws-128 kernel with the softmax's row sums on the tensor cores (P times a block of
+    // ones beside P V) instead of an FADD a score. Built in session 24, not yet run on a GPU.
+    kWgmmaWs128RowSum = 8
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
 
@@ -161,8 +164,8 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128.
-  // Default: kAuto
+  // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128|
+  // wgmma-ws-128-lsum. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
   // The ws-128 kernel (kWgmmaWs128, kAuto's choice on sm_90a) loads each key tile whose 16-key
   // groups sit in whole pool blocks (BlockManagerOptions' 16-slot blocks: every full tile of a
@@ -225,10 +228,10 @@ struct CudaBackendOptions {
 
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
-// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128 or auto (the removed wgmma-128, the session-22
-// experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 and session 23's
-// wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings: defined
-// in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
+// wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, wgmma-ws-128-lsum or auto (the removed wgmma-128,
+// the session-22 experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 and session
+// 23's wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings:
+// defined in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 
 struct BackendOptions {

@@ -124,7 +124,8 @@ TEST(CudaBackendOptionsFromEnv, OtherSwitches) {
   for (const auto& [value, impl] : {std::pair{"wgmma-ws", Impl::kWgmmaWarpSpecialized},
                                     std::pair{"wgmma-ws-pp", Impl::kWgmmaWsPingPong},
                                     std::pair{"wgmma-ws-pipe", Impl::kWgmmaWsPipelined},
-                                    std::pair{"wgmma-ws-128", Impl::kWgmmaWs128}}) {
+                                    std::pair{"wgmma-ws-128", Impl::kWgmmaWs128},
+                                    std::pair{"wgmma-ws-128-lsum", Impl::kWgmmaWs128RowSum}}) {
     ws.Set("SPX_ATTN_IMPL", value);
     EXPECT_EQ(CudaBackendOptionsFromEnv().attn_impl, impl) << value;
   }

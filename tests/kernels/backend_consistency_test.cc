@@ -997,6 +997,19 @@ TEST_F(AttentionConsistency, Ws128Wgmma) {
   }
 }
 
+// The ws-128 kernel with the softmax's row sums on the tensor cores (SPX_ATTN_IMPL=
+// wgmma-ws-128-lsum): the unsplit cases, one tile, and a sparse case on 8-slot blocks (the
+// cp.async gathers); run alone under a timeout by bench/gpu/verify_pending.sh.
+TEST_F(AttentionConsistency, Ws128RowSumWgmma) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
+  RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWs128RowSum, "ws 128 lsum");
+  if (HasFatalFailure()) return;
+  Run({"ws 128 lsum one tile", 32, 8, 128, 128, Dense(0, 128)});
+  AttnCase small_blocks{"ws 128 lsum 8-slot blocks", 32, 8, 128, 3000, Sparse(3000, 0.3)};
+  small_blocks.block_size = 8;
+  Run(small_blocks);
+}
+
 // Dense and chunked prefill through cuDNN's fused engine (the CUDA backend's default for long
 // dense rows when libcudnn.so.9 loads): K/V read in place for consecutive slots, gathered for
 // shuffled blocks, the causal limit shifted for a chunk. "require" turns any cuDNN failure into
