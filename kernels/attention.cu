@@ -179,22 +179,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
   bool skip_tiles = false;
   if constexpr (STATS) skip_tiles = st.cross_complement && st.tile_groups != nullptr && !has_weight;
   const int qg_lo = s_qg_lo, qg_hi = s_qg_hi;
-  // Block-uniform; each warp scans 32 tiles per step (a block's own segment can lie hundreds of
-  // tiles past the first).
+  // Block-uniform: every warp walks the same tiles.
   auto next_tile = [&](int t) {
-    ++t;
-    if (!skip_tiles) return t;
-    for (; t < t_end; t += 32) {
-      const int c = t + lane;
-      bool hit = false;
-      if (c < t_end) {
-        const int lo = st.tile_groups[2 * c], hi = st.tile_groups[2 * c + 1];
-        hit = hi >= qg_lo && lo <= qg_hi;
-      }
-      const unsigned m = __ballot_sync(0xffffffffu, hit);
-      if (m != 0) return t + __ffs(m) - 1;
-    }
-    return t_end;
+    return skip_tiles ? detail::NextGroupTile(st.tile_groups, t + 1, t_end, qg_lo, qg_hi, lane)
+                      : t + 1;
   };
   const int t_first = next_tile(t_begin - 1);
 

@@ -239,39 +239,15 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
           // instead of 4096 cp.async from the producer's 128 threads, whose issue slots the
           // consumers' schedulers share. Every producer warp reads the same slots, so all
           // agree on the path; each thread still arrives once, as the barrier counts.
-          static_assert(kBn == 4 * 32, "a lane checks 4 keys of the tile");
-          bool bulk = maps.ok != 0 && t * kBn + kBn <= kv_end;
-          int32_t slot[4] = {0, 0, 0, 0};
-          if (bulk) {
-            bool ok = true;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              slot[k] = p.ctx_slots[t * kBn + 32 * k + lane];
-              const int32_t first = __shfl_sync(0xffffffffu, slot[k], lane & kBulkKeys);
-              ok = ok && slot[k] == first + (lane & (kBulkKeys - 1));
-            }
-            bulk = __all_sync(0xffffffffu, ok);
-          }
-          if (bulk) {
-            int32_t first[kBn / kBulkKeys];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              first[2 * k] = __shfl_sync(0xffffffffu, slot[k], 0);
-              first[2 * k + 1] = __shfl_sync(0xffffffffu, slot[k], kBulkKeys);
-            }
+          static_assert(kBn % 32 == 0, "the pool-block check takes 32 keys a step");
+          int32_t first[kBn / kBulkKeys];
+          if (maps.ok != 0 && t * kBn + kBn <= kv_end &&
+              WholePoolBlocks<kBn / 32>(p.ctx_slots, t * kBn, lane, first)) {
             if (ptid == 0) {
               MbarArriveExpectTx(full, kStageBytes);
-              const uint32_t dk = sbase + kQBytes + stage * kStageBytes, dv = dk + kTileBytes;
-#pragma unroll
-              for (int gi = 0; gi < kBn / kBulkKeys; ++gi) {
-#pragma unroll
-                for (int h = 0; h < kHd / kBulkCols; ++h) {
-                  const uint32_t off = h * kBn * 128 + gi * kBulkKeys * 128;
-                  const int c0 = kvh * kHd + h * kBulkCols;
-                  TmaLoad2d(dk + off, &maps.k, c0, first[gi], full);
-                  TmaLoad2d(dv + off, &maps.v, c0, first[gi], full);
-                }
-              }
+              const uint32_t dk = sbase + kQBytes + stage * kStageBytes;
+              TmaPoolBlocks(dk, &maps.k, kvh * kHd, first, full);
+              TmaPoolBlocks(dk + kTileBytes, &maps.v, kvh * kHd, first, full);
             } else {
               MbarArrive(full);
             }

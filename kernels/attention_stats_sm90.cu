@@ -37,7 +37,7 @@ constexpr int kThreads = kConsumers + 32;   // and the producer warp
 constexpr int kQBytes = kBm * kHd * 2;      // 32 KiB
 constexpr int kTileBytes = kBn * kHd * 2;   // 16 KiB of K
 constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes;  // 97 KiB: two blocks an SM
-static_assert(kBn == 64, "a producer lane checks 2 keys of a tile");
+static_assert(kBn % 32 == 0, "the pool-block check and the gathers take 32 keys a step");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -133,18 +133,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // producer warp and every consumer warp walk the same sequence (a warp-wide ballot over 32
   // tiles a step). Received attention: every tile of the weighted rows.
   auto next_tile = [&](int t) {
-    if (recv) return t + 1;
-    for (++t; t < n_tiles; t += 32) {
-      const int c = t + lane;
-      bool hit = false;
-      if (c < n_tiles) {
-        const int lo = st.tile_groups[2 * c], hi = st.tile_groups[2 * c + 1];
-        hit = hi >= qg_lo && lo <= qg_hi;
-      }
-      const unsigned m = __ballot_sync(0xffffffffu, hit);
-      if (m != 0) return t + __ffs(m) - 1;
-    }
-    return n_tiles;
+    return recv ? t + 1
+                : detail::NextGroupTile(st.tile_groups, t + 1, n_tiles, qg_lo, qg_hi, lane);
   };
 
   if (warp == kConsumers / 32) {
@@ -202,34 +192,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       // Cross: a whole tile whose 16-key groups each sit in consecutive pool rows goes as 8
       // bulk tensor copies from lane 0; other tiles (the last, partial one; 8-slot blocks) as
       // 32 cp.async a lane, zero-filled past kv_end.
-      bool bulk = maps.ok != 0 && t * kBn + kBn <= kv_end;
-      int32_t slot[2] = {0, 0};
-      if (bulk) {
-        bool ok = true;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          slot[k] = p.ctx_slots[t * kBn + 32 * k + lane];
-          const int32_t first = __shfl_sync(0xffffffffu, slot[k], lane & kBulkKeys);
-          ok = ok && slot[k] == first + (lane & (kBulkKeys - 1));
-        }
-        bulk = __all_sync(0xffffffffu, ok);
-      }
-      if (bulk) {
-        int32_t first[kBn / kBulkKeys];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          first[2 * k] = __shfl_sync(0xffffffffu, slot[k], 0);
-          first[2 * k + 1] = __shfl_sync(0xffffffffu, slot[k], kBulkKeys);
-        }
+      int32_t first[kBn / kBulkKeys];
+      if (maps.ok != 0 && t * kBn + kBn <= kv_end &&
+          WholePoolBlocks<kBn / 32>(p.ctx_slots, t * kBn, lane, first)) {
         if (lane == 0) {
           MbarArriveExpectTx(full, kTileBytes);
-#pragma unroll
-          for (int gi = 0; gi < kBn / kBulkKeys; ++gi) {
-#pragma unroll
-            for (int h = 0; h < kHd / kBulkCols; ++h)
-              TmaLoad2d(dk + h * kBn * 128 + gi * kBulkKeys * 128, &maps.k,
-                        kvh * kHd + h * kBulkCols, first[gi], full);
-          }
+          TmaPoolBlocks(dk, &maps.k, kvh * kHd, first, full);
         } else {
           MbarArrive(full);
         }

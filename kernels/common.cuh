@@ -227,6 +227,23 @@ __device__ __forceinline__ void OnlineSoftmaxStep(float (&s)[NB][4], float (&row
   OnlineSoftmaxStep(s, 1.0f, row_m, row_l, corr);
 }
 
+// ---- selection statistics by complement: the key tiles a block reads ----
+// The first key tile in [t, t_end) whose segment range (tile_groups: lo, hi per tile) meets the
+// block's [qg_lo, qg_hi] or holds shared keys ((INT32_MIN, INT32_MAX)); t_end when none.
+// Warp-wide (every lane must call it with the same arguments): 32 tiles a ballot, since a
+// block's own segment can lie hundreds of tiles past the first.
+__device__ __forceinline__ int NextGroupTile(const int32_t* tile_groups, int t, int t_end,
+                                             int qg_lo, int qg_hi, int lane) {
+  for (; t < t_end; t += 32) {
+    const int c = t + lane;
+    bool hit = false;
+    if (c < t_end) hit = tile_groups[2 * c + 1] >= qg_lo && tile_groups[2 * c] <= qg_hi;
+    const unsigned m = __ballot_sync(0xffffffffu, hit);
+    if (m != 0) return t + __ffs(m) - 1;
+  }
+  return t_end;
+}
+
 // ---- fused cross-segment mass (selection statistic) for the flash kernels ----
 // A thread holds probabilities (unnormalised, after the online-softmax exponent) of two rows
 // (g, g + 8) for NB groups of 8 keys in the mma/wgmma accumulator layout: element [nb][c] is

@@ -16,6 +16,9 @@
 
 namespace sparsex::kernels::sm90 {
 
+constexpr int kBulkKeys = 16;  // rows of a bulk copy's box: a pool block of 16 consecutive slots
+constexpr int kBulkCols = 64;  // head dims of a box: one 128-byte swizzle row
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Byte offset of 16-byte chunk `chunk` (0..15 over a 128-wide row) of row `row` in a tile of
 // `rows` rows stored as two 64-column blocks with the 128-byte swizzle.
@@ -122,6 +125,43 @@ __device__ __forceinline__ uint64_t DescNoSwizzle(uint32_t saddr, uint32_t lbo, 
          (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
          (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);
 }
+// Whether each 16-key group of the 32 * N keys from key0 sits in consecutive pool rows (one
+// pool block), so that the tile can go as bulk copies; warp-wide (every lane must call it and
+// gets the same answer, one slot load per lane and 32 keys). When it does, first[g] is the
+// first pool row of group g.
+template <int N>
+__device__ __forceinline__ bool WholePoolBlocks(const int32_t* ctx_slots, int key0, int lane,
+                                                int32_t (&first)[2 * N]) {
+  int32_t slot[N];
+  bool ok = true;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    slot[k] = ctx_slots[key0 + 32 * k + lane];
+    const int32_t group_first = __shfl_sync(0xffffffffu, slot[k], lane & kBulkKeys);
+    ok = ok && slot[k] == group_first + (lane & (kBulkKeys - 1));
+  }
+  if (!__all_sync(0xffffffffu, ok)) return false;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    first[2 * k] = __shfl_sync(0xffffffffu, slot[k], 0);
+    first[2 * k + 1] = __shfl_sync(0xffffffffu, slot[k], kBulkKeys);
+  }
+  return true;
+}
+// One thread's bulk copies of a 128-dim head (columns c0 on of map's rows) for the pool blocks
+// first[] into a tile of 16 * G rows at dst, in SwOff's layout (two 64-column halves of 128-byte
+// rows), completing bar's transaction bytes.
+template <int G>
+__device__ __forceinline__ void TmaPoolBlocks(uint32_t dst, const CUtensorMap* map, int c0,
+                                              const int32_t (&first)[G], uint32_t bar) {
+#pragma unroll
+  for (int gi = 0; gi < G; ++gi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      TmaLoad2d(dst + h * G * kBulkKeys * 128 + gi * kBulkKeys * 128, map, c0 + h * kBulkCols,
+                first[gi], bar);
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Tensor maps of the K and V pools for bulk loads of whole pool blocks: 2-D, [num_slots rows,
@@ -132,8 +172,6 @@ struct KvMaps {
   CUtensorMap k, v;
   int ok = 0;  // 0: no maps (cp.async only)
 };
-constexpr int kBulkKeys = 16;  // rows of a box: a pool block of 16 consecutive slots
-constexpr int kBulkCols = 64;  // head dims of a box: one 128-byte swizzle row
 
 // cuTensorMapEncodeTiled from the driver (through the runtime's entry point query, so the
 // kernels link no libcuda); null where the driver lacks it.

@@ -243,14 +243,11 @@ absl::Status CudaBackend::CudnnStatistics(const Tensor& q, const KvPool& pool, i
     s.recv_rows = weighted.empty() ? nullptr : static_cast<const int32_t*>(d[6]);
     s.num_recv_rows = static_cast<int>(weighted.size());
   }
-  if (want_recv && options_.stats_recv_split) {
-    // The rows with weight (the new tokens) get blocks of their own over parts of the keys.
-    const auto& w = a.recv_weight;
-    int64_t lo = 0, hi = static_cast<int64_t>(w.size());
-    while (lo < hi && !(w[lo] > 0.0f)) ++lo;
-    while (hi > lo && !(w[hi - 1] > 0.0f)) --hi;
-    s.recv_rows_begin = static_cast<int>(lo);
-    s.recv_rows_end = static_cast<int>(hi);
+  if (want_recv && options_.stats_recv_split && !weighted.empty()) {
+    // The rows with weight (the new tokens) get blocks of their own over parts of the keys:
+    // the range from the first weighted row to the last.
+    s.recv_rows_begin = weighted.front();
+    s.recv_rows_end = weighted.back() + 1;
   }
   return FinishStatistics(p, s, a, cross, recv);
 }
