@@ -29,6 +29,7 @@
 #include "gpu_worker/engine/runner.h"
 
 #if SPARSEX_WITH_CUDA
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include "gpu_worker/backend/cuda/cuda_backend.h"
@@ -52,6 +53,7 @@ struct Options {
   int layers = 0;  // 0: the model's 32
   bool micro = true;
   bool small_n = false;  // --small-n: the decode matmul section alone (SmallNMain)
+  int profile_decode = 0;  // --profile-decode B: 8 more steps of batch B under the profiler range
   std::string out = "gpu_prefill_raw.json";
 };
 
@@ -1043,6 +1045,15 @@ int Main(const Options& o) {
                     B, ctx, m.what, med, 1000.0 * B / med, mn,
                     static_cast<long long>(after.replayed - before.replayed));
       }
+      if (B == o.profile_decode) {
+        // Steps of the default serving path (graph, greedy drawn on the device) between
+        // cudaProfilerStart and Stop, for a tracer (bench/gpu/profile_decode_trace.sh): the first
+        // 3 steps warm up, as in DecodeSteps, so the range holds up to 8 replayed steps.
+        cudaProfilerStart();
+        DecodeSteps(*runner, timer, slots, ctx, std::min(11, o.decode_steps), B, true, true, 0.0f);
+        CHECK_OK(be->Synchronize());
+        cudaProfilerStop();
+      }
     }
   }
 
@@ -1086,6 +1097,8 @@ int main(int argc, char** argv) {
       o.layers = std::atoi(next());
     } else if (a == "--no-micro") {
       o.micro = false;
+    } else if (a == "--profile-decode") {
+      o.profile_decode = std::atoi(next());
     } else if (a == "--small-n") {
       o.small_n = true;
     } else if (a == "--out") {
@@ -1094,7 +1107,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: gpu_prefill_bench [--lengths 2048,8192,16384,32768] [--reps 3] "
                    "[--warmup 1] [--decode-ctx 8192] [--decode-steps 32] [--decode-batch 32] [--layers N] "
-                   "[--no-micro] [--small-n] [--out file.json]\n");
+                   "[--no-micro] [--small-n] [--profile-decode B] [--out file.json]\n");
       return 2;
     }
   }
