@@ -103,7 +103,8 @@ struct PagedAttentionParams {
   // below a sequence's first row was complete before that kernel launched. The packed decode
   // kernel then requests those keys (and reads the index arrays) before it waits on the
   // previous kernel under programmatic dependent launch, so its first K/V loads overlap that
-  // kernel instead of starting after it. Default: false
+  // kernel instead of starting after it. The index arrays must have been written before the
+  // previous kernel too (not staged by it). Default: false
   bool prefetch_ctx = false;
 };
 

@@ -99,7 +99,8 @@ struct AttentionArgs {
   // The caller's promise that the operation queued just before this call wrote the pool only at
   // these rows' own positions (ModelRunner::Layer's RoPE + KV write): a backend may then read
   // the other keys before that operation finishes (the CUDA packed decode kernel requests
-  // them while the previous kernel runs). Default: false
+  // them while the previous kernel runs, unless the call stages its tables first). Default:
+  // false
   bool kv_ready_below_rows = false;
 };
 
