@@ -98,14 +98,6 @@ struct PagedAttentionParams {
   // split_waves blocks per SM (capped at 64 splits and two 64-key tiles per split). 0: two for
   // launches of at most 16 blocks, else one (measured, docs/perf-notes.md v9).
   int split_waves = 0;
-  // The caller's promise for a batched call: the kernel queued just before this one wrote the
-  // pool only at the query rows' own positions (the runner's RoPE + KV write), so every key
-  // below a sequence's first row was complete before that kernel launched. The packed decode
-  // kernel then requests those keys (and reads the index arrays) before it waits on the
-  // previous kernel under programmatic dependent launch, so its first K/V loads overlap that
-  // kernel instead of starting after it. The index arrays must have been written before the
-  // previous kernel too (not staged by it). Default: false
-  bool prefetch_ctx = false;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

@@ -40,12 +40,8 @@ __global__ void __launch_bounds__(32 * NW)
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* sKV = sQ + kRows * HD;
   __shared__ float s_m[NW][kRows], s_l[NW][kRows];
-  // With p.prefetch_ctx the index arrays and the keys below the rows' positions are read before
-  // the wait (they were complete before the previous kernel started); Q is not.
-  if (!p.prefetch_ctx) {
-    detail::PdlWait();
-    detail::PdlLaunchDependents();
-  }
+  detail::PdlWait();
+  detail::PdlLaunchDependents();
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int H = p.n_heads, G = p.n_heads / p.n_kv_heads;
@@ -104,51 +100,22 @@ __global__ void __launch_bounds__(32 * NW)
   int pre[ST];  // the slots of this warp's first ST tiles, requested before anything waits
 #pragma unroll
   for (int s = 0; s < ST; ++s) pre[s] = s < my_n ? slot_of(first + s * NW) : 0;
-  auto load_q = [&]() {
-    for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
-      const int m = idx / CH, c = idx % CH;
-      const bool valid = m / G < R;
-      const int64_t off =
-          valid ? (int64_t)(q0 + m / G) * p.q_stride + (kvh * G + m % G) * HD + c * 8 : 0;
-      CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
-    }
-    detail::CpAsyncCommit();
-  };
-  if (p.prefetch_ctx) {
-    // The first ST - 1 tiles wholly below every row's position are requested before the wait;
-    // a tile reaching a row's position (this pass's KV write) after it. Then Q, and all of it
-    // is waited for at once (these groups are the oldest: the loop's counting holds after).
-    unsigned deferred = 0;
+  // Q and the first key tiles are requested together: the tiles do not wait for Q to land.
+  for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
+    const int m = idx / CH, c = idx % CH;
+    const bool valid = m / G < R;
+    const int64_t off =
+        valid ? (int64_t)(q0 + m / G) * p.q_stride + (kvh * G + m % G) * HD + c * 8 : 0;
+    CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
+  }
+  detail::CpAsyncCommit();
 #pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
-      const int t = first + s * NW;
-      if (s < my_n && (t + 1) * BN <= min_lim) {
-        load(s, t, pre[s]);
-      } else if (s < my_n) {
-        deferred |= 1u << s;
-      }
-    }
-    detail::CpAsyncCommit();
-    detail::PdlWait();
-    detail::PdlLaunchDependents();
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
-      if (deferred & (1u << s)) load(s, first + s * NW, pre[s]);
-    }
-    detail::CpAsyncCommit();
-    load_q();
-    detail::CpAsyncWait<0>();
-  } else {
-    // Q and the first key tiles are requested together: the tiles do not wait for Q to land.
-    load_q();
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
-      if (s < my_n) load(s, first + s * NW, pre[s]);
-      detail::CpAsyncCommit();  // empty groups keep the count the wait below relies on
-    }
-    detail::CpAsyncWait<ST - 1>();  // Q's group (the oldest) has landed
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < my_n) load(s, first + s * NW, pre[s]);
+    detail::CpAsyncCommit();  // empty groups keep the count the wait below relies on
   }
   int next_slot = pre[ST - 1];  // the slots of the tile the loop's first step loads
+  detail::CpAsyncWait<ST - 1>();  // Q's group (the oldest) has landed
   __syncthreads();
   uint32_t qf[HD / 16][4];
 #pragma unroll

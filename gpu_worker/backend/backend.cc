@@ -106,7 +106,6 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   SwitchFromEnv("SPX_ATTN_BULK_KV", o.attn_bulk_kv);
   SwitchFromEnv("SPX_WGMMA_STATS", o.wgmma_statistics);
-  SwitchFromEnv("SPX_DECODE_PREFETCH", o.decode_prefetch);
   if (const char* m = std::getenv("SPX_CUDNN_STATS_MAX_SHARE")) {
     char* end = nullptr;
     const double v = std::strtod(m, &end);

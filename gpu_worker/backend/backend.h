@@ -96,12 +96,6 @@ struct AttentionArgs {
   // Several sequences in one call (batched decode): consecutive row ranges covering all rows,
   // each with its own context; ctx_slots is then unused and no statistics may be asked for.
   std::span<const SeqRows> seqs;
-  // The caller's promise that the operation queued just before this call wrote the pool only at
-  // these rows' own positions (ModelRunner::Layer's RoPE + KV write): a backend may then read
-  // the other keys before that operation finishes (the CUDA packed decode kernel requests
-  // them while the previous kernel runs, unless the call stages its tables first). Default:
-  // false
-  bool kv_ready_below_rows = false;
 };
 
 // The CUDA backend's kernel choices (docs/operations.md, "GPU kernel switches"). The backend
@@ -189,10 +183,6 @@ struct CudaBackendOptions {
   // blocks, else 1). SPX_SPLIT_WAVES.
   // Default: 0
   int split_waves = 0;
-  // The packed decode kernel requests the keys below its rows before waiting on the previous
-  // kernel where the caller allows it (AttentionArgs::kv_ready_below_rows,
-  // PagedAttentionParams::prefetch_ctx). SPX_DECODE_PREFETCH=0 sets false. Default: true
-  bool decode_prefetch = true;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;

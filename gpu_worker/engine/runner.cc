@@ -143,7 +143,6 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   args.head_dim = hd;
   args.q_pos = rows.pos;
   args.ctx_slots = rows.ctx_slots;
-  args.kv_ready_below_rows = true;  // RopeWriteKv, just queued, wrote only the rows' positions
   ASSIGN_OR_RETURN(Tensor* att, s.Get(n, static_cast<int64_t>(H) * hd));
   if (!rows.groups.empty()) {
     if (stats != nullptr) {

@@ -91,22 +91,6 @@ TEST(CudaBackendOptionsFromEnv, BulkKvAndWgmmaStatistics) {
   }
 }
 
-// Session 25: the packed decode kernel's keys requested before its wait (where the caller
-// allows it), on by default; 0 turns it off, other values keep the default.
-TEST(CudaBackendOptionsFromEnv, DecodePrefetch) {
-  EXPECT_TRUE(CudaBackendOptions{}.decode_prefetch);
-  {
-    Env e;
-    e.Set("SPX_DECODE_PREFETCH", "0");
-    EXPECT_FALSE(CudaBackendOptionsFromEnv().decode_prefetch);
-  }
-  for (const char* bad : {"off", "2", ""}) {
-    Env e;
-    e.Set("SPX_DECODE_PREFETCH", bad);
-    EXPECT_TRUE(CudaBackendOptionsFromEnv().decode_prefetch) << "'" << bad << "' kept the default";
-  }
-}
-
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
   EXPECT_TRUE(CudaBackendOptions{}.stats_recv_split);  // on since session 22's GPU run
   {

@@ -827,9 +827,7 @@ class AttentionConsistency : public BackendConsistency {
     Run({name("one row").c_str(), 32, 8, 128, 700, std::vector<int32_t>{699}});
   }
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
-  // kv_ready: AttentionArgs::kv_ready_below_rows (the packed decode kernel's keys requested
-  // before its wait on the previous kernel, the runner's decode steps).
-  void RunBatched(int H, int KV, int hd, bool kv_ready = false);
+  void RunBatched(int H, int KV, int hd);
   void Run(const AttnCase& tc) {
     const int bs = tc.block_size;
     const int blocks = (tc.ctx + bs - 1) / bs + 3;
@@ -1107,7 +1105,6 @@ TEST_F(AttentionConsistency, DecodeSplitKAtEverySplitCount) {
     Run({"decode 600 keys", 32, 8, 128, 600, {599}});
     Run({"decode hd64", 16, 2, 64, 3000, {2999}});
     RunBatched(32, 8, 128);
-    RunBatched(32, 8, 128, /*kv_ready=*/true);
   }
 }
 
@@ -1130,12 +1127,11 @@ TEST_F(AttentionConsistency, BatchedSequences) {
       SCOPED_TRACE(testing::Message() << "decode kernel " << static_cast<int>(kernel) << ", "
                                       << H << " heads, " << KV << " KV heads, head_dim " << hd);
       RunBatched(H, KV, hd);
-      RunBatched(H, KV, hd, /*kv_ready=*/true);
     }
   }
 }
 
-void AttentionConsistency::RunBatched(int H, int KV, int hd, bool kv_ready) {
+void AttentionConsistency::RunBatched(int H, int KV, int hd) {
   const int bs = 16, kv_dim = KV * hd;
   // {.., 300}: a mixed prefill/decode step (Engine::StepWithChunks): the leading decode rows in
   // one batched launch, the chunk on its own; {.., 250, 300}: two sequences' chunks in it.
@@ -1175,12 +1171,10 @@ void AttentionConsistency::RunBatched(int H, int KV, int hd, bool kv_ready) {
     a.head_dim = hd;
     a.q_pos = q_pos;
     a.seqs = seqs;
-    a.kv_ready_below_rows = kv_ready;
     ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
     absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_LT(Compare(out), kTol) << "rows per sequence " << rows_per[1] << " " << rows_per[4]
-                                  << (kv_ready ? ", keys requested before the wait" : "");
+    EXPECT_LT(Compare(out), kTol) << "rows per sequence " << rows_per[1] << " " << rows_per[4];
     // The same tables again (the next layer: the backend reuses its device copy), then tables
     // that changed in one slot (it must not).
     ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());

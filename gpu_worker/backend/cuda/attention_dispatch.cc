@@ -53,7 +53,6 @@ kernels::PagedAttentionParams Params(const Tensor& q, const KvPool& pool, int la
   p.warps = o.attn_warps;
   p.impl = static_cast<int>(o.attn_impl);
   p.split_waves = o.split_waves;
-  p.prefetch_ctx = o.decode_prefetch && a.kv_ready_below_rows;
   return p;
 }
 
@@ -411,10 +410,6 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   p.num_seqs = S;
   p.max_seq_rows = static_cast<int>(max_rows);
   p.decode_kernel = static_cast<int>(options_.decode_attn);
-  // The keys may be requested before the wait only when this call queued nothing itself: a
-  // first staging of the tables is a copy kernel right before the attention, which the early
-  // reads would race (the first layer of a step; the later layers find the tables staged).
-  p.prefetch_ctx = p.prefetch_ctx && checked;
   p.seq_rows = static_cast<const int32_t*>(d[1]);
   p.seq_ctx_start = static_cast<const int32_t*>(d[2]);
   p.seq_ctx_len = static_cast<const int32_t*>(d[3]);
