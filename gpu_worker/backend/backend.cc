@@ -91,6 +91,16 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
     }
   }
   if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
+  if (const char* f = std::getenv("SPX_GRAPH_FIRST_SEGMENT")) {
+    char* end = nullptr;
+    const long v = std::strtol(f, &end, 10);
+    if (end != f && *end == '\0' && v >= 1 && v <= 64) {
+      o.graph_first_segment = static_cast<int>(v);
+    } else {
+      std::fprintf(stderr, "SPX_GRAPH_FIRST_SEGMENT=%s is not a launch count in [1, 64]: %d used\n",
+                   f, o.graph_first_segment);
+    }
+  }
   if (const char* a = std::getenv("SPX_DEVICE_SAMPLING")) {
     o.device_sampling = std::string(a) != "0";
   }

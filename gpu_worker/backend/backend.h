@@ -186,6 +186,12 @@ struct CudaBackendOptions {
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;
+  // Launches in the first graph segment of a recorded scope; each next segment holds twice as
+  // many, up to 64 (GraphRecorder). The device starts a step once the first segment is
+  // recorded, so a short one hides the host's recording of the rest behind the device's work
+  // (64 was the fixed segment before session 25; built then, not yet timed on a GPU).
+  // SPX_GRAPH_FIRST_SEGMENT (1-64). Default: 8
+  int graph_first_segment = 8;
   // Dense causal prefill attention through cuDNN's fused engine when libcudnn.so.9 loads
   // (kWhenAvailable: our kernel when it does not); kRequired turns a cuDNN failure into an error
   // instead of the fallback (tests). SPX_CUDNN_ATTENTION=0|require. Default: kWhenAvailable

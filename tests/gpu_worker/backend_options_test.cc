@@ -91,6 +91,23 @@ TEST(CudaBackendOptionsFromEnv, BulkKvAndWgmmaStatistics) {
   }
 }
 
+// Session 25: the first graph segment's launch count, 8 by default, 1-64 accepted; anything
+// else is reported and keeps the default.
+TEST(CudaBackendOptionsFromEnv, GraphFirstSegment) {
+  EXPECT_EQ(CudaBackendOptions{}.graph_first_segment, 8);
+  for (auto [text, want] : {std::pair{"64", 64}, std::pair{"1", 1}, std::pair{"16", 16}}) {
+    Env e;
+    e.Set("SPX_GRAPH_FIRST_SEGMENT", text);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().graph_first_segment, want) << text;
+  }
+  for (const char* bad : {"0", "65", "-8", "8x", "", "many"}) {
+    Env e;
+    e.Set("SPX_GRAPH_FIRST_SEGMENT", bad);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().graph_first_segment, 8)
+        << "'" << bad << "' kept the default";
+  }
+}
+
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
   EXPECT_TRUE(CudaBackendOptions{}.stats_recv_split);  // on since session 22's GPU run
   {

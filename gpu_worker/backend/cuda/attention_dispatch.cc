@@ -366,8 +366,10 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   const uint64_t domain = 1 + static_cast<uint64_t>(pool.num_blocks) * pool.block_size;
   Hash128 key;
   bool checked = false;
+  std::vector<void*> in_scope;  // the scope's copy of these tables, when staged earlier in it
   if (recording()) {
-    checked = recorder_.StagedInScope(spans, domain);
+    if (const std::vector<void*>* dev = recorder_.StagedInScope(spans, domain)) in_scope = *dev;
+    checked = !in_scope.empty();
   } else {
     key = StageKey(spans, domain);
     checked = StageHas(key);
@@ -401,7 +403,9 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
     return AttentionBySequence(*this, q, pool, layer, a, out);  // validates per sequence
   }
   std::vector<void*> d;
-  if (recording()) {
+  if (!in_scope.empty()) {
+    d = std::move(in_scope);
+  } else if (recording()) {
     ASSIGN_OR_RETURN(d, recorder_.StageRecorded(spans, domain));
   } else {
     ASSIGN_OR_RETURN(d, Stage(spans, key));

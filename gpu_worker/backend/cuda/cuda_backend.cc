@@ -64,7 +64,7 @@ absl::Status CudaBackend::Init() {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
   }
   RETURN_IF_ERROR(stager_.Init(stream_));
-  RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs));
+  RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));
   return absl::OkStatus();
 }
 

@@ -31,9 +31,11 @@ void GraphArena::Give(void* p) { ranges_.Give(static_cast<size_t>(static_cast<ch
 
 // ---- GraphRecorder ----
 
-absl::Status GraphRecorder::Init(cudaStream_t stream, bool enabled) {
+absl::Status GraphRecorder::Init(cudaStream_t stream, bool enabled, int first_segment) {
   stream_ = stream;
   graphs_enabled_ = enabled;
+  first_segment_ = static_cast<size_t>(std::clamp<int>(first_segment, 1,
+                                                       static_cast<int>(kSegmentLaunches)));
   CUDA_RETURN(cudaEventCreateWithFlags(&graph_done_, cudaEventDisableTiming), "graph event");
   return absl::OkStatus();
 }
@@ -68,6 +70,7 @@ absl::Status GraphRecorder::Begin() {
   sig_ = std::make_unique<Hasher>();
   recording_ = true;
   scope_replayed_ = true;
+  segment_limit_ = first_segment_;
   return absl::OkStatus();
 }
 
@@ -99,6 +102,7 @@ absl::Status GraphRecorder::FlushSegment() {
   sig_ = std::make_unique<Hasher>();
   std::vector<Pending> work = std::move(pending_);
   pending_.clear();
+  segment_limit_ = std::min(kSegmentLaunches, 2 * segment_limit_);
   auto run_all = [&]() -> absl::Status {
     for (Pending& w : work) CUDA_RETURN(w.launch(), w.what);
     return absl::OkStatus();

@@ -77,8 +77,10 @@ class GraphRecorder {
   GraphRecorder& operator=(const GraphRecorder&) = delete;
   ~GraphRecorder() { Release(); }
 
-  // Launches on `stream`; enabled = false runs scopes as plain launches.
-  absl::Status Init(cudaStream_t stream, bool enabled);
+  // Launches on `stream`; enabled = false runs scopes as plain launches. A scope's first
+  // segment holds first_segment launches, each next one twice as many up to 64
+  // (CudaBackendOptions::graph_first_segment).
+  absl::Status Init(cudaStream_t stream, bool enabled, int first_segment = 8);
   // Destroys the graphs and frees the pinned area; the stream must be idle. Idempotent.
   void Release();
 
@@ -106,9 +108,12 @@ class GraphRecorder {
     sig_->Str(what);
     SigAll(sig...);
     pending_.push_back({std::function<cudaError_t()>(std::forward<F>(f)), what});
-    // A long scope goes out in segments of a fixed number of launches, each replayed as its
-    // own graph: the device runs one segment while the host records the next.
-    if (pending_.size() >= kSegmentLaunches) return FlushSegment();
+    // A long scope goes out in segments, each replayed as its own graph: the device runs one
+    // segment while the host records the next. The first segments are short (by default 8,
+    // 16, 32, then 64 launches), so the device starts after about one layer of host work
+    // instead of a whole segment's (session 25's decode trace: each step's device sat idle
+    // ~0.3 ms at batch 1 and ~0.7 ms at batch 32 while the host recorded the first 64).
+    if (pending_.size() >= segment_limit_) return FlushSegment();
     return absl::OkStatus();
   }
 
@@ -123,9 +128,13 @@ class GraphRecorder {
   // scope's launches are enqueued), else the growing scratch.
   absl::StatusOr<void*> Workspace(DeviceScratch& scratch, size_t bytes);
 
-  // Whether arrays with these bytes were staged earlier in this scope (and so were checked).
-  bool StagedInScope(const std::vector<HostSpan>& spans, uint64_t domain) const {
-    return FindScopeStage(spans, domain) != nullptr;
+  // The device copies of arrays with these bytes staged earlier in this scope (and so
+  // checked), or null. One comparison serves the check and the staging (a decode step's slot
+  // tables are ~1 MB at batch 32, compared once a layer).
+  const std::vector<void*>* StagedInScope(const std::vector<HostSpan>& spans,
+                                          uint64_t domain) const {
+    const ScopeStage* e = FindScopeStage(spans, domain);
+    return e != nullptr ? &e->dev : nullptr;
   }
   // Stage inside a scope: the bytes go to the scope's pinned area and a queued kernel copies
   // them to arena memory. The copy covers a power-of-two capacity, so arrays that grow from
@@ -183,6 +192,8 @@ class GraphRecorder {
   bool graphs_enabled_ = true;
   bool recording_ = false;
   bool scope_replayed_ = false;  // every segment of this scope so far was a replay
+  size_t first_segment_ = 8;   // launches of a scope's first segment
+  size_t segment_limit_ = 8;   // launches of the scope's next segment
   std::unique_ptr<Hasher> sig_;
   std::vector<Pending> pending_;
   std::vector<ScopeStage> scope_stages_;
