@@ -95,7 +95,8 @@ enum Mode {
 // kWs128RowSum: kWs128 with the softmax's row sums on the tensor cores: each tile's P times a
 // 16 x 8 block of ones (one m64n8k16 a k-step beside P V) instead of an FADD a score, in an
 // issue-bound softmax (~300 instructions a thread and tile); the sums then use P as rounded to
-// bf16, as P V does. Built in session 24, not yet run on a GPU.
+// bf16, as P V does. Session 25 (H100): no faster than kWs128 in the 32K reuse prefill, so
+// kWs128 stays the automatic choice.
 template <int MODE>
 constexpr bool IsWs128() {
   return MODE == kWs128 || MODE == kWs128RowSum;

@@ -7,17 +7,23 @@
 # wgmma-ws-pipe: level with ws), the complement pass's split received attention
 # (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference, on), the
 # ws-128 kernel's bulk K/V copies and the statistics by complement on wgmma (SPX_ATTN_BULK_KV,
-# SPX_WGMMA_STATS, on since session 24). The script re-checks and times them on a new card, the
-# defaults against the 64-key ws kernel.
+# SPX_WGMMA_STATS, on since session 24), the ws-128 kernel with its row sums on MMA
+# (SPX_ATTN_IMPL=wgmma-ws-128-lsum: no gain, off; session 25). The script re-checks and times
+# them on a new card, the defaults against the 64-key ws kernel. Built in session 25, not yet
+# run: the short first graph segments (SPX_GRAPH_FIRST_SEGMENT, default 8; 64 before) and one
+# slot-table comparison a layer in batched decode attention.
 # This call:
+#   0. cuda_engine_test (graph-replayed decode against plain launches and the first recorded
+#      run: the segment boundaries moved), then decode steps at 8K, batch 1 and 32, with
+#      SPX_GRAPH_FIRST_SEGMENT=64 and the default alternated, twice each;
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined, ws 128 and ws 128 with row sums on
 #      MMA cases alone under a short timeout each (a hang there must not eat the call; later
 #      steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) in the same call: the defaults, with SPX_ATTN_IMPL=wgmma-ws-128-lsum
-#      (the row sums on MMA, built in session 24: lsum; SPX_VERIFY_REUSE can add wgmma-ws, 64-key
-#      tiles: stats1_ws64; wgmma-ws-pipe: stats1_pipe; wgmma-ws-128,
+#      the issue-15 case) in the same call: the defaults (SPX_VERIFY_REUSE can add
+#      SPX_ATTN_IMPL=wgmma-ws-128-lsum, the row sums on MMA: lsum; wgmma-ws, 64-key tiles:
+#      stats1_ws64; wgmma-ws-pipe: stats1_pipe; wgmma-ws-128,
 #      the default's kernel forced: stats1_ws128; the assembly layer by layer, --assemble-ahead 0:
 #      no_ahead; SPX_STATS_RECV_SPLIT=1, the default since session 22: stats1_ws_split;
 #      SPX_CUDNN_STATS=0 with plain wgmma: stats0; the cuDNN statistics with plain wgmma:
@@ -26,9 +32,10 @@
 #      attention kernel (TFLOP/s), the statistics pass direct and by complement (received
 #      attention split and unsplit, and without it);
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
-#   5. gpu_prefill_bench's decode steps (batch 1 and 32 at 8K) on this call's card.
+#   5. (step 0 times the decode steps.)
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
-# micro.json/.log, hf.json, decode.json/.log: a device call brings back only a few files).
+# micro.json/.log, hf.json, engine.log, decode_seg<N>_<round>.json/.log: a device call brings
+# back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
@@ -45,6 +52,20 @@ T_START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
+
+stamp "cuda_engine_test (graph segments)"
+timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 >"$FINAL/engine.log" 2>&1
+stamp "cuda_engine_test exit $?"
+grep -E "FAILED|PASSED|Failure|tests ran" "$FINAL/engine.log" | head -n 12 | tee -a "$LOG"
+for round in 1 2; do
+  for seg in 64 8; do
+    SPX_GRAPH_FIRST_SEGMENT=$seg timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 \
+      --warmup 0 --no-micro --decode-ctx 8192 --decode-steps 24 --decode-batch 32 \
+      --out "$FINAL/decode_seg${seg}_$round.json" >"$FINAL/decode_seg${seg}_$round.log" 2>&1
+    stamp "decode steps, first graph segment $seg launches, round $round: exit $?"
+    grep -E "greedy on the device" "$FINAL/decode_seg${seg}_$round.log" | tee -a "$LOG"
+  done
+done
 
 stamp "attention GPU tests"
 # The complement test runs its cases three ways since session 24 (~70 s on an H100, its CPU
@@ -95,7 +116,7 @@ reuse() {  # name, then environment assignments (VAR=value) and benchmark flags 
 }
 # SPX_VERIFY_REUSE picks the variants (default: the defaults and the ws-128 kernel with its row
 # sums on MMA, built in session 24; the others were measured in sessions 20-24 on an H100).
-VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws lsum} "
+VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
 [ "$WS_RC" = 0 ] && [[ $VARIANTS == *" stats1_ws "* ]] && reuse stats1_ws
@@ -128,15 +149,6 @@ else
   stamp "transformers baseline skipped ($(left) s left)"
 fi
 
-if [ "$(left)" -gt 90 ]; then
-  stamp "decode steps, 8K context, batch 1 and 32"
-  timeout $(( $(left) - 20 )) "$SPX/bin/gpu_prefill_bench" --lengths 2048 --reps 1 --warmup 0 \
-    --no-micro --decode-ctx 8192 --decode-steps 20 --decode-batch 32 --out "$FINAL/decode.json" \
-    >"$FINAL/decode.log" 2>&1
-  stamp "gpu_prefill_bench exit $?"
-  grep -E "device:|decode batch" "$FINAL/decode.log" | tee -a "$LOG"
-fi
-
 python3 - "$FINAL" <<'PY' 2>&1 | tee -a "$LOG"
 import json, os, sys
 out = sys.argv[1]
@@ -148,7 +160,7 @@ base = None
 for r in (hf or {}).get("records", []):
     if r.get("tokens") == 32768: base = r.get("ms")
 for v in ("stats0", "stats1", "stats1_ws", "no_ahead", "stats1_pp", "stats1_ws_split", "stats1_pipe",
-          "stats1_ws128", "stats1_ws64"):
+          "stats1_ws128", "stats1_ws64", "lsum"):
     r = load(f"reuse_{v}.json")
     if not r: print(f"{v}: no record"); continue
     for c in (r if isinstance(r, list) else r.get("records", [])):
