@@ -125,8 +125,8 @@ struct CudaBackendOptions {
     // layer, 431 against 389 on 15% sparse rows; kAuto's choice since.
     kWgmmaWs128 = 7,
     // The ws-128 kernel with the softmax's row sums on the tensor cores (P times a block of
-    // ones beside P V) instead of an FADD a score. Session 25 (H100): its test ran without a failure, no gain
-    // (32K reuse prefill 287.9 against 285.9 / 289.0 ms for kAuto).
+    // ones beside P V) instead of an FADD a score. Session 25 (H100): its test ran without a
+    // failure, no gain (32K reuse prefill 287.9 against 285.9 / 289.0 ms for kAuto).
     kWgmmaWs128RowSum = 8
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
