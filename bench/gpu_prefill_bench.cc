@@ -53,7 +53,7 @@ struct Options {
   int layers = 0;  // 0: the model's 32
   bool micro = true;
   bool small_n = false;  // --small-n: the decode matmul section alone (SmallNMain)
-  int profile_decode = 0;  // --profile-decode B: 8 more steps of batch B under the profiler range
+  int profile_decode = 0;  // --profile-decode B: 11 more steps of batch B in a profiler range
   std::string out = "gpu_prefill_raw.json";
 };
 
@@ -1047,8 +1047,8 @@ int Main(const Options& o) {
       }
       if (B == o.profile_decode) {
         // Steps of the default serving path (graph, greedy drawn on the device) between
-        // cudaProfilerStart and Stop, for a tracer (bench/gpu/profile_decode_trace.sh): the first
-        // 3 steps warm up, as in DecodeSteps, so the range holds up to 8 replayed steps.
+        // cudaProfilerStart and Stop, for a tracer (bench/gpu/profile_decode_trace.sh, which
+        // divides by 11): the timed modes above captured the graphs, so all 11 are replays.
         cudaProfilerStart();
         DecodeSteps(*runner, timer, slots, ctx, std::min(11, o.decode_steps), B, true, true, 0.0f);
         CHECK_OK(be->Synchronize());

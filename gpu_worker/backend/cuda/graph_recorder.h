@@ -7,7 +7,7 @@
 // arrays of a scope live in a GraphArena, so that a recurring sequence gets the same addresses.
 //
 //   GraphRecorder rec(&stager);
-//   RETURN_IF_ERROR(rec.Init(stream, /*enabled=*/true));
+//   RETURN_IF_ERROR(rec.Init(stream, /*enabled=*/true, /*first_segment=*/8));
 //   RETURN_IF_ERROR(rec.Begin());
 //   RETURN_IF_ERROR(rec.Run("Add", [=] { return kernels::Add(...); }, a.data, a.rows, a.cols));
 //   RETURN_IF_ERROR(rec.End());  // launched; errors of queued launches surface here
@@ -80,7 +80,7 @@ class GraphRecorder {
   // Launches on `stream`; enabled = false runs scopes as plain launches. A scope's first
   // segment holds first_segment launches, each next one twice as many up to 64
   // (CudaBackendOptions::graph_first_segment).
-  absl::Status Init(cudaStream_t stream, bool enabled, int first_segment = 8);
+  absl::Status Init(cudaStream_t stream, bool enabled, int first_segment);
   // Destroys the graphs and frees the pinned area; the stream must be idle. Idempotent.
   void Release();
 
@@ -192,8 +192,8 @@ class GraphRecorder {
   bool graphs_enabled_ = true;
   bool recording_ = false;
   bool scope_replayed_ = false;  // every segment of this scope so far was a replay
-  size_t first_segment_ = 8;   // launches of a scope's first segment
-  size_t segment_limit_ = 8;   // launches of the scope's next segment
+  size_t first_segment_ = kSegmentLaunches;  // launches of a scope's first segment (Init)
+  size_t segment_limit_ = kSegmentLaunches;  // launches of the scope's next segment
   std::unique_ptr<Hasher> sig_;
   std::vector<Pending> pending_;
   std::vector<ScopeStage> scope_stages_;
