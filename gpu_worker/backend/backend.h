@@ -165,6 +165,12 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
+  // cuBLASLt matmuls of at most this many rows (decode steps) run the fastest of the
+  // heuristic's first 8 algorithms, timed once per shape on the first call's operands with L2
+  // flushed (kernels::LtGemm::Init); 0 takes the heuristic's first (before session 26). The
+  // heuristic's first put the o projection at 1.65 TB/s on an H100 at batch 1 (session 26).
+  // SPX_GEMM_TUNE_ROWS (0-4096). Default: 0
+  int64_t gemm_tune_rows = 0;
   // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128|
   // wgmma-ws-128-lsum. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
@@ -179,6 +185,11 @@ struct CudaBackendOptions {
   // Default: kAuto
   enum class DecodeAttention { kAuto = 0, kTile = 1, kPacked32 = 2 };
   DecodeAttention decode_attn = DecodeAttention::kAuto;
+  // The packed decode kernel's split-K partials merged by its last block per (sequence, KV
+  // head) instead of a combine kernel after it (PagedAttentionParams::split_done): one launch
+  // and one grid-wide wait fewer per layer when a decode step is split (batch 1-16 at 8 KV
+  // heads). Bit-identical. Built in session 26. SPX_DECODE_FOLD_COMBINE=0|1. Default: false
+  bool decode_fold_combine = false;
   // Split-K of attention launches too small to fill the GPU (decode): about this many blocks
   // per SM (PagedAttentionParams::split_waves); 0 the kernel's default (2 for at most 16
   // blocks, else 1). SPX_SPLIT_WAVES.

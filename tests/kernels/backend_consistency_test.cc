@@ -432,6 +432,50 @@ TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
   }
 }
 
+// cuBLASLt with tuning (CudaBackendOptions::gemm_tune_rows): each decode shape's first call
+// times the heuristic's candidates on the call's own operands (writing its output), then runs
+// the chosen one; the cached plan must give the same answer again. Both calls against the CPU,
+// the second bit-identical to the first.
+TEST_F(DecodeMatMulConsistency, TunedCublasLtOnDecodeShapes) {
+  CudaBackendOptions o = CudaBackendOptionsFromEnv();
+  o.small_n_gemm = false;
+  o.gemm_tune_rows = 32;
+  auto made = CreateBackend({.kind = "cuda", .cuda = o});
+  ASSERT_TRUE(made.ok()) << made.status();
+  Backend& g = **made;
+  for (const DecodeShape& s : kDecodeShapes) {
+    const std::vector<float> xh = Rand(32 * s.k);
+    const std::vector<float> wh = Rand(s.m * s.k, 1.0f / std::sqrt(static_cast<float>(s.k)));
+    Tensor xc = Put(*cpu_, 32, s.k, xh), wc = Put(*cpu_, s.m, s.k, wh);
+    Tensor xg = Put(g, 32, s.k, xh), wg = Put(g, s.m, s.k, wh);
+    for (int n : {1, 8, 32}) {
+      Tensor oc = Put(*cpu_, n, s.m, Poison(n * s.m));
+      ASSERT_TRUE(cpu_->MatMul(RowView(xc, 0, n), wc, oc).ok());
+      const std::vector<float> ref = Get(*cpu_, oc);
+      cpu_->Free(oc);
+      std::vector<float> first;
+      for (int call = 0; call < 2; ++call) {
+        Tensor og = Put(g, n, s.m, Poison(n * s.m));
+        absl::Status st = g.MatMul(RowView(xg, 0, n), wg, og);
+        ASSERT_TRUE(st.ok()) << st;
+        const std::vector<float> got = Get(g, og);
+        g.Free(og);
+        EXPECT_LT(RelErr(got, ref), kTol) << s.name << ", rows " << n << ", call " << call;
+        if (call == 0) {
+          first = got;
+        } else {
+          EXPECT_EQ(0, std::memcmp(first.data(), got.data(), got.size() * sizeof(float)))
+              << s.name << ", rows " << n << ": the cached plan differs from the tuned call";
+        }
+      }
+    }
+    g.Free(xg);
+    g.Free(wg);
+    cpu_->Free(xc);
+    cpu_->Free(wc);
+  }
+}
+
 // MatMulSwiGLU: the fused kernel of every variant against the CPU, and bit-identical to the
 // same backend's MatMul then SwiGLU (its kernel sums each feature in that variant's order and
 // rounds gate and up to bf16 as the separate path stores them). Also the paths that do not
@@ -1105,6 +1149,91 @@ TEST_F(AttentionConsistency, DecodeSplitKAtEverySplitCount) {
     Run({"decode 600 keys", 32, 8, 128, 600, {599}});
     Run({"decode hd64", 16, 2, 64, 3000, {2999}});
     RunBatched(32, 8, 128);
+  }
+}
+
+// The packed decode kernel merging its own split-K partials (CudaBackendOptions::
+// decode_fold_combine: the last block of each sequence and KV head combines them) against the
+// CPU at several split counts; then bit-identical to the combine kernel at batch 1 and 3 over
+// 8K keys, twice in a row (each last block resets its counter for the next launch).
+TEST_F(AttentionConsistency, DecodeFoldedCombine) {
+  for (int waves : {1, 2, 4}) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.split_waves = waves;
+    o.decode_fold_combine = true;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    SCOPED_TRACE(testing::Message() << "split waves " << waves);
+    RunBatched(32, 8, 128);
+    RunBatched(16, 2, 64);
+  }
+  std::unique_ptr<Backend> gpus[2];
+  for (int fold = 0; fold < 2; ++fold) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.decode_fold_combine = fold == 1;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpus[fold] = std::move(*g);
+  }
+  const int H = 32, KV = 8, hd = 128, bs = 16, ctx = 8192, kv_dim = KV * hd;
+  for (int batch : {1, 3}) {
+    SCOPED_TRACE(testing::Message() << "batch " << batch);
+    const int blocks = batch * ctx / bs;
+    std::vector<int32_t> table(blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng_);
+    std::vector<std::vector<int32_t>> slots(batch);
+    std::vector<SeqRows> seqs;
+    std::vector<int32_t> q_pos;
+    for (int s = 0; s < batch; ++s) {
+      for (int j = 0; j < ctx; ++j) slots[s].push_back(table[s * ctx / bs + j / bs] * bs + j % bs);
+      seqs.push_back({s, s + 1, slots[s]});
+      q_pos.push_back(ctx - 1 - 37 * s);  // each row its own causal limit
+    }
+    const std::vector<float> kvh = Rand(static_cast<size_t>(ctx) * 2 * kv_dim, 2.0f);
+    const std::vector<float> qh = Rand(static_cast<size_t>(batch) * (H + 2 * KV) * hd, 2.0f);
+    AttentionArgs a;
+    a.n_heads = H;
+    a.n_kv_heads = KV;
+    a.head_dim = hd;
+    a.q_pos = q_pos;
+    a.seqs = seqs;
+    std::vector<float> got[2];
+    for (int fold = 0; fold < 2; ++fold) {
+      Backend& g = *gpus[fold];
+      auto pool = g.AllocKvPool(1, blocks, bs, kv_dim);
+      ASSERT_TRUE(pool.ok()) << pool.status();
+      auto kv = g.Alloc(ctx, 2 * kv_dim);
+      auto q = g.Alloc(batch, static_cast<int64_t>(H + 2 * KV) * hd);
+      auto out = g.Alloc(batch, static_cast<int64_t>(H) * hd);
+      ASSERT_TRUE(kv.ok() && q.ok() && out.ok());
+      ASSERT_TRUE(g.Upload(kvh, *kv).ok());
+      ASSERT_TRUE(g.Upload(qh, *q).ok());
+      for (int s = 0; s < batch; ++s) {
+        ASSERT_TRUE(g.WriteKv(*pool, 0, *kv, 0, *kv, kv_dim, slots[s]).ok());
+      }
+      for (int call = 0; call < 2; ++call) {
+        ASSERT_TRUE(g.Upload(std::vector<float>(batch * H * hd, NAN), *out).ok());
+        absl::Status st = g.Attention(*q, *pool, 0, a, *out);
+        ASSERT_TRUE(st.ok()) << st;
+        std::vector<float> v = Get(g, *out);
+        if (call == 0) {
+          got[fold] = v;
+        } else {
+          EXPECT_EQ(0, std::memcmp(v.data(), got[fold].data(), v.size() * sizeof(float)))
+              << "fold " << fold << ": the second call differs from the first";
+        }
+      }
+      g.FreeKvPool(*pool);
+      g.Free(*kv);
+      g.Free(*q);
+      g.Free(*out);
+    }
+    ASSERT_EQ(got[0].size(), got[1].size());
+    for (float v : got[1]) ASSERT_TRUE(std::isfinite(v));
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)))
+        << "the in-kernel merge differs from the combine kernel";
   }
 }
 

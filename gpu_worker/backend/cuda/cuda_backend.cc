@@ -36,6 +36,7 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
+  if (split_done_) cudaFree(split_done_);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
   FreePinnedChunks(chunks_);
@@ -59,10 +60,14 @@ absl::Status CudaBackend::Init() {
     uint64_t threshold = UINT64_MAX;
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
   }
-  cublasStatus_t st = gemm_.Init(64u << 20);
+  cublasStatus_t st = gemm_.Init(64u << 20, options_.gemm_tune_rows);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
   }
+  CUDA_RETURN(cudaMalloc(&split_done_, kSplitDoneCounters * sizeof(unsigned int)),
+              "split-K counters");
+  CUDA_RETURN(cudaMemset(split_done_, 0, kSplitDoneCounters * sizeof(unsigned int)),
+              "split-K counters");
   RETURN_IF_ERROR(stager_.Init(stream_));
   RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));
   return absl::OkStatus();
