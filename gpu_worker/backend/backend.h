@@ -201,7 +201,8 @@ struct CudaBackendOptions {
   // Launches in the first graph segment of a recorded scope; each next segment holds twice as
   // many, up to 64 (GraphRecorder). The device starts a step once the first segment is
   // recorded, so a short one hides the host's recording of the rest behind the device's work
-  // (64 was the fixed segment before session 25; built then, not yet timed on a GPU).
+  // (64 was the fixed segment before session 25). Session 26 (H100, 8K context): batch 1
+  // -0.03 ms a step, batch 32 -0.26 to -0.49 ms against 64 (docs/perf-notes.md).
   // SPX_GRAPH_FIRST_SEGMENT (1-64). Default: 8
   int graph_first_segment = 8;
   // Dense causal prefill attention through cuDNN's fused engine when libcudnn.so.9 loads
