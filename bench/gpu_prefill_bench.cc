@@ -283,7 +283,7 @@ int SmallNMain(const Options& o) {
     Check(cudaMalloc(&act, 8 * max_m * sizeof(bf16)), "cudaMalloc");
     Check(kernels::FillUniform(x, 8 * max_k, 1.0f, 77, stream), "fill");
     kernels::LtGemm lt;
-    lt.Init(64u << 20, /*tune_max_rows=*/0);
+    lt.Init(64u << 20);
     // Median and minimum of 7 samples (after 2) of `calls` launches each, per launch.
     auto per_call = [&](int calls, auto&& launch) {
       std::vector<double> t;
@@ -839,7 +839,7 @@ int Main(const Options& o) {
     // Decode-sized matmuls (n = 1): the weight-streaming kernel against cuBLASLt.
     {
       kernels::LtGemm lt;
-      lt.Init(64u << 20, /*tune_max_rows=*/0);
+      lt.Init(64u << 20);
       struct G1 {
         const char* name;
         int64_t m, k;

@@ -752,7 +752,6 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
         : p.head_dim == 128 ? LaunchFlash<128, false>(p, none, ex, plan.splits, stream)
                             : LaunchFlash<64, false>(p, none, ex, plan.splits, stream);
     if (e != cudaSuccess || plan.splits <= 1) return e;
-    if (p.split_done != nullptr && DecodeAttentionSupports(p)) return e;  // merged in-kernel
     return detail::LaunchPdl(CombineKernel, static_cast<unsigned>((int64_t)p.num_q * p.n_heads),
                              p.head_dim, 0, stream, p, ex.ws_o, ex.ws_lse, plan.splits);
   }

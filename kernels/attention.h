@@ -98,12 +98,6 @@ struct PagedAttentionParams {
   // split_waves blocks per SM (capped at 64 splits and two 64-key tiles per split). 0: two for
   // launches of at most 16 blocks, else one (measured, docs/perf-notes.md v9).
   int split_waves = 0;
-  // Split-K of the packed decode kernel merged by the kernel itself: the last block of each
-  // (sequence, KV head) to finish combines every split's partial, in the combine kernel's
-  // arithmetic (bit-identical), instead of a combine launch after it. [num_seqs * n_kv_heads]
-  // device counters, zero before the call and zero after it (each last block resets its own,
-  // so a captured graph replays). null: the combine kernel. Default: null
-  unsigned int* split_done = nullptr;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

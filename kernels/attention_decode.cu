@@ -247,48 +247,6 @@ __global__ void __launch_bounds__(32 * NW)
       if (d == 0 && p.lse) p.lse[rh] = lse;
     }
   }
-  if (ws_o == nullptr || p.split_done == nullptr) return;
-
-  // The last split of this (sequence, KV head) to finish merges them all (the combine kernel's
-  // launch and its wait for this whole grid saved). Every thread's partials are made visible
-  // device-wide before the block counts itself.
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    unsigned int* done = p.split_done + blockIdx.x * gridDim.y + kvh;
-    s_last = atomicAdd(done, 1u) == gridDim.z - 1;
-    if (s_last) *done = 0;  // every split has counted: ready for the next launch
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int splits = static_cast<int>(gridDim.z);
-  const int64_t stride = (int64_t)p.num_q * H;
-  for (int idx = tid; idx < kRows * HD; idx += 32 * NW) {
-    const int m = idx / HD, d = idx % HD;
-    if (m / G >= R) continue;
-    const int qrow = q0 + m / G, head = kvh * G + m % G;
-    const int64_t rh = (int64_t)qrow * H + head;
-    // CombineKernel's arithmetic in its order (kernels/attention.cu): bit-identical. The other
-    // splits' partials are read from L2 (__ldcg): this SM's L1 never held them.
-    float mx = kNegInf;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, __ldcg(ws_lse + sp * stride + rh));
-    float acc = 0.0f, wsum = 0.0f;
-#pragma unroll 8
-    for (int sp = 0; sp < splits; ++sp) {
-      const float lse_s = __ldcg(ws_lse + sp * stride + rh);
-      const float w = (mx == kNegInf || lse_s == kNegInf) ? 0.0f : exp2f(lse_s - mx);
-      const float o = __ldcg(ws_o + (sp * stride + rh) * HD + d);
-      if (w != 0.0f) {
-        wsum += w;
-        acc += w * o;
-      }
-    }
-    const float v = wsum > 0.0f ? acc / wsum : 0.0f;
-    p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
-    if (d == 0 && p.lse) p.lse[rh] = wsum > 0.0f ? mx + log2f(wsum) : kNegInf;
-  }
 }
 
 template <int HD, int NW, int BN, int ST>

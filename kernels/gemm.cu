@@ -1,7 +1,5 @@
 #include "kernels/gemm.h"
 
-#include <algorithm>
-
 #include "kernels/common.cuh"
 
 namespace sparsex::kernels {
@@ -20,13 +18,11 @@ LtGemm::~LtGemm() {
     if (p.desc) cublasLtMatmulDescDestroy(p.desc);
   }
   if (workspace_) cudaFree(workspace_);
-  if (flush_) cudaFree(flush_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
-cublasStatus_t LtGemm::Init(size_t workspace_bytes, int64_t tune_max_rows) {
+cublasStatus_t LtGemm::Init(size_t workspace_bytes) {
   if (handle_) return CUBLAS_STATUS_SUCCESS;
-  tune_max_rows_ = tune_max_rows;
   SPX_LT_CHECK(cublasLtCreate(&handle_));
   if (workspace_bytes > 0) {
     if (cudaMalloc(&workspace_, workspace_bytes) != cudaSuccess) return CUBLAS_STATUS_ALLOC_FAILED;
@@ -37,7 +33,7 @@ cublasStatus_t LtGemm::Init(size_t workspace_bytes, int64_t tune_max_rows) {
 
 // Row-major out[n, m] = x[n, k] @ w[m, k]^T is, in cuBLAS's column-major terms,
 // out^T (m x n, ld out_stride) = op_T(W) (W: k x m, ld w_stride) * X (k x n, ld x_stride).
-cublasStatus_t LtGemm::MakePlan(const Key& key, const Operands& ops, Plan& plan) {
+cublasStatus_t LtGemm::MakePlan(const Key& key, Plan& plan) {
   const auto [n, m, k, xs, ws, os, align] = key;
   SPX_LT_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -61,81 +57,16 @@ cublasStatus_t LtGemm::MakePlan(const Key& key, const Operands& ops, Plan& plan)
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
     cublasLtMatmulPreferenceSetAttribute(pref, attr, &al, sizeof(al));
   }
-  // Timing writes out, so only a call that overwrites it anyway (beta = 0) is tuned; a stream
-  // being captured into a graph cannot be timed.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool tune = n <= tune_max_rows_ && ops.beta == 0.0f &&
-                    cudaStreamIsCapturing(ops.stream, &capture) == cudaSuccess &&
-                    capture == cudaStreamCaptureStatusNone;
-  cublasLtMatmulHeuristicResult_t result[kTuneCandidates]{};
+  cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c,
-                                                     plan.c, pref, tune ? kTuneCandidates : 1,
-                                                     result, &returned);
+                                                     plan.c, pref, 1, &result, &returned);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
   if (returned == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
-  const int best = tune && returned > 1 ? FastestCandidate(plan, result, returned, ops) : 0;
-  plan.algo = result[best].algo;
+  plan.algo = result.algo;
   plan.has_algo = true;
   return CUBLAS_STATUS_SUCCESS;
-}
-
-int LtGemm::FastestCandidate(const Plan& plan, const cublasLtMatmulHeuristicResult_t* cand,
-                             int count, const Operands& ops) {
-  if (flush_ == nullptr) {
-    // Twice the L2: a memset of it leaves none of the weights cached.
-    int dev = 0, l2 = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess || l2 <= 0) {
-      return 0;
-    }
-    flush_bytes_ = 2 * static_cast<size_t>(l2);
-    if (cudaMalloc(&flush_, flush_bytes_) != cudaSuccess) {
-      cudaGetLastError();  // a full device runs untuned: not an error
-      flush_ = nullptr;
-      return 0;
-    }
-  }
-  cudaEvent_t ev[2];
-  if (cudaEventCreate(&ev[0]) != cudaSuccess) return 0;
-  if (cudaEventCreate(&ev[1]) != cudaSuccess) {
-    cudaEventDestroy(ev[0]);
-    return 0;
-  }
-  const float alpha = 1.0f;
-  int best = 0;
-  float best_ms = 0.0f;
-  for (int c = 0; c < count; ++c) {
-    if (cand[c].state != CUBLAS_STATUS_SUCCESS) continue;
-    // One untimed run, then the median of three, each after L2 is flushed.
-    float t[3] = {0, 0, 0};
-    bool ok = true;
-    for (int r = 0; r < 4 && ok; ++r) {
-      ok = cudaMemsetAsync(flush_, r, flush_bytes_, ops.stream) == cudaSuccess &&
-           cudaEventRecord(ev[0], ops.stream) == cudaSuccess &&
-           cublasLtMatmul(handle_, plan.desc, &alpha, ops.w, plan.a, ops.x, plan.b, &ops.beta,
-                          ops.out, plan.c, ops.out, plan.c, &cand[c].algo, workspace_,
-                          workspace_bytes_, ops.stream) == CUBLAS_STATUS_SUCCESS &&
-           cudaEventRecord(ev[1], ops.stream) == cudaSuccess &&
-           cudaEventSynchronize(ev[1]) == cudaSuccess &&
-           (r == 0 || cudaEventElapsedTime(&t[r - 1], ev[0], ev[1]) == cudaSuccess);
-    }
-    if (!ok) {
-      cudaGetLastError();
-      continue;
-    }
-    const float ms = std::max(std::min(t[0], t[1]), std::min(std::max(t[0], t[1]), t[2]));
-    if (c == 0) {
-      best_ms = ms;
-    } else if (best_ms == 0.0f || ms < best_ms * (1.0f - kTuneMargin)) {
-      best = c;
-      best_ms = ms;
-    }
-  }
-  cudaEventDestroy(ev[0]);
-  cudaEventDestroy(ev[1]);
-  return best;
 }
 
 cublasStatus_t LtGemm::Run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
@@ -150,7 +81,7 @@ cublasStatus_t LtGemm::Run(const __nv_bfloat16* x, int64_t x_stride, const __nv_
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     Plan plan;
-    cublasStatus_t st = MakePlan(key, Operands{x, w, out, beta, stream}, plan);
+    cublasStatus_t st = MakePlan(key, plan);
     if (st != CUBLAS_STATUS_SUCCESS) {
       if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);
       if (plan.b) cublasLtMatrixLayoutDestroy(plan.b);
@@ -512,19 +443,6 @@ constexpr int64_t kSmallNSquare = int64_t{4096} * 4096;
 SmallNGemmVariant SmallNGemmAutoVariant(int64_t n, int64_t m, int64_t k) {
   (void)n;
   return m * k <= kSmallNSquare ? SmallNGemmVariant::kSplitK4 : SmallNGemmVariant::kSplitK8;
-}
-
-// Whole decode steps disagree with the per-call figures above since session 11's changes to
-// the other kernels of a layer: at 8K context, batch 1, cuBLASLt for every matmul took
-// 5.15-5.20 ms a step against 5.28-5.32 with the small-n kernel at 1 row (three interleaved
-// pairs in one call; three more calls alike), level at batch 2 (perf-notes v9). So the
-// automatic choice is cuBLASLt everywhere; a variant named explicitly still runs the small-n
-// kernel (comparisons).
-bool SmallNGemmPreferred(int64_t n, int64_t m, int64_t k) {
-  (void)n;
-  (void)m;
-  (void)k;
-  return false;
 }
 
 bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,

@@ -1,12 +1,11 @@
 // bf16 GEMM through cuBLASLt: out = x @ w^T (+ beta * out), fp32 accumulation, bf16 output.
 // Row-major operands as the model stores them (a projection w is [out_features, in_features]).
-// Algorithms are chosen once per shape and cached with their descriptors: cuBLASLt's heuristic's
-// first answer, or for few-row shapes (decode) the fastest of its first answers timed on the
-// call's own operands (Init's tune_max_rows). One workspace serves every call (calls on one
-// object must share a stream or be serialised by the caller).
+// Algorithms are chosen once per shape by cuBLASLt's heuristic and cached with their
+// descriptors; one workspace serves every call (calls on one object must share a stream or be
+// serialised by the caller).
 //
 //   kernels::LtGemm gemm;
-//   gemm.Init(32 << 20, /*tune_max_rows=*/0);
+//   gemm.Init(32 << 20);
 //   gemm.Run(x, x_stride, w, w_stride, out, out_stride, n, m, k, 0.0f, stream);
 #pragma once
 
@@ -28,14 +27,7 @@ class LtGemm {
   LtGemm& operator=(const LtGemm&) = delete;
 
   // Creates the handle and a device workspace of workspace_bytes. Default in callers: 32 MiB.
-  // Shapes of at most tune_max_rows rows (n) called with beta = 0 outside a stream capture
-  // take the fastest of the heuristic's first kTuneCandidates algorithms, each timed on the
-  // call's own operands with L2 flushed before every run (a decode step streams its weights
-  // from memory); the first call of such a shape synchronises the stream once (~1-3 ms). The
-  // heuristic's first choice is kept unless another is kTuneMargin faster. 0: no tuning.
-  cublasStatus_t Init(size_t workspace_bytes, int64_t tune_max_rows);
-  static constexpr int kTuneCandidates = 8;
-  static constexpr float kTuneMargin = 0.03f;
+  cublasStatus_t Init(size_t workspace_bytes);
 
   // x: [n, k] (row stride x_stride), w: [m, k] (row stride w_stride), out: [n, m] (row stride
   // out_stride). out = x @ w^T + beta * out. n == 0 is a no-op.
@@ -50,27 +42,13 @@ class LtGemm {
     cublasLtMatmulAlgo_t algo{};
     bool has_algo = false;
   };
-  // The call's operands, for timing candidates (MakePlan's tuning).
-  struct Operands {
-    const __nv_bfloat16* x;
-    const __nv_bfloat16* w;
-    __nv_bfloat16* out;
-    float beta;
-    cudaStream_t stream;
-  };
   // (n, m, k, x_stride, w_stride, out_stride, alignment of x | w | out in bytes)
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int>;
-  cublasStatus_t MakePlan(const Key& key, const Operands& ops, Plan& plan);
-  // Index of the fastest of `count` candidates on ops (0 where timing is not possible).
-  int FastestCandidate(const Plan& plan, const cublasLtMatmulHeuristicResult_t* cand, int count,
-                       const Operands& ops);
+  cublasStatus_t MakePlan(const Key& key, Plan& plan);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  int64_t tune_max_rows_ = 0;
-  void* flush_ = nullptr;  // written before each timed run so that L2 holds none of the weights
-  size_t flush_bytes_ = 0;
   std::map<Key, Plan> plans_;
 };
 
@@ -100,11 +78,6 @@ const char* SmallNGemmVariantName(SmallNGemmVariant v);
 // measurement of every variant per Llama-3-8B decode shape (docs/perf-notes.md v8):
 // splitk4 up to 4096 x 4096 weights, splitk8 above.
 SmallNGemmVariant SmallNGemmAutoVariant(int64_t n, int64_t m, int64_t k);
-// Whether the automatic choice sends the shape to the small-n kernel (at its auto variant)
-// instead of cuBLASLt. Per call the small-n kernel wins only at 1 row (qkv, o) and for the o
-// projection at 2 rows (v8), but whole decode steps measured since session 11 are faster on
-// cuBLASLt at every batch (docs/perf-notes.md v9): false for every shape.
-bool SmallNGemmPreferred(int64_t n, int64_t m, int64_t k);
 
 bool SmallNGemmSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                          int64_t w_stride, int64_t n, int64_t k);

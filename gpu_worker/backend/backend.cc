@@ -47,21 +47,21 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
     }
     o.small_n_variant = chosen;
   }
+  if (const char* r = std::getenv("SPX_SMALL_N_ROWS")) {
+    char* end = nullptr;
+    const long v = std::strtol(r, &end, 10);
+    if (end != r && *end == '\0' && v >= 0 && v <= 8) {
+      o.small_n_auto_rows = static_cast<int>(v);
+    } else {
+      std::fprintf(stderr, "SPX_SMALL_N_ROWS=%s is not a row count in [0, 8]: %d used\n", r,
+                   o.small_n_auto_rows);
+    }
+  }
   if (const char* f = std::getenv("SPX_FUSED_SWIGLU")) o.fused_swiglu = std::string(f) != "0";
   if (const char* u = std::getenv("SPX_UPLOAD_DIRECT")) o.upload_direct = std::string(u) == "1";
   if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
   if (const char* w = std::getenv("SPX_SPLIT_WAVES")) o.split_waves = std::max(0, std::atoi(w));
   if (const char* f = std::getenv("SPX_FUSED_RESIDUAL")) o.fused_residual = std::string(f) == "1";
-  if (const char* t = std::getenv("SPX_GEMM_TUNE_ROWS")) {
-    char* end = nullptr;
-    const long long v = std::strtoll(t, &end, 10);
-    if (end != t && *end == '\0' && v >= 0 && v <= 4096) {
-      o.gemm_tune_rows = v;
-    } else {
-      std::fprintf(stderr, "SPX_GEMM_TUNE_ROWS=%s is not a row count in [0, 4096]: %lld used\n",
-                   t, static_cast<long long>(o.gemm_tune_rows));
-    }
-  }
   if (const char* im = std::getenv("SPX_ATTN_IMPL")) {
     using Impl = CudaBackendOptions::AttentionImpl;
     const std::string v = im;
@@ -122,7 +122,6 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
-  SwitchFromEnv("SPX_DECODE_FOLD_COMBINE", o.decode_fold_combine);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   SwitchFromEnv("SPX_ATTN_BULK_KV", o.attn_bulk_kv);

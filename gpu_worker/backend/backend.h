@@ -136,11 +136,17 @@ struct CudaBackendOptions {
   bool small_n_gemm = true;
   // Which small-n kernel (kernels::SmallNGemmVariant, kernels/gemm.h): 0 warp2 (the v2 kernel),
   // 1 warp2-deep, 2 warp4, 3 splitk4, 4 splitk8, each for every supported shape (comparisons);
-  // -1 the measured choice (kernels::SmallNGemmPreferred): since session 11 cuBLASLt for every
-  // shape, whose whole decode steps were faster (docs/perf-notes.md v9); the small-n kernels
-  // run only when a variant is named.
+  // -1 the automatic choice: calls of at most small_n_auto_rows rows on the small-n kernel at
+  // the variant kernels::SmallNGemmAutoVariant picks per shape, cuBLASLt for the rest.
   // SPX_SMALL_N_VARIANT=auto|warp2|warp2-deep|warp4|splitk4|splitk8 or the number. Default: -1
   int small_n_variant = -1;
+  // The most rows of a matmul the automatic choice (small_n_variant -1) sends to the small-n
+  // kernel; 0 sends every matmul to cuBLASLt (sessions 11-25's default, from H200 steps in
+  // session 11: 5.15-5.20 ms at batch 1 against 5.28-5.32 with the small-n kernel). Session 26
+  // (H100, 8K context, same call): batch 1 6.32 ms a step with splitk8 on every shape against
+  // 6.63 on cuBLASLt, the small-n kernel's weight loads issued before its PDL wait overlapping
+  // the previous kernel (docs/perf-notes.md "Session 26"). SPX_SMALL_N_ROWS (0-8). Default: 1
+  int small_n_auto_rows = 1;
   // Backend::MatMulSwiGLU on decode rows (at most kernels::kSmallNGemmMaxRows) as one kernel:
   // the gate_up projection with SwiGLU in its epilogue, bit-identical to the small-n matmul
   // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
@@ -165,12 +171,6 @@ struct CudaBackendOptions {
   // the add is not already folded into the next layer's attention norm (ModelRunner::Forward
   // folds it for every layer but the last). SPX_FUSED_RESIDUAL=1 sets true. Default: false
   bool fused_residual = false;
-  // cuBLASLt matmuls of at most this many rows (decode steps) run the fastest of the
-  // heuristic's first 8 algorithms, timed once per shape on the first call's operands with L2
-  // flushed (kernels::LtGemm::Init); 0 takes the heuristic's first (before session 26). The
-  // heuristic's first put the o projection at 1.65 TB/s on an H100 at batch 1 (session 26).
-  // SPX_GEMM_TUNE_ROWS (0-4096). Default: 0
-  int64_t gemm_tune_rows = 0;
   // SPX_ATTN_IMPL=mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-ws-pp|wgmma-ws-pipe|wgmma-ws-128|
   // wgmma-ws-128-lsum. Default: kAuto
   AttentionImpl attn_impl = AttentionImpl::kAuto;
@@ -185,11 +185,6 @@ struct CudaBackendOptions {
   // Default: kAuto
   enum class DecodeAttention { kAuto = 0, kTile = 1, kPacked32 = 2 };
   DecodeAttention decode_attn = DecodeAttention::kAuto;
-  // The packed decode kernel's split-K partials merged by its last block per (sequence, KV
-  // head) instead of a combine kernel after it (PagedAttentionParams::split_done): one launch
-  // and one grid-wide wait fewer per layer when a decode step is split (batch 1-16 at 8 KV
-  // heads). Bit-identical. Built in session 26. SPX_DECODE_FOLD_COMBINE=0|1. Default: false
-  bool decode_fold_combine = false;
   // Split-K of attention launches too small to fill the GPU (decode): about this many blocks
   // per SM (PagedAttentionParams::split_waves); 0 the kernel's default (2 for at most 16
   // blocks, else 1). SPX_SPLIT_WAVES.

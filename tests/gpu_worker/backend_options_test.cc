@@ -108,29 +108,18 @@ TEST(CudaBackendOptionsFromEnv, GraphFirstSegment) {
   }
 }
 
-TEST(CudaBackendOptionsFromEnv, GemmTuneRows) {
-  EXPECT_EQ(CudaBackendOptions{}.gemm_tune_rows, 0);
-  for (auto [text, want] : {std::pair{"64", 64}, std::pair{"0", 0}, std::pair{"4096", 4096}}) {
+TEST(CudaBackendOptionsFromEnv, SmallNAutoRows) {
+  EXPECT_EQ(CudaBackendOptions{}.small_n_auto_rows, 1);
+  for (auto [text, want] : {std::pair{"0", 0}, std::pair{"2", 2}, std::pair{"8", 8}}) {
     Env e;
-    e.Set("SPX_GEMM_TUNE_ROWS", text);
-    EXPECT_EQ(CudaBackendOptionsFromEnv().gemm_tune_rows, want) << text;
+    e.Set("SPX_SMALL_N_ROWS", text);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().small_n_auto_rows, want) << text;
   }
-  for (const char* bad : {"-1", "4097", "8x", "", "all"}) {
+  for (const char* bad : {"-1", "9", "1x", "", "one"}) {
     Env e;
-    e.Set("SPX_GEMM_TUNE_ROWS", bad);
-    EXPECT_EQ(CudaBackendOptionsFromEnv().gemm_tune_rows, 0) << "'" << bad << "' kept the default";
+    e.Set("SPX_SMALL_N_ROWS", bad);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().small_n_auto_rows, 1) << "'" << bad << "' kept the default";
   }
-}
-
-TEST(CudaBackendOptionsFromEnv, DecodeFoldCombine) {
-  EXPECT_FALSE(CudaBackendOptions{}.decode_fold_combine);
-  Env e;
-  e.Set("SPX_DECODE_FOLD_COMBINE", "1");
-  EXPECT_TRUE(CudaBackendOptionsFromEnv().decode_fold_combine);
-  e.Set("SPX_DECODE_FOLD_COMBINE", "0");
-  EXPECT_FALSE(CudaBackendOptionsFromEnv().decode_fold_combine);
-  e.Set("SPX_DECODE_FOLD_COMBINE", "yes");
-  EXPECT_FALSE(CudaBackendOptionsFromEnv().decode_fold_combine) << "not 0 or 1: default kept";
 }
 
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {

@@ -414,8 +414,6 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   p.num_seqs = S;
   p.max_seq_rows = static_cast<int>(max_rows);
   p.decode_kernel = static_cast<int>(options_.decode_attn);
-  if (options_.decode_fold_combine && static_cast<int64_t>(S) * p.n_kv_heads <= kSplitDoneCounters)
-    p.split_done = split_done_;
   p.seq_rows = static_cast<const int32_t*>(d[1]);
   p.seq_ctx_start = static_cast<const int32_t*>(d[2]);
   p.seq_ctx_len = static_cast<const int32_t*>(d[3]);

@@ -36,7 +36,6 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
-  if (split_done_) cudaFree(split_done_);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
   FreePinnedChunks(chunks_);
@@ -60,14 +59,10 @@ absl::Status CudaBackend::Init() {
     uint64_t threshold = UINT64_MAX;
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
   }
-  cublasStatus_t st = gemm_.Init(64u << 20, options_.gemm_tune_rows);
+  cublasStatus_t st = gemm_.Init(64u << 20);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
   }
-  CUDA_RETURN(cudaMalloc(&split_done_, kSplitDoneCounters * sizeof(unsigned int)),
-              "split-K counters");
-  CUDA_RETURN(cudaMemset(split_done_, 0, kSplitDoneCounters * sizeof(unsigned int)),
-              "split-K counters");
   RETURN_IF_ERROR(stager_.Init(stream_));
   RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));
   return absl::OkStatus();
@@ -590,15 +585,15 @@ absl::Status CudaBackend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& ou
   return Gemm(x, w, out, 1.0f);
 }
 
-// The small-n kernel for x @ w^T when it is on and supports the operands; at the auto
-// variant only for the shapes where it beats cuBLASLt (kernels::SmallNGemmPreferred), a
+// The small-n kernel for x @ w^T when it is on and supports the operands: at the auto variant
+// for calls of at most small_n_auto_rows rows (SmallNGemmAutoVariant picks per shape), a
 // variant chosen explicitly (SPX_SMALL_N_VARIANT) for every supported shape (comparisons).
-bool CudaBackend::UseSmallN(const Tensor& x, const Tensor& w, int64_t m) const {
+bool CudaBackend::UseSmallN(const Tensor& x, const Tensor& w) const {
   if (!options_.small_n_gemm ||
       !kernels::SmallNGemmSupported(B(x), x.cols, B(w), w.cols, x.rows, x.cols)) {
     return false;
   }
-  return options_.small_n_variant >= 0 || kernels::SmallNGemmPreferred(x.rows, m, x.cols);
+  return options_.small_n_variant >= 0 || x.rows <= options_.small_n_auto_rows;
 }
 
 // out = x @ w^T + beta * out (beta = 1: the residual add in the GEMM epilogue).
@@ -612,7 +607,7 @@ absl::Status CudaBackend::Gemm(const Tensor& x, const Tensor& w, Tensor& out, fl
   }
   RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows, "MatMul"));
   if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
-  if (UseSmallN(x, w, w.rows)) {
+  if (UseSmallN(x, w)) {
     const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);
     return Run("MatMul (small n)", [=, this] {
       return kernels::SmallNGemm(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, w.rows,
@@ -686,7 +681,7 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
   if (w.rows % 2 != 0) return absl::InvalidArgumentError("MatMulSwiGLU: odd gate_up rows");
   RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows / 2, "MatMulSwiGLU"));
   if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
-  if (!options_.fused_swiglu || !UseSmallN(x, w, w.rows)) {
+  if (!options_.fused_swiglu || !UseSmallN(x, w)) {
     return Backend::MatMulSwiGLU(x, w, out);
   }
   const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);

@@ -136,7 +136,7 @@ class CudaBackend final : public Backend {
   // ---- op helpers (cuda_backend.cc) ----
   // out = x @ w^T + beta * out (beta = 1: the residual add in the GEMM epilogue).
   absl::Status Gemm(const Tensor& x, const Tensor& w, Tensor& out, float beta);
-  bool UseSmallN(const Tensor& x, const Tensor& w, int64_t m) const;
+  bool UseSmallN(const Tensor& x, const Tensor& w) const;
   absl::Status CheckLayer(const KvPool& pool, int layer);
   kernels::KvPoolView View(const KvPool& pool, int layer);
   absl::StatusOr<const float*> RopeTable(const RopeParams& p);
@@ -244,11 +244,6 @@ class CudaBackend final : public Backend {
   DeviceScratch cudnn_kv_;  // gathered K and V when a sequence's slots are not consecutive
   GraphRecorder recorder_{&stager_};
   std::map<std::tuple<int, float, int, float, float, float, int>, float*> rope_tables_;
-  // Zeroed counters of the packed decode kernel's in-kernel split-K merge
-  // (PagedAttentionParams::split_done, CudaBackendOptions::decode_fold_combine): one per
-  // (sequence, KV head) of a batched call; larger calls launch the combine kernel.
-  static constexpr int64_t kSplitDoneCounters = 4096;
-  unsigned int* split_done_ = nullptr;
 };
 
 }  // namespace sparsex::cuda_internal
