@@ -462,44 +462,59 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
   }
 }
 
-// Merges split-K partials: one block of head_dim threads per (query row, head). The splits'
-// weights go through shared memory once, so each thread's pass over the splits is independent
-// loads of its output column, issued back to back (the first version chained two dependent
-// global loads per split: ~10 us for decode batch 1 at 32 splits, a third of its attention).
-// Same arithmetic in the same order as before: bit-identical results.
+// Merges split-K partials: one block of head_dim threads per (query row, head). Every split's
+// output of this thread's column is requested at once, before the weights are known (one load
+// round trip instead of one per 8 splits), and the splits' maximum is a shuffle reduction: at
+// decode batch 1 this kernel sits between the attention and the o projection on every layer.
+// The sum runs over the splits in order with the arithmetic of the first version (a split's
+// weight exp2f(lse - max), 0 for an empty split): bit-identical results.
 __global__ void CombineKernel(const PagedAttentionParams p, const float* ws_o,
                               const float* ws_lse, int splits) {
   __shared__ float s_w[kMaxSplits];
-  __shared__ float s_mx;
+  __shared__ float s_m[32];
   detail::PdlWait();
   detail::PdlLaunchDependents();
   const int64_t rh = blockIdx.x;  // qrow * H + head
   const int qrow = static_cast<int>(rh / p.n_heads), head = static_cast<int>(rh % p.n_heads);
-  const int d = threadIdx.x;
+  const int d = threadIdx.x, lane = d & 31, warp = d >> 5;
   const int64_t stride = (int64_t)p.num_q * p.n_heads;
-  if (d < splits) s_w[d] = ws_lse[d * stride + rh];
-  __syncthreads();
-  if (d == 0) {
-    float mx = kNegInf;
+  float ov[kMaxSplits];
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    ov[s] = s < splits ? ws_o[(s * stride + rh) * p.head_dim + d] : 0.0f;
+  }
+  float m = kNegInf;
+  for (int s = d; s < splits; s += blockDim.x) {
+    const float l = ws_lse[s * stride + rh];
+    s_w[s] = l;
+    m = fmaxf(m, l);
+  }
+  float mx = kNegInf;
+  if (blockDim.x % 32 == 0) {  // whole warps (head_dim 64, 128): a shuffle reduction
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) s_m[warp] = m;
+    __syncthreads();
+    for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) mx = fmaxf(mx, s_m[w]);
+  } else {  // a partial warp (small head_dim): over the splits one by one
+    __syncthreads();
     for (int s = 0; s < splits; ++s) mx = fmaxf(mx, s_w[s]);
-    s_mx = mx;
+  }
+  __syncthreads();  // every thread has read the log-sum-exps before they become weights
+  // Thread s turns split s's log-sum-exp into its weight (0: empty split, never read).
+  for (int s = d; s < splits; s += blockDim.x) {
+    const float l = s_w[s];
+    s_w[s] = (mx == kNegInf || l == kNegInf) ? 0.0f : exp2f(l - mx);
   }
   __syncthreads();
-  const float mx = s_mx;
-  // Thread s turns split s's log-sum-exp into its weight (0: empty split, never read).
-  float lse_d = kNegInf;
-  if (d < splits) lse_d = s_w[d];
-  __syncthreads();
-  if (d < splits) s_w[d] = (mx == kNegInf || lse_d == kNegInf) ? 0.0f : exp2f(lse_d - mx);
-  __syncthreads();
   float acc = 0.0f, wsum = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < splits; ++s) {
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    if (s >= splits) break;
     const float w = s_w[s];
-    const float o = ws_o[(s * stride + rh) * p.head_dim + d];
     if (w != 0.0f) {
       wsum += w;
-      acc += w * o;
+      acc += w * ov[s];
     }
   }
   const float v = wsum > 0.0f ? acc / wsum : 0.0f;

@@ -92,6 +92,17 @@ namespace {
 template <int VEC, bool kAdd>
 __global__ void RmsNormKernel(bf16* res, int64_t res_stride, const bf16* x, int64_t x_stride,
                               const bf16* w, bf16* out, int64_t out_stride, int dim, float eps) {
+  // The norm weights never depend on the previous kernel: this thread's first chunk is
+  // requested before the wait, off the step's critical path (decode: one block a row).
+  const int c0 = threadIdx.x * VEC;
+  float g0[VEC] = {};
+  if (c0 < dim) {
+    if constexpr (VEC == 8) {
+      detail::Unpack8(*reinterpret_cast<const Bf16x8*>(w + c0), g0);
+    } else {
+      g0[0] = __bfloat162float(w[c0]);
+    }
+  }
   detail::PdlWait();
   detail::PdlLaunchDependents();
   const int64_t row = blockIdx.x;
@@ -126,16 +137,22 @@ __global__ void RmsNormKernel(bf16* res, int64_t res_stride, const bf16* x, int6
   const float inv = rsqrtf(detail::BlockSum(ss) / static_cast<float>(dim) + eps);
   const bf16* src = kAdd ? rr : xr;  // each thread re-reads only what it wrote itself
   bf16* orow = out + row * out_stride;
-  for (int c = threadIdx.x * VEC; c < dim; c += blockDim.x * VEC) {
+  for (int c = c0; c < dim; c += blockDim.x * VEC) {
     float v[VEC], g[VEC];
     if constexpr (VEC == 8) {
       detail::Unpack8(*reinterpret_cast<const Bf16x8*>(src + c), v);
-      detail::Unpack8(*reinterpret_cast<const Bf16x8*>(w + c), g);
+      if (c == c0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) g[i] = g0[i];
+      } else {
+        detail::Unpack8(*reinterpret_cast<const Bf16x8*>(w + c), g);
+      }
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = v[i] * inv * g[i];
       *reinterpret_cast<Bf16x8*>(orow + c) = detail::Pack8(v);
     } else {
-      orow[c] = __float2bfloat16_rn(__bfloat162float(src[c]) * inv * __bfloat162float(w[c]));
+      const float gc = c == c0 ? g0[0] : __bfloat162float(w[c]);
+      orow[c] = __float2bfloat16_rn(__bfloat162float(src[c]) * inv * gc);
     }
   }
 }
