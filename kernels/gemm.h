@@ -98,4 +98,23 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
                              int64_t n, int64_t half, int64_t k, cudaStream_t stream,
                              SmallNGemmVariant variant = SmallNGemmVariant::kAuto);
 
+// One decode row's RMSNorm folded into the small-n matmul that consumes it (one launch instead
+// of the norm kernel and the matmul; every block normalises the row itself in its prologue):
+//   delta == nullptr: out = RmsNorm(x) @ w^T                      (ops.h RmsNorm, then SmallNGemm)
+//   delta != nullptr: x += delta; out = RmsNorm(x) @ w^T           (ops.h AddRmsNorm, then ...)
+// with norm weights norm_w [k], at the auto variant (SmallNGemmAutoVariant); swiglu: w is the
+// gate_up projection [2*m_out, k] and out [m_out] = silu(gate) * up as SmallNGemmSwiGlu. The
+// normalised row equals the norm kernel's bit for bit and is never written. x's update is
+// written once every block has read x, counted on *done (a zeroed device counter, zero again
+// after the launch; may be null when delta is). Supported when SmallNGemmNormSupported(...):
+// 16-byte aligned rows and k a multiple of 8, at most kSmallNNormMaxK.
+constexpr int64_t kSmallNNormMaxK = 8192;
+bool SmallNGemmNormSupported(const __nv_bfloat16* x, const __nv_bfloat16* delta,
+                             const __nv_bfloat16* norm_w, const __nv_bfloat16* w,
+                             int64_t w_stride, int64_t k);
+cudaError_t SmallNGemmNorm(__nv_bfloat16* x, const __nv_bfloat16* delta,
+                           const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* w,
+                           int64_t w_stride, __nv_bfloat16* out, int64_t m_out, int64_t k,
+                           bool swiglu, unsigned int* done, cudaStream_t stream);
+
 }  // namespace sparsex::kernels

@@ -122,6 +122,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
+  SwitchFromEnv("SPX_FUSED_NORM", o.fused_norm);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   SwitchFromEnv("SPX_ATTN_BULK_KV", o.attn_bulk_kv);
@@ -183,6 +184,17 @@ absl::Status Backend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) {
   if (s.ok()) s = Add(out, tmp);
   Free(tmp);
   return s;
+}
+
+absl::Status Backend::NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w,
+                                 float eps, const Tensor& w, bool swiglu, Tensor& normed,
+                                 Tensor& out) {
+  if (delta != nullptr) {
+    RETURN_IF_ERROR(AddRmsNorm(x, *delta, norm_w, eps, normed));
+  } else {
+    RETURN_IF_ERROR(RmsNorm(x, norm_w, eps, normed));
+  }
+  return swiglu ? MatMulSwiGLU(normed, w, out) : MatMul(normed, w, out);
 }
 
 absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) {

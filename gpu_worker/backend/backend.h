@@ -152,6 +152,12 @@ struct CudaBackendOptions {
   // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
   // SPX_FUSED_SWIGLU=0 sets false. Default: true
   bool fused_swiglu = true;
+  // Backend::NormMatMul on one decode row as one kernel: the RMSNorm (and the residual add
+  // before it) computed in the prologue of the small-n matmul that reads it
+  // (kernels::SmallNGemmNorm, bit-identical to the norm kernel then the matmul), where the
+  // automatic choice runs that matmul on the small-n kernel (small_n_auto_rows); false runs the
+  // two kernels (comparisons). Built in session 26. SPX_FUSED_NORM=0|1. Default: true
+  bool fused_norm = true;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
@@ -351,6 +357,12 @@ class Backend {
   // [n, 2*half] intermediate. Results equal MatMul then SwiGLU. Default: exactly that, through
   // a temporary.
   virtual absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out);
+  // A norm and the one matmul that reads it: x += *delta when delta is set (AddRmsNorm, else
+  // RmsNorm) into normed, then out = normed @ w^T (MatMul), or with swiglu MatMulSwiGLU. A
+  // backend may fold the norm into the matmul and leave normed unwritten: only x and out are
+  // results. Default: exactly those two operations.
+  virtual absl::Status NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w, float eps,
+                                  const Tensor& w, bool swiglu, Tensor& normed, Tensor& out);
   // Rotates columns [col_offset, col_offset + n_heads*head_dim) of x in place, row i at pos[i].
   virtual absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads,
                             std::span<const int32_t> pos, const RopeParams& p) = 0;

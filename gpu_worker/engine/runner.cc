@@ -92,12 +92,13 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   if (h == nullptr) {
     ASSIGN_OR_RETURN(h, s.Get(n, cfg_.dim));
   }
-  if (carry == nullptr || !carry->ready) {
-    RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
-  }
-  if (carry != nullptr) carry->ready = false;
+  // The attention norm, with the previous layer's closing residual add when it was left
+  // pending, in one operation with the qkv projection that reads it (a decode row: one kernel).
   ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
-  RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
+  const Tensor* pending = carry != nullptr && carry->pending ? &carry->delta : nullptr;
+  RETURN_IF_ERROR(be_->NormMatMul(x, pending, w.attn_norm, cfg_.rms_eps, w.wqkv,
+                                  /*swiglu=*/false, *h, *qkv));
+  if (carry != nullptr) carry->pending = false;
   if (capture != nullptr && capture->on_backend) {
     // K before RoPE and V are what a segment stores: position-independent.
     const int64_t kd = kv_dim(), qd = static_cast<int64_t>(H) * hd;
@@ -165,16 +166,16 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
   if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
-  RETURN_IF_ERROR(be_->AddRmsNorm(x, *o, w.ffn_norm, cfg_.rms_eps, *h));
-  // gate_up and SwiGLU as one operation: the CUDA backend runs decode rows as one kernel that
-  // never writes the [n, 2*ffn] intermediate; other row counts and backends compute the same.
+  // The residual add, the MLP's norm, gate_up and SwiGLU as one operation: the CUDA backend
+  // runs a decode row as one kernel that never writes the normed row or the [n, 2*ffn]
+  // intermediate; other row counts and backends compute the same.
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
-  RETURN_IF_ERROR(be_->MatMulSwiGLU(*h, w.w_gate_up, *act));
+  RETURN_IF_ERROR(
+      be_->NormMatMul(x, o, w.ffn_norm, cfg_.rms_eps, w.w_gate_up, /*swiglu=*/true, *h, *act));
   if (comm_ == nullptr && carry != nullptr && l + 1 < cfg_.n_layers) {
-    RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, *o));
-    RETURN_IF_ERROR(
-        be_->AddRmsNorm(x, *o, w_.layers[l + 1].attn_norm, cfg_.rms_eps, carry->h));
-    carry->ready = true;
+    // The closing residual add is left to the next layer's attention norm (NormMatMul).
+    RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, carry->delta));
+    carry->pending = true;
     return absl::OkStatus();
   }
   if (comm_ == nullptr) return be_->MatMulAdd(*act, w.w_down, x);
@@ -201,15 +202,19 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::ForwardHead(std::span<const in
   absl::StatusOr<HeadOut> logits = HeadOut{};
   absl::StatusOr<Tensor> x = Embed(ids);
   if (!x.ok()) logits = x.status();
-  NormCarry carry;  // one attention-norm buffer for all layers
+  NormCarry carry;  // one norm buffer and one pending residual delta for all layers
   bool have_carry = false;
   if (x.ok() && x->rows > 0) {
     absl::StatusOr<Tensor> h = be_->Alloc(x->rows, cfg_.dim);
-    if (h.ok()) {
+    absl::StatusOr<Tensor> delta = be_->Alloc(x->rows, cfg_.dim);
+    if (h.ok() && delta.ok()) {
       carry.h = *h;
+      carry.delta = *delta;
       have_carry = true;
     } else {
-      logits = h.status();
+      if (h.ok()) be_->Free(*h);
+      if (delta.ok()) be_->Free(*delta);
+      logits = h.ok() ? delta.status() : h.status();
     }
   }
   for (int l = 0; l < cfg_.n_layers && logits.ok(); ++l) {
@@ -218,7 +223,10 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::ForwardHead(std::span<const in
   }
   if (logits.ok() && !out_rows.empty()) logits = Head(*x, out_rows, draws);
   if (x.ok()) be_->Free(*x);
-  if (have_carry) be_->Free(carry.h);
+  if (have_carry) {
+    be_->Free(carry.h);
+    be_->Free(carry.delta);
+  }
   if (graph) {
     absl::Status st = be_->EndGraph();
     if (!st.ok() && logits.ok()) logits = st;
@@ -268,9 +276,9 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::Head(const Tensor& x,
   ASSIGN_OR_RETURN(Tensor* sel, s.Get(n, cfg_.dim));
   RETURN_IF_ERROR(be_->GatherRows(x, rows, *sel));
   ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
-  RETURN_IF_ERROR(be_->RmsNorm(*sel, w_.final_norm, cfg_.rms_eps, *h));
   ASSIGN_OR_RETURN(Tensor* lg, s.Get(n, cfg_.vocab_size));
-  RETURN_IF_ERROR(be_->MatMul(*h, w_.output, *lg));
+  RETURN_IF_ERROR(be_->NormMatMul(*sel, nullptr, w_.final_norm, cfg_.rms_eps, w_.output,
+                                  /*swiglu=*/false, *h, *lg));
   HeadOut out;
   out.drawn.resize(drawn);
   if (drawn > 0) RETURN_IF_ERROR(be_->DrawRows(RowView(*lg, 0, drawn), draws, out.drawn));

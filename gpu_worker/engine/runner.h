@@ -66,13 +66,17 @@ class ModelRunner {
   // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
   //
   // `carry` (Forward's consecutive layers over the same rows) folds a layer's closing residual
-  // add into the next layer's attention norm: one AddRmsNorm launch instead of an Add and a
-  // RmsNorm (bit-identical, ~3 us a layer at decode). With carry->ready on entry, carry->h
-  // holds RmsNorm(x) under this layer's attn_norm; on return it holds the next layer's (ready)
-  // unless l is the last layer or tensor parallelism all-reduces the MLP output.
+  // add into the next layer's attention norm (Backend::NormMatMul with the qkv projection: one
+  // AddRmsNorm instead of an Add and a RmsNorm, and for a decode row on the CUDA backend one
+  // kernel with the projection; bit-identical). With carry->pending on entry, x still lacks
+  // carry->delta; on return it lacks the MLP output (pending) unless l is the last layer or
+  // tensor parallelism all-reduces that output.
+  // Forward's buffers across layers (allocated by it): the norm output, and the down
+  // projection's output, whose residual add is left pending for the next layer's attention norm.
   struct NormCarry {
-    Tensor h;  // [rows, dim], allocated by the caller
-    bool ready = false;
+    Tensor h;      // [rows, dim]
+    Tensor delta;  // [rows, dim]
+    bool pending = false;
   };
   absl::Status Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats = nullptr,
                      KvCapture* capture = nullptr, NormCarry* carry = nullptr);

@@ -122,6 +122,17 @@ TEST(CudaBackendOptionsFromEnv, SmallNAutoRows) {
   }
 }
 
+TEST(CudaBackendOptionsFromEnv, FusedNorm) {
+  EXPECT_TRUE(CudaBackendOptions{}.fused_norm);
+  Env e;
+  e.Set("SPX_FUSED_NORM", "0");
+  EXPECT_FALSE(CudaBackendOptionsFromEnv().fused_norm);
+  e.Set("SPX_FUSED_NORM", "1");
+  EXPECT_TRUE(CudaBackendOptionsFromEnv().fused_norm);
+  e.Set("SPX_FUSED_NORM", "off");
+  EXPECT_TRUE(CudaBackendOptionsFromEnv().fused_norm) << "not 0 or 1: default kept";
+}
+
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
   EXPECT_TRUE(CudaBackendOptions{}.stats_recv_split);  // on since session 22's GPU run
   {

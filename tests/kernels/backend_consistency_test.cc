@@ -432,6 +432,71 @@ TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
   }
 }
 
+// NormMatMul on one decode row: the CUDA backend folds the norm (and the residual add) into
+// the small-n matmul's prologue (CudaBackendOptions::fused_norm). Against the same backend
+// with the two kernels (fused_norm off): out and the updated residual bit-identical, over two
+// calls in a row (the residual write's counter resets itself); and against the CPU. Shapes:
+// Llama-3-8B's qkv after the attention norm, gate_up + SwiGLU after the MLP's, the lm_head's
+// (a vocabulary of 2000 here) after the final norm without a residual add.
+TEST_F(DecodeMatMulConsistency, NormFoldedIntoTheMatMul) {
+  std::unique_ptr<Backend> gpus[2];
+  for (int fold = 0; fold < 2; ++fold) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.small_n_variant = -1;
+    o.small_n_auto_rows = 1;
+    o.fused_norm = fold == 1;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpus[fold] = std::move(*g);
+  }
+  struct Case {
+    const char* name;
+    int64_t m, k;
+    bool swiglu, add;
+  } cases[] = {{"qkv", 6144, 4096, false, true},
+               {"gate_up", 28672, 4096, true, true},
+               {"head", 2000, 4096, false, false},
+               {"qkv first layer", 6144, 4096, false, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t m_out = c.swiglu ? c.m / 2 : c.m;
+    const std::vector<float> xh = Rand(c.k, 2.0f), dh = Rand(c.k, 2.0f);
+    const std::vector<float> nwh = Rand(c.k, 1.0f);
+    const std::vector<float> wh = Rand(c.m * c.k, 1.0f / std::sqrt(static_cast<float>(c.k)));
+    // CPU reference of two calls.
+    Tensor xc = Put(*cpu_, 1, c.k, xh), dc = Put(*cpu_, 1, c.k, dh), nwc = Put(*cpu_, 1, c.k, nwh);
+    Tensor wc = Put(*cpu_, c.m, c.k, wh), hc = Put(*cpu_, 1, c.k, Poison(c.k));
+    Tensor oc = Put(*cpu_, 1, m_out, Poison(m_out));
+    std::vector<float> ref_out[2], ref_x[2];
+    for (int call = 0; call < 2; ++call) {
+      ASSERT_TRUE(cpu_->NormMatMul(xc, c.add ? &dc : nullptr, nwc, 1e-5f, wc, c.swiglu, hc, oc).ok());
+      ref_out[call] = Get(*cpu_, oc);
+      ref_x[call] = Get(*cpu_, xc);
+    }
+    for (Tensor* t : {&xc, &dc, &nwc, &wc, &hc, &oc}) cpu_->Free(*t);
+    std::vector<float> got_out[2][2], got_x[2][2];
+    for (int fold = 0; fold < 2; ++fold) {
+      Backend& g = *gpus[fold];
+      Tensor xg = Put(g, 1, c.k, xh), dg = Put(g, 1, c.k, dh), nwg = Put(g, 1, c.k, nwh);
+      Tensor wg = Put(g, c.m, c.k, wh), hg = Put(g, 1, c.k, Poison(c.k));
+      Tensor og = Put(g, 1, m_out, Poison(m_out));
+      for (int call = 0; call < 2; ++call) {
+        absl::Status st = g.NormMatMul(xg, c.add ? &dg : nullptr, nwg, 1e-5f, wg, c.swiglu, hg, og);
+        ASSERT_TRUE(st.ok()) << st;
+        got_out[fold][call] = Get(g, og);
+        got_x[fold][call] = Get(g, xg);
+        EXPECT_LT(RelErr(got_out[fold][call], ref_out[call]), kTol) << "fold " << fold << " call " << call;
+        EXPECT_LT(RelErr(got_x[fold][call], ref_x[call]), kTol) << "fold " << fold << " call " << call;
+      }
+      for (Tensor* t : {&xg, &dg, &nwg, &wg, &hg, &og}) g.Free(*t);
+    }
+    for (int call = 0; call < 2; ++call) {
+      EXPECT_EQ(got_out[0][call], got_out[1][call]) << "call " << call << ": folded norm differs";
+      EXPECT_EQ(got_x[0][call], got_x[1][call]) << "call " << call << ": residual differs";
+    }
+  }
+}
+
 // MatMulSwiGLU: the fused kernel of every variant against the CPU, and bit-identical to the
 // same backend's MatMul then SwiGLU (its kernel sums each feature in that variant's order and
 // rounds gate and up to bf16 as the separate path stores them). Also the paths that do not

@@ -36,6 +36,7 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
+  if (norm_done_) cudaFree(norm_done_);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
   FreePinnedChunks(chunks_);
@@ -63,6 +64,8 @@ absl::Status CudaBackend::Init() {
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
   }
+  CUDA_RETURN(cudaMalloc(&norm_done_, sizeof(unsigned int)), "norm counter");
+  CUDA_RETURN(cudaMemset(norm_done_, 0, sizeof(unsigned int)), "norm counter");
   RETURN_IF_ERROR(stager_.Init(stream_));
   RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));
   return absl::OkStatus();
@@ -689,6 +692,32 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
     return kernels::SmallNGemmSwiGlu(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
                                      out.cols, x.cols, stream_, variant);
   }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
+}
+
+// One decode row (the small-n kernel's automatic choice at 1 row): the norm folded into the
+// matmul's prologue (kernels::SmallNGemmNorm), one launch and one kernel boundary fewer on the
+// step's critical path; normed is left unwritten. Anything else: the two operations.
+absl::Status CudaBackend::NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w,
+                                     float eps, const Tensor& w, bool swiglu, Tensor& normed,
+                                     Tensor& out) {
+  const bool fold =
+      options_.fused_norm && options_.small_n_variant < 0 && x.rows == 1 && x.cols == w.cols &&
+      x.dtype == DType::kBF16 && w.dtype == DType::kBF16 && out.dtype == DType::kBF16 &&
+      norm_w.dtype == DType::kBF16 && norm_w.rows * norm_w.cols == x.cols &&
+      (delta == nullptr || (delta->dtype == DType::kBF16 && delta->rows == 1 &&
+                            delta->cols == x.cols)) &&
+      (!swiglu || (options_.fused_swiglu && w.rows % 2 == 0)) && UseSmallN(x, w) &&
+      kernels::SmallNGemmNormSupported(B(x), delta ? B(*delta) : nullptr, B(norm_w), B(w),
+                                       w.cols, x.cols);
+  if (!fold) return Backend::NormMatMul(x, delta, norm_w, eps, w, swiglu, normed, out);
+  const int64_t m_out = swiglu ? w.rows / 2 : w.rows;
+  RETURN_IF_ERROR(CheckShape(out, 1, m_out, "NormMatMul"));
+  kernels::bf16* xp = B(x);
+  const kernels::bf16* dp = delta ? B(*delta) : nullptr;
+  return Run("NormMatMul (small n)", [=, this] {
+    return kernels::SmallNGemmNorm(xp, dp, B(norm_w), eps, B(w), w.cols, B(out), m_out, x.cols,
+                                   swiglu, norm_done_, stream_);
+  }, x.data, x.cols, dp, norm_w.data, eps, w.data, w.rows, out.data, swiglu);
 }
 
 absl::Status CudaBackend::Rope(Tensor& x, int64_t col_offset, int n_heads,
