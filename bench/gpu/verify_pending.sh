@@ -9,13 +9,15 @@
 # ws-128 kernel's bulk K/V copies and the statistics by complement on wgmma (SPX_ATTN_BULK_KV,
 # SPX_WGMMA_STATS, on since session 24), the ws-128 kernel with its row sums on MMA
 # (SPX_ATTN_IMPL=wgmma-ws-128-lsum: no gain, off; session 25). The script re-checks and times
-# them on a new card, the defaults against the 64-key ws kernel. Built in session 25, not yet
-# run: the short first graph segments (SPX_GRAPH_FIRST_SEGMENT, default 8; 64 before) and one
-# slot-table comparison a layer in batched decode attention.
+# them on a new card, the defaults against the 64-key ws kernel. Measured in session 26 (H100):
+# the short first graph segments (SPX_GRAPH_FIRST_SEGMENT=8, default), the small-n kernel at 1
+# row (SPX_SMALL_N_ROWS=1, default). Built in session 26 after its device time ran out, not yet
+# run: a decode row's RMSNorm folded into the small-n matmul (SPX_FUSED_NORM, off).
 # This call:
-#   0. cuda_engine_test (graph-replayed decode against plain launches and the first recorded
-#      run: the segment boundaries moved), then decode steps at 8K, batch 1 and 32, with
-#      SPX_GRAPH_FIRST_SEGMENT=64 and the default alternated, twice each;
+#   0. DecodeMatMulConsistency.NormFoldedIntoTheMatMul (bit-identical to the two kernels),
+#      cuda_engine_test with SPX_FUSED_NORM=1 (stories260K greedy against the CPU takes the
+#      folded path; graph replay against plain launches), then decode steps at 8K, batch 1 and
+#      32, SPX_FUSED_NORM=0 and 1 alternated, twice each;
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined, ws 128 and ws 128 with row sums on
 #      MMA cases alone under a short timeout each (a hang there must not eat the call; later
@@ -34,7 +36,7 @@
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
 #   5. (step 0 times the decode steps.)
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
-# micro.json/.log, hf.json, engine.log, decode_seg<N>_<round>.json/.log: a device call brings
+# micro.json/.log, hf.json, norm.log, engine.log, decode_norm<0|1>_<round>.json/.log: a device call brings
 # back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
@@ -53,17 +55,20 @@ left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
-stamp "cuda_engine_test (graph segments)"
-timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 >"$FINAL/engine.log" 2>&1
-stamp "cuda_engine_test exit $?"
+timeout 120 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+  --gtest_filter='DecodeMatMulConsistency.NormFolded*' >"$FINAL/norm.log" 2>&1
+stamp "folded norm test exit $?"
+grep -E "FAILED|PASSED|Failure|Expected|Which is|differs" "$FINAL/norm.log" | head -n 12 | tee -a "$LOG"
+SPX_FUSED_NORM=1 timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 >"$FINAL/engine.log" 2>&1
+stamp "cuda_engine_test (SPX_FUSED_NORM=1) exit $?"
 grep -E "FAILED|PASSED|Failure|tests ran" "$FINAL/engine.log" | head -n 12 | tee -a "$LOG"
 for round in 1 2; do
-  for seg in 64 8; do
-    SPX_GRAPH_FIRST_SEGMENT=$seg timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 \
+  for fused in 0 1; do
+    SPX_FUSED_NORM=$fused timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 \
       --warmup 0 --no-micro --decode-ctx 8192 --decode-steps 24 --decode-batch 32 \
-      --out "$FINAL/decode_seg${seg}_$round.json" >"$FINAL/decode_seg${seg}_$round.log" 2>&1
-    stamp "decode steps, first graph segment $seg launches, round $round: exit $?"
-    grep -E "greedy on the device" "$FINAL/decode_seg${seg}_$round.log" | tee -a "$LOG"
+      --out "$FINAL/decode_norm${fused}_$round.json" >"$FINAL/decode_norm${fused}_$round.log" 2>&1
+    stamp "decode steps, SPX_FUSED_NORM=$fused, round $round: exit $?"
+    grep -E "greedy on the device" "$FINAL/decode_norm${fused}_$round.log" | tee -a "$LOG"
   done
 done
 

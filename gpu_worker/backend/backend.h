@@ -156,8 +156,10 @@ struct CudaBackendOptions {
   // before it) computed in the prologue of the small-n matmul that reads it
   // (kernels::SmallNGemmNorm, bit-identical to the norm kernel then the matmul), where the
   // automatic choice runs that matmul on the small-n kernel (small_n_auto_rows); false runs the
-  // two kernels (comparisons). Built in session 26. SPX_FUSED_NORM=0|1. Default: true
-  bool fused_norm = true;
+  // two kernels. Built in session 26 after its device time ran out: not yet run on a GPU, so
+  // off until bench/gpu/verify_pending.sh has checked and timed it. SPX_FUSED_NORM=0|1.
+  // Default: false
+  bool fused_norm = false;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also

@@ -123,14 +123,14 @@ TEST(CudaBackendOptionsFromEnv, SmallNAutoRows) {
 }
 
 TEST(CudaBackendOptionsFromEnv, FusedNorm) {
-  EXPECT_TRUE(CudaBackendOptions{}.fused_norm);
+  EXPECT_FALSE(CudaBackendOptions{}.fused_norm);  // off until run on a GPU
   Env e;
-  e.Set("SPX_FUSED_NORM", "0");
-  EXPECT_FALSE(CudaBackendOptionsFromEnv().fused_norm);
   e.Set("SPX_FUSED_NORM", "1");
   EXPECT_TRUE(CudaBackendOptionsFromEnv().fused_norm);
-  e.Set("SPX_FUSED_NORM", "off");
-  EXPECT_TRUE(CudaBackendOptionsFromEnv().fused_norm) << "not 0 or 1: default kept";
+  e.Set("SPX_FUSED_NORM", "0");
+  EXPECT_FALSE(CudaBackendOptionsFromEnv().fused_norm);
+  e.Set("SPX_FUSED_NORM", "on");
+  EXPECT_FALSE(CudaBackendOptionsFromEnv().fused_norm) << "not 0 or 1: default kept";
 }
 
 TEST(CudaBackendOptionsFromEnv, StatisticsReceivedAttentionSplit) {
