@@ -596,8 +596,8 @@ cudaError_t SmallNGemmNorm(__nv_bfloat16* x, const __nv_bfloat16* delta,
       (delta != nullptr && done == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const NormArgs na{delta, norm_w, eps,
-                    static_cast<int>(std::min<int64_t>(1024, (k / 8 + 31) / 32 * 32)), done};
+  // The norm kernel's launch width for k (ops.cu RmsNorm / AddRmsNorm, 8 columns a thread).
+  const NormArgs na{delta, norm_w, eps, detail::RowThreads(k, 8), done};
   const int64_t half = swiglu ? m_out : 0;
   const int64_t rows = swiglu ? 2 * m_out : m_out;
   const SmallNGemmVariant v = SmallNGemmAutoVariant(1, rows, k);

@@ -422,8 +422,7 @@ cudaError_t DrawRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols
   if (rows > 0x7fffffff || cols <= 0 || cols > 0x7fffffff) return cudaErrorInvalidValue;
   const bool v8 = Vec8({x}, {x_stride, cols});
   const int per_thread = v8 ? 8 : 1;
-  int threads = static_cast<int>(CeilDiv(CeilDiv(cols, per_thread), 32) * 32);
-  threads = threads > 1024 ? 1024 : threads;
+  const int threads = detail::RowThreads(cols, per_thread);
   return detail::LaunchPdl(v8 ? DrawRowsKernel<8> : DrawRowsKernel<1>,
                            static_cast<unsigned>(rows), threads, 0, stream, x, x_stride, cols,
                            draws, out);
@@ -435,8 +434,7 @@ cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
   const bool v8 = Vec8({x, w, out}, {x_stride, out_stride, dim});
   const int per_thread = v8 ? 8 : 1;
-  int threads = static_cast<int>(CeilDiv(CeilDiv(dim, per_thread), 32) * 32);
-  threads = threads > 1024 ? 1024 : threads;
+  const int threads = detail::RowThreads(dim, per_thread);
   return detail::LaunchPdl(v8 ? RmsNormKernel<8, false> : RmsNormKernel<1, false>,
                            static_cast<unsigned>(rows), threads, 0, stream, nullptr, 0, x, x_stride,
                            w, out, out_stride, dim, eps);
@@ -449,8 +447,7 @@ cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
   const bool v8 = Vec8({residual, x, w, out}, {res_stride, x_stride, out_stride, dim});
   const int per_thread = v8 ? 8 : 1;
-  int threads = static_cast<int>(CeilDiv(CeilDiv(dim, per_thread), 32) * 32);
-  threads = threads > 1024 ? 1024 : threads;
+  const int threads = detail::RowThreads(dim, per_thread);
   return detail::LaunchPdl(v8 ? RmsNormKernel<8, true> : RmsNormKernel<1, true>,
                            static_cast<unsigned>(rows), threads, 0, stream, residual, res_stride, x,
                            x_stride, w, out, out_stride, dim, eps);

@@ -13,6 +13,21 @@ namespace sparsex {
 
 namespace {
 
+// An integer in [lo, hi] naming `what` (a row count, a launch count): other values are
+// reported on stderr and leave the default.
+void IntFromEnv(const char* name, long lo, long hi, const char* what, int& field) {
+  const char* c = std::getenv(name);
+  if (c == nullptr) return;
+  char* end = nullptr;
+  const long v = std::strtol(c, &end, 10);
+  if (end != c && *end == '\0' && v >= lo && v <= hi) {
+    field = static_cast<int>(v);
+  } else {
+    std::fprintf(stderr, "%s=%s is not a %s in [%ld, %ld]: %d used\n", name, c, what, lo, hi,
+                 field);
+  }
+}
+
 // A strict 0/1 switch: other values are reported on stderr and leave the default.
 void SwitchFromEnv(const char* name, bool& field) {
   const char* c = std::getenv(name);
@@ -47,16 +62,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
     }
     o.small_n_variant = chosen;
   }
-  if (const char* r = std::getenv("SPX_SMALL_N_ROWS")) {
-    char* end = nullptr;
-    const long v = std::strtol(r, &end, 10);
-    if (end != r && *end == '\0' && v >= 0 && v <= 8) {
-      o.small_n_auto_rows = static_cast<int>(v);
-    } else {
-      std::fprintf(stderr, "SPX_SMALL_N_ROWS=%s is not a row count in [0, 8]: %d used\n", r,
-                   o.small_n_auto_rows);
-    }
-  }
+  IntFromEnv("SPX_SMALL_N_ROWS", 0, 8, "row count", o.small_n_auto_rows);
   if (const char* f = std::getenv("SPX_FUSED_SWIGLU")) o.fused_swiglu = std::string(f) != "0";
   if (const char* u = std::getenv("SPX_UPLOAD_DIRECT")) o.upload_direct = std::string(u) == "1";
   if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
@@ -101,16 +107,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
     }
   }
   if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
-  if (const char* f = std::getenv("SPX_GRAPH_FIRST_SEGMENT")) {
-    char* end = nullptr;
-    const long v = std::strtol(f, &end, 10);
-    if (end != f && *end == '\0' && v >= 1 && v <= 64) {
-      o.graph_first_segment = static_cast<int>(v);
-    } else {
-      std::fprintf(stderr, "SPX_GRAPH_FIRST_SEGMENT=%s is not a launch count in [1, 64]: %d used\n",
-                   f, o.graph_first_segment);
-    }
-  }
+  IntFromEnv("SPX_GRAPH_FIRST_SEGMENT", 1, 64, "launch count", o.graph_first_segment);
   if (const char* a = std::getenv("SPX_DEVICE_SAMPLING")) {
     o.device_sampling = std::string(a) != "0";
   }
