@@ -198,6 +198,13 @@ struct CudaBackendOptions {
   // blocks, else 1). SPX_SPLIT_WAVES.
   // Default: 0
   int split_waves = 0;
+  // Those splits of a batched decode call (batch 1-4 at long contexts) merged inside a
+  // thread-block cluster of up to this many blocks per (sequence, KV head), through distributed
+  // shared memory, instead of through a workspace and a combine launch between the attention
+  // and the o projection (PagedAttentionParams::decode_cluster); 0 the workspace path, which
+  // also serves where the device runs no such cluster. SPX_DECODE_CLUSTER (0-16).
+  // Default: 0
+  int decode_cluster = 0;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;

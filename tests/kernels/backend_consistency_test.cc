@@ -893,6 +893,8 @@ class AttentionConsistency : public BackendConsistency {
   }
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
   void RunBatched(int H, int KV, int hd);
+  // One decode row per sequence over contexts ctx (the rows at each context's last position).
+  void RunDecodeRows(int H, int KV, int hd, const std::vector<int>& ctx);
   void Run(const AttnCase& tc) {
     const int bs = tc.block_size;
     const int blocks = (tc.ctx + bs - 1) / bs + 3;
@@ -1262,6 +1264,72 @@ void AttentionConsistency::RunBatched(int H, int KV, int hd) {
     gpu_->FreeKvPool(*pg);
     Free(q);
     Free(out);
+  }
+}
+
+void AttentionConsistency::RunDecodeRows(int H, int KV, int hd, const std::vector<int>& ctx) {
+  const int bs = 16, kv_dim = KV * hd;
+  int total_blocks = 0;
+  for (int c : ctx) total_blocks += (c + bs - 1) / bs;
+  auto pc = cpu_->AllocKvPool(1, total_blocks, bs, kv_dim);
+  auto pg = gpu_->AllocKvPool(1, total_blocks, bs, kv_dim);
+  ASSERT_TRUE(pc.ok() && pg.ok());
+  std::vector<int32_t> table(total_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng_);
+  std::vector<std::vector<int32_t>> slots(ctx.size());  // SeqRows holds spans of them
+  std::vector<SeqRows> seqs;
+  std::vector<int32_t> q_pos;
+  int next_block = 0;
+  for (size_t s = 0; s < ctx.size(); ++s) {
+    for (int j = 0; j < ctx[s]; ++j) slots[s].push_back(table[next_block + j / bs] * bs + j % bs);
+    next_block += (ctx[s] + bs - 1) / bs;
+    Pair kv = Make(ctx[s], 2 * kv_dim, Rand(static_cast<size_t>(ctx[s]) * 2 * kv_dim, 2.0f));
+    ASSERT_TRUE(cpu_->WriteKv(*pc, 0, kv.c, 0, kv.c, kv_dim, slots[s]).ok());
+    ASSERT_TRUE(gpu_->WriteKv(*pg, 0, kv.g, 0, kv.g, kv_dim, slots[s]).ok());
+    Free(kv);
+    const auto row = static_cast<int64_t>(q_pos.size());
+    seqs.push_back({row, row + 1, slots[s]});
+    q_pos.push_back(ctx[s] - 1);
+  }
+  const int n = static_cast<int>(q_pos.size());
+  Pair q = MakeRand(n, static_cast<int64_t>(H + 2 * KV) * hd, 2.0f);
+  Pair out = MakeOut(n, static_cast<int64_t>(H) * hd);
+  AttentionArgs a;
+  a.n_heads = H;
+  a.n_kv_heads = KV;
+  a.head_dim = hd;
+  a.q_pos = q_pos;
+  a.seqs = seqs;
+  ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
+  const absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_LT(Compare(out), kTol) << ctx.size() << " sequences";
+  cpu_->FreeKvPool(*pc);
+  gpu_->FreeKvPool(*pg);
+  Free(q);
+  Free(out);
+}
+
+// The decode split-K merged inside thread-block clusters (decode_cluster) at 2, 5 (not a power
+// of two), 8 and 16 blocks, against the CPU: batch 1 at 8K and 600 keys (16 splits of a few
+// tiles, some empty), batch 2 and 4 at 8K, head_dim 64, and the mixed batches of
+// BatchedSequences (several rows per sequence, a 1-key context).
+TEST_F(AttentionConsistency, DecodeClusterMerge) {
+  for (int cluster : {2, 5, 8, 16}) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.decode_cluster = cluster;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    SCOPED_TRACE(testing::Message() << "cluster " << cluster);
+    RunDecodeRows(32, 8, 128, {8192});
+    RunDecodeRows(32, 8, 128, {600});
+    RunDecodeRows(32, 8, 128, {8192, 5000});
+    RunDecodeRows(32, 8, 128, {8192, 8000, 7000, 100});
+    RunDecodeRows(16, 2, 64, {3000});
+    RunBatched(32, 8, 128);
+    RunBatched(16, 2, 64);
   }
 }
 
