@@ -104,6 +104,13 @@ struct PagedAttentionParams {
   // workspace and the split-K combine launch; 0 or 1: the workspace path, which also serves
   // where no such cluster fits the device. Default: 0
   int decode_cluster = 0;
+  // The packed decode kernel requests the key tiles below every row's position before its
+  // programmatic-launch wait (kernels/common.cuh), overlapping the kernel before it (the
+  // step's RoPE and K/V write). Safe where, as in every caller, that kernel writes keys only at
+  // the rows' own positions and everything else the call reads (tables, positions, older keys)
+  // was written before it: every kernel here waits before it lets the next one start, so this
+  // one starts only after the one before its predecessor has finished. Default: 0
+  int decode_early_kv = 0;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

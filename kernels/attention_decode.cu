@@ -102,8 +102,13 @@ __global__ void __launch_bounds__(32 * NW)
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* sKV = sQ + kRows * HD;
   __shared__ float s_m[NW][kRows], s_l[NW][kRows];
-  detail::PdlWait();
-  detail::PdlLaunchDependents();
+  // early_kv: the tiles of keys below every row's position are requested before the wait
+  // (attention.h says why that is safe); everything else after it.
+  const bool early = p.decode_early_kv != 0;
+  if (!early) {
+    detail::PdlWait();
+    detail::PdlLaunchDependents();
+  }
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int H = p.n_heads, G = p.n_heads / p.n_kv_heads;
@@ -162,22 +167,46 @@ __global__ void __launch_bounds__(32 * NW)
   int pre[ST];  // the slots of this warp's first ST tiles, requested before anything waits
 #pragma unroll
   for (int s = 0; s < ST; ++s) pre[s] = s < my_n ? slot_of(first + s * NW) : 0;
-  // Q and the first key tiles are requested together: the tiles do not wait for Q to land.
-  for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
-    const int m = idx / CH, c = idx % CH;
-    const bool valid = m / G < R;
-    const int64_t off =
-        valid ? (int64_t)(q0 + m / G) * p.q_stride + (kvh * G + m % G) * HD + c * 8 : 0;
-    CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
-  }
-  detail::CpAsyncCommit();
+  auto load_q = [&]() {
+    for (int idx = tid; idx < kRows * CH; idx += 32 * NW) {
+      const int m = idx / CH, c = idx % CH;
+      const bool valid = m / G < R;
+      const int64_t off =
+          valid ? (int64_t)(q0 + m / G) * p.q_stride + (kvh * G + m % G) * HD + c * 8 : 0;
+      CpAsync16(sQ + Swz<HD>(m, c), p.q + off, valid);
+    }
+  };
+  if (early) {
+    // Groups: the first ST - 1 tiles that hold only keys below min_lim (one group each, empty
+    // for the others), then after the wait Q with the rest of them; all land before the loop,
+    // whose group count then matches the path below.
+    const auto safe = [&](int s) { return s < my_n && (first + s * NW + 1) * BN <= min_lim; };
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
-    if (s < my_n) load(s, first + s * NW, pre[s]);
-    detail::CpAsyncCommit();  // empty groups keep the count the wait below relies on
+    for (int s = 0; s < ST - 1; ++s) {
+      if (safe(s)) load(s, first + s * NW, pre[s]);
+      detail::CpAsyncCommit();
+    }
+    detail::PdlWait();
+    detail::PdlLaunchDependents();
+    load_q();
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < my_n && !safe(s)) load(s, first + s * NW, pre[s]);
+    }
+    detail::CpAsyncCommit();
+    detail::CpAsyncWait<0>();
+  } else {
+    // Q and the first key tiles are requested together: the tiles do not wait for Q to land.
+    load_q();
+    detail::CpAsyncCommit();
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < my_n) load(s, first + s * NW, pre[s]);
+      detail::CpAsyncCommit();  // empty groups keep the count the wait below relies on
+    }
+    detail::CpAsyncWait<ST - 1>();  // Q's group (the oldest) has landed
   }
   int next_slot = pre[ST - 1];  // the slots of the tile the loop's first step loads
-  detail::CpAsyncWait<ST - 1>();  // Q's group (the oldest) has landed
   __syncthreads();
   uint32_t qf[HD / 16][4];
 #pragma unroll

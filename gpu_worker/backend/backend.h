@@ -205,6 +205,10 @@ struct CudaBackendOptions {
   // also serves where the device runs no such cluster. SPX_DECODE_CLUSTER (0-16).
   // Default: 0
   int decode_cluster = 0;
+  // The packed decode attention requests the key tiles below its rows' positions before its
+  // programmatic-launch wait, overlapping the step's RoPE and K/V write
+  // (PagedAttentionParams::decode_early_kv). SPX_DECODE_EARLY_KV=1 sets true. Default: false
+  bool decode_early_kv = false;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;

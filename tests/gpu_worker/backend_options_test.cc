@@ -136,6 +136,15 @@ TEST(CudaBackendOptionsFromEnv, DecodeCluster) {
   }
 }
 
+TEST(CudaBackendOptionsFromEnv, DecodeEarlyKv) {
+  EXPECT_FALSE(CudaBackendOptions{}.decode_early_kv);
+  Env e;
+  e.Set("SPX_DECODE_EARLY_KV", "1");
+  EXPECT_TRUE(CudaBackendOptionsFromEnv().decode_early_kv);
+  e.Set("SPX_DECODE_EARLY_KV", "yes");
+  EXPECT_FALSE(CudaBackendOptionsFromEnv().decode_early_kv) << "not 0 or 1: default kept";
+}
+
 TEST(CudaBackendOptionsFromEnv, FusedNorm) {
   EXPECT_FALSE(CudaBackendOptions{}.fused_norm);  // off until run on a GPU
   Env e;

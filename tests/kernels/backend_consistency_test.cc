@@ -1312,17 +1312,21 @@ void AttentionConsistency::RunDecodeRows(int H, int KV, int hd, const std::vecto
 }
 
 // The decode split-K merged inside thread-block clusters (decode_cluster) at 2, 5 (not a power
-// of two), 8 and 16 blocks, against the CPU: batch 1 at 8K and 600 keys (16 splits of a few
+// of two), 8 and 16 blocks, and the early key requests (decode_early_kv), against the CPU: batch 1 at 8K and 600 keys (16 splits of a few
 // tiles, some empty), batch 2 and 4 at 8K, head_dim 64, and the mixed batches of
 // BatchedSequences (several rows per sequence, a 1-key context).
+// With decode_early_kv the older key tiles are requested before the launch wait (no kernel
+// before it writes here: the order of the requests is what changes).
 TEST_F(AttentionConsistency, DecodeClusterMerge) {
-  for (int cluster : {2, 5, 8, 16}) {
+  for (auto [cluster, early] : {std::pair{2, false}, std::pair{5, false}, std::pair{8, false},
+                                std::pair{16, false}, std::pair{16, true}, std::pair{0, true}}) {
     CudaBackendOptions o = CudaBackendOptionsFromEnv();
     o.decode_cluster = cluster;
+    o.decode_early_kv = early;
     auto g = CreateBackend({.kind = "cuda", .cuda = o});
     ASSERT_TRUE(g.ok()) << g.status();
     gpu_ = std::move(*g);
-    SCOPED_TRACE(testing::Message() << "cluster " << cluster);
+    SCOPED_TRACE(testing::Message() << "cluster " << cluster << (early ? ", early K/V" : ""));
     RunDecodeRows(32, 8, 128, {8192});
     RunDecodeRows(32, 8, 128, {600});
     RunDecodeRows(32, 8, 128, {8192, 5000});

@@ -54,6 +54,7 @@ kernels::PagedAttentionParams Params(const Tensor& q, const KvPool& pool, int la
   p.impl = static_cast<int>(o.attn_impl);
   p.split_waves = o.split_waves;
   p.decode_cluster = o.decode_cluster;
+  p.decode_early_kv = o.decode_early_kv ? 1 : 0;
   return p;
 }
 
