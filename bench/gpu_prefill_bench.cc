@@ -154,7 +154,14 @@ struct Record {
 std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
                                       const std::vector<std::vector<int32_t>>& slots, int ctx,
                                       int steps, int B, bool graph, bool draw = false,
-                                      float inv_temperature = 0.0f) {
+                                      float inv_temperature = 0.0f,
+                                      uint64_t* token_hash = nullptr) {
+  // FNV-1a over every step's tokens: a greedy run's tokens are deterministic, so two
+  // configurations that must compute the same (a reordering of requests) print the same hash.
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&hash](const std::vector<int32_t>& t) {
+    for (int32_t v : t) hash = (hash ^ static_cast<uint32_t>(v)) * 1099511628211ull;
+  };
   const int vocab = runner.config().vocab_size;
   std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
   std::iota(all.begin(), all.end(), 0);
@@ -179,6 +186,7 @@ std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
       ModelRunner::HeadOut h = Unwrap(runner.ForwardHead(toks, rows, all, graph, draws), "decode");
       const double ms = timer.StopMs();
       toks = h.drawn;
+      mix(toks);
       if (t >= 3) times.push_back(ms);
       continue;
     }
@@ -188,8 +196,10 @@ std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
       auto first = logits.begin() + static_cast<int64_t>(b) * vocab;
       toks[b] = static_cast<int32_t>(std::max_element(first, first + vocab) - first);
     }
+    mix(toks);
     if (t >= 3) times.push_back(ms);  // first steps warm up (and record, then capture)
   }
+  if (token_hash != nullptr) *token_hash = hash;
   if (times.empty()) return {NAN, NAN};
   return std::make_pair(Median(times), *std::min_element(times.begin(), times.end()));
 }
@@ -1033,8 +1043,9 @@ int Main(const Options& o) {
       for (const Mode& m : modes) {
         const bool graph = m.graph;
         const auto before = be->graph_stats();
+        uint64_t tokens = 0;
         auto [med, mn] = DecodeSteps(*runner, timer, slots, ctx, o.decode_steps, B, graph, m.draw,
-                                     m.inv_temperature);
+                                     m.inv_temperature, &tokens);
         const auto after = be->graph_stats();
         const std::string name = B == 1 ? "decode_bs1_ms_per_token"
                                         : "decode_bs" + std::to_string(B) + "_ms_per_step";
@@ -1046,9 +1057,10 @@ int Main(const Options& o) {
                       static_cast<long long>(after.replayed - before.replayed));
         records.push_back({name + m.suffix, ctx, med, mn, o.decode_steps - 3, extra});
         std::printf("decode batch %d at %d context%s: %.3f ms/step = %.0f tokens/s (min %.3f; "
-                    "%lld graph replays)\n",
+                    "%lld graph replays; tokens %016llx)\n",
                     B, ctx, m.what, med, 1000.0 * B / med, mn,
-                    static_cast<long long>(after.replayed - before.replayed));
+                    static_cast<long long>(after.replayed - before.replayed),
+                    static_cast<unsigned long long>(tokens));
       }
       if (B == o.profile_decode) {
         // Steps of the default serving path (graph, greedy drawn on the device) between

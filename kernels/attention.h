@@ -105,11 +105,14 @@ struct PagedAttentionParams {
   // where no such cluster fits the device. Default: 0
   int decode_cluster = 0;
   // The packed decode kernel requests the key tiles below every row's position before its
-  // programmatic-launch wait (kernels/common.cuh), overlapping the kernel before it (the
-  // step's RoPE and K/V write). Safe where, as in every caller, that kernel writes keys only at
-  // the rows' own positions and everything else the call reads (tables, positions, older keys)
-  // was written before it: every kernel here waits before it lets the next one start, so this
-  // one starts only after the one before its predecessor has finished. Default: 0
+  // programmatic-launch wait (kernels/common.cuh), overlapping the kernels before it (the
+  // step's RoPE + K/V write, which may let it start during the qkv projection:
+  // RopeArgs::trigger_first). Only where nothing those two kernels write is read early: they
+  // write keys at the rows' own positions only (every key below them is older), and the
+  // position and slot tables were staged before them (the backend sets this only when its
+  // tables were staged by an earlier call; a fresh stage is a copy kernel right before this
+  // one). Every other kernel waits before it lets the next one start, so the kernels before
+  // those two have finished when this one starts. Default: 0
   int decode_early_kv = 0;
 };
 

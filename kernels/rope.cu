@@ -70,9 +70,10 @@ __global__ void WriteKvKernel(bf16* pk, bf16* pv, int64_t num_slots, int kv_dim,
 __global__ void RopeWriteKvKernel(bf16* qkv, int64_t stride, int64_t rows, int n_heads,
                                   int n_kv_heads, const int32_t* pos, const int32_t* slots,
                                   bf16* pk, bf16* pv, int64_t num_slots, const float* inv_freq,
-                                  int head_dim, bool halves) {
+                                  int head_dim, bool halves, bool trigger_first) {
+  if (trigger_first) detail::PdlLaunchDependents();
   detail::PdlWait();
-  detail::PdlLaunchDependents();
+  if (!trigger_first) detail::PdlLaunchDependents();
   const int half = head_dim / 2;
   const int kv_dim = n_kv_heads * head_dim;
   const int64_t n_pairs = static_cast<int64_t>(n_heads + n_kv_heads) * half;
@@ -196,7 +197,8 @@ cudaError_t RopeWriteKv(const KvPoolView& pool, bf16* qkv, int64_t qkv_stride, i
       rows * (static_cast<int64_t>(n_heads + n_kv_heads) * (rope.head_dim / 2) + pool.kv_dim / 8);
   return detail::LaunchPdl(RopeWriteKvKernel, GridFor(total), kThreads, 0, stream, qkv,
                            qkv_stride, rows, n_heads, n_kv_heads, pos, slots, pool.k, pool.v,
-                           pool.num_slots, rope.inv_freq, rope.head_dim, rope.halves);
+                           pool.num_slots, rope.inv_freq, rope.head_dim, rope.halves,
+                           rope.trigger_first);
 }
 
 cudaError_t Rope(bf16* x, int64_t x_stride, int64_t rows, int n_heads, const int32_t* pos,

@@ -25,6 +25,11 @@ struct RopeArgs {
   const float* inv_freq = nullptr;  // [head_dim / 2] device
   int head_dim = 0;                 // even
   bool halves = false;              // false: adjacent pairs; true: halves
+  // RopeWriteKv only: the kernel lets the next launch start before its own launch wait
+  // (kernels/common.cuh), so a decode attention with PagedAttentionParams::decode_early_kv
+  // requests its older keys while the qkv projection still runs. Only for a next kernel that
+  // reads nothing before its own wait that the kernel before this one writes.
+  bool trigger_first = false;
 };
 
 // Rotates n_heads heads of head_dim columns starting at x (a column window of a wider matrix

@@ -1305,6 +1305,9 @@ void AttentionConsistency::RunDecodeRows(int H, int KV, int hd, const std::vecto
   const absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_LT(Compare(out), kTol) << ctx.size() << " sequences";
+  // Again with the tables staged (the next layer of a step: decode_early_kv applies).
+  ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
+  EXPECT_LT(Compare(out), kTol) << ctx.size() << " sequences, tables staged";
   cpu_->FreeKvPool(*pc);
   gpu_->FreeKvPool(*pg);
   Free(q);
@@ -1315,8 +1318,9 @@ void AttentionConsistency::RunDecodeRows(int H, int KV, int hd, const std::vecto
 // of two), 8 and 16 blocks, and the early key requests (decode_early_kv), against the CPU: batch 1 at 8K and 600 keys (16 splits of a few
 // tiles, some empty), batch 2 and 4 at 8K, head_dim 64, and the mixed batches of
 // BatchedSequences (several rows per sequence, a 1-key context).
-// With decode_early_kv the older key tiles are requested before the launch wait (no kernel
-// before it writes here: the order of the requests is what changes).
+// With decode_early_kv the older key tiles are requested before the launch wait where the
+// tables were staged by an earlier call (each case's second call; no kernel before it writes
+// here: the order of the requests is what changes).
 TEST_F(AttentionConsistency, DecodeClusterMerge) {
   for (auto [cluster, early] : {std::pair{2, false}, std::pair{5, false}, std::pair{8, false},
                                 std::pair{16, false}, std::pair{16, true}, std::pair{0, true}}) {

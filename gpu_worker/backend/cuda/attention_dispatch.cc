@@ -54,7 +54,6 @@ kernels::PagedAttentionParams Params(const Tensor& q, const KvPool& pool, int la
   p.impl = static_cast<int>(o.attn_impl);
   p.split_waves = o.split_waves;
   p.decode_cluster = o.decode_cluster;
-  p.decode_early_kv = o.decode_early_kv ? 1 : 0;
   return p;
 }
 
@@ -422,6 +421,10 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   p.ctx_slots = static_cast<const int32_t*>(d[4]);
   p.ctx_len = static_cast<int>(off / 4);
   p.max_seq_ctx = max_ctx;
+  // Early key requests only with tables staged before this call: a miss stages them with a
+  // copy kernel right before the attention (layer 0 of a step), which the early reads would
+  // race.
+  p.decode_early_kv = options_.decode_early_kv && checked ? 1 : 0;
   if (recording()) {
     // The lengths are read on the device; the launch is planned for a bucket of context
     // lengths (key blocks past a sequence's end add nothing), so the next steps' launches are

@@ -798,14 +798,15 @@ absl::Status CudaBackend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int 
   ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
   ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
                                   {slots.data(), slots.size_bytes()}}));
-  const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
+  const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves,
+                            options_.decode_early_kv};
   const auto* dp = static_cast<const int32_t*>(d[0]);
   const auto* ds = static_cast<const int32_t*>(d[1]);
   const kernels::KvPoolView view = View(pool, layer);
   return Run("RopeWriteKv", [=, this] {
     return kernels::RopeWriteKv(view, B(qkv), qkv.cols, n, n_heads, dp, ds, r, stream_);
   }, view.k, view.v, view.num_slots, view.kv_dim, qkv.data, qkv.rows, qkv.cols, n_heads, dp, ds,
-             inv, r.head_dim, r.halves);
+             inv, r.head_dim, r.halves, r.trigger_first);
 }
 
 absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
