@@ -977,22 +977,20 @@ int Main(const Options& o) {
       p.max_seq_rows = 1;
       const double bytes = 2.0 * B * ctx * KV * hd * 2;
       struct KernelCase {
-        int kernel, waves, cluster;
+        int kernel, waves, early;
         const char* name;
       };
-      // Batch 1 fills 8 blocks: its split-K (about `waves` blocks per SM) decides the time, and
-      // where the splits merge (the workspace and a combine launch, or a cluster).
-      for (auto [kernel, waves, cluster, name] :
+      // Batch 1 fills 8 blocks: its split-K (about `waves` blocks per SM) decides the time.
+      for (auto [kernel, waves, early, name] :
            {KernelCase{1, 0, 0, "tile"}, {0, 0, 0, "packed 16 keys"},
             {2, 0, 0, "packed 32 keys"}, {0, 1, 0, "packed 16 keys, split waves 1"},
             {0, 3, 0, "packed 16 keys, split waves 3"},
             {0, 4, 0, "packed 16 keys, split waves 4"},
-            {0, 0, 8, "packed 16 keys, cluster 8"}, {0, 0, 16, "packed 16 keys, cluster 16"}}) {
+            {0, 0, 1, "packed 16 keys, early key requests"}}) {
         if (waves > 0 && B > 1) continue;  // 256 blocks already fill the GPU: no split
-        if (cluster > 0 && B > 1) continue;
         p.decode_kernel = kernel;
         p.split_waves = waves;
-        p.decode_cluster = cluster;
+        p.decode_early_kv = early;
         const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
         void* ws = nullptr;
         if (ws_bytes) cudaMalloc(&ws, ws_bytes);

@@ -755,11 +755,6 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
                                                      : Sm90Variant::kPlain;
       return Sm90PagedAttention(p, v, stream);
     }
-    if (plan.splits > 1 && p.decode_cluster > 1 && DecodeAttentionSupports(p)) {
-      const cudaError_t e = DecodeAttentionCluster(
-          p, plan.splits < p.decode_cluster ? plan.splits : p.decode_cluster, stream);
-      if (e != cudaErrorNotSupported) return e;
-    }
     if (plan.splits > 1) {
       if (workspace_bytes < PagedAttentionWorkspaceBytes(p) || workspace == nullptr)
         return cudaErrorInvalidValue;

@@ -98,12 +98,6 @@ struct PagedAttentionParams {
   // split_waves blocks per SM (capped at 64 splits and two 64-key tiles per split). 0: two for
   // launches of at most 16 blocks, else one (measured, docs/perf-notes.md v9).
   int split_waves = 0;
-  // A split batched decode call on the packed kernel (split_waves' plan) merged inside a
-  // thread-block cluster of min(decode_cluster, planned splits) blocks per (sequence, KV head)
-  // through distributed shared memory (kernels::DecodeAttentionCluster) instead of through the
-  // workspace and the split-K combine launch; 0 or 1: the workspace path, which also serves
-  // where no such cluster fits the device. Default: 0
-  int decode_cluster = 0;
   // The packed decode kernel requests the key tiles below every row's position before its
   // programmatic-launch wait (kernels/common.cuh), overlapping the kernels before it (the
   // step's RoPE + K/V write, which may let it start during the qkv projection:

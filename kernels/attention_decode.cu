@@ -1,7 +1,5 @@
 #include "kernels/attention_decode.h"
 
-#include <cooperative_groups.h>
-
 #include <climits>
 #include <cmath>
 
@@ -21,79 +19,19 @@ using detail::Swz;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -INFINITY;
-constexpr int kMaxClusterSplits = 16;  // the largest (non-portable) cluster on Hopper
 constexpr int kRows = 16;  // one m16n8k16 tile of (query row, head) pairs per block
 
 // Q tile + every warp's ST stages of BN keys (K and V). The merge after the loop reuses the
-// stage area for the warps' fp32 partial outputs ([NW][kRows][HD]) and, merging over a
-// cluster, the block's merged output ([kRows][HD] after them).
+// stage area for the warps' fp32 partial outputs ([NW][kRows][HD]).
 template <int HD, int NW, int BN, int ST>
 constexpr int DecodeSmemBytes() {
-  static_assert(NW * ST * 2 * BN * HD * 2 >= (NW + 1) * kRows * HD * 4, "merge area");
+  static_assert(NW * ST * 2 * BN * HD * 2 >= NW * kRows * HD * 4, "merge area");
   return (kRows * HD + NW * ST * 2 * BN * HD) * 2;
-}
-
-// The merge of a cluster's splits (DecodeKernel<..., true>): each block has its partial output
-// sV [kRows][HD] and log2 sum-exps s_lse [kRows] in shared memory; block `rank` of the S in
-// the cluster writes elements rank, rank + S, ... of the tile, each from every block's values
-// in split order, as CombineKernel does from the workspace (bit-identical to it at S splits).
-// The closing barrier keeps every block's shared memory alive until the others have read it.
-template <int HD>
-__device__ __forceinline__ void ClusterMerge(const PagedAttentionParams& p, float* sV,
-                                             float* s_lse, int q0, int R, int G, int kvh) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  __shared__ float s_w[kMaxClusterSplits][kRows];  // every split's lse, then its weight
-  __shared__ float s_mx[kRows];
-  const int S = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int tid = threadIdx.x, nt = blockDim.x;
-  cluster.sync();  // every block's sV and s_lse are written
-  for (int i = tid; i < S * kRows; i += nt) {
-    const int s = i / kRows, m = i % kRows;
-    s_w[s][m] = *cluster.map_shared_rank(s_lse + m, s);
-  }
-  __syncthreads();
-  if (tid < kRows) {
-    float mx = kNegInf;
-    for (int s = 0; s < S; ++s) mx = fmaxf(mx, s_w[s][tid]);
-    s_mx[tid] = mx;
-  }
-  __syncthreads();
-  for (int i = tid; i < S * kRows; i += nt) {
-    const int s = i / kRows, m = i % kRows;
-    const float l = s_w[s][m], mx = s_mx[m];
-    s_w[s][m] = (mx == kNegInf || l == kNegInf) ? 0.0f : exp2f(l - mx);
-  }
-  __syncthreads();
-  const int H = p.n_heads;
-  for (int e = rank + S * tid; e < kRows * HD; e += S * nt) {
-    const int m = e / HD, d = e % HD;
-    if (m / G >= R) continue;
-    float acc = 0.0f, wsum = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float w = s_w[s][m];
-      if (w != 0.0f) {
-        wsum += w;
-        acc += w * *cluster.map_shared_rank(sV + e, s);
-      }
-    }
-    const float v = wsum > 0.0f ? acc / wsum : 0.0f;
-    const int qrow = q0 + m / G, head = kvh * G + m % G;
-    p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
-    if (d == 0 && p.lse) p.lse[(int64_t)qrow * H + head] = wsum > 0.0f ? s_mx[m] + log2f(wsum) : kNegInf;
-  }
-  cluster.sync();  // no block leaves while another reads its shared memory
-#endif
 }
 
 // Block (sequence x, KV head y, split z). M row m of the tile is query row m / G of the
 // sequence, head kvh * G + m % G. Warp w takes key tiles t_begin + w, t_begin + w + NW, ...
-// CLUSTER: the gridDim.z splits of a (sequence, KV head) form one thread-block cluster and
-// merge their partial outputs through distributed shared memory (ws_o unused), with the
-// arithmetic of CombineKernel (kernels/attention.cu), so no combine launch follows.
-template <int HD, int NW, int BN, int ST, bool CLUSTER>
+template <int HD, int NW, int BN, int ST>
 __global__ void __launch_bounds__(32 * NW)
     DecodeKernel(const PagedAttentionParams p, float* ws_o, float* ws_lse) {
   constexpr int CH = HD / 8;  // 16-byte chunks per row
@@ -135,7 +73,7 @@ __global__ void __launch_bounds__(32 * NW)
 
   const int n_tiles = static_cast<int>(CeilDiv(kv_end, BN));
   int t_begin = 0, t_end = n_tiles;
-  if (CLUSTER || ws_o != nullptr) {  // this block's own key range divided over the splits
+  if (ws_o != nullptr) {  // this block's own key range divided over the splits
     const int per = static_cast<int>(CeilDiv(n_tiles, static_cast<int>(gridDim.z)));
     t_begin = split * per;
     t_end = min(n_tiles, t_begin + per);
@@ -294,8 +232,6 @@ __global__ void __launch_bounds__(32 * NW)
   }
   __syncthreads();  // every warp is done with its stages: the area becomes sO
   float* sO = reinterpret_cast<float*>(sKV);
-  float* sV = sO + NW * kRows * HD;  // CLUSTER: this block's merged output, read by the cluster
-  __shared__ float s_lse[kRows];     // CLUSTER: its log2 sum-exps
   if (tq == 0) {
     s_m[warp][g] = row_m[0];
     s_l[warp][g] = row_l[0];
@@ -331,10 +267,7 @@ __global__ void __launch_bounds__(32 * NW)
     const float lse = l > 0.0f ? mx + log2f(l) : kNegInf;
     const int qrow = q0 + m / G, head = kvh * G + m % G;
     const int64_t rh = (int64_t)qrow * H + head;
-    if (CLUSTER) {
-      sV[m * HD + d] = v;
-      if (d == 0) s_lse[m] = lse;
-    } else if (ws_o != nullptr) {
+    if (ws_o != nullptr) {
       const int64_t base = (int64_t)split * p.num_q * H + rh;
       ws_o[base * HD + d] = v;
       if (d == 0) ws_lse[base] = lse;
@@ -343,7 +276,6 @@ __global__ void __launch_bounds__(32 * NW)
       if (d == 0 && p.lse) p.lse[rh] = lse;
     }
   }
-  if constexpr (CLUSTER) ClusterMerge<HD>(p, sV, s_lse, q0, R, G, kvh);
 }
 
 template <int HD, int NW, int BN, int ST>
@@ -352,65 +284,15 @@ cudaError_t Launch(const PagedAttentionParams& p, float* ws_o, float* ws_lse, in
   constexpr int smem = DecodeSmemBytes<HD, NW, BN, ST>();
   static bool configured = false;
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(DecodeKernel<HD, NW, BN, ST, false>,
+    const cudaError_t e = cudaFuncSetAttribute(DecodeKernel<HD, NW, BN, ST>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured = true;
   }
   const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.n_kv_heads),
                   static_cast<unsigned>(splits));
-  return detail::LaunchPdl(DecodeKernel<HD, NW, BN, ST, false>, grid, 32 * NW, smem, stream, p,
+  return detail::LaunchPdl(DecodeKernel<HD, NW, BN, ST>, grid, 32 * NW, smem, stream, p,
                            ws_o, ws_lse);
-}
-
-// The cluster-merged launch: clusters of `splits` blocks along z. Whether a cluster of that
-// size fits the device is asked once per size (cudaOccupancyMaxActiveClusters; an error or 0:
-// cudaErrorNotSupported, the caller's workspace path), before anything is enqueued, so a
-// captured graph never records a failed launch.
-template <int HD, int NW, int BN, int ST>
-cudaError_t LaunchCluster(const PagedAttentionParams& p, int splits, cudaStream_t stream) {
-  constexpr int smem = DecodeSmemBytes<HD, NW, BN, ST>();
-  auto* kernel = DecodeKernel<HD, NW, BN, ST, true>;
-  static bool configured = false;
-  static signed char fits[kMaxClusterSplits + 1] = {};  // 0 unknown, 1 fits, -1 does not
-  if (!configured) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-            cudaSuccess ||
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
-            cudaSuccess) {
-      cudaGetLastError();  // not sticky: the workspace path runs instead
-      return cudaErrorNotSupported;
-    }
-    configured = true;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.n_kv_heads),
-                     static_cast<unsigned>(splits));
-  cfg.blockDim = dim3(32 * NW);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = static_cast<unsigned>(splits);
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (fits[splits] == 0) {
-    int clusters = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-    if (e != cudaSuccess) cudaGetLastError();
-    fits[splits] = e == cudaSuccess && clusters > 0 ? 1 : -1;
-  }
-  if (fits[splits] < 0) return cudaErrorNotSupported;
-  const uint64_t blocks = uint64_t(cfg.gridDim.x) * cfg.gridDim.y * cfg.gridDim.z;
-  if (blocks <= detail::kPdlMaxBlocks && detail::PdlEnabled()) {
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.numAttrs = 2;
-  }
-  return cudaLaunchKernelEx(&cfg, kernel, p, static_cast<float*>(nullptr),
-                            static_cast<float*>(nullptr));
 }
 
 }  // namespace
@@ -433,18 +315,6 @@ cudaError_t DecodeAttention(const PagedAttentionParams& p, float* ws_o, float* w
   }
   return p.head_dim == 128 ? Launch<128, 4, 16, 3>(p, ws_o, ws_lse, splits, stream)
                            : Launch<64, 4, 16, 3>(p, ws_o, ws_lse, splits, stream);
-}
-
-cudaError_t DecodeAttentionCluster(const PagedAttentionParams& p, int splits,
-                                   cudaStream_t stream) {
-  if (!DecodeAttentionSupports(p) || splits < 2 || splits > kMaxClusterSplits)
-    return cudaErrorInvalidValue;
-  if (p.decode_kernel == 2) {
-    return p.head_dim == 128 ? LaunchCluster<128, 4, 32, 3>(p, splits, stream)
-                             : LaunchCluster<64, 4, 32, 3>(p, splits, stream);
-  }
-  return p.head_dim == 128 ? LaunchCluster<128, 4, 16, 3>(p, splits, stream)
-                           : LaunchCluster<64, 4, 16, 3>(p, splits, stream);
 }
 
 }  // namespace sparsex::kernels

@@ -23,12 +23,5 @@ bool DecodeAttentionSupports(const PagedAttentionParams& p);
 // [splits, num_q, n_heads]).
 cudaError_t DecodeAttention(const PagedAttentionParams& p, float* ws_o, float* ws_lse,
                             int splits, cudaStream_t stream);
-// Runs p split `splits` ways (2-16) along the keys with each (sequence, KV head)'s splits in
-// one thread-block cluster that merges them through distributed shared memory (Hopper), as the
-// split-K combine kernel does from the workspace: writes p.out (and p.lse), no workspace, no
-// second launch. cudaErrorNotSupported, before anything is enqueued, where the device cannot
-// run a cluster of that size: the caller takes the workspace path.
-cudaError_t DecodeAttentionCluster(const PagedAttentionParams& p, int splits,
-                                   cudaStream_t stream);
 
 }  // namespace sparsex::kernels

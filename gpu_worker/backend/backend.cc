@@ -108,7 +108,6 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* g = std::getenv("SPX_CUDA_GRAPHS")) o.cuda_graphs = std::string(g) != "0";
   IntFromEnv("SPX_GRAPH_FIRST_SEGMENT", 1, 64, "launch count", o.graph_first_segment);
-  IntFromEnv("SPX_DECODE_CLUSTER", 0, 16, "cluster size", o.decode_cluster);
   if (const char* a = std::getenv("SPX_DEVICE_SAMPLING")) {
     o.device_sampling = std::string(a) != "0";
   }

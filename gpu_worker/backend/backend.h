@@ -198,13 +198,6 @@ struct CudaBackendOptions {
   // blocks, else 1). SPX_SPLIT_WAVES.
   // Default: 0
   int split_waves = 0;
-  // Those splits of a batched decode call (batch 1-4 at long contexts) merged inside a
-  // thread-block cluster of up to this many blocks per (sequence, KV head), through distributed
-  // shared memory, instead of through a workspace and a combine launch between the attention
-  // and the o projection (PagedAttentionParams::decode_cluster); 0 the workspace path, which
-  // also serves where the device runs no such cluster. SPX_DECODE_CLUSTER (0-16).
-  // Default: 0
-  int decode_cluster = 0;
   // The packed decode attention requests the key tiles below its rows' positions before its
   // programmatic-launch wait, overlapping the step's RoPE and K/V write
   // (PagedAttentionParams::decode_early_kv). SPX_DECODE_EARLY_KV=1 sets true. Default: false

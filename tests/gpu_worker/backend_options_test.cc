@@ -122,20 +122,6 @@ TEST(CudaBackendOptionsFromEnv, SmallNAutoRows) {
   }
 }
 
-TEST(CudaBackendOptionsFromEnv, DecodeCluster) {
-  EXPECT_EQ(CudaBackendOptions{}.decode_cluster, 0);  // off until measured on a GPU
-  for (auto [text, want] : {std::pair{"0", 0}, std::pair{"8", 8}, std::pair{"16", 16}}) {
-    Env e;
-    e.Set("SPX_DECODE_CLUSTER", text);
-    EXPECT_EQ(CudaBackendOptionsFromEnv().decode_cluster, want) << text;
-  }
-  for (const char* bad : {"-1", "17", "8x", ""}) {
-    Env e;
-    e.Set("SPX_DECODE_CLUSTER", bad);
-    EXPECT_EQ(CudaBackendOptionsFromEnv().decode_cluster, 0) << "'" << bad << "' kept the default";
-  }
-}
-
 TEST(CudaBackendOptionsFromEnv, DecodeEarlyKv) {
   EXPECT_FALSE(CudaBackendOptions{}.decode_early_kv);
   Env e;
