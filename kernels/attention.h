@@ -108,6 +108,10 @@ struct PagedAttentionParams {
   // one). Every other kernel waits before it lets the next one start, so the kernels before
   // those two have finished when this one starts. Default: 0
   int decode_early_kv = 0;
+  // The split-K combine lets the next launch (the o projection) start before its own launch
+  // wait, so that matmul requests its weights during the attention. Only for a next kernel
+  // that reads nothing but constants before its own wait. Default: 0
+  int early_launch = 0;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

@@ -121,6 +121,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
   SwitchFromEnv("SPX_FUSED_NORM", o.fused_norm);
   SwitchFromEnv("SPX_DECODE_EARLY_KV", o.decode_early_kv);
+  SwitchFromEnv("SPX_EARLY_LAUNCH", o.early_launch);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   SwitchFromEnv("SPX_ATTN_BULK_KV", o.attn_bulk_kv);

@@ -131,6 +131,15 @@ TEST(CudaBackendOptionsFromEnv, DecodeEarlyKv) {
   EXPECT_FALSE(CudaBackendOptionsFromEnv().decode_early_kv) << "not 0 or 1: default kept";
 }
 
+TEST(CudaBackendOptionsFromEnv, EarlyLaunch) {
+  EXPECT_FALSE(CudaBackendOptions{}.early_launch);
+  Env e;
+  e.Set("SPX_EARLY_LAUNCH", "1");
+  EXPECT_TRUE(CudaBackendOptionsFromEnv().early_launch);
+  e.Set("SPX_EARLY_LAUNCH", "on");
+  EXPECT_FALSE(CudaBackendOptionsFromEnv().early_launch) << "not 0 or 1: default kept";
+}
+
 TEST(CudaBackendOptionsFromEnv, FusedNorm) {
   EXPECT_FALSE(CudaBackendOptions{}.fused_norm);  // measured slower (session 27)
   Env e;

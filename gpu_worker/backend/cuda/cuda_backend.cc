@@ -572,8 +572,8 @@ absl::Status CudaBackend::RmsNorm(const Tensor& x, const Tensor& w, float eps, T
   if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("RmsNorm: weight size");
   return Run("RmsNorm", [=, this] {
     return kernels::RmsNorm(B(x), x.cols, B(w), B(out), out.cols, x.rows,
-                            static_cast<int>(x.cols), eps, stream_);
-  }, x.data, x.rows, x.cols, w.data, out.data, out.cols, eps);
+                            static_cast<int>(x.cols), eps, stream_, options_.early_launch);
+  }, x.data, x.rows, x.cols, w.data, out.data, out.cols, eps, options_.early_launch);
 }
 
 absl::Status CudaBackend::MatMul(const Tensor& x, const Tensor& w, Tensor& out) {
@@ -658,8 +658,9 @@ absl::Status CudaBackend::AddRmsNorm(Tensor& x, const Tensor& b, const Tensor& w
   if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("AddRmsNorm: weight size");
   return Run("AddRmsNorm", [=, this] {
     return kernels::AddRmsNorm(B(x), x.cols, B(b), b.cols, B(w), B(out), out.cols, x.rows,
-                               static_cast<int>(x.cols), eps, stream_);
-  }, x.data, x.rows, x.cols, b.data, b.cols, w.data, out.data, out.cols, eps);
+                               static_cast<int>(x.cols), eps, stream_, options_.early_launch);
+  }, x.data, x.rows, x.cols, b.data, b.cols, w.data, out.data, out.cols, eps,
+             options_.early_launch);
 }
 
 absl::Status CudaBackend::SwiGLU(const Tensor& x, Tensor& out) {
