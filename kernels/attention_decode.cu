@@ -284,15 +284,15 @@ cudaError_t Launch(const PagedAttentionParams& p, float* ws_o, float* ws_lse, in
   constexpr int smem = DecodeSmemBytes<HD, NW, BN, ST>();
   static bool configured = false;
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(DecodeKernel<HD, NW, BN, ST>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t e = cudaFuncSetAttribute(
+        DecodeKernel<HD, NW, BN, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     configured = true;
   }
   const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.n_kv_heads),
                   static_cast<unsigned>(splits));
-  return detail::LaunchPdl(DecodeKernel<HD, NW, BN, ST>, grid, 32 * NW, smem, stream, p,
-                           ws_o, ws_lse);
+  return detail::LaunchPdl(DecodeKernel<HD, NW, BN, ST>, grid, 32 * NW, smem, stream, p, ws_o,
+                           ws_lse);
 }
 
 }  // namespace
