@@ -11,13 +11,16 @@
 # (SPX_ATTN_IMPL=wgmma-ws-128-lsum: no gain, off; session 25). The script re-checks and times
 # them on a new card, the defaults against the 64-key ws kernel. Measured in session 26 (H100):
 # the short first graph segments (SPX_GRAPH_FIRST_SEGMENT=8, default), the small-n kernel at 1
-# row (SPX_SMALL_N_ROWS=1, default). Built in session 26 after its device time ran out, not yet
-# run: a decode row's RMSNorm folded into the small-n matmul (SPX_FUSED_NORM, off).
+# row (SPX_SMALL_N_ROWS=1, default). Measured in session 27 (H100): the norm folded into the
+# small-n matmul (SPX_FUSED_NORM=1: 6.85 ms a batch-1 step against 6.25, off). Built in session
+# 27: the decode attention's early key requests (SPX_DECODE_EARLY_KV; its first version raced
+# the table staging and was mended) and the early launches of the norms and the split-K combine
+# (SPX_EARLY_LAUNCH), both off until measured.
 # This call:
-#   0. DecodeMatMulConsistency.NormFoldedIntoTheMatMul (bit-identical to the two kernels),
-#      cuda_engine_test with SPX_FUSED_NORM=1 (stories260K greedy against the CPU takes the
-#      folded path; graph replay against plain launches), then decode steps at 8K, batch 1 and
-#      32, SPX_FUSED_NORM=0 and 1 alternated, twice each;
+#   0. AttentionConsistency.DecodeEarlyKeyRequests, cuda_engine_test with both switches on,
+#      then decode steps at 8K, batch 1 and 32, with the defaults and with both switches,
+#      alternated twice, and each switch alone once (each line carries a hash of the greedy
+#      tokens, which the switches must not change);
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined, ws 128 and ws 128 with row sums on
 #      MMA cases alone under a short timeout each (a hang there must not eat the call; later
@@ -36,8 +39,8 @@
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
 #   5. (step 0 times the decode steps.)
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
-# micro.json/.log, hf.json, norm.log, engine.log, decode_norm<0|1>_<round>.json/.log: a device call brings
-# back only a few files).
+# micro.json/.log, hf.json, early.log, engine.log, decode_<off|on>_<round>.json/.log,
+# decode_kv_only/launch_only.json/.log: a device call brings back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
@@ -55,22 +58,30 @@ left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
-timeout 120 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='DecodeMatMulConsistency.NormFolded*' >"$FINAL/norm.log" 2>&1
-stamp "folded norm test exit $?"
-grep -E "FAILED|PASSED|Failure|Expected|Which is|differs" "$FINAL/norm.log" | head -n 12 | tee -a "$LOG"
-SPX_FUSED_NORM=1 timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 >"$FINAL/engine.log" 2>&1
-stamp "cuda_engine_test (SPX_FUSED_NORM=1) exit $?"
+timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
+  --gtest_filter='AttentionConsistency.DecodeEarlyKey*' >"$FINAL/early.log" 2>&1
+stamp "early key requests test exit $?"
+grep -E "FAILED|PASSED|Failure|Expected|Which is" "$FINAL/early.log" | head -n 12 | tee -a "$LOG"
+SPX_DECODE_EARLY_KV=1 SPX_EARLY_LAUNCH=1 timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 \
+  >"$FINAL/engine.log" 2>&1
+stamp "cuda_engine_test (SPX_DECODE_EARLY_KV=1 SPX_EARLY_LAUNCH=1) exit $?"
 grep -E "FAILED|PASSED|Failure|tests ran" "$FINAL/engine.log" | head -n 12 | tee -a "$LOG"
+early_dec() {  # name, then environment assignments
+  local name=$1; shift
+  env "$@" timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 --warmup 0 --no-micro \
+    --decode-ctx 8192 --decode-steps 24 --decode-batch 32 \
+    --out "$FINAL/decode_$name.json" >"$FINAL/decode_$name.log" 2>&1
+  stamp "decode steps $name ($*): exit $?"
+  grep -E "greedy on the device" "$FINAL/decode_$name.log" | tee -a "$LOG"
+}
+OFF="SPX_DECODE_EARLY_KV=0 SPX_EARLY_LAUNCH=0"
+ON="SPX_DECODE_EARLY_KV=1 SPX_EARLY_LAUNCH=1"
 for round in 1 2; do
-  for fused in 0 1; do
-    SPX_FUSED_NORM=$fused timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 \
-      --warmup 0 --no-micro --decode-ctx 8192 --decode-steps 24 --decode-batch 32 \
-      --out "$FINAL/decode_norm${fused}_$round.json" >"$FINAL/decode_norm${fused}_$round.log" 2>&1
-    stamp "decode steps, SPX_FUSED_NORM=$fused, round $round: exit $?"
-    grep -E "greedy on the device" "$FINAL/decode_norm${fused}_$round.log" | tee -a "$LOG"
-  done
+  early_dec "off_$round" $OFF
+  early_dec "on_$round" $ON
 done
+early_dec kv_only SPX_DECODE_EARLY_KV=1 SPX_EARLY_LAUNCH=0
+early_dec launch_only SPX_DECODE_EARLY_KV=0 SPX_EARLY_LAUNCH=1
 
 stamp "attention GPU tests"
 # The complement test runs its cases three ways since session 24 (~70 s on an H100, its CPU
