@@ -105,8 +105,9 @@ struct PagedAttentionParams {
   // write keys at the rows' own positions only (every key below them is older), and the
   // position and slot tables were staged before them (the backend sets this only when its
   // tables were staged by an earlier call; a fresh stage is a copy kernel right before this
-  // one). Every other kernel waits before it lets the next one start, so the kernels before
-  // those two have finished when this one starts. Default: 0
+  // one). The qkv projection waits before it lets the RoPE start, and a kernel that has
+  // finished had passed its own wait, so when this one starts every kernel before the qkv
+  // projection has finished. Default: 0
   int decode_early_kv = 0;
   // The split-K combine lets the next launch (the o projection) start before its own launch
   // wait, so that matmul requests its weights during the attention. Only for a next kernel

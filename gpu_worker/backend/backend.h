@@ -200,14 +200,17 @@ struct CudaBackendOptions {
   // Default: 0
   int split_waves = 0;
   // The packed decode attention requests the key tiles below its rows' positions before its
-  // programmatic-launch wait, overlapping the step's RoPE and K/V write
-  // (PagedAttentionParams::decode_early_kv). SPX_DECODE_EARLY_KV=1 sets true. Default: false
+  // programmatic-launch wait, and the step's RoPE + K/V write lets it start before its own wait
+  // (RopeArgs::trigger_first), so those requests overlap the qkv projection and the RoPE; only
+  // where the call's tables were staged by an earlier call (every layer of a step but the
+  // first; PagedAttentionParams::decode_early_kv). Built in session 27, not yet measured.
+  // SPX_DECODE_EARLY_KV=1 sets true. Default: false
   bool decode_early_kv = false;
   // The decode norms (RmsNorm, AddRmsNorm) and the attention's split-K combine let the next
   // kernel start before their own launch wait, so the matmul after each (qkv, gate_up, o,
   // lm_head) requests its weights while the kernel before the norm or the attention still runs
-  // (kernels::RmsNorm's trigger_first, PagedAttentionParams::early_launch).
-  // SPX_EARLY_LAUNCH=1 sets true. Default: false
+  // (kernels::RmsNorm's trigger_first, PagedAttentionParams::early_launch). Built in session
+  // 27, not yet measured. SPX_EARLY_LAUNCH=1 sets true. Default: false
   bool early_launch = false;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
