@@ -82,6 +82,15 @@ for round in 1 2; do
 done
 early_dec kv_only SPX_DECODE_EARLY_KV=1 SPX_EARLY_LAUNCH=0
 early_dec launch_only SPX_DECODE_EARLY_KV=0 SPX_EARLY_LAUNCH=1
+# The greedy tokens' hashes (one per decode mode and batch) must be the same in every run: an
+# early read racing a write would change them.
+for f in "$FINAL"/decode_{on_1,on_2,kv_only,launch_only}.log; do
+  if [ "$(grep -o 'tokens [0-9a-f]*' "$f")" = "$(grep -o 'tokens [0-9a-f]*' "$FINAL/decode_off_1.log")" ]; then
+    stamp "$(basename "$f"): greedy tokens as with both off"
+  else
+    stamp "$(basename "$f"): GREEDY TOKENS DIFFER from both off"
+  fi
+done
 
 stamp "attention GPU tests"
 # The complement test runs its cases three ways since session 24 (~70 s on an H100, its CPU
