@@ -891,6 +891,25 @@ class AttentionConsistency : public BackendConsistency {
     Run({name("stats dense 2048").c_str(), 32, 8, 128, 2048, Dense(0, 2048), true});
     Run({name("one row").c_str(), 32, 8, 128, 700, std::vector<int32_t>{699}});
   }
+  // A batched attention call: sequences of contexts ctx, rows_per[s] rows each at the
+  // context's last positions, their K/V at shuffled 16-slot blocks of a CPU and a GPU pool (two
+  // blocks spare); q, out and the arguments (whose spans point into slots, seqs and q_pos).
+  struct BatchedCall {
+    KvPool pc, pg;
+    std::vector<std::vector<int32_t>> slots;
+    std::vector<SeqRows> seqs;
+    std::vector<int32_t> q_pos;
+    Pair q, out;
+    AttentionArgs a;
+  };
+  void MakeBatched(int H, int KV, int hd, const std::vector<int>& ctx,
+                   const std::vector<int>& rows_per, BatchedCall& b);
+  void FreeBatched(BatchedCall& b) {
+    cpu_->FreeKvPool(b.pc);
+    gpu_->FreeKvPool(b.pg);
+    Free(b.q);
+    Free(b.out);
+  }
   // Batched sequences (decode rows, a mixed step's chunk) through gpu_ against the CPU.
   void RunBatched(int H, int KV, int hd);
   // One decode row per sequence over contexts ctx (the rows at each context's last position).
@@ -1198,120 +1217,91 @@ TEST_F(AttentionConsistency, BatchedSequences) {
   }
 }
 
-void AttentionConsistency::RunBatched(int H, int KV, int hd) {
+void AttentionConsistency::MakeBatched(int H, int KV, int hd, const std::vector<int>& ctx,
+                                       const std::vector<int>& rows_per, BatchedCall& b) {
   const int bs = 16, kv_dim = KV * hd;
+  int total_blocks = 0;
+  for (int c : ctx) total_blocks += (c + bs - 1) / bs;
+  auto pc = cpu_->AllocKvPool(1, total_blocks + 2, bs, kv_dim);
+  auto pg = gpu_->AllocKvPool(1, total_blocks + 2, bs, kv_dim);
+  ASSERT_TRUE(pc.ok() && pg.ok());
+  b.pc = std::move(*pc);
+  b.pg = std::move(*pg);
+  std::vector<int32_t> table(total_blocks + 2);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng_);
+  b.slots.assign(ctx.size(), {});
+  int next_block = 0;
+  for (size_t s = 0; s < ctx.size(); ++s) {
+    for (int j = 0; j < ctx[s]; ++j) b.slots[s].push_back(table[next_block + j / bs] * bs + j % bs);
+    next_block += (ctx[s] + bs - 1) / bs;
+    Pair kv = Make(ctx[s], 2 * kv_dim, Rand(static_cast<size_t>(ctx[s]) * 2 * kv_dim, 2.0f));
+    ASSERT_TRUE(cpu_->WriteKv(b.pc, 0, kv.c, 0, kv.c, kv_dim, b.slots[s]).ok());
+    ASSERT_TRUE(gpu_->WriteKv(b.pg, 0, kv.g, 0, kv.g, kv_dim, b.slots[s]).ok());
+    Free(kv);
+    const int r = std::min(rows_per[s], ctx[s]);
+    const auto row = static_cast<int64_t>(b.q_pos.size());
+    b.seqs.push_back({row, row + r, b.slots[s]});
+    for (int i = 0; i < r; ++i) b.q_pos.push_back(ctx[s] - r + i);
+  }
+  const int n = static_cast<int>(b.q_pos.size());
+  b.q = MakeRand(n, static_cast<int64_t>(H + 2 * KV) * hd, 2.0f);
+  b.out = MakeOut(n, static_cast<int64_t>(H) * hd);
+  b.a.n_heads = H;
+  b.a.n_kv_heads = KV;
+  b.a.head_dim = hd;
+  b.a.q_pos = b.q_pos;
+  b.a.seqs = b.seqs;
+}
+
+void AttentionConsistency::RunBatched(int H, int KV, int hd) {
   // {.., 300}: a mixed prefill/decode step (Engine::StepWithChunks): the leading decode rows in
   // one batched launch, the chunk on its own; {.., 250, 300}: two sequences' chunks in it.
   for (std::vector<int> rows_per : {std::vector<int>{1, 1, 1, 1, 1}, {1, 3, 2, 1, 1},
                                     {1, 40, 1, 1, 1}, {1, 1, 1, 1, 300}, {1, 1, 1, 250, 300}}) {
     const std::vector<int> ctx = {300, 8192, 1, 4096, 777};
-    int total_blocks = 0;
-    for (int c : ctx) total_blocks += (c + bs - 1) / bs;
-    auto pc = cpu_->AllocKvPool(1, total_blocks + 2, bs, kv_dim);
-    auto pg = gpu_->AllocKvPool(1, total_blocks + 2, bs, kv_dim);
-    ASSERT_TRUE(pc.ok() && pg.ok());
-    std::vector<int32_t> table(total_blocks + 2);
-    std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), rng_);
-    std::vector<std::vector<int32_t>> slots(ctx.size());
-    std::vector<SeqRows> seqs;
-    std::vector<int32_t> q_pos;
-    int next_block = 0;
-    for (size_t s = 0; s < ctx.size(); ++s) {
-      for (int j = 0; j < ctx[s]; ++j) slots[s].push_back(table[next_block + j / bs] * bs + j % bs);
-      next_block += (ctx[s] + bs - 1) / bs;
-      Pair kv = Make(ctx[s], 2 * kv_dim, Rand(static_cast<size_t>(ctx[s]) * 2 * kv_dim, 2.0f));
-      ASSERT_TRUE(cpu_->WriteKv(*pc, 0, kv.c, 0, kv.c, kv_dim, slots[s]).ok());
-      ASSERT_TRUE(gpu_->WriteKv(*pg, 0, kv.g, 0, kv.g, kv_dim, slots[s]).ok());
-      Free(kv);
-      const int r = std::min(rows_per[s], ctx[s]);
-      seqs.push_back({static_cast<int64_t>(q_pos.size()), static_cast<int64_t>(q_pos.size()) + r,
-                      slots[s]});
-      for (int i = 0; i < r; ++i) q_pos.push_back(ctx[s] - r + i);
-    }
-    const int n = static_cast<int>(q_pos.size());
-    Pair q = MakeRand(n, static_cast<int64_t>(H + 2 * KV) * hd, 2.0f);
-    Pair out = MakeOut(n, static_cast<int64_t>(H) * hd);
-    AttentionArgs a;
-    a.n_heads = H;
-    a.n_kv_heads = KV;
-    a.head_dim = hd;
-    a.q_pos = q_pos;
-    a.seqs = seqs;
-    ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
-    absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
+    BatchedCall b;
+    MakeBatched(H, KV, hd, ctx, rows_per, b);
+    if (HasFatalFailure()) return;
+    AttentionArgs& a = b.a;
+    ASSERT_TRUE(cpu_->Attention(b.q.c, b.pc, 0, a, b.out.c).ok());
+    absl::Status st = gpu_->Attention(b.q.g, b.pg, 0, a, b.out.g);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_LT(Compare(out), kTol) << "rows per sequence " << rows_per[1] << " " << rows_per[4];
+    EXPECT_LT(Compare(b.out), kTol) << "rows per sequence " << rows_per[1] << " " << rows_per[4];
     // The same tables again (the next layer: the backend reuses its device copy), then tables
     // that changed in one slot (it must not).
-    ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
-    EXPECT_LT(Compare(out), kTol) << "repeated tables";
-    std::vector<int32_t> changed = slots[3];
+    ASSERT_TRUE(gpu_->Attention(b.q.g, b.pg, 0, a, b.out.g).ok());
+    EXPECT_LT(Compare(b.out), kTol) << "repeated tables";
+    std::vector<int32_t> changed = b.slots[3];
     changed[700] = changed[5];  // position 700 now reads position 5's key and value
-    std::vector<SeqRows> seqs2 = seqs;
+    std::vector<SeqRows> seqs2 = b.seqs;
     seqs2[3].ctx_slots = changed;
     a.seqs = seqs2;
-    ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
-    ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
-    EXPECT_LT(Compare(out), kTol) << "changed tables";
-    a.seqs = seqs;
+    ASSERT_TRUE(cpu_->Attention(b.q.c, b.pc, 0, a, b.out.c).ok());
+    ASSERT_TRUE(gpu_->Attention(b.q.g, b.pg, 0, a, b.out.g).ok());
+    EXPECT_LT(Compare(b.out), kTol) << "changed tables";
+    a.seqs = b.seqs;
     // A row outside its own sequence's context is refused.
-    std::vector<int32_t> bad = q_pos;
+    std::vector<int32_t> bad = b.q_pos;
     bad[0] = ctx[0];
     a.q_pos = bad;
-    EXPECT_FALSE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
-    cpu_->FreeKvPool(*pc);
-    gpu_->FreeKvPool(*pg);
-    Free(q);
-    Free(out);
+    EXPECT_FALSE(gpu_->Attention(b.q.g, b.pg, 0, a, b.out.g).ok());
+    FreeBatched(b);
   }
 }
 
 void AttentionConsistency::RunDecodeRows(int H, int KV, int hd, const std::vector<int>& ctx) {
-  const int bs = 16, kv_dim = KV * hd;
-  int total_blocks = 0;
-  for (int c : ctx) total_blocks += (c + bs - 1) / bs;
-  auto pc = cpu_->AllocKvPool(1, total_blocks, bs, kv_dim);
-  auto pg = gpu_->AllocKvPool(1, total_blocks, bs, kv_dim);
-  ASSERT_TRUE(pc.ok() && pg.ok());
-  std::vector<int32_t> table(total_blocks);
-  std::iota(table.begin(), table.end(), 0);
-  std::shuffle(table.begin(), table.end(), rng_);
-  std::vector<std::vector<int32_t>> slots(ctx.size());  // SeqRows holds spans of them
-  std::vector<SeqRows> seqs;
-  std::vector<int32_t> q_pos;
-  int next_block = 0;
-  for (size_t s = 0; s < ctx.size(); ++s) {
-    for (int j = 0; j < ctx[s]; ++j) slots[s].push_back(table[next_block + j / bs] * bs + j % bs);
-    next_block += (ctx[s] + bs - 1) / bs;
-    Pair kv = Make(ctx[s], 2 * kv_dim, Rand(static_cast<size_t>(ctx[s]) * 2 * kv_dim, 2.0f));
-    ASSERT_TRUE(cpu_->WriteKv(*pc, 0, kv.c, 0, kv.c, kv_dim, slots[s]).ok());
-    ASSERT_TRUE(gpu_->WriteKv(*pg, 0, kv.g, 0, kv.g, kv_dim, slots[s]).ok());
-    Free(kv);
-    const auto row = static_cast<int64_t>(q_pos.size());
-    seqs.push_back({row, row + 1, slots[s]});
-    q_pos.push_back(ctx[s] - 1);
-  }
-  const int n = static_cast<int>(q_pos.size());
-  Pair q = MakeRand(n, static_cast<int64_t>(H + 2 * KV) * hd, 2.0f);
-  Pair out = MakeOut(n, static_cast<int64_t>(H) * hd);
-  AttentionArgs a;
-  a.n_heads = H;
-  a.n_kv_heads = KV;
-  a.head_dim = hd;
-  a.q_pos = q_pos;
-  a.seqs = seqs;
-  ASSERT_TRUE(cpu_->Attention(q.c, *pc, 0, a, out.c).ok());
-  const absl::Status st = gpu_->Attention(q.g, *pg, 0, a, out.g);
+  BatchedCall b;
+  MakeBatched(H, KV, hd, ctx, std::vector<int>(ctx.size(), 1), b);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(cpu_->Attention(b.q.c, b.pc, 0, b.a, b.out.c).ok());
+  const absl::Status st = gpu_->Attention(b.q.g, b.pg, 0, b.a, b.out.g);
   ASSERT_TRUE(st.ok()) << st;
-  EXPECT_LT(Compare(out), kTol) << ctx.size() << " sequences";
+  EXPECT_LT(Compare(b.out), kTol) << ctx.size() << " sequences";
   // Again with the tables staged (the next layer of a step: decode_early_kv applies).
-  ASSERT_TRUE(gpu_->Attention(q.g, *pg, 0, a, out.g).ok());
-  EXPECT_LT(Compare(out), kTol) << ctx.size() << " sequences, tables staged";
-  cpu_->FreeKvPool(*pc);
-  gpu_->FreeKvPool(*pg);
-  Free(q);
-  Free(out);
+  ASSERT_TRUE(gpu_->Attention(b.q.g, b.pg, 0, b.a, b.out.g).ok());
+  EXPECT_LT(Compare(b.out), kTol) << ctx.size() << " sequences, tables staged";
+  FreeBatched(b);
 }
 
 // The packed decode kernel with and without its early key requests (decode_early_kv: the older
