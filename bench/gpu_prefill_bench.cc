@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bench/gpu_memory.h"
+#include "common/hash.h"
 #include "gpu_worker/backend/attention_stats_plan.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine/runner.h"
@@ -156,11 +157,11 @@ std::pair<double, double> DecodeSteps(ModelRunner& runner, EventTimer& timer,
                                       int steps, int B, bool graph, bool draw = false,
                                       float inv_temperature = 0.0f,
                                       uint64_t* token_hash = nullptr) {
-  // FNV-1a over every step's tokens: a greedy run's tokens are deterministic, so two
+  // A hash chained over every step's tokens: a greedy run's tokens are deterministic, so two
   // configurations that must compute the same (a reordering of requests) print the same hash.
-  uint64_t hash = 1469598103934665603ull;
+  uint64_t hash = 0;
   auto mix = [&hash](const std::vector<int32_t>& t) {
-    for (int32_t v : t) hash = (hash ^ static_cast<uint32_t>(v)) * 1099511628211ull;
+    hash = Hash64(t.data(), t.size() * sizeof(int32_t), hash);
   };
   const int vocab = runner.config().vocab_size;
   std::vector<int32_t> toks(B, 7), pos(B), wslots(B), all(B);
