@@ -472,9 +472,8 @@ __global__ void CombineKernel(const PagedAttentionParams p, const float* ws_o,
                               const float* ws_lse, int splits) {
   __shared__ float s_w[kMaxSplits];
   __shared__ float s_m[32];
-  if (p.early_launch) detail::PdlLaunchDependents();  // the o projection's weights stream now
   detail::PdlWait();
-  if (!p.early_launch) detail::PdlLaunchDependents();
+  detail::PdlLaunchDependents();
   const int64_t rh = blockIdx.x;  // qrow * H + head
   const int qrow = static_cast<int>(rh / p.n_heads), head = static_cast<int>(rh % p.n_heads);
   const int d = threadIdx.x, lane = d & 31, warp = d >> 5;

@@ -109,10 +109,6 @@ struct PagedAttentionParams {
   // finished had passed its own wait, so when this one starts every kernel before the qkv
   // projection has finished. Default: 0
   int decode_early_kv = 0;
-  // The split-K combine lets the next launch (the o projection) start before its own launch
-  // wait, so that matmul requests its weights during the attention. Only for a next kernel
-  // that reads nothing but constants before its own wait. Default: 0
-  int early_launch = 0;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

@@ -20,7 +20,7 @@ using bf16 = __nv_bfloat16;
 
 __host__ __device__ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Threads of a one-block-per-row launch over cols columns, per_thread each: whole warps, at
-// most 1024 (the norms and DrawRows; SmallNGemmNorm reproduces the norm's reduction with it).
+// most 1024 (the norms and DrawRows; SmallNGemmAddNorm reproduces the norm's reduction with it).
 inline int RowThreads(int64_t cols, int per_thread) {
   const int64_t t = CeilDiv(CeilDiv(cols, per_thread), 32) * 32;
   return static_cast<int>(t > 1024 ? 1024 : t);

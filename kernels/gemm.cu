@@ -223,28 +223,87 @@ struct GemvConfig {
   static constexpr int kF = F, kW = W, kG = G, kU = U, kMinBlocks1 = MinBlocks1;
 };
 
-// The RMSNorm of the matmul's one input row, computed by every block in its prologue
-// (NORM > 0, SmallNGemmNorm): x is the residual row, nb the delta added to it first (NORM 2,
-// AddRmsNorm), nw the norm weights. The sum of squares is reduced as RmsNormKernel (ops.cu)
-// reduces it with its launch's vt threads: this block's thread t plays threads t, t + blockDim,
-// ..., and their warps' sums meet in the same butterfly, so the normalised row is
-// bit-identical to the norm kernel's. The last block to finish its prologue writes x + nb back
-// to x (every block has read x by then) and resets *done for the next launch.
-struct NormArgs {
-  const __nv_bfloat16* nb;
+// The residual add and RMSNorm after a one-row matmul (EPI, SmallNGemmAddNorm), done once by
+// the block that finishes last: every block stores its outputs (the delta), fences them and
+// counts itself on *done; the last one reads the whole delta back from L2, adds it to the
+// residual row x and normalises the sum into normed with AddRmsNorm's arithmetic. The sum of
+// squares is reduced as RmsNormKernel (ops.cu) reduces it with its launch's vt threads: this
+// block's thread t plays threads t, t + blockDim, ..., and their warps' sums meet in the same
+// butterfly, so x and normed are bit-identical to the norm kernel's. That block resets *done
+// for the next launch (a later launch counts only after its launch wait, by which time this
+// grid has finished).
+struct EpiArgs {
+  __nv_bfloat16* x;
   const __nv_bfloat16* nw;
+  __nv_bfloat16* normed;
   float eps;
   int vt;
   unsigned int* done;
 };
 
-template <int N, class C, bool SWIGLU, int NORM>
+// The last block's part of EPI (T threads, dim columns; s_r: dim bf16 of shared memory).
+template <int T>
+__device__ void AddNormLastBlock(const __nv_bfloat16* delta, int64_t dim, const EpiArgs& ea,
+                                 __nv_bfloat16* s_r) {
+  namespace d = sparsex::kernels::detail;
+  __shared__ bool last;
+  __shared__ float partial[32];
+  __shared__ float total;
+  __threadfence();  // this block's delta stores are visible before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ea.done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every other block's delta is visible from here
+  const int lane = threadIdx.x & 31;
+  for (int v = threadIdx.x; v < ea.vt; v += T) {
+    float ss = 0.0f;
+    for (int64_t c = int64_t(v) * 8; c < dim; c += int64_t(ea.vt) * 8) {
+      float a[8], r[8];
+      // L2 loads: the delta was written by other blocks of this grid.
+      const uint4 dv = __ldcg(reinterpret_cast<const uint4*>(delta + c));
+      const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(ea.x + c));
+      d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(&xv), r);
+      d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(&dv), a);
+      // AddRmsNorm's residual is the first operand (ops.cu: res + x).
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = __bfloat162float(__float2bfloat16_rn(r[i] + a[i]));
+      *reinterpret_cast<d::Bf16x8*>(s_r + c) = d::Pack8(a);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss += a[i] * a[i];
+    }
+    ss = d::WarpSum(ss);
+    if (lane == 0) partial[v >> 5] = ss;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float t = lane < ea.vt / 32 ? partial[lane] : 0.0f;
+    t = d::WarpSum(t);
+    if (lane == 0) total = t;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(total / static_cast<float>(dim) + ea.eps);
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < dim; c += int64_t(T) * 8) {
+    float a[8], g[8];
+    const d::Bf16x8 sum = *reinterpret_cast<const d::Bf16x8*>(s_r + c);
+    d::Unpack8(sum, a);
+    d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(ea.nw + c), g);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = a[i] * inv * g[i];
+    *reinterpret_cast<d::Bf16x8*>(ea.x + c) = sum;
+    *reinterpret_cast<d::Bf16x8*>(ea.normed + c) = d::Pack8(a);
+  }
+  if (threadIdx.x == 0) *ea.done = 0;
+}
+
+template <int N, class C, bool SWIGLU, bool EPI>
 __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 1)
     SmallNGemmVariantKernel(const __nv_bfloat16* __restrict__ x, int64_t xs,
                             const __nv_bfloat16* __restrict__ w, int64_t ws, __nv_bfloat16* out,
                             int64_t os, int64_t m_out, int64_t half, int64_t k, float beta,
-                            NormArgs na) {
-  static_assert(NORM == 0 || (N == 1 && C::kG == 1), "the norm: one row, one group a block");
+                            EpiArgs ea) {
+  static_assert(!EPI || (N == 1 && C::kG == 1 && C::kW > 1 && !SWIGLU),
+                "the add + norm epilogue: one row, one split-k group a block");
   constexpr int F = C::kF, W = C::kW, U = C::kU;
   constexpr int P = SWIGLU ? F / 2 : F;  // output features per group
   constexpr int64_t kSeg = 256;          // elements per warp load (32 lanes x 8)
@@ -270,69 +329,8 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
       asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[f] + c));
     }
   }
-  // NORM: [k] normalised input row, then [k] x + nb (NORM 2) in dynamic shared memory.
-  extern __shared__ __align__(16) unsigned char norm_smem[];
-  __nv_bfloat16* s_x = reinterpret_cast<__nv_bfloat16*>(norm_smem);
   sparsex::kernels::detail::PdlWait();
   sparsex::kernels::detail::PdlLaunchDependents();
-  if constexpr (NORM > 0) {
-    namespace d = sparsex::kernels::detail;
-    __shared__ float partial[32];
-    __shared__ float total;
-    __shared__ bool last;
-    __nv_bfloat16* s_r = s_x + k;
-    const int T = C::kW * 32;
-    // The norm kernel's threads this one plays (whole warps: vt and T are multiples of 32).
-    for (int v = threadIdx.x; v < na.vt; v += T) {
-      float ss = 0.0f;
-      for (int64_t c = int64_t(v) * 8; c < k; c += int64_t(na.vt) * 8) {
-        float a[8];
-        d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(x + c), a);
-        if constexpr (NORM == 2) {
-          float r[8];
-          d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(na.nb + c), r);
-          // AddRmsNorm's residual is the first operand (ops.cu: res + x).
-#pragma unroll
-          for (int i = 0; i < 8; ++i) a[i] = __bfloat162float(__float2bfloat16_rn(a[i] + r[i]));
-          *reinterpret_cast<d::Bf16x8*>(s_r + c) = d::Pack8(a);
-        }
-        *reinterpret_cast<d::Bf16x8*>(s_x + c) = d::Pack8(a);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ss += a[i] * a[i];
-      }
-      ss = d::WarpSum(ss);
-      if (lane == 0) partial[v >> 5] = ss;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      float t = lane < na.vt / 32 ? partial[lane] : 0.0f;
-      t = d::WarpSum(t);
-      if (lane == 0) total = t;
-    }
-    if constexpr (NORM == 2) {
-      if (threadIdx.x == 0) last = atomicAdd(na.done, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    const float inv = rsqrtf(total / static_cast<float>(k) + na.eps);
-    for (int64_t c = int64_t(threadIdx.x) * 8; c < k; c += int64_t(T) * 8) {
-      float a[8], g[8];
-      d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(s_x + c), a);
-      d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(na.nw + c), g);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = a[i] * inv * g[i];
-      *reinterpret_cast<d::Bf16x8*>(s_x + c) = d::Pack8(a);
-      if constexpr (NORM == 2) {
-        if (last) {
-          *reinterpret_cast<d::Bf16x8*>(const_cast<__nv_bfloat16*>(x) + c) =
-              *reinterpret_cast<const d::Bf16x8*>(s_r + c);
-        }
-      }
-    }
-    if constexpr (NORM == 2) {
-      if (last && threadIdx.x == 0) *na.done = 0;
-    }
-    __syncthreads();
-  }
   float acc[F][N];
 #pragma unroll
   for (int f = 0; f < F; ++f)
@@ -357,8 +355,7 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
       if (c >= k) continue;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        const uint4 xv = NORM > 0 ? *reinterpret_cast<const uint4*>(s_x + c)
-                                  : __ldg(reinterpret_cast<const uint4*>(x + j * xs + c));
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + j * xs + c));
         const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
         for (int f = 0; f < F; ++f) {
@@ -400,8 +397,8 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
         if (lane == f * N + j) partial[wig][lane] = acc[f][j];
       }
     __syncthreads();
-    if (warp != 0) return;
-    if (lane < P * N) {
+    if (warp != 0 && !EPI) return;
+    if (warp == 0 && lane < P * N) {
       v0 = partial[0][lane];
       if constexpr (SWIGLU) v1 = partial[0][lane + P * N];
 #pragma unroll
@@ -412,9 +409,11 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
     }
   }
   const int64_t j = j0 + lane / N;
-  if (lane >= P * N || j >= m_out) return;
+  const bool mine = (W == 1 || warp == 0) && lane < P * N && j < m_out;
+  if (!EPI && !mine) return;
   __nv_bfloat16* o = out + (lane % N) * os + j;
-  if constexpr (SWIGLU) {
+  if (!mine) {
+  } else if constexpr (SWIGLU) {
     // Rounded as the separate path stores gate and up, then exactly SwiGlu's arithmetic.
     const float g = __bfloat162float(__float2bfloat16_rn(v0));
     const float u = __bfloat162float(__float2bfloat16_rn(v1));
@@ -423,21 +422,25 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
     if (beta != 0.0f) v0 += beta * __bfloat162float(*o);
     *o = __float2bfloat16_rn(v0);
   }
+  if constexpr (EPI) {
+    extern __shared__ __align__(16) unsigned char epi_smem[];
+    AddNormLastBlock<C::kW * 32>(out, m_out, ea, reinterpret_cast<__nv_bfloat16*>(epi_smem));
+  }
 }
 
-template <int N, class C, bool SWIGLU, int NORM = 0>
+template <int N, class C, bool SWIGLU, bool EPI = false>
 cudaError_t LaunchVariant(const __nv_bfloat16* x, int64_t xs, const __nv_bfloat16* w,
                           int64_t ws, __nv_bfloat16* out, int64_t os, int64_t m_out,
                           int64_t half, int64_t k, float beta, cudaStream_t stream,
-                          NormArgs na = {}) {
+                          EpiArgs ea = {}) {
   constexpr int64_t per_block = int64_t(C::kG) * (SWIGLU ? C::kF / 2 : C::kF);
   const int64_t blocks = (m_out + per_block - 1) / per_block;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const size_t smem = NORM == 0 ? 0 : static_cast<size_t>(k) * 2 * (NORM == 2 ? 2 : 1);
-  return sparsex::kernels::detail::LaunchPdl(SmallNGemmVariantKernel<N, C, SWIGLU, NORM>,
+  const size_t smem = EPI ? static_cast<size_t>(m_out) * 2 : 0;  // the sum row
+  return sparsex::kernels::detail::LaunchPdl(SmallNGemmVariantKernel<N, C, SWIGLU, EPI>,
                                              static_cast<unsigned>(blocks),
                                              C::kG * C::kW * 32, smem, stream, x, xs, w, ws, out,
-                                             os, m_out, half, k, beta, na);
+                                             os, m_out, half, k, beta, ea);
 }
 
 template <class C, bool SWIGLU>
@@ -566,47 +569,31 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
                                out_stride, n, half, half, k, 0.0f, stream);
 }
 
-namespace {
-
-template <class C, bool SWIGLU>
-cudaError_t LaunchNorm(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t ws,
-                       __nv_bfloat16* out, int64_t m_out, int64_t half, int64_t k,
-                       cudaStream_t stream, const NormArgs& na) {
-  if (na.nb != nullptr) {
-    return LaunchVariant<1, C, SWIGLU, 2>(x, k, w, ws, out, 0, m_out, half, k, 0.0f, stream, na);
-  }
-  return LaunchVariant<1, C, SWIGLU, 1>(x, k, w, ws, out, 0, m_out, half, k, 0.0f, stream, na);
+bool SmallNGemmAddNormSupported(const __nv_bfloat16* a, const __nv_bfloat16* w,
+                                int64_t w_stride, const __nv_bfloat16* x,
+                                const __nv_bfloat16* norm_w, const __nv_bfloat16* normed,
+                                int64_t m, int64_t k) {
+  return SmallNGemmSupported(a, k, w, w_stride, 1, k) && m % 8 == 0 && m <= kSmallNAddNormMaxM &&
+         detail::Aligned16(x) && detail::Aligned16(norm_w) && detail::Aligned16(normed);
 }
 
-}  // namespace
-
-bool SmallNGemmNormSupported(const __nv_bfloat16* x, const __nv_bfloat16* delta,
-                             const __nv_bfloat16* norm_w, const __nv_bfloat16* w,
-                             int64_t w_stride, int64_t k) {
-  return SmallNGemmSupported(x, k, w, w_stride, 1, k) && k % 8 == 0 && k <= kSmallNNormMaxK &&
-         detail::Aligned16(norm_w) && (delta == nullptr || detail::Aligned16(delta));
-}
-
-cudaError_t SmallNGemmNorm(__nv_bfloat16* x, const __nv_bfloat16* delta,
-                           const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* w,
-                           int64_t w_stride, __nv_bfloat16* out, int64_t m_out, int64_t k,
-                           bool swiglu, unsigned int* done, cudaStream_t stream) {
-  if (m_out == 0) return cudaSuccess;
-  if (!SmallNGemmNormSupported(x, delta, norm_w, w, w_stride, k) ||
-      (delta != nullptr && done == nullptr)) {
+cudaError_t SmallNGemmAddNorm(const __nv_bfloat16* a, const __nv_bfloat16* w, int64_t w_stride,
+                              __nv_bfloat16* delta, int64_t m, int64_t k, __nv_bfloat16* x,
+                              const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* normed,
+                              unsigned int* done, cudaStream_t stream) {
+  if (m == 0) return cudaSuccess;
+  if (!SmallNGemmAddNormSupported(a, w, w_stride, x, norm_w, normed, m, k) || done == nullptr ||
+      !detail::Aligned16(delta)) {
     return cudaErrorInvalidValue;
   }
-  // The norm kernel's launch width for k (ops.cu RmsNorm / AddRmsNorm, 8 columns a thread).
-  const NormArgs na{delta, norm_w, eps, detail::RowThreads(k, 8), done};
-  const int64_t half = swiglu ? m_out : 0;
-  const int64_t rows = swiglu ? 2 * m_out : m_out;
-  const SmallNGemmVariant v = SmallNGemmAutoVariant(1, rows, k);
-  if (v == SmallNGemmVariant::kSplitK4) {
-    return swiglu ? LaunchNorm<ConfigSplitK4, true>(x, w, w_stride, out, m_out, half, k, stream, na)
-                  : LaunchNorm<ConfigSplitK4, false>(x, w, w_stride, out, m_out, half, k, stream, na);
+  // The norm kernel's launch width for m (ops.cu AddRmsNorm, 8 columns a thread).
+  const EpiArgs ea{x, norm_w, normed, eps, detail::RowThreads(m, 8), done};
+  if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
+    return LaunchVariant<1, ConfigSplitK4, false, true>(a, k, w, w_stride, delta, m, m, 0, k,
+                                                        0.0f, stream, ea);
   }
-  return swiglu ? LaunchNorm<ConfigSplitK8, true>(x, w, w_stride, out, m_out, half, k, stream, na)
-                : LaunchNorm<ConfigSplitK8, false>(x, w, w_stride, out, m_out, half, k, stream, na);
+  return LaunchVariant<1, ConfigSplitK8, false, true>(a, k, w, w_stride, delta, m, m, 0, k, 0.0f,
+                                                      stream, ea);
 }
 
 }  // namespace sparsex::kernels

@@ -98,23 +98,23 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
                              int64_t n, int64_t half, int64_t k, cudaStream_t stream,
                              SmallNGemmVariant variant = SmallNGemmVariant::kAuto);
 
-// One decode row's RMSNorm folded into the small-n matmul that consumes it (one launch instead
-// of the norm kernel and the matmul; every block normalises the row itself in its prologue):
-//   delta == nullptr: out = RmsNorm(x) @ w^T                      (ops.h RmsNorm, then SmallNGemm)
-//   delta != nullptr: x += delta; out = RmsNorm(x) @ w^T           (ops.h AddRmsNorm, then ...)
-// with norm weights norm_w [k], at the auto variant (SmallNGemmAutoVariant); swiglu: w is the
-// gate_up projection [2*m_out, k] and out [m_out] = silu(gate) * up as SmallNGemmSwiGlu. The
-// normalised row equals the norm kernel's bit for bit and is never written. x's update is
-// written once every block has read x, counted on *done (a zeroed device counter, zero again
-// after the launch; may be null when delta is). Supported when SmallNGemmNormSupported(...):
-// 16-byte aligned rows and k a multiple of 8, at most kSmallNNormMaxK.
-constexpr int64_t kSmallNNormMaxK = 8192;
-bool SmallNGemmNormSupported(const __nv_bfloat16* x, const __nv_bfloat16* delta,
-                             const __nv_bfloat16* norm_w, const __nv_bfloat16* w,
-                             int64_t w_stride, int64_t k);
-cudaError_t SmallNGemmNorm(__nv_bfloat16* x, const __nv_bfloat16* delta,
-                           const __nv_bfloat16* norm_w, float eps, const __nv_bfloat16* w,
-                           int64_t w_stride, __nv_bfloat16* out, int64_t m_out, int64_t k,
-                           bool swiglu, unsigned int* done, cudaStream_t stream);
+// One decode row's projection with the residual add and the next RMSNorm after it, in one
+// launch instead of the small-n matmul and the AddRmsNorm kernel:
+//   delta = a @ w^T;  x += delta;  normed = RmsNorm(x) * norm_w
+// a: [1, k], w: [m, k] (row stride w_stride), delta, x, normed, norm_w: [m]. delta is computed
+// exactly as SmallNGemm at the auto variant (SmallNGemmAutoVariant) computes it; the block that
+// finishes last (counted on *done, a zeroed device counter that is zero again after the launch)
+// then does AddRmsNorm's arithmetic in its reduction order: all three outputs are bit-identical
+// to SmallNGemm then AddRmsNorm (ops.h). Supported when SmallNGemmAddNormSupported(...):
+// 16-byte aligned rows, k and m multiples of 8, m at most kSmallNAddNormMaxM.
+constexpr int64_t kSmallNAddNormMaxM = 16384;
+bool SmallNGemmAddNormSupported(const __nv_bfloat16* a, const __nv_bfloat16* w,
+                                int64_t w_stride, const __nv_bfloat16* x,
+                                const __nv_bfloat16* norm_w, const __nv_bfloat16* normed,
+                                int64_t m, int64_t k);
+cudaError_t SmallNGemmAddNorm(const __nv_bfloat16* a, const __nv_bfloat16* w, int64_t w_stride,
+                              __nv_bfloat16* delta, int64_t m, int64_t k, __nv_bfloat16* x,
+                              const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* normed,
+                              unsigned int* done, cudaStream_t stream);
 
 }  // namespace sparsex::kernels

@@ -91,9 +91,7 @@ namespace {
 // One block per row. VEC = 8 moves 16-byte vectors, VEC = 1 single elements.
 template <int VEC, bool kAdd>
 __global__ void RmsNormKernel(bf16* res, int64_t res_stride, const bf16* x, int64_t x_stride,
-                              const bf16* w, bf16* out, int64_t out_stride, int dim, float eps,
-                              bool trigger_first) {
-  if (trigger_first) detail::PdlLaunchDependents();
+                              const bf16* w, bf16* out, int64_t out_stride, int dim, float eps) {
   // The norm weights never depend on the previous kernel: this thread's first chunk is
   // requested before the wait, off the step's critical path (decode: one block a row).
   const int c0 = threadIdx.x * VEC;
@@ -106,7 +104,7 @@ __global__ void RmsNormKernel(bf16* res, int64_t res_stride, const bf16* x, int6
     }
   }
   detail::PdlWait();
-  if (!trigger_first) detail::PdlLaunchDependents();
+  detail::PdlLaunchDependents();
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * x_stride;
   bf16* rr = kAdd ? res + row * res_stride : nullptr;
@@ -431,8 +429,7 @@ cudaError_t DrawRows(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols
 }
 
 cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
-                    int64_t out_stride, int64_t rows, int dim, float eps, cudaStream_t stream,
-                    bool trigger_first) {
+                    int64_t out_stride, int64_t rows, int dim, float eps, cudaStream_t stream) {
   if (rows <= 0 || dim <= 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
   const bool v8 = Vec8({x, w, out}, {x_stride, out_stride, dim});
@@ -440,12 +437,12 @@ cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
   const int threads = detail::RowThreads(dim, per_thread);
   return detail::LaunchPdl(v8 ? RmsNormKernel<8, false> : RmsNormKernel<1, false>,
                            static_cast<unsigned>(rows), threads, 0, stream, nullptr, 0, x, x_stride,
-                           w, out, out_stride, dim, eps, trigger_first);
+                           w, out, out_stride, dim, eps);
 }
 
 cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_t x_stride,
                        const bf16* w, bf16* out, int64_t out_stride, int64_t rows, int dim,
-                       float eps, cudaStream_t stream, bool trigger_first) {
+                       float eps, cudaStream_t stream) {
   if (rows <= 0 || dim <= 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
   const bool v8 = Vec8({residual, x, w, out}, {res_stride, x_stride, out_stride, dim});
@@ -453,7 +450,7 @@ cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_
   const int threads = detail::RowThreads(dim, per_thread);
   return detail::LaunchPdl(v8 ? RmsNormKernel<8, true> : RmsNormKernel<1, true>,
                            static_cast<unsigned>(rows), threads, 0, stream, residual, res_stride, x,
-                           x_stride, w, out, out_stride, dim, eps, trigger_first);
+                           x_stride, w, out, out_stride, dim, eps);
 }
 
 cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int64_t rows,

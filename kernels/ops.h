@@ -32,18 +32,13 @@ cudaError_t FillUniform(bf16* dst, int64_t n, float a, uint64_t seed, cudaStream
 cudaError_t Fill(bf16* dst, int64_t n, float value, cudaStream_t stream);
 
 // out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w      x, out: [rows, dim]; w: [dim]
-// trigger_first: the next launch may start before this kernel's own launch wait
-// (kernels/common.cuh), so a matmul after a decode row's norm requests its weights while the
-// kernel before the norm still runs. Only for a next kernel that reads nothing but constants
-// (weights) before its own wait.
 cudaError_t RmsNorm(const bf16* x, int64_t x_stride, const bf16* w, bf16* out,
-                    int64_t out_stride, int64_t rows, int dim, float eps, cudaStream_t stream,
-                    bool trigger_first = false);
+                    int64_t out_stride, int64_t rows, int dim, float eps, cudaStream_t stream);
 // residual[r, :] += x[r, :]; out[r, :] = rmsnorm(residual[r, :]) * w (the sum is rounded to bf16
-// first, exactly as a separate Add then RmsNorm would). trigger_first: as RmsNorm's.
+// first, exactly as a separate Add then RmsNorm would).
 cudaError_t AddRmsNorm(bf16* residual, int64_t res_stride, const bf16* x, int64_t x_stride,
                        const bf16* w, bf16* out, int64_t out_stride, int64_t rows, int dim,
-                       float eps, cudaStream_t stream, bool trigger_first = false);
+                       float eps, cudaStream_t stream);
 
 // a[r, c] += b[r, c]     a, b: [rows, cols]
 cudaError_t Add(bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride, int64_t rows,

@@ -119,9 +119,8 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
-  SwitchFromEnv("SPX_FUSED_NORM", o.fused_norm);
+  SwitchFromEnv("SPX_EPILOGUE_NORM", o.epilogue_norm);
   SwitchFromEnv("SPX_DECODE_EARLY_KV", o.decode_early_kv);
-  SwitchFromEnv("SPX_EARLY_LAUNCH", o.early_launch);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   SwitchFromEnv("SPX_ATTN_BULK_KV", o.attn_bulk_kv);
@@ -194,6 +193,13 @@ absl::Status Backend::NormMatMul(Tensor& x, const Tensor* delta, const Tensor& n
     RETURN_IF_ERROR(RmsNorm(x, norm_w, eps, normed));
   }
   return swiglu ? MatMulSwiGLU(normed, w, out) : MatMul(normed, w, out);
+}
+
+absl::Status Backend::MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,
+                                    const Tensor& norm_w, float eps, Tensor& delta,
+                                    Tensor& normed) {
+  RETURN_IF_ERROR(MatMul(a, w, delta));
+  return AddRmsNorm(x, delta, norm_w, eps, normed);
 }
 
 absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) {

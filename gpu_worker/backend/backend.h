@@ -152,15 +152,14 @@ struct CudaBackendOptions {
   // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
   // SPX_FUSED_SWIGLU=0 sets false. Default: true
   bool fused_swiglu = true;
-  // Backend::NormMatMul on one decode row as one kernel: the RMSNorm (and the residual add
-  // before it) computed in the prologue of the small-n matmul that reads it
-  // (kernels::SmallNGemmNorm, bit-identical to the norm kernel then the matmul), where the
-  // automatic choice runs that matmul on the small-n kernel (small_n_auto_rows); false runs the
-  // two kernels. Session 27 (H100, 8K context): batch 1 6.85 ms a step against 6.25, because
-  // every block of the matmul's several waves repeats the row's load and reduction before its
-  // first weight (docs/perf-notes.md); hence off. SPX_FUSED_NORM=0|1.
-  // Default: false
-  bool fused_norm = false;
+  // Backend::MatMulAddNorm on one decode row as one kernel: the residual add and the next
+  // RMSNorm done once, by the last block of the small-n matmul that produces the delta
+  // (kernels::SmallNGemmAddNorm, bit-identical to the matmul then the AddRmsNorm kernel), where
+  // the automatic choice runs that matmul on the small-n kernel (small_n_auto_rows); false runs
+  // the two kernels. Built in session 28 after the norm folded into the next matmul's prologue
+  // (every block repeating it) measured 0.6 ms a step slower in session 27 and was removed.
+  // SPX_EPILOGUE_NORM=0|1. Default: false (until measured on a GPU)
+  bool epilogue_norm = false;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
@@ -203,15 +202,10 @@ struct CudaBackendOptions {
   // programmatic-launch wait, and the step's RoPE + K/V write lets it start before its own wait
   // (RopeArgs::trigger_first), so those requests overlap the qkv projection and the RoPE; only
   // where the call's tables were staged by an earlier call (every layer of a step but the
-  // first; PagedAttentionParams::decode_early_kv). Built in session 27, not yet measured.
-  // SPX_DECODE_EARLY_KV=1 sets true. Default: false
-  bool decode_early_kv = false;
-  // The decode norms (RmsNorm, AddRmsNorm) and the attention's split-K combine let the next
-  // kernel start before their own launch wait, so the matmul after each (qkv, gate_up, o,
-  // lm_head) requests its weights while the kernel before the norm or the attention still runs
-  // (kernels::RmsNorm's trigger_first, PagedAttentionParams::early_launch). Built in session
-  // 27, not yet measured. SPX_EARLY_LAUNCH=1 sets true. Default: false
-  bool early_launch = false;
+  // first; PagedAttentionParams::decode_early_kv). Measured in session 28 on an H100: batch 1
+  // at 8K 6.19-6.23 ms a step against 6.29-6.30 off, batch 32 unchanged (docs/perf-notes.md).
+  // SPX_DECODE_EARLY_KV=0 sets false. Default: true
+  bool decode_early_kv = true;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;
@@ -379,6 +373,13 @@ class Backend {
   // results. Default: exactly those two operations.
   virtual absl::Status NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w, float eps,
                                   const Tensor& w, bool swiglu, Tensor& normed, Tensor& out);
+  // A projection whose output joins the residual stream, with the next norm:
+  // delta = a @ w^T; x += delta; normed = x / rms(x) * norm_w (the sum rounded as Add would).
+  // A backend may do the add and the norm in the matmul's epilogue (one decode row). Default:
+  // MatMul, then AddRmsNorm.
+  virtual absl::Status MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,
+                                     const Tensor& norm_w, float eps, Tensor& delta,
+                                     Tensor& normed);
   // Rotates columns [col_offset, col_offset + n_heads*head_dim) of x in place, row i at pos[i].
   virtual absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads,
                             std::span<const int32_t> pos, const RopeParams& p) = 0;

@@ -92,13 +92,16 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   if (h == nullptr) {
     ASSIGN_OR_RETURN(h, s.Get(n, cfg_.dim));
   }
-  // The attention norm, with the previous layer's closing residual add when it was left
-  // pending, in one operation with the qkv projection that reads it (a decode row: one kernel).
+  // The attention norm, unless the previous layer's closing residual add computed it already,
+  // and the qkv projection that reads it.
   ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
-  const Tensor* pending = carry != nullptr && carry->pending ? &carry->delta : nullptr;
-  RETURN_IF_ERROR(be_->NormMatMul(x, pending, w.attn_norm, cfg_.rms_eps, w.wqkv,
-                                  /*swiglu=*/false, *h, *qkv));
-  if (carry != nullptr) carry->pending = false;
+  if (carry != nullptr && carry->normed) {
+    RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
+    carry->normed = false;
+  } else {
+    RETURN_IF_ERROR(be_->NormMatMul(x, nullptr, w.attn_norm, cfg_.rms_eps, w.wqkv,
+                                    /*swiglu=*/false, *h, *qkv));
+  }
   if (capture != nullptr && capture->on_backend) {
     // K before RoPE and V are what a segment stores: position-independent.
     const int64_t kd = kv_dim(), qd = static_cast<int64_t>(H) * hd;
@@ -161,21 +164,26 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       for (size_t i = 0; i < local->size(); ++i) out[i] += (*local)[i] * inv;
     }
   }
-  // The attention output joins the residual stream in the same pass as the MLP's norm; under
-  // tensor parallelism the partial projections are all-reduced first.
+  // The attention output joins the residual stream in the same pass as the MLP's norm (a
+  // decode row on the CUDA backend: in the o projection's kernel); under tensor parallelism
+  // the partial projections are all-reduced first.
   ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
-  RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
-  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
-  // The residual add, the MLP's norm, gate_up and SwiGLU as one operation: the CUDA backend
-  // runs a decode row as one kernel that never writes the normed row or the [n, 2*ffn]
-  // intermediate; other row counts and backends compute the same.
+  if (comm_ == nullptr) {
+    RETURN_IF_ERROR(be_->MatMulAddNorm(*att, w.wo, x, w.ffn_norm, cfg_.rms_eps, *o, *h));
+  } else {
+    RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
+    RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
+    RETURN_IF_ERROR(be_->AddRmsNorm(x, *o, w.ffn_norm, cfg_.rms_eps, *h));
+  }
+  // gate_up and SwiGLU as one operation: the CUDA backend runs decode rows as one kernel that
+  // never writes the [n, 2*ffn] intermediate; other row counts and backends compute the same.
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
-  RETURN_IF_ERROR(
-      be_->NormMatMul(x, o, w.ffn_norm, cfg_.rms_eps, w.w_gate_up, /*swiglu=*/true, *h, *act));
+  RETURN_IF_ERROR(be_->MatMulSwiGLU(*h, w.w_gate_up, *act));
   if (comm_ == nullptr && carry != nullptr && l + 1 < cfg_.n_layers) {
-    // The closing residual add is left to the next layer's attention norm (NormMatMul).
-    RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, carry->delta));
-    carry->pending = true;
+    // The closing residual add with the next layer's attention norm.
+    RETURN_IF_ERROR(be_->MatMulAddNorm(*act, w.w_down, x, w_.layers[l + 1].attn_norm,
+                                       cfg_.rms_eps, carry->delta, carry->h));
+    carry->normed = true;
     return absl::OkStatus();
   }
   if (comm_ == nullptr) return be_->MatMulAdd(*act, w.w_down, x);
@@ -202,7 +210,7 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::ForwardHead(std::span<const in
   absl::StatusOr<HeadOut> logits = HeadOut{};
   absl::StatusOr<Tensor> x = Embed(ids);
   if (!x.ok()) logits = x.status();
-  NormCarry carry;  // one norm buffer and one pending residual delta for all layers
+  NormCarry carry;  // one norm buffer and one delta buffer for all layers
   bool have_carry = false;
   if (x.ok() && x->rows > 0) {
     absl::StatusOr<Tensor> h = be_->Alloc(x->rows, cfg_.dim);

@@ -65,18 +65,19 @@ class ModelRunner {
   // Runs layer l over the rows of x (residual stream, [rows, dim]) in place: writes their K/V
   // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
   //
-  // `carry` (Forward's consecutive layers over the same rows) folds a layer's closing residual
-  // add into the next layer's attention norm (Backend::NormMatMul with the qkv projection: one
-  // AddRmsNorm instead of an Add and a RmsNorm, and for a decode row on the CUDA backend one
-  // kernel with the projection; bit-identical). With carry->pending on entry, x still lacks
-  // carry->delta; on return it lacks the MLP output (pending) unless l is the last layer or
-  // tensor parallelism all-reduces that output.
-  // Forward's buffers across layers (allocated by it): the norm output, and the down
-  // projection's output, whose residual add is left pending for the next layer's attention norm.
+  // `carry` (Forward's consecutive layers over the same rows) computes the next layer's
+  // attention norm with a layer's closing residual add (Backend::MatMulAddNorm after the down
+  // projection: one AddRmsNorm instead of an Add and a RmsNorm, and for a decode row on the
+  // CUDA backend in the matmul's own kernel; bit-identical). With carry->normed on entry,
+  // carry->h already holds this layer's attention norm of x; on return it holds the next
+  // layer's (normed) unless l is the last layer or tensor parallelism all-reduces the MLP
+  // output. x is complete on return either way.
+  // Forward's buffers across layers (allocated by it): the norm output and the down
+  // projection's output.
   struct NormCarry {
     Tensor h;      // [rows, dim]
     Tensor delta;  // [rows, dim]
-    bool pending = false;
+    bool normed = false;
   };
   absl::Status Layer(int l, Tensor& x, const LayerRows& rows, AttentionArgs* stats = nullptr,
                      KvCapture* capture = nullptr, NormCarry* carry = nullptr);

@@ -432,67 +432,64 @@ TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
   }
 }
 
-// NormMatMul on one decode row: the CUDA backend folds the norm (and the residual add) into
-// the small-n matmul's prologue (CudaBackendOptions::fused_norm). Against the same backend
-// with the two kernels (fused_norm off): out and the updated residual bit-identical, over two
-// calls in a row (the residual write's counter resets itself); and against the CPU. Shapes:
-// Llama-3-8B's qkv after the attention norm, gate_up + SwiGLU after the MLP's, the lm_head's
-// (a vocabulary of 2000 here) after the final norm without a residual add.
-TEST_F(DecodeMatMulConsistency, NormFoldedIntoTheMatMul) {
+// MatMulAddNorm on one decode row: the CUDA backend does the residual add and the norm in the
+// small-n matmul's last block (CudaBackendOptions::epilogue_norm). Against the same backend with
+// the two kernels (epilogue_norm off): delta, the updated residual and the normed row
+// bit-identical, over two calls in a row (the last block's counter resets itself); and against
+// the CPU. Shapes: Llama-3-8B's o projection (splitk4) and down projection (splitk8), a small
+// one and the smallest supported.
+TEST_F(DecodeMatMulConsistency, AddNormInTheMatMulEpilogue) {
   std::unique_ptr<Backend> gpus[2];
-  for (int fold = 0; fold < 2; ++fold) {
+  for (int epi = 0; epi < 2; ++epi) {
     CudaBackendOptions o = CudaBackendOptionsFromEnv();
     o.small_n_variant = -1;
     o.small_n_auto_rows = 1;
-    o.fused_norm = fold == 1;
+    o.epilogue_norm = epi == 1;
     auto g = CreateBackend({.kind = "cuda", .cuda = o});
     ASSERT_TRUE(g.ok()) << g.status();
-    gpus[fold] = std::move(*g);
+    gpus[epi] = std::move(*g);
   }
-  struct Case {
-    const char* name;
-    int64_t m, k;
-    bool swiglu, add;
-  } cases[] = {{"qkv", 6144, 4096, false, true},
-               {"gate_up", 28672, 4096, true, true},
-               {"head", 2000, 4096, false, false},
-               {"qkv first layer", 6144, 4096, false, false}};
-  for (const Case& c : cases) {
+  const DecodeShape shapes[] = {
+      {"o", 4096, 4096}, {"down", 4096, 14336}, {"small", 1000, 256}, {"tiny", 8, 8}};
+  for (const DecodeShape& c : shapes) {
     SCOPED_TRACE(c.name);
-    const int64_t m_out = c.swiglu ? c.m / 2 : c.m;
-    const std::vector<float> xh = Rand(c.k, 2.0f), dh = Rand(c.k, 2.0f);
-    const std::vector<float> nwh = Rand(c.k, 1.0f);
+    const std::vector<float> ah = Rand(c.k, 1.0f), xh = Rand(c.m, 2.0f), nwh = Rand(c.m, 1.0f);
     const std::vector<float> wh = Rand(c.m * c.k, 1.0f / std::sqrt(static_cast<float>(c.k)));
-    // CPU reference of two calls.
-    Tensor xc = Put(*cpu_, 1, c.k, xh), dc = Put(*cpu_, 1, c.k, dh), nwc = Put(*cpu_, 1, c.k, nwh);
-    Tensor wc = Put(*cpu_, c.m, c.k, wh), hc = Put(*cpu_, 1, c.k, Poison(c.k));
-    Tensor oc = Put(*cpu_, 1, m_out, Poison(m_out));
-    std::vector<float> ref_out[2], ref_x[2];
+    Tensor ac = Put(*cpu_, 1, c.k, ah), xc = Put(*cpu_, 1, c.m, xh), nwc = Put(*cpu_, 1, c.m, nwh);
+    Tensor wc = Put(*cpu_, c.m, c.k, wh), dc = Put(*cpu_, 1, c.m, Poison(c.m));
+    Tensor hc = Put(*cpu_, 1, c.m, Poison(c.m));
+    std::vector<float> ref[2][3];  // per call: delta, x, normed
     for (int call = 0; call < 2; ++call) {
-      ASSERT_TRUE(cpu_->NormMatMul(xc, c.add ? &dc : nullptr, nwc, 1e-5f, wc, c.swiglu, hc, oc).ok());
-      ref_out[call] = Get(*cpu_, oc);
-      ref_x[call] = Get(*cpu_, xc);
+      ASSERT_TRUE(cpu_->MatMulAddNorm(ac, wc, xc, nwc, 1e-5f, dc, hc).ok());
+      ref[call][0] = Get(*cpu_, dc);
+      ref[call][1] = Get(*cpu_, xc);
+      ref[call][2] = Get(*cpu_, hc);
     }
-    for (Tensor* t : {&xc, &dc, &nwc, &wc, &hc, &oc}) cpu_->Free(*t);
-    std::vector<float> got_out[2][2], got_x[2][2];
-    for (int fold = 0; fold < 2; ++fold) {
-      Backend& g = *gpus[fold];
-      Tensor xg = Put(g, 1, c.k, xh), dg = Put(g, 1, c.k, dh), nwg = Put(g, 1, c.k, nwh);
-      Tensor wg = Put(g, c.m, c.k, wh), hg = Put(g, 1, c.k, Poison(c.k));
-      Tensor og = Put(g, 1, m_out, Poison(m_out));
+    for (Tensor* t : {&ac, &xc, &nwc, &wc, &dc, &hc}) cpu_->Free(*t);
+    std::vector<float> got[2][2][3];
+    for (int epi = 0; epi < 2; ++epi) {
+      Backend& g = *gpus[epi];
+      Tensor ag = Put(g, 1, c.k, ah), xg = Put(g, 1, c.m, xh), nwg = Put(g, 1, c.m, nwh);
+      Tensor wg = Put(g, c.m, c.k, wh), dg = Put(g, 1, c.m, Poison(c.m));
+      Tensor hg = Put(g, 1, c.m, Poison(c.m));
       for (int call = 0; call < 2; ++call) {
-        absl::Status st = g.NormMatMul(xg, c.add ? &dg : nullptr, nwg, 1e-5f, wg, c.swiglu, hg, og);
+        absl::Status st = g.MatMulAddNorm(ag, wg, xg, nwg, 1e-5f, dg, hg);
         ASSERT_TRUE(st.ok()) << st;
-        got_out[fold][call] = Get(g, og);
-        got_x[fold][call] = Get(g, xg);
-        EXPECT_LT(RelErr(got_out[fold][call], ref_out[call]), kTol) << "fold " << fold << " call " << call;
-        EXPECT_LT(RelErr(got_x[fold][call], ref_x[call]), kTol) << "fold " << fold << " call " << call;
+        got[epi][call][0] = Get(g, dg);
+        got[epi][call][1] = Get(g, xg);
+        got[epi][call][2] = Get(g, hg);
+        for (int t = 0; t < 3; ++t) {
+          EXPECT_LT(RelErr(got[epi][call][t], ref[call][t]), kTol)
+              << "epilogue " << epi << " call " << call << " output " << t;
+        }
       }
-      for (Tensor* t : {&xg, &dg, &nwg, &wg, &hg, &og}) g.Free(*t);
+      for (Tensor* t : {&ag, &xg, &nwg, &wg, &dg, &hg}) g.Free(*t);
     }
     for (int call = 0; call < 2; ++call) {
-      EXPECT_EQ(got_out[0][call], got_out[1][call]) << "call " << call << ": folded norm differs";
-      EXPECT_EQ(got_x[0][call], got_x[1][call]) << "call " << call << ": residual differs";
+      for (int t = 0; t < 3; ++t) {
+        EXPECT_EQ(got[0][call][t], got[1][call][t])
+            << "call " << call << " output " << t << " (delta, x, normed): epilogue differs";
+      }
     }
   }
 }

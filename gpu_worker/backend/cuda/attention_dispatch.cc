@@ -53,7 +53,6 @@ kernels::PagedAttentionParams Params(const Tensor& q, const KvPool& pool, int la
   p.warps = o.attn_warps;
   p.impl = static_cast<int>(o.attn_impl);
   p.split_waves = o.split_waves;
-  p.early_launch = o.early_launch ? 1 : 0;
   return p;
 }
 

@@ -36,7 +36,7 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
-  if (norm_done_) cudaFree(norm_done_);
+  if (epi_done_) cudaFree(epi_done_);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
   FreePinnedChunks(chunks_);
@@ -64,8 +64,8 @@ absl::Status CudaBackend::Init() {
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
   }
-  CUDA_RETURN(cudaMalloc(&norm_done_, sizeof(unsigned int)), "norm counter");
-  CUDA_RETURN(cudaMemset(norm_done_, 0, sizeof(unsigned int)), "norm counter");
+  CUDA_RETURN(cudaMalloc(&epi_done_, sizeof(unsigned int)), "epilogue counter");
+  CUDA_RETURN(cudaMemset(epi_done_, 0, sizeof(unsigned int)), "epilogue counter");
   RETURN_IF_ERROR(stager_.Init(stream_));
   RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));
   return absl::OkStatus();
@@ -572,8 +572,8 @@ absl::Status CudaBackend::RmsNorm(const Tensor& x, const Tensor& w, float eps, T
   if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("RmsNorm: weight size");
   return Run("RmsNorm", [=, this] {
     return kernels::RmsNorm(B(x), x.cols, B(w), B(out), out.cols, x.rows,
-                            static_cast<int>(x.cols), eps, stream_, options_.early_launch);
-  }, x.data, x.rows, x.cols, w.data, out.data, out.cols, eps, options_.early_launch);
+                            static_cast<int>(x.cols), eps, stream_);
+  }, x.data, x.rows, x.cols, w.data, out.data, out.cols, eps);
 }
 
 absl::Status CudaBackend::MatMul(const Tensor& x, const Tensor& w, Tensor& out) {
@@ -658,9 +658,8 @@ absl::Status CudaBackend::AddRmsNorm(Tensor& x, const Tensor& b, const Tensor& w
   if (w.rows * w.cols != x.cols) return absl::InvalidArgumentError("AddRmsNorm: weight size");
   return Run("AddRmsNorm", [=, this] {
     return kernels::AddRmsNorm(B(x), x.cols, B(b), b.cols, B(w), B(out), out.cols, x.rows,
-                               static_cast<int>(x.cols), eps, stream_, options_.early_launch);
-  }, x.data, x.rows, x.cols, b.data, b.cols, w.data, out.data, out.cols, eps,
-             options_.early_launch);
+                               static_cast<int>(x.cols), eps, stream_);
+  }, x.data, x.rows, x.cols, b.data, b.cols, w.data, out.data, out.cols, eps);
 }
 
 absl::Status CudaBackend::SwiGLU(const Tensor& x, Tensor& out) {
@@ -695,30 +694,27 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
   }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
 }
 
-// One decode row (the small-n kernel's automatic choice at 1 row): the norm folded into the
-// matmul's prologue (kernels::SmallNGemmNorm), one launch and one kernel boundary fewer on the
-// step's critical path; normed is left unwritten. Anything else: the two operations.
-absl::Status CudaBackend::NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w,
-                                     float eps, const Tensor& w, bool swiglu, Tensor& normed,
-                                     Tensor& out) {
-  const bool fold =
-      options_.fused_norm && options_.small_n_variant < 0 && x.rows == 1 && x.cols == w.cols &&
-      x.dtype == DType::kBF16 && w.dtype == DType::kBF16 && out.dtype == DType::kBF16 &&
-      norm_w.dtype == DType::kBF16 && norm_w.rows * norm_w.cols == x.cols &&
-      (delta == nullptr || (delta->dtype == DType::kBF16 && delta->rows == 1 &&
-                            delta->cols == x.cols)) &&
-      (!swiglu || (options_.fused_swiglu && w.rows % 2 == 0)) && UseSmallN(x, w) &&
-      kernels::SmallNGemmNormSupported(B(x), delta ? B(*delta) : nullptr, B(norm_w), B(w),
-                                       w.cols, x.cols);
-  if (!fold) return Backend::NormMatMul(x, delta, norm_w, eps, w, swiglu, normed, out);
-  const int64_t m_out = swiglu ? w.rows / 2 : w.rows;
-  RETURN_IF_ERROR(CheckShape(out, 1, m_out, "NormMatMul"));
-  kernels::bf16* xp = B(x);
-  const kernels::bf16* dp = delta ? B(*delta) : nullptr;
-  return Run("NormMatMul (small n)", [=, this] {
-    return kernels::SmallNGemmNorm(xp, dp, B(norm_w), eps, B(w), w.cols, B(out), m_out, x.cols,
-                                   swiglu, norm_done_, stream_);
-  }, x.data, x.cols, dp, norm_w.data, eps, w.data, w.rows, out.data, swiglu);
+// One decode row (the small-n kernel's automatic choice at 1 row): the residual add and the
+// norm done by the matmul's last block (kernels::SmallNGemmAddNorm), one launch and one kernel
+// boundary fewer on the step's critical path, bit-identical. Anything else: the two operations.
+absl::Status CudaBackend::MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,
+                                        const Tensor& norm_w, float eps, Tensor& delta,
+                                        Tensor& normed) {
+  const bool fuse =
+      options_.epilogue_norm && options_.small_n_variant < 0 && a.rows == 1 &&
+      a.cols == w.cols && a.dtype == DType::kBF16 && w.dtype == DType::kBF16 &&
+      x.dtype == DType::kBF16 && delta.dtype == DType::kBF16 && normed.dtype == DType::kBF16 &&
+      norm_w.dtype == DType::kBF16 && x.rows == 1 && x.cols == w.rows &&
+      delta.rows == 1 && delta.cols == w.rows && normed.rows == 1 && normed.cols == w.rows &&
+      norm_w.rows * norm_w.cols == w.rows && UseSmallN(a, w) &&
+      kernels::SmallNGemmAddNormSupported(B(a), B(w), w.cols, B(x), B(norm_w), B(normed),
+                                          w.rows, a.cols) &&
+      (reinterpret_cast<uintptr_t>(delta.data) & 15u) == 0;
+  if (!fuse) return Backend::MatMulAddNorm(a, w, x, norm_w, eps, delta, normed);
+  return Run("MatMulAddNorm (small n)", [=, this] {
+    return kernels::SmallNGemmAddNorm(B(a), B(w), w.cols, B(delta), w.rows, a.cols, B(x),
+                                      B(norm_w), eps, B(normed), epi_done_, stream_);
+  }, a.data, a.cols, w.data, w.rows, delta.data, x.data, norm_w.data, eps, normed.data);
 }
 
 absl::Status CudaBackend::Rope(Tensor& x, int64_t col_offset, int n_heads,
