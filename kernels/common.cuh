@@ -77,6 +77,17 @@ cudaError_t LaunchPdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
 // it so their results are bit-identical).
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
 
+// One RoPE pair (x0, x1) rotated by pos * inv_freq, rounded to bf16. Every rounding is
+// explicit (nothing left to the compiler's contraction), so the kernels that rotate (rope.cu,
+// the qkv epilogue in gemm.cu) give the same bits.
+__device__ __forceinline__ void RotatePair(float x0, float x1, float pos, float inv_freq,
+                                           __nv_bfloat16* y0, __nv_bfloat16* y1) {
+  float sn, cs;
+  sincosf(__fmul_rn(pos, inv_freq), &sn, &cs);
+  *y0 = __float2bfloat16_rn(__fmaf_rn(x0, cs, -__fmul_rn(x1, sn)));
+  *y1 = __float2bfloat16_rn(__fmaf_rn(x0, sn, __fmul_rn(x1, cs)));
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

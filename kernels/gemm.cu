@@ -223,7 +223,9 @@ struct GemvConfig {
   static constexpr int kF = F, kW = W, kG = G, kU = U, kMinBlocks1 = MinBlocks1;
 };
 
-// The residual add and RMSNorm after a one-row matmul (EPI, SmallNGemmAddNorm), done once by
+// Epilogues of a one-row matmul (EPI): kEpiNone, kEpiAddNorm, kEpiRopeKv.
+//
+// kEpiAddNorm: the residual add and RMSNorm after the matmul (SmallNGemmAddNorm), done once by
 // the block that finishes last: every block stores its outputs (the delta), fences them and
 // counts itself on *done; the last one reads the whole delta back from L2, adds it to the
 // residual row x and normalises the sum into normed with AddRmsNorm's arithmetic. The sum of
@@ -232,14 +234,45 @@ struct GemvConfig {
 // butterfly, so x and normed are bit-identical to the norm kernel's. That block resets *done
 // for the next launch (a later launch counts only after its launch wait, by which time this
 // grid has finished).
+//
+// kEpiRopeKv: the qkv projection with RoPE and the K/V write (SmallNGemmRopeKv). Each block's
+// features are two rotation pairs (RopeCol: logical feature L, pair L / 2, maps to its column),
+// so the block rotates its own outputs: no other block's output is needed. Q and K columns are
+// stored rotated, K and V columns also to the pool at the row's slot, exactly as RopeWriteKv
+// stores them from the matmul's bf16 output.
+constexpr int kEpiNone = 0, kEpiAddNorm = 1, kEpiRopeKv = 2;
 struct EpiArgs {
-  __nv_bfloat16* x;
-  const __nv_bfloat16* nw;
-  __nv_bfloat16* normed;
-  float eps;
-  int vt;
-  unsigned int* done;
+  // kEpiAddNorm
+  __nv_bfloat16* x = nullptr;
+  const __nv_bfloat16* nw = nullptr;
+  __nv_bfloat16* normed = nullptr;
+  float eps = 0.0f;
+  int vt = 0;
+  unsigned int* done = nullptr;
+  // kEpiRopeKv
+  const int32_t* pos = nullptr;   // [1] device
+  const int32_t* slot = nullptr;  // [1] device
+  const float* inv_freq = nullptr;
+  __nv_bfloat16* pk = nullptr;
+  __nv_bfloat16* pv = nullptr;
+  int64_t num_slots = 0;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  bool halves = false;
 };
+
+// The qkv column of logical feature L (kEpiRopeKv): the rotated heads' pairs in pair order
+// (pair p = (head, j): columns j and j + head_dim / 2 for halves, 2j and 2j + 1 for adjacent
+// pairs), then the V columns in place.
+__device__ __forceinline__ int64_t RopeCol(int64_t L, const EpiArgs& e) {
+  const int64_t rot = int64_t(e.n_heads + e.n_kv_heads) * e.head_dim;
+  if (L >= rot) return L;
+  const int half = e.head_dim / 2;
+  const int64_t pair = L >> 1;
+  const int mem = static_cast<int>(L & 1);
+  const int64_t h = pair / half;
+  const int j = static_cast<int>(pair % half);
+  return h * e.head_dim + (e.halves ? j + mem * half : 2 * j + mem);
+}
 
 // The last block's part of EPI (T threads, dim columns; s_r: dim bf16 of shared memory).
 template <int T>
@@ -296,14 +329,15 @@ __device__ void AddNormLastBlock(const __nv_bfloat16* delta, int64_t dim, const 
   if (threadIdx.x == 0) *ea.done = 0;
 }
 
-template <int N, class C, bool SWIGLU, bool EPI>
+template <int N, class C, bool SWIGLU, int EPI>
 __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 1)
     SmallNGemmVariantKernel(const __nv_bfloat16* __restrict__ x, int64_t xs,
                             const __nv_bfloat16* __restrict__ w, int64_t ws, __nv_bfloat16* out,
                             int64_t os, int64_t m_out, int64_t half, int64_t k, float beta,
                             EpiArgs ea) {
-  static_assert(!EPI || (N == 1 && C::kG == 1 && C::kW > 1 && !SWIGLU),
-                "the add + norm epilogue: one row, one split-k group a block");
+  static_assert(EPI == kEpiNone || (N == 1 && C::kG == 1 && C::kW > 1 && !SWIGLU),
+                "the epilogues: one row, one split-k group a block");
+  static_assert(EPI != kEpiRopeKv || C::kF % 2 == 0, "whole rotation pairs a block");
   constexpr int F = C::kF, W = C::kW, U = C::kU;
   constexpr int P = SWIGLU ? F / 2 : F;  // output features per group
   constexpr int64_t kSeg = 256;          // elements per warp load (32 lanes x 8)
@@ -317,7 +351,8 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
 #pragma unroll
   for (int f = 0; f < F; ++f) {
     const int p = f % P;
-    const int64_t j = j0 + p < m_out ? j0 + p : m_out - 1;  // past the end: a duplicate read
+    int64_t j = j0 + p < m_out ? j0 + p : m_out - 1;  // past the end: a duplicate read
+    if constexpr (EPI == kEpiRopeKv) j = RopeCol(j, ea);
     rows[f] = w + ((SWIGLU && f >= P ? half : 0) + j) * ws;
   }
   // As in v2: the weights never depend on the previous kernel, so this warp asks for its
@@ -397,7 +432,7 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
         if (lane == f * N + j) partial[wig][lane] = acc[f][j];
       }
     __syncthreads();
-    if (warp != 0 && !EPI) return;
+    if (warp != 0 && EPI == kEpiNone) return;
     if (warp == 0 && lane < P * N) {
       v0 = partial[0][lane];
       if constexpr (SWIGLU) v1 = partial[0][lane + P * N];
@@ -410,7 +445,38 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
   }
   const int64_t j = j0 + lane / N;
   const bool mine = (W == 1 || warp == 0) && lane < P * N && j < m_out;
-  if (!EPI && !mine) return;
+  if constexpr (EPI == kEpiRopeKv) {
+    // Warp 0 holds the block's features: lane 2i and 2i + 1 the two halves of pair i, rounded
+    // to bf16 as the matmul stores them before RopeWriteKv reads them.
+    if (warp != 0) return;
+    const float y = __bfloat162float(__float2bfloat16_rn(v0));
+    const float partner = __shfl_xor_sync(0xffffffffu, y, 1);
+    if (!mine) return;
+    const int64_t col = RopeCol(j, ea);
+    const int64_t q_cols = int64_t(ea.n_heads) * ea.head_dim;
+    const int64_t kv_dim = int64_t(ea.n_kv_heads) * ea.head_dim;
+    __nv_bfloat16 r = __float2bfloat16_rn(y);
+    if (col < q_cols + kv_dim) {
+      const int jj = static_cast<int>((j >> 1) % (ea.head_dim / 2));
+      __nv_bfloat16 y0, y1;
+      const bool second = (j & 1) != 0;
+      sparsex::kernels::detail::RotatePair(second ? partner : y, second ? y : partner,
+                                           static_cast<float>(ea.pos[0]), ea.inv_freq[jj], &y0,
+                                           &y1);
+      r = second ? y1 : y0;
+    }
+    out[col] = r;
+    const int64_t slot = ea.slot[0];
+    if (slot >= 0 && slot < ea.num_slots && col >= q_cols) {
+      if (col < q_cols + kv_dim) {
+        ea.pk[slot * kv_dim + (col - q_cols)] = r;
+      } else {
+        ea.pv[slot * kv_dim + (col - q_cols - kv_dim)] = r;
+      }
+    }
+    return;
+  }
+  if (EPI == kEpiNone && !mine) return;
   __nv_bfloat16* o = out + (lane % N) * os + j;
   if (!mine) {
   } else if constexpr (SWIGLU) {
@@ -422,13 +488,13 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
     if (beta != 0.0f) v0 += beta * __bfloat162float(*o);
     *o = __float2bfloat16_rn(v0);
   }
-  if constexpr (EPI) {
+  if constexpr (EPI == kEpiAddNorm) {
     extern __shared__ __align__(16) unsigned char epi_smem[];
     AddNormLastBlock<C::kW * 32>(out, m_out, ea, reinterpret_cast<__nv_bfloat16*>(epi_smem));
   }
 }
 
-template <int N, class C, bool SWIGLU, bool EPI = false>
+template <int N, class C, bool SWIGLU, int EPI = kEpiNone>
 cudaError_t LaunchVariant(const __nv_bfloat16* x, int64_t xs, const __nv_bfloat16* w,
                           int64_t ws, __nv_bfloat16* out, int64_t os, int64_t m_out,
                           int64_t half, int64_t k, float beta, cudaStream_t stream,
@@ -436,7 +502,7 @@ cudaError_t LaunchVariant(const __nv_bfloat16* x, int64_t xs, const __nv_bfloat1
   constexpr int64_t per_block = int64_t(C::kG) * (SWIGLU ? C::kF / 2 : C::kF);
   const int64_t blocks = (m_out + per_block - 1) / per_block;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const size_t smem = EPI ? static_cast<size_t>(m_out) * 2 : 0;  // the sum row
+  const size_t smem = EPI == kEpiAddNorm ? static_cast<size_t>(m_out) * 2 : 0;  // the sum row
   return sparsex::kernels::detail::LaunchPdl(SmallNGemmVariantKernel<N, C, SWIGLU, EPI>,
                                              static_cast<unsigned>(blocks),
                                              C::kG * C::kW * 32, smem, stream, x, xs, w, ws, out,
@@ -587,13 +653,55 @@ cudaError_t SmallNGemmAddNorm(const __nv_bfloat16* a, const __nv_bfloat16* w, in
     return cudaErrorInvalidValue;
   }
   // The norm kernel's launch width for m (ops.cu AddRmsNorm, 8 columns a thread).
-  const EpiArgs ea{x, norm_w, normed, eps, detail::RowThreads(m, 8), done};
+  EpiArgs ea;
+  ea.x = x;
+  ea.nw = norm_w;
+  ea.normed = normed;
+  ea.eps = eps;
+  ea.vt = detail::RowThreads(m, 8);
+  ea.done = done;
   if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
-    return LaunchVariant<1, ConfigSplitK4, false, true>(a, k, w, w_stride, delta, m, m, 0, k,
-                                                        0.0f, stream, ea);
+    return LaunchVariant<1, ConfigSplitK4, false, kEpiAddNorm>(a, k, w, w_stride, delta, m, m, 0,
+                                                               k, 0.0f, stream, ea);
   }
-  return LaunchVariant<1, ConfigSplitK8, false, true>(a, k, w, w_stride, delta, m, m, 0, k, 0.0f,
-                                                      stream, ea);
+  return LaunchVariant<1, ConfigSplitK8, false, kEpiAddNorm>(a, k, w, w_stride, delta, m, m, 0, k,
+                                                             0.0f, stream, ea);
+}
+
+bool SmallNGemmRopeKvSupported(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
+                               int64_t k, const KvPoolView& pool, int n_heads,
+                               const RopeArgs& rope) {
+  return SmallNGemmSupported(x, k, w, w_stride, 1, k) && rope.head_dim > 0 &&
+         rope.head_dim % 2 == 0 && n_heads >= 0 && pool.kv_dim > 0 &&
+         pool.kv_dim % rope.head_dim == 0 && rope.inv_freq != nullptr;
+}
+
+cudaError_t SmallNGemmRopeKv(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
+                             __nv_bfloat16* qkv, int64_t k, const KvPoolView& pool, int n_heads,
+                             const int32_t* pos, const int32_t* slot, const RopeArgs& rope,
+                             cudaStream_t stream) {
+  if (!SmallNGemmRopeKvSupported(x, w, w_stride, k, pool, n_heads, rope) || pos == nullptr ||
+      slot == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t m = int64_t(n_heads) * rope.head_dim + 2 * pool.kv_dim;
+  EpiArgs ea;
+  ea.pos = pos;
+  ea.slot = slot;
+  ea.inv_freq = rope.inv_freq;
+  ea.pk = pool.k;
+  ea.pv = pool.v;
+  ea.num_slots = pool.num_slots;
+  ea.n_heads = n_heads;
+  ea.n_kv_heads = pool.kv_dim / rope.head_dim;
+  ea.head_dim = rope.head_dim;
+  ea.halves = rope.halves;
+  if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
+    return LaunchVariant<1, ConfigSplitK4, false, kEpiRopeKv>(x, k, w, w_stride, qkv, m, m, 0, k,
+                                                              0.0f, stream, ea);
+  }
+  return LaunchVariant<1, ConfigSplitK8, false, kEpiRopeKv>(x, k, w, w_stride, qkv, m, m, 0, k,
+                                                            0.0f, stream, ea);
 }
 
 }  // namespace sparsex::kernels

@@ -36,12 +36,8 @@ __global__ void RopeKernel(const bf16* src, int64_t src_stride, bf16* dst, int64
     const int i1 = i0 + (halves ? half : 1);
     const bf16* s = src + r * src_stride;
     bf16* d = dst + dr * dst_stride;
-    const float x0 = __bfloat162float(s[i0]), x1 = __bfloat162float(s[i1]);
-    const float angle = static_cast<float>(pos[r]) * inv_freq[j];
-    float sn, cs;
-    sincosf(angle, &sn, &cs);
-    d[i0] = __float2bfloat16_rn(x0 * cs - x1 * sn);
-    d[i1] = __float2bfloat16_rn(x0 * sn + x1 * cs);
+    detail::RotatePair(__bfloat162float(s[i0]), __bfloat162float(s[i1]),
+                       static_cast<float>(pos[r]), inv_freq[j], d + i0, d + i1);
   }
 }
 
@@ -90,12 +86,9 @@ __global__ void RopeWriteKvKernel(bf16* qkv, int64_t stride, int64_t rows, int n
       const int h = static_cast<int>(rem / half), j = static_cast<int>(rem % half);
       const int i0 = h * head_dim + (halves ? j : 2 * j);
       const int i1 = i0 + (halves ? half : 1);
-      const float x0 = __bfloat162float(row[i0]), x1 = __bfloat162float(row[i1]);
-      const float angle = static_cast<float>(pos[r]) * inv_freq[j];
-      float sn, cs;
-      sincosf(angle, &sn, &cs);
-      const bf16 y0 = __float2bfloat16_rn(x0 * cs - x1 * sn);
-      const bf16 y1 = __float2bfloat16_rn(x0 * sn + x1 * cs);
+      bf16 y0, y1;
+      detail::RotatePair(__bfloat162float(row[i0]), __bfloat162float(row[i1]),
+                         static_cast<float>(pos[r]), inv_freq[j], &y0, &y1);
       row[i0] = y0;
       row[i1] = y1;
       if (h >= n_heads && store) {
@@ -151,22 +144,16 @@ __global__ void AssembleKvKernel(const bf16* ks, int64_t k_stride, const bf16* v
       // Pair j = 8 q + e: (a[e], b[e]).
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        float sn, cs;
-        sincosf(p * inv_freq[8 * q + e], &sn, &cs);
-        const float x0 = __bfloat162float(ea[e]), x1 = __bfloat162float(eb[e]);
-        ea[e] = __float2bfloat16_rn(x0 * cs - x1 * sn);
-        eb[e] = __float2bfloat16_rn(x0 * sn + x1 * cs);
+        detail::RotatePair(__bfloat162float(ea[e]), __bfloat162float(eb[e]), p,
+                           inv_freq[8 * q + e], ea + e, eb + e);
       }
     } else {
       // Pairs j = 8 q + e: (a[2e], a[2e + 1]) for e < 4, then b's four.
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         bf16* x = e < 4 ? ea + 2 * e : eb + 2 * (e - 4);
-        float sn, cs;
-        sincosf(p * inv_freq[8 * q + e], &sn, &cs);
-        const float x0 = __bfloat162float(x[0]), x1 = __bfloat162float(x[1]);
-        x[0] = __float2bfloat16_rn(x0 * cs - x1 * sn);
-        x[1] = __float2bfloat16_rn(x0 * sn + x1 * cs);
+        detail::RotatePair(__bfloat162float(x[0]), __bfloat162float(x[1]), p,
+                           inv_freq[8 * q + e], x, x + 1);
       }
     }
     bf16* dst = pk + slot * kv_dim;

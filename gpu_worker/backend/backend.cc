@@ -120,6 +120,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
   SwitchFromEnv("SPX_EPILOGUE_NORM", o.epilogue_norm);
+  SwitchFromEnv("SPX_QKV_ROPE", o.qkv_rope);
   SwitchFromEnv("SPX_DECODE_EARLY_KV", o.decode_early_kv);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
@@ -184,15 +185,12 @@ absl::Status Backend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) {
   return s;
 }
 
-absl::Status Backend::NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w,
-                                 float eps, const Tensor& w, bool swiglu, Tensor& normed,
-                                 Tensor& out) {
-  if (delta != nullptr) {
-    RETURN_IF_ERROR(AddRmsNorm(x, *delta, norm_w, eps, normed));
-  } else {
-    RETURN_IF_ERROR(RmsNorm(x, norm_w, eps, normed));
-  }
-  return swiglu ? MatMulSwiGLU(normed, w, out) : MatMul(normed, w, out);
+absl::Status Backend::MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv,
+                                        KvPool& pool, int layer, int n_heads,
+                                        std::span<const int32_t> pos,
+                                        std::span<const int32_t> slots, const RopeParams& p) {
+  RETURN_IF_ERROR(MatMul(x, w, qkv));
+  return RopeWriteKv(pool, layer, qkv, n_heads, pos, slots, p);
 }
 
 absl::Status Backend::MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,

@@ -160,6 +160,12 @@ struct CudaBackendOptions {
   // (every block repeating it) measured 0.6 ms a step slower in session 27 and was removed.
   // SPX_EPILOGUE_NORM=0|1. Default: false (until measured on a GPU)
   bool epilogue_norm = false;
+  // Backend::MatMulRopeWriteKv on one decode row as one kernel: each block of the small-n qkv
+  // matmul computes two whole RoPE pairs, rotates them and writes K and V to the pool itself
+  // (kernels::SmallNGemmRopeKv, bit-identical to the matmul then RopeWriteKv), where the
+  // automatic choice runs that matmul on the small-n kernel; false runs the two kernels.
+  // Built in session 28. SPX_QKV_ROPE=0|1. Default: false (until measured on a GPU)
+  bool qkv_rope = false;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
@@ -367,12 +373,6 @@ class Backend {
   // [n, 2*half] intermediate. Results equal MatMul then SwiGLU. Default: exactly that, through
   // a temporary.
   virtual absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out);
-  // A norm and the one matmul that reads it: x += *delta when delta is set (AddRmsNorm, else
-  // RmsNorm) into normed, then out = normed @ w^T (MatMul), or with swiglu MatMulSwiGLU. A
-  // backend may fold the norm into the matmul and leave normed unwritten: only x and out are
-  // results. Default: exactly those two operations.
-  virtual absl::Status NormMatMul(Tensor& x, const Tensor* delta, const Tensor& norm_w, float eps,
-                                  const Tensor& w, bool swiglu, Tensor& normed, Tensor& out);
   // A projection whose output joins the residual stream, with the next norm:
   // delta = a @ w^T; x += delta; normed = x / rms(x) * norm_w (the sum rounded as Add would).
   // A backend may do the add and the norm in the matmul's epilogue (one decode row). Default:
@@ -394,6 +394,13 @@ class Backend {
   virtual absl::Status RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,
                                    std::span<const int32_t> pos, std::span<const int32_t> slots,
                                    const RopeParams& p);
+  // The qkv projection with the layer's RoPE and KV write: qkv = x @ w^T, then RopeWriteKv. A
+  // backend may rotate and write in the matmul's epilogue (one decode row). Default: exactly
+  // MatMul, then RopeWriteKv.
+  virtual absl::Status MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv,
+                                         KvPool& pool, int layer, int n_heads,
+                                         std::span<const int32_t> pos,
+                                         std::span<const int32_t> slots, const RopeParams& p);
   // KV assembly of a reused segment: rows [row0, row0 + pos.size()) of k_pre (K before RoPE)
   // rotated to positions pos and written with the same rows of v to the pool at slots.
   // Default: CopyRows, Rope, WriteKv through temporaries (backends fuse it into one pass).

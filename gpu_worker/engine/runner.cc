@@ -92,15 +92,20 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
   if (h == nullptr) {
     ASSIGN_OR_RETURN(h, s.Get(n, cfg_.dim));
   }
-  // The attention norm, unless the previous layer's closing residual add computed it already,
-  // and the qkv projection that reads it.
-  ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
+  // The attention norm, unless the previous layer's closing residual add computed it already.
   if (carry != nullptr && carry->normed) {
-    RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
     carry->normed = false;
   } else {
-    RETURN_IF_ERROR(be_->NormMatMul(x, nullptr, w.attn_norm, cfg_.rms_eps, w.wqkv,
-                                    /*swiglu=*/false, *h, *qkv));
+    RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
+  }
+  ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
+  if (capture == nullptr) {
+    // Q and K heads are adjacent columns: one rotation pass over both, fused with the KV write
+    // (a decode row on the CUDA backend: in the qkv projection's kernel).
+    RETURN_IF_ERROR(be_->MatMulRopeWriteKv(*h, w.wqkv, *qkv, pool_, l, H, rows.pos, rows.slots,
+                                           rope_));
+  } else {
+    RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
   }
   if (capture != nullptr && capture->on_backend) {
     // K before RoPE and V are what a segment stores: position-independent.
@@ -123,8 +128,10 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v.begin() + i * kd);
     }
   }
-  // Q and K heads are adjacent columns: one rotation pass over both, fused with the KV write.
-  RETURN_IF_ERROR(be_->RopeWriteKv(pool_, l, *qkv, H, rows.pos, rows.slots, rope_));
+  // K before RoPE is captured above; then the rotation and the KV write.
+  if (capture != nullptr) {
+    RETURN_IF_ERROR(be_->RopeWriteKv(pool_, l, *qkv, H, rows.pos, rows.slots, rope_));
+  }
   AttentionArgs args;
   // Under tensor parallelism each rank sees only its heads: statistics are gathered into
   // zeroed local arrays, summed over ranks and averaged, so every rank selects identically.
@@ -285,8 +292,8 @@ absl::StatusOr<ModelRunner::HeadOut> ModelRunner::Head(const Tensor& x,
   RETURN_IF_ERROR(be_->GatherRows(x, rows, *sel));
   ASSIGN_OR_RETURN(Tensor* h, s.Get(n, cfg_.dim));
   ASSIGN_OR_RETURN(Tensor* lg, s.Get(n, cfg_.vocab_size));
-  RETURN_IF_ERROR(be_->NormMatMul(*sel, nullptr, w_.final_norm, cfg_.rms_eps, w_.output,
-                                  /*swiglu=*/false, *h, *lg));
+  RETURN_IF_ERROR(be_->RmsNorm(*sel, w_.final_norm, cfg_.rms_eps, *h));
+  RETURN_IF_ERROR(be_->MatMul(*h, w_.output, *lg));
   HeadOut out;
   out.drawn.resize(drawn);
   if (drawn > 0) RETURN_IF_ERROR(be_->DrawRows(RowView(*lg, 0, drawn), draws, out.drawn));

@@ -123,7 +123,7 @@ TEST(CudaBackendOptionsFromEnv, SmallNAutoRows) {
 }
 
 // On/off switches: "1" turns each on, "0" off, anything else keeps the default.
-// decode_early_kv: on since session 28's GPU run; epilogue_norm: off until measured.
+// decode_early_kv: on since session 28's GPU run; epilogue_norm, qkv_rope: off until measured.
 TEST(CudaBackendOptionsFromEnv, Switches) {
   struct Switch {
     const char* var;
@@ -133,7 +133,8 @@ TEST(CudaBackendOptionsFromEnv, Switches) {
   };
   const Switch switches[] = {
       {"SPX_DECODE_EARLY_KV", &CudaBackendOptions::decode_early_kv, true, "yes"},
-      {"SPX_EPILOGUE_NORM", &CudaBackendOptions::epilogue_norm, false, "on"}};
+      {"SPX_EPILOGUE_NORM", &CudaBackendOptions::epilogue_norm, false, "on"},
+      {"SPX_QKV_ROPE", &CudaBackendOptions::qkv_rope, false, "2"}};
   for (const Switch& s : switches) {
     SCOPED_TRACE(s.var);
     EXPECT_EQ(CudaBackendOptions{}.*s.field, s.default_on);

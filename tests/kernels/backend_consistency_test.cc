@@ -494,6 +494,71 @@ TEST_F(DecodeMatMulConsistency, AddNormInTheMatMulEpilogue) {
   }
 }
 
+// MatMulRopeWriteKv on one decode row: the CUDA backend rotates and writes K/V in the small-n
+// qkv matmul's epilogue (CudaBackendOptions::qkv_rope). Against the same backend with the two
+// kernels (qkv_rope off): qkv and the pool rows bit-identical, over two calls (another
+// position and slot, so the second stages new tables); and against the CPU. Shapes:
+// Llama-3-8B's (splitk8), a small one (splitk4) and head_dim 8, both RoPE layouts. A slot
+// outside the pool is refused.
+TEST_F(DecodeMatMulConsistency, RopeKvInTheQkvEpilogue) {
+  std::unique_ptr<Backend> gpus[2];
+  for (int fuse = 0; fuse < 2; ++fuse) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.small_n_variant = -1;
+    o.small_n_auto_rows = 1;
+    o.qkv_rope = fuse == 1;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpus[fuse] = std::move(*g);
+  }
+  struct Shape {
+    int H, KV, hd;
+    int64_t k;
+  };
+  for (RopeLayout layout : {RopeLayout::kAdjacentPairs, RopeLayout::kHalves}) {
+    for (Shape sh : {Shape{32, 8, 128, 4096}, Shape{8, 4, 64, 256}, Shape{4, 2, 8, 64}}) {
+      SCOPED_TRACE(testing::Message() << "heads " << sh.H << "/" << sh.KV << " hd " << sh.hd
+                                      << " halves " << (layout == RopeLayout::kHalves));
+      RopeParams p;
+      p.head_dim = sh.hd;
+      p.theta = 500000.0f;
+      p.layout = layout;
+      const int kv_dim = sh.KV * sh.hd, blocks = 4, bs = 16;
+      const int64_t m = static_cast<int64_t>(sh.H + 2 * sh.KV) * sh.hd;
+      const std::vector<float> xh = Rand(sh.k, 1.0f);
+      const std::vector<float> wh = Rand(m * sh.k, 1.0f / std::sqrt(static_cast<float>(sh.k)));
+      const std::vector<int32_t> pos[2] = {{8191}, {37}}, slots[2] = {{45}, {3}};
+      std::vector<float> got[3][2][3];  // [cpu, gpu, gpu fused][call]: qkv, pool K, pool V
+      Backend* backends[3] = {cpu_.get(), gpus[0].get(), gpus[1].get()};
+      for (int b = 0; b < 3; ++b) {
+        Backend& be = *backends[b];
+        auto pool = be.AllocKvPool(2, blocks, bs, kv_dim);
+        ASSERT_TRUE(pool.ok()) << pool.status();
+        Tensor x = Put(be, 1, sh.k, xh), w = Put(be, m, sh.k, wh), qkv = Put(be, 1, m, Poison(m));
+        for (int call = 0; call < 2; ++call) {
+          absl::Status st = be.MatMulRopeWriteKv(x, w, qkv, *pool, 1, sh.H, pos[call], slots[call], p);
+          ASSERT_TRUE(st.ok()) << st;
+          got[b][call][0] = Get(be, qkv);
+          got[b][call][1].resize(kv_dim);
+          got[b][call][2].resize(kv_dim);
+          ASSERT_TRUE(be.ReadKv(*pool, 1, slots[call], got[b][call][1], got[b][call][2]).ok());
+        }
+        const std::vector<int32_t> bad = {blocks * bs};
+        EXPECT_FALSE(be.MatMulRopeWriteKv(x, w, qkv, *pool, 1, sh.H, pos[0], bad, p).ok());
+        for (Tensor* t : {&x, &w, &qkv}) be.Free(*t);
+        be.FreeKvPool(*pool);
+      }
+      for (int call = 0; call < 2; ++call) {
+        for (int t = 0; t < 3; ++t) {
+          EXPECT_LT(RelErr(got[1][call][t], got[0][call][t]), kTol) << "call " << call << " " << t;
+          EXPECT_EQ(got[1][call][t], got[2][call][t])
+              << "call " << call << " output " << t << " (qkv, K, V): the epilogue differs";
+        }
+      }
+    }
+  }
+}
+
 // MatMulSwiGLU: the fused kernel of every variant against the CPU, and bit-identical to the
 // same backend's MatMul then SwiGLU (its kernel sums each feature in that variant's order and
 // rounds gate and up to bf16 as the separate path stores them). Also the paths that do not

@@ -806,6 +806,44 @@ absl::Status CudaBackend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int 
              inv, r.head_dim, r.halves, r.trigger_first);
 }
 
+// One decode row (the small-n kernel's automatic choice at 1 row): RoPE and the KV write in
+// the qkv matmul's epilogue (kernels::SmallNGemmRopeKv), one launch and one kernel boundary
+// fewer a layer, bit-identical. Anything else: the two operations.
+absl::Status CudaBackend::MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv,
+                                            KvPool& pool, int layer, int n_heads,
+                                            std::span<const int32_t> pos,
+                                            std::span<const int32_t> slots,
+                                            const RopeParams& p) {
+  const bool fuse = options_.qkv_rope && options_.small_n_variant < 0 && x.rows == 1 &&
+                    x.cols == w.cols && x.dtype == DType::kBF16 && w.dtype == DType::kBF16 &&
+                    qkv.dtype == DType::kBF16 && qkv.rows == 1 && qkv.cols == w.rows &&
+                    p.head_dim > 0 && p.head_dim % 2 == 0 && pool.kv_dim % p.head_dim == 0 &&
+                    n_heads >= 0 &&
+                    static_cast<int64_t>(n_heads) * p.head_dim + 2 * pool.kv_dim == w.rows &&
+                    UseSmallN(x, w);
+  if (!fuse) return Backend::MatMulRopeWriteKv(x, w, qkv, pool, layer, n_heads, pos, slots, p);
+  RETURN_IF_ERROR(CheckLayer(pool, layer));
+  RETURN_IF_ERROR(ValidateSlots(pool, slots));
+  if (pos.size() != 1 || slots.size() != 1) {
+    return absl::InvalidArgumentError("MatMulRopeWriteKv: one position and one slot per row");
+  }
+  ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
+  ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
+                                  {slots.data(), slots.size_bytes()}}));
+  const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
+  const auto* dp = static_cast<const int32_t*>(d[0]);
+  const auto* ds = static_cast<const int32_t*>(d[1]);
+  const kernels::KvPoolView view = View(pool, layer);
+  if (!kernels::SmallNGemmRopeKvSupported(B(x), B(w), w.cols, x.cols, view, n_heads, r)) {
+    return Backend::MatMulRopeWriteKv(x, w, qkv, pool, layer, n_heads, pos, slots, p);
+  }
+  return Run("MatMulRopeWriteKv (small n)", [=, this] {
+    return kernels::SmallNGemmRopeKv(B(x), B(w), w.cols, B(qkv), x.cols, view, n_heads, dp, ds, r,
+                                     stream_);
+  }, x.data, x.cols, w.data, w.rows, qkv.data, view.k, view.v, view.num_slots, view.kv_dim,
+             n_heads, dp, ds, inv, r.head_dim, r.halves);
+}
+
 absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
                                      int64_t row0, std::span<const int32_t> pos,
                                      std::span<const int32_t> slots, const RopeParams& rope) {

@@ -101,6 +101,9 @@ class CudaBackend final : public Backend {
   absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) override;
   absl::Status MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x, const Tensor& norm_w,
                              float eps, Tensor& delta, Tensor& normed) override;
+  absl::Status MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv, KvPool& pool,
+                                 int layer, int n_heads, std::span<const int32_t> pos,
+                                 std::span<const int32_t> slots, const RopeParams& p) override;
   absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads, std::span<const int32_t> pos,
                     const RopeParams& p) override;
   absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
