@@ -16,12 +16,14 @@
 # session 28 (H100): the decode attention's early key requests (SPX_DECODE_EARLY_KV: batch 1
 # 6.19-6.23 ms against 6.29-6.30, on) and the early launches of the norms and the split-K
 # combine (slower, removed). Built in session 28: the residual add + norm in the small-n
-# matmul's last block (SPX_EPILOGUE_NORM), off until measured.
+# matmul's last block (SPX_EPILOGUE_NORM) and RoPE + K/V write in the qkv matmul's epilogue
+# (SPX_QKV_ROPE), off until measured.
 # This call:
-#   0. DecodeMatMulConsistency.AddNormInTheMatMulEpilogue, cuda_engine_test with
-#      SPX_EPILOGUE_NORM=1, then decode steps at 8K, batch 1 and 32, with the defaults and with
-#      it, alternated twice (each line carries a hash of the greedy tokens, which it must not
-#      change);
+#   0. DecodeMatMulConsistency.AddNormInTheMatMulEpilogue and RopeKvInTheQkvEpilogue,
+#      BackendConsistency.RopeWriteKv* (the shared rotation), cuda_engine_test with both
+#      switches, then decode steps at 8K, batch 1 and 32, with the defaults and with both,
+#      alternated twice, and each alone once (each line carries a hash of the greedy tokens,
+#      which they must not change);
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined, ws 128 and ws 128 with row sums on
 #      MMA cases alone under a short timeout each (a hang there must not eat the call; later
@@ -40,8 +42,8 @@
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
 #   5. (step 0 times the decode steps.)
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
-# micro.json/.log, hf.json, early.log, engine.log, decode_<off|on>_<round>.json/.log: a device
-# call brings back only a few files).
+# micro.json/.log, hf.json, early.log, engine.log, decode_<off|on>_<round>.json/.log,
+# decode_epi_only/rope_only.json/.log: a device call brings back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
@@ -60,12 +62,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='DecodeMatMulConsistency.AddNorm*' >"$FINAL/early.log" 2>&1
-stamp "epilogue norm test exit $?"
+  --gtest_filter='DecodeMatMulConsistency.AddNorm*:DecodeMatMulConsistency.RopeKv*:BackendConsistency.RopeWriteKv*' \
+  >"$FINAL/early.log" 2>&1
+stamp "epilogue tests exit $?"
 grep -E "FAILED|PASSED|Failure|Expected|Which is" "$FINAL/early.log" | head -n 12 | tee -a "$LOG"
-SPX_EPILOGUE_NORM=1 timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 \
+SPX_EPILOGUE_NORM=1 SPX_QKV_ROPE=1 timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 \
   >"$FINAL/engine.log" 2>&1
-stamp "cuda_engine_test (SPX_EPILOGUE_NORM=1) exit $?"
+stamp "cuda_engine_test (SPX_EPILOGUE_NORM=1 SPX_QKV_ROPE=1) exit $?"
 grep -E "FAILED|PASSED|Failure|tests ran" "$FINAL/engine.log" | head -n 12 | tee -a "$LOG"
 early_dec() {  # name, then environment assignments
   local name=$1; shift
@@ -76,12 +79,14 @@ early_dec() {  # name, then environment assignments
   grep -E "greedy on the device" "$FINAL/decode_$name.log" | tee -a "$LOG"
 }
 for round in 1 2; do
-  early_dec "off_$round" SPX_EPILOGUE_NORM=0
-  early_dec "on_$round" SPX_EPILOGUE_NORM=1
+  early_dec "off_$round" SPX_EPILOGUE_NORM=0 SPX_QKV_ROPE=0
+  early_dec "on_$round" SPX_EPILOGUE_NORM=1 SPX_QKV_ROPE=1
 done
+early_dec epi_only SPX_EPILOGUE_NORM=1 SPX_QKV_ROPE=0
+early_dec rope_only SPX_EPILOGUE_NORM=0 SPX_QKV_ROPE=1
 # The greedy tokens' hashes (one per decode mode and batch) must be the same in every run: a
 # read racing a write would change them.
-for f in "$FINAL"/decode_{on_1,on_2,off_2}.log; do
+for f in "$FINAL"/decode_{on_1,on_2,off_2,epi_only,rope_only}.log; do
   if [ "$(grep -o 'tokens [0-9a-f]*' "$f")" = "$(grep -o 'tokens [0-9a-f]*' "$FINAL/decode_off_1.log")" ]; then
     stamp "$(basename "$f"): greedy tokens as in decode_off_1"
   else
