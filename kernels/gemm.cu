@@ -476,17 +476,17 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
     }
     return;
   }
-  if (EPI == kEpiNone && !mine) return;
-  __nv_bfloat16* o = out + (lane % N) * os + j;
-  if (!mine) {
-  } else if constexpr (SWIGLU) {
-    // Rounded as the separate path stores gate and up, then exactly SwiGlu's arithmetic.
-    const float g = __bfloat162float(__float2bfloat16_rn(v0));
-    const float u = __bfloat162float(__float2bfloat16_rn(v1));
-    *o = __float2bfloat16_rn(sparsex::kernels::detail::Silu(g) * u);
-  } else {
-    if (beta != 0.0f) v0 += beta * __bfloat162float(*o);
-    *o = __float2bfloat16_rn(v0);
+  if (mine) {
+    __nv_bfloat16* o = out + (lane % N) * os + j;
+    if constexpr (SWIGLU) {
+      // Rounded as the separate path stores gate and up, then exactly SwiGlu's arithmetic.
+      const float g = __bfloat162float(__float2bfloat16_rn(v0));
+      const float u = __bfloat162float(__float2bfloat16_rn(v1));
+      *o = __float2bfloat16_rn(sparsex::kernels::detail::Silu(g) * u);
+    } else {
+      if (beta != 0.0f) v0 += beta * __bfloat162float(*o);
+      *o = __float2bfloat16_rn(v0);
+    }
   }
   if constexpr (EPI == kEpiAddNorm) {
     extern __shared__ __align__(16) unsigned char epi_smem[];
@@ -567,6 +567,19 @@ cudaError_t LaunchByVariant(SmallNGemmVariant v, const __nv_bfloat16* x, int64_t
 
 SmallNGemmVariant Resolve(SmallNGemmVariant v, int64_t n, int64_t m, int64_t k) {
   return v == SmallNGemmVariant::kAuto ? SmallNGemmAutoVariant(n, m, k) : v;
+}
+
+// One row with epilogue EPI at the auto variant (splitk4 or splitk8: SmallNGemmAutoVariant).
+template <int EPI>
+cudaError_t LaunchEpilogue(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t ws,
+                           __nv_bfloat16* out, int64_t m, int64_t k, cudaStream_t stream,
+                           const EpiArgs& ea) {
+  if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
+    return LaunchVariant<1, ConfigSplitK4, false, EPI>(x, k, w, ws, out, m, m, 0, k, 0.0f, stream,
+                                                       ea);
+  }
+  return LaunchVariant<1, ConfigSplitK8, false, EPI>(x, k, w, ws, out, m, m, 0, k, 0.0f, stream,
+                                                     ea);
 }
 
 }  // namespace
@@ -652,20 +665,10 @@ cudaError_t SmallNGemmAddNorm(const __nv_bfloat16* a, const __nv_bfloat16* w, in
       !detail::Aligned16(delta)) {
     return cudaErrorInvalidValue;
   }
-  // The norm kernel's launch width for m (ops.cu AddRmsNorm, 8 columns a thread).
-  EpiArgs ea;
-  ea.x = x;
-  ea.nw = norm_w;
-  ea.normed = normed;
-  ea.eps = eps;
-  ea.vt = detail::RowThreads(m, 8);
-  ea.done = done;
-  if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
-    return LaunchVariant<1, ConfigSplitK4, false, kEpiAddNorm>(a, k, w, w_stride, delta, m, m, 0,
-                                                               k, 0.0f, stream, ea);
-  }
-  return LaunchVariant<1, ConfigSplitK8, false, kEpiAddNorm>(a, k, w, w_stride, delta, m, m, 0, k,
-                                                             0.0f, stream, ea);
+  // vt: the norm kernel's launch width for m (ops.cu AddRmsNorm, 8 columns a thread).
+  const EpiArgs ea{.x = x, .nw = norm_w, .normed = normed, .eps = eps,
+                   .vt = detail::RowThreads(m, 8), .done = done};
+  return LaunchEpilogue<kEpiAddNorm>(a, w, w_stride, delta, m, k, stream, ea);
 }
 
 bool SmallNGemmRopeKvSupported(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
@@ -685,23 +688,11 @@ cudaError_t SmallNGemmRopeKv(const __nv_bfloat16* x, const __nv_bfloat16* w, int
     return cudaErrorInvalidValue;
   }
   const int64_t m = int64_t(n_heads) * rope.head_dim + 2 * pool.kv_dim;
-  EpiArgs ea;
-  ea.pos = pos;
-  ea.slot = slot;
-  ea.inv_freq = rope.inv_freq;
-  ea.pk = pool.k;
-  ea.pv = pool.v;
-  ea.num_slots = pool.num_slots;
-  ea.n_heads = n_heads;
-  ea.n_kv_heads = pool.kv_dim / rope.head_dim;
-  ea.head_dim = rope.head_dim;
-  ea.halves = rope.halves;
-  if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
-    return LaunchVariant<1, ConfigSplitK4, false, kEpiRopeKv>(x, k, w, w_stride, qkv, m, m, 0, k,
-                                                              0.0f, stream, ea);
-  }
-  return LaunchVariant<1, ConfigSplitK8, false, kEpiRopeKv>(x, k, w, w_stride, qkv, m, m, 0, k,
-                                                            0.0f, stream, ea);
+  const EpiArgs ea{.pos = pos, .slot = slot, .inv_freq = rope.inv_freq, .pk = pool.k,
+                   .pv = pool.v, .num_slots = pool.num_slots, .n_heads = n_heads,
+                   .n_kv_heads = pool.kv_dim / rope.head_dim, .head_dim = rope.head_dim,
+                   .halves = rope.halves};
+  return LaunchEpilogue<kEpiRopeKv>(x, w, w_stride, qkv, m, k, stream, ea);
 }
 
 }  // namespace sparsex::kernels
