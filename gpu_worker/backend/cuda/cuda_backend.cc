@@ -745,6 +745,21 @@ absl::Status CudaBackend::CheckLayer(const KvPool& pool, int layer) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<CudaBackend::RopeLaunch> CudaBackend::StageRope(const KvPool& pool, int layer,
+                                                               std::span<const int32_t> pos,
+                                                               std::span<const int32_t> slots,
+                                                               const RopeParams& p) {
+  RopeLaunch l;
+  ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
+  ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
+                                  {slots.data(), slots.size_bytes()}}));
+  l.rope = kernels::RopeArgs{inv, p.head_dim, p.layout == RopeLayout::kHalves};
+  l.pos = static_cast<const int32_t*>(d[0]);
+  l.slots = static_cast<const int32_t*>(d[1]);
+  l.view = View(pool, layer);
+  return l;
+}
+
 kernels::KvPoolView CudaBackend::View(const KvPool& pool, int layer) {
   kernels::KvPoolView v;
   v.k = B(pool.k[layer]);
@@ -792,18 +807,14 @@ absl::Status CudaBackend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int 
     return absl::InvalidArgumentError("RopeWriteKv: columns out of range or odd head_dim");
   }
   if (n == 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
-  ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
-                                  {slots.data(), slots.size_bytes()}}));
-  const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves,
-                            options_.decode_early_kv};
-  const auto* dp = static_cast<const int32_t*>(d[0]);
-  const auto* ds = static_cast<const int32_t*>(d[1]);
-  const kernels::KvPoolView view = View(pool, layer);
+  ASSIGN_OR_RETURN(RopeLaunch l, StageRope(pool, layer, pos, slots, p));
+  l.rope.trigger_first = options_.decode_early_kv;
   return Run("RopeWriteKv", [=, this] {
-    return kernels::RopeWriteKv(view, B(qkv), qkv.cols, n, n_heads, dp, ds, r, stream_);
-  }, view.k, view.v, view.num_slots, view.kv_dim, qkv.data, qkv.rows, qkv.cols, n_heads, dp, ds,
-             inv, r.head_dim, r.halves, r.trigger_first);
+    return kernels::RopeWriteKv(l.view, B(qkv), qkv.cols, n, n_heads, l.pos, l.slots, l.rope,
+                                stream_);
+  }, l.view.k, l.view.v, l.view.num_slots, l.view.kv_dim, qkv.data, qkv.rows, qkv.cols, n_heads,
+             l.pos, l.slots, l.rope.inv_freq, l.rope.head_dim, l.rope.halves,
+             l.rope.trigger_first);
 }
 
 // One decode row (the small-n kernel's automatic choice at 1 row): RoPE and the KV write in
@@ -817,8 +828,8 @@ absl::Status CudaBackend::MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Te
   const bool fuse = options_.qkv_rope && options_.small_n_variant < 0 && x.rows == 1 &&
                     x.cols == w.cols && x.dtype == DType::kBF16 && w.dtype == DType::kBF16 &&
                     qkv.dtype == DType::kBF16 && qkv.rows == 1 && qkv.cols == w.rows &&
-                    p.head_dim > 0 && p.head_dim % 2 == 0 && pool.kv_dim % p.head_dim == 0 &&
-                    n_heads >= 0 &&
+                    p.head_dim > 0 && p.head_dim % 2 == 0 && pool.kv_dim > 0 &&
+                    pool.kv_dim % p.head_dim == 0 && n_heads >= 0 &&
                     static_cast<int64_t>(n_heads) * p.head_dim + 2 * pool.kv_dim == w.rows &&
                     UseSmallN(x, w);
   if (!fuse) return Backend::MatMulRopeWriteKv(x, w, qkv, pool, layer, n_heads, pos, slots, p);
@@ -827,21 +838,13 @@ absl::Status CudaBackend::MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Te
   if (pos.size() != 1 || slots.size() != 1) {
     return absl::InvalidArgumentError("MatMulRopeWriteKv: one position and one slot per row");
   }
-  ASSIGN_OR_RETURN(const float* inv, RopeTable(p));
-  ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
-                                  {slots.data(), slots.size_bytes()}}));
-  const kernels::RopeArgs r{inv, p.head_dim, p.layout == RopeLayout::kHalves};
-  const auto* dp = static_cast<const int32_t*>(d[0]);
-  const auto* ds = static_cast<const int32_t*>(d[1]);
-  const kernels::KvPoolView view = View(pool, layer);
-  if (!kernels::SmallNGemmRopeKvSupported(B(x), B(w), w.cols, x.cols, view, n_heads, r)) {
-    return Backend::MatMulRopeWriteKv(x, w, qkv, pool, layer, n_heads, pos, slots, p);
-  }
+  ASSIGN_OR_RETURN(const RopeLaunch l, StageRope(pool, layer, pos, slots, p));
   return Run("MatMulRopeWriteKv (small n)", [=, this] {
-    return kernels::SmallNGemmRopeKv(B(x), B(w), w.cols, B(qkv), x.cols, view, n_heads, dp, ds, r,
-                                     stream_);
-  }, x.data, x.cols, w.data, w.rows, qkv.data, view.k, view.v, view.num_slots, view.kv_dim,
-             n_heads, dp, ds, inv, r.head_dim, r.halves);
+    return kernels::SmallNGemmRopeKv(B(x), B(w), w.cols, B(qkv), x.cols, l.view, n_heads, l.pos,
+                                     l.slots, l.rope, stream_);
+  }, x.data, x.cols, w.data, w.rows, qkv.data, l.view.k, l.view.v, l.view.num_slots,
+             l.view.kv_dim, n_heads, l.pos, l.slots, l.rope.inv_freq, l.rope.head_dim,
+             l.rope.halves);
 }
 
 absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,
@@ -863,19 +866,14 @@ absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pr
     return absl::InvalidArgumentError("AssembleKv: kv_dim is not a multiple of head_dim");
   }
   if (n == 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const float* inv, RopeTable(rope));
-  ASSIGN_OR_RETURN(auto d, Stage({{pos.data(), pos.size_bytes()},
-                                  {slots.data(), slots.size_bytes()}}));
-  const kernels::RopeArgs r{inv, rope.head_dim, rope.layout == RopeLayout::kHalves};
-  const auto* dp = static_cast<const int32_t*>(d[0]);
-  const auto* ds = static_cast<const int32_t*>(d[1]);
-  const kernels::KvPoolView view = View(pool, layer);
+  ASSIGN_OR_RETURN(const RopeLaunch l, StageRope(pool, layer, pos, slots, rope));
   const int heads = pool.kv_dim / rope.head_dim;
   return Run("AssembleKv", [=, this] {
-    return kernels::AssembleKv(view, B(k_pre) + row0 * k_pre.cols, k_pre.cols,
-                               B(v) + row0 * v.cols, v.cols, dp, ds, n, heads, r, stream_);
-  }, view.k, view.v, view.num_slots, view.kv_dim, k_pre.data, k_pre.cols, v.data, v.cols, row0,
-             dp, ds, n, heads, inv, r.head_dim, r.halves);
+    return kernels::AssembleKv(l.view, B(k_pre) + row0 * k_pre.cols, k_pre.cols,
+                               B(v) + row0 * v.cols, v.cols, l.pos, l.slots, n, heads, l.rope,
+                               stream_);
+  }, l.view.k, l.view.v, l.view.num_slots, l.view.kv_dim, k_pre.data, k_pre.cols, v.data, v.cols,
+             row0, l.pos, l.slots, n, heads, l.rope.inv_freq, l.rope.head_dim, l.rope.halves);
 }
 
 // The kernel reads the draws as they are laid out here.

@@ -145,6 +145,17 @@ class CudaBackend final : public Backend {
   absl::Status CheckLayer(const KvPool& pool, int layer);
   kernels::KvPoolView View(const KvPool& pool, int layer);
   absl::StatusOr<const float*> RopeTable(const RopeParams& p);
+  // What the RoPE kernels of a layer take: the rotation (frequency table and layout), the
+  // positions and slots staged on the device, and the layer's pool.
+  struct RopeLaunch {
+    kernels::RopeArgs rope;
+    const int32_t* pos = nullptr;
+    const int32_t* slots = nullptr;
+    kernels::KvPoolView view;
+  };
+  absl::StatusOr<RopeLaunch> StageRope(const KvPool& pool, int layer,
+                                       std::span<const int32_t> pos,
+                                       std::span<const int32_t> slots, const RopeParams& p);
 
   // ---- attention dispatch (attention_dispatch.cc) ----
   // Whether this call is dense causal attention cuDNN can take.
