@@ -2,6 +2,7 @@
 // (rounded to bf16 first, so both start from identical values): relative error
 // ||cuda - cpu|| / ||cpu|| below 1e-2. Skips when no CUDA device is usable.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -392,6 +393,21 @@ class DecodeMatMulConsistency : public BackendConsistency {
     return *t;
   }
   static std::vector<float> Poison(int64_t n) { return std::vector<float>(n, NAN); }
+  // The decode backends an epilogue test compares: [0] with `field` off, [1] with it on, both
+  // at the small-n kernel's automatic choice for 1-row calls.
+  static std::array<std::unique_ptr<Backend>, 2> OffAndOn(bool CudaBackendOptions::*field) {
+    std::array<std::unique_ptr<Backend>, 2> gpus;
+    for (int on = 0; on < 2; ++on) {
+      CudaBackendOptions o = CudaBackendOptionsFromEnv();
+      o.small_n_variant = -1;
+      o.small_n_auto_rows = 1;
+      o.*field = on == 1;
+      auto g = CreateBackend({.kind = "cuda", .cuda = o});
+      EXPECT_TRUE(g.ok()) << g.status();
+      if (g.ok()) gpus[on] = std::move(*g);
+    }
+    return gpus;
+  }
 };
 
 TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
@@ -439,16 +455,8 @@ TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
 // the CPU. Shapes: Llama-3-8B's o projection (splitk4) and down projection (splitk8), a small
 // one and the smallest supported.
 TEST_F(DecodeMatMulConsistency, AddNormInTheMatMulEpilogue) {
-  std::unique_ptr<Backend> gpus[2];
-  for (int epi = 0; epi < 2; ++epi) {
-    CudaBackendOptions o = CudaBackendOptionsFromEnv();
-    o.small_n_variant = -1;
-    o.small_n_auto_rows = 1;
-    o.epilogue_norm = epi == 1;
-    auto g = CreateBackend({.kind = "cuda", .cuda = o});
-    ASSERT_TRUE(g.ok()) << g.status();
-    gpus[epi] = std::move(*g);
-  }
+  const auto gpus = OffAndOn(&CudaBackendOptions::epilogue_norm);
+  ASSERT_TRUE(gpus[0] && gpus[1]);
   const DecodeShape shapes[] = {
       {"o", 4096, 4096}, {"down", 4096, 14336}, {"small", 1000, 256}, {"tiny", 8, 8}};
   for (const DecodeShape& c : shapes) {
@@ -501,16 +509,8 @@ TEST_F(DecodeMatMulConsistency, AddNormInTheMatMulEpilogue) {
 // Llama-3-8B's (splitk8), a small one (splitk4) and head_dim 8, both RoPE layouts. A slot
 // outside the pool is refused.
 TEST_F(DecodeMatMulConsistency, RopeKvInTheQkvEpilogue) {
-  std::unique_ptr<Backend> gpus[2];
-  for (int fuse = 0; fuse < 2; ++fuse) {
-    CudaBackendOptions o = CudaBackendOptionsFromEnv();
-    o.small_n_variant = -1;
-    o.small_n_auto_rows = 1;
-    o.qkv_rope = fuse == 1;
-    auto g = CreateBackend({.kind = "cuda", .cuda = o});
-    ASSERT_TRUE(g.ok()) << g.status();
-    gpus[fuse] = std::move(*g);
-  }
+  const auto gpus = OffAndOn(&CudaBackendOptions::qkv_rope);
+  ASSERT_TRUE(gpus[0] && gpus[1]);
   struct Shape {
     int H, KV, hd;
     int64_t k;
