@@ -107,9 +107,7 @@ struct PagedAttentionParams {
   // tables were staged by an earlier call; a fresh stage is a copy kernel right before this
   // one). The qkv projection waits before it lets the RoPE start, and a kernel that has
   // finished had passed its own wait, so when this one starts every kernel before the qkv
-  // projection has finished. The same holds when the qkv projection does the RoPE + K/V write
-  // in its epilogue (gemm.h SmallNGemmRopeKv: it writes only the rows' own slots and lets this
-  // kernel start after its own wait). Default: 0
+  // projection has finished. Default: 0
   int decode_early_kv = 0;
 };
 

@@ -20,7 +20,7 @@ using bf16 = __nv_bfloat16;
 
 __host__ __device__ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Threads of a one-block-per-row launch over cols columns, per_thread each: whole warps, at
-// most 1024 (the norms and DrawRows; SmallNGemmAddNorm reproduces the norm's reduction with it).
+// most 1024 (the norms and DrawRows).
 inline int RowThreads(int64_t cols, int per_thread) {
   const int64_t t = CeilDiv(CeilDiv(cols, per_thread), 32) * 32;
   return static_cast<int>(t > 1024 ? 1024 : t);
@@ -78,8 +78,8 @@ cudaError_t LaunchPdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
 __device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
 
 // One RoPE pair (x0, x1) rotated by pos * inv_freq, rounded to bf16. Every rounding is
-// explicit (nothing left to the compiler's contraction), so the kernels that rotate (rope.cu,
-// the qkv epilogue in gemm.cu) give the same bits.
+// explicit (nothing left to the compiler's contraction), so the kernels that rotate (rope.cu:
+// Rope, RopeWriteKv, AssembleKv) give the same bits whatever each one's compiled code fuses.
 __device__ __forceinline__ void RotatePair(float x0, float x1, float pos, float inv_freq,
                                            __nv_bfloat16* y0, __nv_bfloat16* y1) {
   float sn, cs;

@@ -223,121 +223,11 @@ struct GemvConfig {
   static constexpr int kF = F, kW = W, kG = G, kU = U, kMinBlocks1 = MinBlocks1;
 };
 
-// Epilogues of a one-row matmul (EPI): kEpiNone, kEpiAddNorm, kEpiRopeKv.
-//
-// kEpiAddNorm: the residual add and RMSNorm after the matmul (SmallNGemmAddNorm), done once by
-// the block that finishes last: every block stores its outputs (the delta), fences them and
-// counts itself on *done; the last one reads the whole delta back from L2, adds it to the
-// residual row x and normalises the sum into normed with AddRmsNorm's arithmetic. The sum of
-// squares is reduced as RmsNormKernel (ops.cu) reduces it with its launch's vt threads: this
-// block's thread t plays threads t, t + blockDim, ..., and their warps' sums meet in the same
-// butterfly, so x and normed are bit-identical to the norm kernel's. That block resets *done
-// for the next launch (a later launch counts only after its launch wait, by which time this
-// grid has finished).
-//
-// kEpiRopeKv: the qkv projection with RoPE and the K/V write (SmallNGemmRopeKv). Each block's
-// features are two rotation pairs (RopeCol: logical feature L, pair L / 2, maps to its column),
-// so the block rotates its own outputs: no other block's output is needed. Q and K columns are
-// stored rotated, K and V columns also to the pool at the row's slot, exactly as RopeWriteKv
-// stores them from the matmul's bf16 output.
-constexpr int kEpiNone = 0, kEpiAddNorm = 1, kEpiRopeKv = 2;
-struct EpiArgs {
-  // kEpiAddNorm
-  __nv_bfloat16* x = nullptr;
-  const __nv_bfloat16* nw = nullptr;
-  __nv_bfloat16* normed = nullptr;
-  float eps = 0.0f;
-  int vt = 0;
-  unsigned int* done = nullptr;
-  // kEpiRopeKv
-  const int32_t* pos = nullptr;   // [1] device
-  const int32_t* slot = nullptr;  // [1] device
-  const float* inv_freq = nullptr;
-  __nv_bfloat16* pk = nullptr;
-  __nv_bfloat16* pv = nullptr;
-  int64_t num_slots = 0;
-  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
-  bool halves = false;
-};
-
-// The qkv column of logical feature L (kEpiRopeKv): the rotated heads' pairs in pair order
-// (pair p = (head, j): columns j and j + head_dim / 2 for halves, 2j and 2j + 1 for adjacent
-// pairs), then the V columns in place.
-__device__ __forceinline__ int64_t RopeCol(int64_t L, const EpiArgs& e) {
-  const int64_t rot = int64_t(e.n_heads + e.n_kv_heads) * e.head_dim;
-  if (L >= rot) return L;
-  const int half = e.head_dim / 2;
-  const int64_t pair = L >> 1;
-  const int mem = static_cast<int>(L & 1);
-  const int64_t h = pair / half;
-  const int j = static_cast<int>(pair % half);
-  return h * e.head_dim + (e.halves ? j + mem * half : 2 * j + mem);
-}
-
-// The last block's part of EPI (T threads, dim columns; s_r: dim bf16 of shared memory).
-template <int T>
-__device__ void AddNormLastBlock(const __nv_bfloat16* delta, int64_t dim, const EpiArgs& ea,
-                                 __nv_bfloat16* s_r) {
-  namespace d = sparsex::kernels::detail;
-  __shared__ bool last;
-  __shared__ float partial[32];
-  __shared__ float total;
-  __threadfence();  // this block's delta stores are visible before its count
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ea.done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // every other block's delta is visible from here
-  const int lane = threadIdx.x & 31;
-  for (int v = threadIdx.x; v < ea.vt; v += T) {
-    float ss = 0.0f;
-    for (int64_t c = int64_t(v) * 8; c < dim; c += int64_t(ea.vt) * 8) {
-      float a[8], r[8];
-      // L2 loads: the delta was written by other blocks of this grid.
-      const uint4 dv = __ldcg(reinterpret_cast<const uint4*>(delta + c));
-      const uint4 xv = __ldcg(reinterpret_cast<const uint4*>(ea.x + c));
-      d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(&xv), r);
-      d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(&dv), a);
-      // AddRmsNorm's residual is the first operand (ops.cu: res + x).
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = __bfloat162float(__float2bfloat16_rn(r[i] + a[i]));
-      *reinterpret_cast<d::Bf16x8*>(s_r + c) = d::Pack8(a);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) ss += a[i] * a[i];
-    }
-    ss = d::WarpSum(ss);
-    if (lane == 0) partial[v >> 5] = ss;
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float t = lane < ea.vt / 32 ? partial[lane] : 0.0f;
-    t = d::WarpSum(t);
-    if (lane == 0) total = t;
-  }
-  __syncthreads();
-  const float inv = rsqrtf(total / static_cast<float>(dim) + ea.eps);
-  for (int64_t c = int64_t(threadIdx.x) * 8; c < dim; c += int64_t(T) * 8) {
-    float a[8], g[8];
-    const d::Bf16x8 sum = *reinterpret_cast<const d::Bf16x8*>(s_r + c);
-    d::Unpack8(sum, a);
-    d::Unpack8(*reinterpret_cast<const d::Bf16x8*>(ea.nw + c), g);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) a[i] = a[i] * inv * g[i];
-    *reinterpret_cast<d::Bf16x8*>(ea.x + c) = sum;
-    *reinterpret_cast<d::Bf16x8*>(ea.normed + c) = d::Pack8(a);
-  }
-  if (threadIdx.x == 0) *ea.done = 0;
-}
-
-template <int N, class C, bool SWIGLU, int EPI>
+template <int N, class C, bool SWIGLU>
 __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 1)
     SmallNGemmVariantKernel(const __nv_bfloat16* __restrict__ x, int64_t xs,
                             const __nv_bfloat16* __restrict__ w, int64_t ws, __nv_bfloat16* out,
-                            int64_t os, int64_t m_out, int64_t half, int64_t k, float beta,
-                            EpiArgs ea) {
-  static_assert(EPI == kEpiNone || (N == 1 && C::kG == 1 && C::kW > 1 && !SWIGLU),
-                "the epilogues: one row, one split-k group a block");
-  static_assert(EPI != kEpiRopeKv || C::kF % 2 == 0, "whole rotation pairs a block");
+                            int64_t os, int64_t m_out, int64_t half, int64_t k, float beta) {
   constexpr int F = C::kF, W = C::kW, U = C::kU;
   constexpr int P = SWIGLU ? F / 2 : F;  // output features per group
   constexpr int64_t kSeg = 256;          // elements per warp load (32 lanes x 8)
@@ -351,8 +241,7 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
 #pragma unroll
   for (int f = 0; f < F; ++f) {
     const int p = f % P;
-    int64_t j = j0 + p < m_out ? j0 + p : m_out - 1;  // past the end: a duplicate read
-    if constexpr (EPI == kEpiRopeKv) j = RopeCol(j, ea);
+    const int64_t j = j0 + p < m_out ? j0 + p : m_out - 1;  // past the end: a duplicate read
     rows[f] = w + ((SWIGLU && f >= P ? half : 0) + j) * ws;
   }
   // As in v2: the weights never depend on the previous kernel, so this warp asks for its
@@ -432,8 +321,8 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
         if (lane == f * N + j) partial[wig][lane] = acc[f][j];
       }
     __syncthreads();
-    if (warp != 0 && EPI == kEpiNone) return;
-    if (warp == 0 && lane < P * N) {
+    if (warp != 0) return;
+    if (lane < P * N) {
       v0 = partial[0][lane];
       if constexpr (SWIGLU) v1 = partial[0][lane + P * N];
 #pragma unroll
@@ -444,69 +333,30 @@ __global__ void __launch_bounds__(C::kG * C::kW * 32, N == 1 ? C::kMinBlocks1 : 
     }
   }
   const int64_t j = j0 + lane / N;
-  const bool mine = (W == 1 || warp == 0) && lane < P * N && j < m_out;
-  if constexpr (EPI == kEpiRopeKv) {
-    // Warp 0 holds the block's features: lane 2i and 2i + 1 the two halves of pair i, rounded
-    // to bf16 as the matmul stores them before RopeWriteKv reads them.
-    if (warp != 0) return;
-    const float y = __bfloat162float(__float2bfloat16_rn(v0));
-    const float partner = __shfl_xor_sync(0xffffffffu, y, 1);
-    if (!mine) return;
-    const int64_t col = RopeCol(j, ea);
-    const int64_t q_cols = int64_t(ea.n_heads) * ea.head_dim;
-    const int64_t kv_dim = int64_t(ea.n_kv_heads) * ea.head_dim;
-    __nv_bfloat16 r = __float2bfloat16_rn(y);
-    if (col < q_cols + kv_dim) {
-      const int jj = static_cast<int>((j >> 1) % (ea.head_dim / 2));
-      __nv_bfloat16 y0, y1;
-      const bool second = (j & 1) != 0;
-      sparsex::kernels::detail::RotatePair(second ? partner : y, second ? y : partner,
-                                           static_cast<float>(ea.pos[0]), ea.inv_freq[jj], &y0,
-                                           &y1);
-      r = second ? y1 : y0;
-    }
-    out[col] = r;
-    const int64_t slot = ea.slot[0];
-    if (slot >= 0 && slot < ea.num_slots && col >= q_cols) {
-      if (col < q_cols + kv_dim) {
-        ea.pk[slot * kv_dim + (col - q_cols)] = r;
-      } else {
-        ea.pv[slot * kv_dim + (col - q_cols - kv_dim)] = r;
-      }
-    }
-    return;
-  }
-  if (mine) {
-    __nv_bfloat16* o = out + (lane % N) * os + j;
-    if constexpr (SWIGLU) {
-      // Rounded as the separate path stores gate and up, then exactly SwiGlu's arithmetic.
-      const float g = __bfloat162float(__float2bfloat16_rn(v0));
-      const float u = __bfloat162float(__float2bfloat16_rn(v1));
-      *o = __float2bfloat16_rn(sparsex::kernels::detail::Silu(g) * u);
-    } else {
-      if (beta != 0.0f) v0 += beta * __bfloat162float(*o);
-      *o = __float2bfloat16_rn(v0);
-    }
-  }
-  if constexpr (EPI == kEpiAddNorm) {
-    extern __shared__ __align__(16) unsigned char epi_smem[];
-    AddNormLastBlock<C::kW * 32>(out, m_out, ea, reinterpret_cast<__nv_bfloat16*>(epi_smem));
+  if (lane >= P * N || j >= m_out) return;
+  __nv_bfloat16* o = out + (lane % N) * os + j;
+  if constexpr (SWIGLU) {
+    // Rounded as the separate path stores gate and up, then exactly SwiGlu's arithmetic.
+    const float g = __bfloat162float(__float2bfloat16_rn(v0));
+    const float u = __bfloat162float(__float2bfloat16_rn(v1));
+    *o = __float2bfloat16_rn(sparsex::kernels::detail::Silu(g) * u);
+  } else {
+    if (beta != 0.0f) v0 += beta * __bfloat162float(*o);
+    *o = __float2bfloat16_rn(v0);
   }
 }
 
-template <int N, class C, bool SWIGLU, int EPI = kEpiNone>
+template <int N, class C, bool SWIGLU>
 cudaError_t LaunchVariant(const __nv_bfloat16* x, int64_t xs, const __nv_bfloat16* w,
                           int64_t ws, __nv_bfloat16* out, int64_t os, int64_t m_out,
-                          int64_t half, int64_t k, float beta, cudaStream_t stream,
-                          EpiArgs ea = {}) {
+                          int64_t half, int64_t k, float beta, cudaStream_t stream) {
   constexpr int64_t per_block = int64_t(C::kG) * (SWIGLU ? C::kF / 2 : C::kF);
   const int64_t blocks = (m_out + per_block - 1) / per_block;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const size_t smem = EPI == kEpiAddNorm ? static_cast<size_t>(m_out) * 2 : 0;  // the sum row
-  return sparsex::kernels::detail::LaunchPdl(SmallNGemmVariantKernel<N, C, SWIGLU, EPI>,
+  return sparsex::kernels::detail::LaunchPdl(SmallNGemmVariantKernel<N, C, SWIGLU>,
                                              static_cast<unsigned>(blocks),
-                                             C::kG * C::kW * 32, smem, stream, x, xs, w, ws, out,
-                                             os, m_out, half, k, beta, ea);
+                                             C::kG * C::kW * 32, 0, stream, x, xs, w, ws, out,
+                                             os, m_out, half, k, beta);
 }
 
 template <class C, bool SWIGLU>
@@ -567,19 +417,6 @@ cudaError_t LaunchByVariant(SmallNGemmVariant v, const __nv_bfloat16* x, int64_t
 
 SmallNGemmVariant Resolve(SmallNGemmVariant v, int64_t n, int64_t m, int64_t k) {
   return v == SmallNGemmVariant::kAuto ? SmallNGemmAutoVariant(n, m, k) : v;
-}
-
-// One row with epilogue EPI at the auto variant (splitk4 or splitk8: SmallNGemmAutoVariant).
-template <int EPI>
-cudaError_t LaunchEpilogue(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t ws,
-                           __nv_bfloat16* out, int64_t m, int64_t k, cudaStream_t stream,
-                           const EpiArgs& ea) {
-  if (SmallNGemmAutoVariant(1, m, k) == SmallNGemmVariant::kSplitK4) {
-    return LaunchVariant<1, ConfigSplitK4, false, EPI>(x, k, w, ws, out, m, m, 0, k, 0.0f, stream,
-                                                       ea);
-  }
-  return LaunchVariant<1, ConfigSplitK8, false, EPI>(x, k, w, ws, out, m, m, 0, k, 0.0f, stream,
-                                                     ea);
 }
 
 }  // namespace
@@ -646,53 +483,6 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
   if (!SmallNGemmSupported(x, x_stride, w, w_stride, n, k)) return cudaErrorInvalidValue;
   return LaunchByVariant<true>(Resolve(variant, n, 2 * half, k), x, x_stride, w, w_stride, out,
                                out_stride, n, half, half, k, 0.0f, stream);
-}
-
-bool SmallNGemmAddNormSupported(const __nv_bfloat16* a, const __nv_bfloat16* w,
-                                int64_t w_stride, const __nv_bfloat16* x,
-                                const __nv_bfloat16* norm_w, const __nv_bfloat16* normed,
-                                int64_t m, int64_t k) {
-  return SmallNGemmSupported(a, k, w, w_stride, 1, k) && m % 8 == 0 && m <= kSmallNAddNormMaxM &&
-         detail::Aligned16(x) && detail::Aligned16(norm_w) && detail::Aligned16(normed);
-}
-
-cudaError_t SmallNGemmAddNorm(const __nv_bfloat16* a, const __nv_bfloat16* w, int64_t w_stride,
-                              __nv_bfloat16* delta, int64_t m, int64_t k, __nv_bfloat16* x,
-                              const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* normed,
-                              unsigned int* done, cudaStream_t stream) {
-  if (m == 0) return cudaSuccess;
-  if (!SmallNGemmAddNormSupported(a, w, w_stride, x, norm_w, normed, m, k) || done == nullptr ||
-      !detail::Aligned16(delta)) {
-    return cudaErrorInvalidValue;
-  }
-  // vt: the norm kernel's launch width for m (ops.cu AddRmsNorm, 8 columns a thread).
-  const EpiArgs ea{.x = x, .nw = norm_w, .normed = normed, .eps = eps,
-                   .vt = detail::RowThreads(m, 8), .done = done};
-  return LaunchEpilogue<kEpiAddNorm>(a, w, w_stride, delta, m, k, stream, ea);
-}
-
-bool SmallNGemmRopeKvSupported(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
-                               int64_t k, const KvPoolView& pool, int n_heads,
-                               const RopeArgs& rope) {
-  return SmallNGemmSupported(x, k, w, w_stride, 1, k) && rope.head_dim > 0 &&
-         rope.head_dim % 2 == 0 && n_heads >= 0 && pool.kv_dim > 0 &&
-         pool.kv_dim % rope.head_dim == 0 && rope.inv_freq != nullptr;
-}
-
-cudaError_t SmallNGemmRopeKv(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
-                             __nv_bfloat16* qkv, int64_t k, const KvPoolView& pool, int n_heads,
-                             const int32_t* pos, const int32_t* slot, const RopeArgs& rope,
-                             cudaStream_t stream) {
-  if (!SmallNGemmRopeKvSupported(x, w, w_stride, k, pool, n_heads, rope) || pos == nullptr ||
-      slot == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  const int64_t m = int64_t(n_heads) * rope.head_dim + 2 * pool.kv_dim;
-  const EpiArgs ea{.pos = pos, .slot = slot, .inv_freq = rope.inv_freq, .pk = pool.k,
-                   .pv = pool.v, .num_slots = pool.num_slots, .n_heads = n_heads,
-                   .n_kv_heads = pool.kv_dim / rope.head_dim, .head_dim = rope.head_dim,
-                   .halves = rope.halves};
-  return LaunchEpilogue<kEpiRopeKv>(x, w, w_stride, qkv, m, k, stream, ea);
 }
 
 }  // namespace sparsex::kernels

@@ -17,8 +17,6 @@
 #include <map>
 #include <tuple>
 
-#include "kernels/rope.h"
-
 namespace sparsex::kernels {
 
 class LtGemm {
@@ -99,40 +97,5 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
                              int64_t w_stride, __nv_bfloat16* out, int64_t out_stride,
                              int64_t n, int64_t half, int64_t k, cudaStream_t stream,
                              SmallNGemmVariant variant = SmallNGemmVariant::kAuto);
-
-// One decode row's projection with the residual add and the next RMSNorm after it, in one
-// launch instead of the small-n matmul and the AddRmsNorm kernel:
-//   delta = a @ w^T;  x += delta;  normed = RmsNorm(x) * norm_w
-// a: [1, k], w: [m, k] (row stride w_stride), delta, x, normed, norm_w: [m]. delta is computed
-// exactly as SmallNGemm at the auto variant (SmallNGemmAutoVariant) computes it; the block that
-// finishes last (counted on *done, a zeroed device counter that is zero again after the launch)
-// then does AddRmsNorm's arithmetic in its reduction order: all three outputs are bit-identical
-// to SmallNGemm then AddRmsNorm (ops.h). Supported when SmallNGemmAddNormSupported(...):
-// 16-byte aligned rows, k and m multiples of 8, m at most kSmallNAddNormMaxM.
-constexpr int64_t kSmallNAddNormMaxM = 16384;
-bool SmallNGemmAddNormSupported(const __nv_bfloat16* a, const __nv_bfloat16* w,
-                                int64_t w_stride, const __nv_bfloat16* x,
-                                const __nv_bfloat16* norm_w, const __nv_bfloat16* normed,
-                                int64_t m, int64_t k);
-cudaError_t SmallNGemmAddNorm(const __nv_bfloat16* a, const __nv_bfloat16* w, int64_t w_stride,
-                              __nv_bfloat16* delta, int64_t m, int64_t k, __nv_bfloat16* x,
-                              const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* normed,
-                              unsigned int* done, cudaStream_t stream);
-
-// One decode row's qkv projection with RoPE and the K/V write in its epilogue, in one launch
-// instead of the small-n matmul and RopeWriteKv (rope.h):
-//   qkv = x @ w^T; RopeWriteKv(pool, qkv, 1 row, n_heads, pos, slot, rope)
-// x: [1, k], w: [m, k] with m = n_heads * head_dim + 2 * pool.kv_dim (Q, K, V heads), qkv: [m];
-// pos and slot: one device int each. Each feature is summed exactly as SmallNGemm at the auto
-// variant sums it and rotated with RopeWriteKv's arithmetic: qkv and the pool rows are
-// bit-identical to the two kernels. rope.trigger_first is ignored (the matmul lets the next
-// launch start after its own wait). Supported when SmallNGemmRopeKvSupported(...).
-bool SmallNGemmRopeKvSupported(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
-                               int64_t k, const KvPoolView& pool, int n_heads,
-                               const RopeArgs& rope);
-cudaError_t SmallNGemmRopeKv(const __nv_bfloat16* x, const __nv_bfloat16* w, int64_t w_stride,
-                             __nv_bfloat16* qkv, int64_t k, const KvPoolView& pool, int n_heads,
-                             const int32_t* pos, const int32_t* slot, const RopeArgs& rope,
-                             cudaStream_t stream);
 
 }  // namespace sparsex::kernels

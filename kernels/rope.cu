@@ -104,6 +104,86 @@ __global__ void RopeWriteKvKernel(bf16* qkv, int64_t stride, int64_t rows, int n
   }
 }
 
+// One 16-byte item of a head: two 8-element chunks a and b holding 8 RoPE pairs, rotated in
+// place by p * f[e] (f: the item's 8 frequencies). Halves layout: pair e is (a[e], b[e]), a from
+// the head's first half, b the same columns of its second. Adjacent pairs: a's four pairs, then
+// b's. The chunks' columns in a head for item q: halves 8 q and 8 q + head_dim / 2, adjacent
+// 16 q and 16 q + 8 (ItemColumns).
+__device__ __forceinline__ void RotateItem(uint4& a, uint4& b, float p, const float* f,
+                                           bool halves) {
+  bf16* ea = reinterpret_cast<bf16*>(&a);
+  bf16* eb = reinterpret_cast<bf16*>(&b);
+  if (halves) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      detail::RotatePair(__bfloat162float(ea[e]), __bfloat162float(eb[e]), p, f[e], ea + e,
+                         eb + e);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      bf16* x = e < 4 ? ea + 2 * e : eb + 2 * (e - 4);
+      detail::RotatePair(__bfloat162float(x[0]), __bfloat162float(x[1]), p, f[e], x, x + 1);
+    }
+  }
+}
+
+__device__ __forceinline__ void ItemColumns(int q, int head_dim, bool halves, int* c0, int* c1) {
+  *c0 = halves ? 8 * q : 16 * q;
+  *c1 = *c0 + (halves ? head_dim / 2 : 8);
+}
+
+// RopeWriteKvKernel on 16-byte items (head_dim a multiple of 16): per row, (n_heads +
+// n_kv_heads) * head_dim / 16 rotation items (RotateItem), then kv_dim / 8 V chunks. A K
+// head's item is stored in place and to the pool with the same bits. Eight pairs a thread step
+// instead of one, and 32-bit index arithmetic within a row: the scalar kernel's per-pair 64-bit
+// divisions made it instruction-bound at prefill sizes (~1.2 ms a 32K layer against ~0.3 at
+// the copy rate, docs/perf-notes.md session 29).
+__global__ void RopeWriteKvVecKernel(bf16* qkv, int64_t stride, int64_t rows, int n_heads,
+                                     int n_kv_heads, const int32_t* pos, const int32_t* slots,
+                                     bf16* pk, bf16* pv, int64_t num_slots,
+                                     const float* inv_freq, int head_dim, bool halves,
+                                     bool trigger_first) {
+  if (trigger_first) detail::PdlLaunchDependents();
+  detail::PdlWait();
+  if (!trigger_first) detail::PdlLaunchDependents();
+  const int kv_dim = n_kv_heads * head_dim;
+  const int items_per_head = head_dim / 16;
+  const int rot_items = (n_heads + n_kv_heads) * items_per_head;
+  const int per_row = rot_items + kv_dim / 8;
+  const int64_t total = rows * per_row;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = t / per_row;
+    const int it = static_cast<int>(t - r * per_row);
+    bf16* row = qkv + r * stride;
+    const int64_t slot = slots[r];
+    const bool store = slot >= 0 && slot < num_slots;
+    if (it >= rot_items) {
+      if (!store) continue;
+      const int c = (it - rot_items) * 8;
+      *reinterpret_cast<uint4*>(pv + slot * kv_dim + c) =
+          *reinterpret_cast<const uint4*>(row + (n_heads + n_kv_heads) * head_dim + c);
+      continue;
+    }
+    const int h = it / items_per_head, q = it - h * items_per_head;
+    int c0, c1;
+    ItemColumns(q, head_dim, halves, &c0, &c1);
+    c0 += h * head_dim;
+    c1 += h * head_dim;
+    uint4 a = *reinterpret_cast<const uint4*>(row + c0);
+    uint4 b = *reinterpret_cast<const uint4*>(row + c1);
+    RotateItem(a, b, static_cast<float>(pos[r]), inv_freq + 8 * q, halves);
+    *reinterpret_cast<uint4*>(row + c0) = a;
+    *reinterpret_cast<uint4*>(row + c1) = b;
+    if (h >= n_heads && store) {
+      bf16* d = pk + slot * kv_dim - n_heads * head_dim;
+      *reinterpret_cast<uint4*>(d + c0) = a;
+      *reinterpret_cast<uint4*>(d + c1) = b;
+    }
+  }
+}
+
 // Reused KV assembly, 16 bytes per access: per row, kv_dim / 16 K items (a halves item: 8
 // elements of a head's first half with their 8 partners in the second; an adjacent-pairs item:
 // 16 consecutive elements, 8 pairs) rotated to pos[r], then kv_dim / 8 V chunks copied. The
@@ -116,7 +196,7 @@ __global__ void AssembleKvKernel(const bf16* ks, int64_t k_stride, const bf16* v
   detail::PdlWait();
   detail::PdlLaunchDependents();
   const int k_items = kv_dim / 16, v_items = kv_dim / 8, per_row = k_items + v_items;
-  const int half = head_dim / 2, items_per_head = head_dim / 16;
+  const int items_per_head = head_dim / 16;
   const int64_t total = n * per_row;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < total;
        t += int64_t(gridDim.x) * blockDim.x) {
@@ -131,31 +211,14 @@ __global__ void AssembleKvKernel(const bf16* ks, int64_t k_stride, const bf16* v
       continue;
     }
     const int h = it / items_per_head, q = it % items_per_head;
-    // Columns of the two 8-element chunks and the frequency index of their first pair.
-    const int c0 = h * head_dim + (halves ? 8 * q : 16 * q);
-    const int c1 = c0 + (halves ? half : 8);
+    int c0, c1;
+    ItemColumns(q, head_dim, halves, &c0, &c1);
+    c0 += h * head_dim;
+    c1 += h * head_dim;
     const bf16* src = ks + r * k_stride;
     uint4 a = *reinterpret_cast<const uint4*>(src + c0);
     uint4 b = *reinterpret_cast<const uint4*>(src + c1);
-    bf16* ea = reinterpret_cast<bf16*>(&a);
-    bf16* eb = reinterpret_cast<bf16*>(&b);
-    const float p = static_cast<float>(pos[r]);
-    if (halves) {
-      // Pair j = 8 q + e: (a[e], b[e]).
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        detail::RotatePair(__bfloat162float(ea[e]), __bfloat162float(eb[e]), p,
-                           inv_freq[8 * q + e], ea + e, eb + e);
-      }
-    } else {
-      // Pairs j = 8 q + e: (a[2e], a[2e + 1]) for e < 4, then b's four.
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        bf16* x = e < 4 ? ea + 2 * e : eb + 2 * (e - 4);
-        detail::RotatePair(__bfloat162float(x[0]), __bfloat162float(x[1]), p,
-                           inv_freq[8 * q + e], x, x + 1);
-      }
-    }
+    RotateItem(a, b, static_cast<float>(pos[r]), inv_freq + 8 * q, halves);
     bf16* dst = pk + slot * kv_dim;
     *reinterpret_cast<uint4*>(dst + c0) = a;
     *reinterpret_cast<uint4*>(dst + c1) = b;
@@ -179,6 +242,15 @@ cudaError_t RopeWriteKv(const KvPoolView& pool, bf16* qkv, int64_t qkv_stride, i
     cudaError_t e = Rope(qkv, qkv_stride, rows, n_heads + n_kv_heads, pos, rope, stream);
     if (e != cudaSuccess) return e;
     return WriteKv(pool, qkv + k_col, qkv_stride, qkv + v_col, qkv_stride, slots, rows, stream);
+  }
+  if (rope.head_dim % 16 == 0) {
+    const int64_t total =
+        rows * (static_cast<int64_t>(n_heads + n_kv_heads) * (rope.head_dim / 16) +
+                pool.kv_dim / 8);
+    return detail::LaunchPdl(RopeWriteKvVecKernel, GridFor(total), kThreads, 0, stream, qkv,
+                             qkv_stride, rows, n_heads, n_kv_heads, pos, slots, pool.k, pool.v,
+                             pool.num_slots, rope.inv_freq, rope.head_dim, rope.halves,
+                             rope.trigger_first);
   }
   const int64_t total =
       rows * (static_cast<int64_t>(n_heads + n_kv_heads) * (rope.head_dim / 2) + pool.kv_dim / 8);

@@ -119,8 +119,6 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   }
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
-  SwitchFromEnv("SPX_EPILOGUE_NORM", o.epilogue_norm);
-  SwitchFromEnv("SPX_QKV_ROPE", o.qkv_rope);
   SwitchFromEnv("SPX_DECODE_EARLY_KV", o.decode_early_kv);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
@@ -183,21 +181,6 @@ absl::Status Backend::MatMulAdd(const Tensor& x, const Tensor& w, Tensor& out) {
   if (s.ok()) s = Add(out, tmp);
   Free(tmp);
   return s;
-}
-
-absl::Status Backend::MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv,
-                                        KvPool& pool, int layer, int n_heads,
-                                        std::span<const int32_t> pos,
-                                        std::span<const int32_t> slots, const RopeParams& p) {
-  RETURN_IF_ERROR(MatMul(x, w, qkv));
-  return RopeWriteKv(pool, layer, qkv, n_heads, pos, slots, p);
-}
-
-absl::Status Backend::MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,
-                                    const Tensor& norm_w, float eps, Tensor& delta,
-                                    Tensor& normed) {
-  RETURN_IF_ERROR(MatMul(a, w, delta));
-  return AddRmsNorm(x, delta, norm_w, eps, normed);
 }
 
 absl::Status Backend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) {

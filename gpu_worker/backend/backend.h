@@ -152,20 +152,6 @@ struct CudaBackendOptions {
   // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
   // SPX_FUSED_SWIGLU=0 sets false. Default: true
   bool fused_swiglu = true;
-  // Backend::MatMulAddNorm on one decode row as one kernel: the residual add and the next
-  // RMSNorm done once, by the last block of the small-n matmul that produces the delta
-  // (kernels::SmallNGemmAddNorm, bit-identical to the matmul then the AddRmsNorm kernel), where
-  // the automatic choice runs that matmul on the small-n kernel (small_n_auto_rows); false runs
-  // the two kernels. Built in session 28 after the norm folded into the next matmul's prologue
-  // (every block repeating it) measured 0.6 ms a step slower in session 27 and was removed.
-  // SPX_EPILOGUE_NORM=0|1. Default: false (until measured on a GPU)
-  bool epilogue_norm = false;
-  // Backend::MatMulRopeWriteKv on one decode row as one kernel: each block of the small-n qkv
-  // matmul computes two whole RoPE pairs, rotates them and writes K and V to the pool itself
-  // (kernels::SmallNGemmRopeKv, bit-identical to the matmul then RopeWriteKv), where the
-  // automatic choice runs that matmul on the small-n kernel; false runs the two kernels.
-  // Built in session 28. SPX_QKV_ROPE=0|1. Default: false (until measured on a GPU)
-  bool qkv_rope = false;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also
@@ -373,13 +359,6 @@ class Backend {
   // [n, 2*half] intermediate. Results equal MatMul then SwiGLU. Default: exactly that, through
   // a temporary.
   virtual absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out);
-  // A projection whose output joins the residual stream, with the next norm:
-  // delta = a @ w^T; x += delta; normed = x / rms(x) * norm_w (the sum rounded as Add would).
-  // A backend may do the add and the norm in the matmul's epilogue (one decode row). Default:
-  // MatMul, then AddRmsNorm.
-  virtual absl::Status MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,
-                                     const Tensor& norm_w, float eps, Tensor& delta,
-                                     Tensor& normed);
   // Rotates columns [col_offset, col_offset + n_heads*head_dim) of x in place, row i at pos[i].
   virtual absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads,
                             std::span<const int32_t> pos, const RopeParams& p) = 0;
@@ -394,13 +373,6 @@ class Backend {
   virtual absl::Status RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int n_heads,
                                    std::span<const int32_t> pos, std::span<const int32_t> slots,
                                    const RopeParams& p);
-  // The qkv projection with the layer's RoPE and KV write: qkv = x @ w^T, then RopeWriteKv. A
-  // backend may rotate and write in the matmul's epilogue (one decode row). Default: exactly
-  // MatMul, then RopeWriteKv.
-  virtual absl::Status MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv,
-                                         KvPool& pool, int layer, int n_heads,
-                                         std::span<const int32_t> pos,
-                                         std::span<const int32_t> slots, const RopeParams& p);
   // KV assembly of a reused segment: rows [row0, row0 + pos.size()) of k_pre (K before RoPE)
   // rotated to positions pos and written with the same rows of v to the pool at slots.
   // Default: CopyRows, Rope, WriteKv through temporaries (backends fuse it into one pass).

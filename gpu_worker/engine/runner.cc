@@ -99,14 +99,7 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
     RETURN_IF_ERROR(be_->RmsNorm(x, w.attn_norm, cfg_.rms_eps, *h));
   }
   ASSIGN_OR_RETURN(Tensor* qkv, s.Get(n, static_cast<int64_t>(H + 2 * KV) * hd));
-  if (capture == nullptr) {
-    // Q and K heads are adjacent columns: one rotation pass over both, fused with the KV write
-    // (a decode row on the CUDA backend: in the qkv projection's kernel).
-    RETURN_IF_ERROR(be_->MatMulRopeWriteKv(*h, w.wqkv, *qkv, pool_, l, H, rows.pos, rows.slots,
-                                           rope_));
-  } else {
-    RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
-  }
+  RETURN_IF_ERROR(be_->MatMul(*h, w.wqkv, *qkv));
   if (capture != nullptr && capture->on_backend) {
     // K before RoPE and V are what a segment stores: position-independent.
     const int64_t kd = kv_dim(), qd = static_cast<int64_t>(H) * hd;
@@ -128,10 +121,9 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       std::copy_n(all.begin() + i * qkv->cols + qd + kd, kd, v.begin() + i * kd);
     }
   }
-  // K before RoPE is captured above; then the rotation and the KV write.
-  if (capture != nullptr) {
-    RETURN_IF_ERROR(be_->RopeWriteKv(pool_, l, *qkv, H, rows.pos, rows.slots, rope_));
-  }
+  // K before RoPE is captured above; then the rotation and the KV write (Q and K heads are
+  // adjacent columns: one rotation pass over both, fused with the KV write).
+  RETURN_IF_ERROR(be_->RopeWriteKv(pool_, l, *qkv, H, rows.pos, rows.slots, rope_));
   AttentionArgs args;
   // Under tensor parallelism each rank sees only its heads: statistics are gathered into
   // zeroed local arrays, summed over ranks and averaged, so every rank selects identically.
@@ -171,25 +163,21 @@ absl::Status ModelRunner::Layer(int l, Tensor& x, const LayerRows& rows, Attenti
       for (size_t i = 0; i < local->size(); ++i) out[i] += (*local)[i] * inv;
     }
   }
-  // The attention output joins the residual stream in the same pass as the MLP's norm (a
-  // decode row on the CUDA backend: in the o projection's kernel); under tensor parallelism
-  // the partial projections are all-reduced first.
+  // The attention output joins the residual stream in the same pass as the MLP's norm; under
+  // tensor parallelism the partial projections are all-reduced first.
   ASSIGN_OR_RETURN(Tensor* o, s.Get(n, cfg_.dim));
-  if (comm_ == nullptr) {
-    RETURN_IF_ERROR(be_->MatMulAddNorm(*att, w.wo, x, w.ffn_norm, cfg_.rms_eps, *o, *h));
-  } else {
-    RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
-    RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
-    RETURN_IF_ERROR(be_->AddRmsNorm(x, *o, w.ffn_norm, cfg_.rms_eps, *h));
-  }
+  RETURN_IF_ERROR(be_->MatMul(*att, w.wo, *o));
+  if (comm_ != nullptr) RETURN_IF_ERROR(comm_->AllReduceSum(*be_, *o));
+  RETURN_IF_ERROR(be_->AddRmsNorm(x, *o, w.ffn_norm, cfg_.rms_eps, *h));
   // gate_up and SwiGLU as one operation: the CUDA backend runs decode rows as one kernel that
   // never writes the [n, 2*ffn] intermediate; other row counts and backends compute the same.
   ASSIGN_OR_RETURN(Tensor* act, s.Get(n, cfg_.ffn_dim));
   RETURN_IF_ERROR(be_->MatMulSwiGLU(*h, w.w_gate_up, *act));
   if (comm_ == nullptr && carry != nullptr && l + 1 < cfg_.n_layers) {
     // The closing residual add with the next layer's attention norm.
-    RETURN_IF_ERROR(be_->MatMulAddNorm(*act, w.w_down, x, w_.layers[l + 1].attn_norm,
-                                       cfg_.rms_eps, carry->delta, carry->h));
+    RETURN_IF_ERROR(be_->MatMul(*act, w.w_down, carry->delta));
+    RETURN_IF_ERROR(be_->AddRmsNorm(x, carry->delta, w_.layers[l + 1].attn_norm, cfg_.rms_eps,
+                                    carry->h));
     carry->normed = true;
     return absl::OkStatus();
   }

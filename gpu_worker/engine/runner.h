@@ -66,9 +66,8 @@ class ModelRunner {
   // at rows.slots, attends each row over positions [0, pos] through rows.ctx_slots.
   //
   // `carry` (Forward's consecutive layers over the same rows) computes the next layer's
-  // attention norm with a layer's closing residual add (Backend::MatMulAddNorm after the down
-  // projection: one AddRmsNorm instead of an Add and a RmsNorm, and for a decode row on the
-  // CUDA backend in the matmul's own kernel; bit-identical). With carry->normed on entry,
+  // attention norm with a layer's closing residual add (after the down projection: one
+  // AddRmsNorm instead of an Add and a RmsNorm; bit-identical). With carry->normed on entry,
   // carry->h already holds this layer's attention norm of x; on return it holds the next
   // layer's (normed) unless l is the last layer or tensor parallelism all-reduces the MLP
   // output. x is complete on return either way.

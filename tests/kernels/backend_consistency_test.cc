@@ -393,21 +393,6 @@ class DecodeMatMulConsistency : public BackendConsistency {
     return *t;
   }
   static std::vector<float> Poison(int64_t n) { return std::vector<float>(n, NAN); }
-  // The decode backends an epilogue test compares: [0] with `field` off, [1] with it on, both
-  // at the small-n kernel's automatic choice for 1-row calls.
-  static std::array<std::unique_ptr<Backend>, 2> OffAndOn(bool CudaBackendOptions::*field) {
-    std::array<std::unique_ptr<Backend>, 2> gpus;
-    for (int on = 0; on < 2; ++on) {
-      CudaBackendOptions o = CudaBackendOptionsFromEnv();
-      o.small_n_variant = -1;
-      o.small_n_auto_rows = 1;
-      o.*field = on == 1;
-      auto g = CreateBackend({.kind = "cuda", .cuda = o});
-      EXPECT_TRUE(g.ok()) << g.status();
-      if (g.ok()) gpus[on] = std::move(*g);
-    }
-    return gpus;
-  }
 };
 
 TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
@@ -448,121 +433,6 @@ TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {
   }
 }
 
-// MatMulAddNorm on one decode row: the CUDA backend does the residual add and the norm in the
-// small-n matmul's last block (CudaBackendOptions::epilogue_norm). Against the same backend with
-// the two kernels (epilogue_norm off): delta, the updated residual and the normed row
-// bit-identical, over two calls in a row (the last block's counter resets itself); and against
-// the CPU. Shapes: Llama-3-8B's o projection (splitk4) and down projection (splitk8), a small
-// one and the smallest supported.
-TEST_F(DecodeMatMulConsistency, AddNormInTheMatMulEpilogue) {
-  const auto gpus = OffAndOn(&CudaBackendOptions::epilogue_norm);
-  ASSERT_TRUE(gpus[0] && gpus[1]);
-  const DecodeShape shapes[] = {
-      {"o", 4096, 4096}, {"down", 4096, 14336}, {"small", 1000, 256}, {"tiny", 8, 8}};
-  for (const DecodeShape& c : shapes) {
-    SCOPED_TRACE(c.name);
-    const std::vector<float> ah = Rand(c.k, 1.0f), xh = Rand(c.m, 2.0f), nwh = Rand(c.m, 1.0f);
-    const std::vector<float> wh = Rand(c.m * c.k, 1.0f / std::sqrt(static_cast<float>(c.k)));
-    Tensor ac = Put(*cpu_, 1, c.k, ah), xc = Put(*cpu_, 1, c.m, xh), nwc = Put(*cpu_, 1, c.m, nwh);
-    Tensor wc = Put(*cpu_, c.m, c.k, wh), dc = Put(*cpu_, 1, c.m, Poison(c.m));
-    Tensor hc = Put(*cpu_, 1, c.m, Poison(c.m));
-    std::vector<float> ref[2][3];  // per call: delta, x, normed
-    for (int call = 0; call < 2; ++call) {
-      ASSERT_TRUE(cpu_->MatMulAddNorm(ac, wc, xc, nwc, 1e-5f, dc, hc).ok());
-      ref[call][0] = Get(*cpu_, dc);
-      ref[call][1] = Get(*cpu_, xc);
-      ref[call][2] = Get(*cpu_, hc);
-    }
-    for (Tensor* t : {&ac, &xc, &nwc, &wc, &dc, &hc}) cpu_->Free(*t);
-    std::vector<float> got[2][2][3];
-    for (int epi = 0; epi < 2; ++epi) {
-      Backend& g = *gpus[epi];
-      Tensor ag = Put(g, 1, c.k, ah), xg = Put(g, 1, c.m, xh), nwg = Put(g, 1, c.m, nwh);
-      Tensor wg = Put(g, c.m, c.k, wh), dg = Put(g, 1, c.m, Poison(c.m));
-      Tensor hg = Put(g, 1, c.m, Poison(c.m));
-      for (int call = 0; call < 2; ++call) {
-        absl::Status st = g.MatMulAddNorm(ag, wg, xg, nwg, 1e-5f, dg, hg);
-        ASSERT_TRUE(st.ok()) << st;
-        got[epi][call][0] = Get(g, dg);
-        got[epi][call][1] = Get(g, xg);
-        got[epi][call][2] = Get(g, hg);
-        for (int t = 0; t < 3; ++t) {
-          EXPECT_LT(RelErr(got[epi][call][t], ref[call][t]), kTol)
-              << "epilogue " << epi << " call " << call << " output " << t;
-        }
-      }
-      for (Tensor* t : {&ag, &xg, &nwg, &wg, &dg, &hg}) g.Free(*t);
-    }
-    for (int call = 0; call < 2; ++call) {
-      for (int t = 0; t < 3; ++t) {
-        EXPECT_EQ(got[0][call][t], got[1][call][t])
-            << "call " << call << " output " << t << " (delta, x, normed): epilogue differs";
-      }
-    }
-  }
-}
-
-// MatMulRopeWriteKv on one decode row: the CUDA backend rotates and writes K/V in the small-n
-// qkv matmul's epilogue (CudaBackendOptions::qkv_rope). Against the same backend with the two
-// kernels (qkv_rope off): qkv and the pool rows bit-identical, over two calls (another
-// position and slot, so the second stages new tables); and against the CPU. Shapes:
-// Llama-3-8B's (splitk8), a small one (splitk4) and head_dim 8, both RoPE layouts. A slot
-// outside the pool is refused.
-TEST_F(DecodeMatMulConsistency, RopeKvInTheQkvEpilogue) {
-  const auto gpus = OffAndOn(&CudaBackendOptions::qkv_rope);
-  ASSERT_TRUE(gpus[0] && gpus[1]);
-  struct Shape {
-    int H, KV, hd;
-    int64_t k;
-  };
-  for (RopeLayout layout : {RopeLayout::kAdjacentPairs, RopeLayout::kHalves}) {
-    for (Shape sh : {Shape{32, 8, 128, 4096}, Shape{8, 4, 64, 256}, Shape{4, 2, 8, 64}}) {
-      SCOPED_TRACE(testing::Message() << "heads " << sh.H << "/" << sh.KV << " hd " << sh.hd
-                                      << " halves " << (layout == RopeLayout::kHalves));
-      RopeParams p;
-      p.head_dim = sh.hd;
-      p.theta = 500000.0f;
-      p.layout = layout;
-      const int kv_dim = sh.KV * sh.hd, blocks = 4, bs = 16;
-      const int64_t m = static_cast<int64_t>(sh.H + 2 * sh.KV) * sh.hd;
-      const std::vector<float> xh = Rand(sh.k, 1.0f);
-      const std::vector<float> wh = Rand(m * sh.k, 1.0f / std::sqrt(static_cast<float>(sh.k)));
-      const std::vector<int32_t> pos[2] = {{8191}, {37}}, slots[2] = {{45}, {3}};
-      std::vector<float> got[3][2][3];  // [cpu, gpu, gpu fused][call]: qkv, pool K, pool V
-      Backend* backends[3] = {cpu_.get(), gpus[0].get(), gpus[1].get()};
-      for (int b = 0; b < 3; ++b) {
-        Backend& be = *backends[b];
-        auto pool = be.AllocKvPool(2, blocks, bs, kv_dim);
-        ASSERT_TRUE(pool.ok()) << pool.status();
-        Tensor x = Put(be, 1, sh.k, xh), w = Put(be, m, sh.k, wh), qkv = Put(be, 1, m, Poison(m));
-        for (int call = 0; call < 2; ++call) {
-          absl::Status st = be.MatMulRopeWriteKv(x, w, qkv, *pool, 1, sh.H, pos[call], slots[call], p);
-          ASSERT_TRUE(st.ok()) << st;
-          got[b][call][0] = Get(be, qkv);
-          got[b][call][1].resize(kv_dim);
-          got[b][call][2].resize(kv_dim);
-          ASSERT_TRUE(be.ReadKv(*pool, 1, slots[call], got[b][call][1], got[b][call][2]).ok());
-        }
-        const std::vector<int32_t> bad = {blocks * bs};
-        EXPECT_FALSE(be.MatMulRopeWriteKv(x, w, qkv, *pool, 1, sh.H, pos[0], bad, p).ok());
-        for (Tensor* t : {&x, &w, &qkv}) be.Free(*t);
-        be.FreeKvPool(*pool);
-      }
-      for (int call = 0; call < 2; ++call) {
-        for (int t = 0; t < 3; ++t) {
-          EXPECT_LT(RelErr(got[1][call][t], got[0][call][t]), kTol) << "call " << call << " " << t;
-          EXPECT_EQ(got[1][call][t], got[2][call][t])
-              << "call " << call << " output " << t << " (qkv, K, V): the epilogue differs";
-        }
-      }
-    }
-  }
-}
-
-// MatMulSwiGLU: the fused kernel of every variant against the CPU, and bit-identical to the
-// same backend's MatMul then SwiGLU (its kernel sums each feature in that variant's order and
-// rounds gate and up to bf16 as the separate path stores them). Also the paths that do not
-// fuse: a backend with SPX_FUSED_SWIGLU=0 and more rows than the small-n kernel takes.
 TEST_F(DecodeMatMulConsistency, FusedGateUpSwiGluOnDecodeShapes) {
   std::vector<std::unique_ptr<Backend>> gpus;
   for (int v = 0; v < kVariants; ++v) gpus.push_back(VariantBackend(v));
@@ -834,9 +704,9 @@ TEST_F(BackendConsistency, WriteKvReadKv) {
 }
 
 // RoPE + KV write in one operation against the CPU, and on the GPU bit-identical to the two
-// operations it replaces (Rope over Q and K heads, WriteKv): both layouts, head_dim 128 / 64 /
-// 8, and an unaligned shape (head_dim 6: the kernel falls back to the two launches). Slots
-// outside the pool are refused.
+// operations it replaces (Rope over Q and K heads, WriteKv): both layouts, head_dim 128 / 64
+// (the kernel on 16-byte items) and 8 (one pair a thread), and an unaligned shape (head_dim 6:
+// the kernel falls back to the two launches). Slots outside the pool are refused.
 TEST_F(BackendConsistency, RopeWriteKvEqualsRopeThenWriteKv) {
   struct Shape {
     int H, KV, hd;

@@ -36,7 +36,6 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
-  if (epi_done_) cudaFree(epi_done_);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
   FreePinnedChunks(chunks_);
@@ -64,8 +63,6 @@ absl::Status CudaBackend::Init() {
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
   }
-  CUDA_RETURN(cudaMalloc(&epi_done_, sizeof(unsigned int)), "epilogue counter");
-  CUDA_RETURN(cudaMemset(epi_done_, 0, sizeof(unsigned int)), "epilogue counter");
   RETURN_IF_ERROR(stager_.Init(stream_));
   RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));
   return absl::OkStatus();
@@ -694,29 +691,6 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
   }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
 }
 
-// One decode row (the small-n kernel's automatic choice at 1 row): the residual add and the
-// norm done by the matmul's last block (kernels::SmallNGemmAddNorm), one launch and one kernel
-// boundary fewer on the step's critical path, bit-identical. Anything else: the two operations.
-absl::Status CudaBackend::MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x,
-                                        const Tensor& norm_w, float eps, Tensor& delta,
-                                        Tensor& normed) {
-  const bool fuse =
-      options_.epilogue_norm && options_.small_n_variant < 0 && a.rows == 1 &&
-      a.cols == w.cols && a.dtype == DType::kBF16 && w.dtype == DType::kBF16 &&
-      x.dtype == DType::kBF16 && delta.dtype == DType::kBF16 && normed.dtype == DType::kBF16 &&
-      norm_w.dtype == DType::kBF16 && x.rows == 1 && x.cols == w.rows &&
-      delta.rows == 1 && delta.cols == w.rows && normed.rows == 1 && normed.cols == w.rows &&
-      norm_w.rows * norm_w.cols == w.rows && UseSmallN(a, w) &&
-      kernels::SmallNGemmAddNormSupported(B(a), B(w), w.cols, B(x), B(norm_w), B(normed),
-                                          w.rows, a.cols) &&
-      (reinterpret_cast<uintptr_t>(delta.data) & 15u) == 0;
-  if (!fuse) return Backend::MatMulAddNorm(a, w, x, norm_w, eps, delta, normed);
-  return Run("MatMulAddNorm (small n)", [=, this] {
-    return kernels::SmallNGemmAddNorm(B(a), B(w), w.cols, B(delta), w.rows, a.cols, B(x),
-                                      B(norm_w), eps, B(normed), epi_done_, stream_);
-  }, a.data, a.cols, w.data, w.rows, delta.data, x.data, norm_w.data, eps, normed.data);
-}
-
 absl::Status CudaBackend::Rope(Tensor& x, int64_t col_offset, int n_heads,
                                std::span<const int32_t> pos, const RopeParams& p) {
   RETURN_IF_ERROR(CheckBf16(x, "Rope"));
@@ -815,36 +789,6 @@ absl::Status CudaBackend::RopeWriteKv(KvPool& pool, int layer, Tensor& qkv, int 
   }, l.view.k, l.view.v, l.view.num_slots, l.view.kv_dim, qkv.data, qkv.rows, qkv.cols, n_heads,
              l.pos, l.slots, l.rope.inv_freq, l.rope.head_dim, l.rope.halves,
              l.rope.trigger_first);
-}
-
-// One decode row (the small-n kernel's automatic choice at 1 row): RoPE and the KV write in
-// the qkv matmul's epilogue (kernels::SmallNGemmRopeKv), one launch and one kernel boundary
-// fewer a layer, bit-identical. Anything else: the two operations.
-absl::Status CudaBackend::MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv,
-                                            KvPool& pool, int layer, int n_heads,
-                                            std::span<const int32_t> pos,
-                                            std::span<const int32_t> slots,
-                                            const RopeParams& p) {
-  const bool fuse = options_.qkv_rope && options_.small_n_variant < 0 && x.rows == 1 &&
-                    x.cols == w.cols && x.dtype == DType::kBF16 && w.dtype == DType::kBF16 &&
-                    qkv.dtype == DType::kBF16 && qkv.rows == 1 && qkv.cols == w.rows &&
-                    p.head_dim > 0 && p.head_dim % 2 == 0 && pool.kv_dim > 0 &&
-                    pool.kv_dim % p.head_dim == 0 && n_heads >= 0 &&
-                    static_cast<int64_t>(n_heads) * p.head_dim + 2 * pool.kv_dim == w.rows &&
-                    UseSmallN(x, w);
-  if (!fuse) return Backend::MatMulRopeWriteKv(x, w, qkv, pool, layer, n_heads, pos, slots, p);
-  RETURN_IF_ERROR(CheckLayer(pool, layer));
-  RETURN_IF_ERROR(ValidateSlots(pool, slots));
-  if (pos.size() != 1 || slots.size() != 1) {
-    return absl::InvalidArgumentError("MatMulRopeWriteKv: one position and one slot per row");
-  }
-  ASSIGN_OR_RETURN(const RopeLaunch l, StageRope(pool, layer, pos, slots, p));
-  return Run("MatMulRopeWriteKv (small n)", [=, this] {
-    return kernels::SmallNGemmRopeKv(B(x), B(w), w.cols, B(qkv), x.cols, l.view, n_heads, l.pos,
-                                     l.slots, l.rope, stream_);
-  }, x.data, x.cols, w.data, w.rows, qkv.data, l.view.k, l.view.v, l.view.num_slots,
-             l.view.kv_dim, n_heads, l.pos, l.slots, l.rope.inv_freq, l.rope.head_dim,
-             l.rope.halves);
 }
 
 absl::Status CudaBackend::AssembleKv(KvPool& pool, int layer, const Tensor& k_pre, const Tensor& v,

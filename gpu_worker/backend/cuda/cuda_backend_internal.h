@@ -99,11 +99,6 @@ class CudaBackend final : public Backend {
                           Tensor& out) override;
   absl::Status SwiGLU(const Tensor& x, Tensor& out) override;
   absl::Status MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor& out) override;
-  absl::Status MatMulAddNorm(const Tensor& a, const Tensor& w, Tensor& x, const Tensor& norm_w,
-                             float eps, Tensor& delta, Tensor& normed) override;
-  absl::Status MatMulRopeWriteKv(const Tensor& x, const Tensor& w, Tensor& qkv, KvPool& pool,
-                                 int layer, int n_heads, std::span<const int32_t> pos,
-                                 std::span<const int32_t> slots, const RopeParams& p) override;
   absl::Status Rope(Tensor& x, int64_t col_offset, int n_heads, std::span<const int32_t> pos,
                     const RopeParams& p) override;
   absl::Status WriteKv(KvPool& pool, int layer, const Tensor& k_src, int64_t k_col,
@@ -260,9 +255,6 @@ class CudaBackend final : public Backend {
   DeviceScratch cudnn_kv_;  // gathered K and V when a sequence's slots are not consecutive
   GraphRecorder recorder_{&stager_};
   std::map<std::tuple<int, float, int, float, float, float, int>, float*> rope_tables_;
-  // A zeroed counter for kernels::SmallNGemmAddNorm (MatMulAddNorm): the matmul's blocks count
-  // themselves on it; the last does the add and the norm and sets it back to zero.
-  unsigned int* epi_done_ = nullptr;
 };
 
 }  // namespace sparsex::cuda_internal
