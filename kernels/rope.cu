@@ -9,6 +9,12 @@ namespace {
 using detail::CeilDiv;
 constexpr int kThreads = 256;
 
+// RopeWriteKv takes 16-byte items (RopeWriteKvVecKernel) from this many rows: prefill sizes
+// gain (session 29, H100: full prefill 32K 1136-1138 ms against 1145-1148), while a decode
+// row's launch is latency-bound and one pair a thread is shorter (batch 1 at 8K: 6.26 ms a step
+// with items against 6.17; batch 32 level).
+constexpr int64_t kRopeItemMinRows = 64;
+
 int GridFor(int64_t work) {
   const int64_t b = CeilDiv(work, kThreads);
   return static_cast<int>(b < 1 ? 1 : (b > 65535LL * 16 ? 65535LL * 16 : b));
@@ -133,12 +139,13 @@ __device__ __forceinline__ void ItemColumns(int q, int head_dim, bool halves, in
   *c1 = *c0 + (halves ? head_dim / 2 : 8);
 }
 
-// RopeWriteKvKernel on 16-byte items (head_dim a multiple of 16): per row, (n_heads +
+// RopeWriteKvKernel on 16-byte items (head_dim a multiple of 16, at least kRopeItemMinRows
+// rows): per row, (n_heads +
 // n_kv_heads) * head_dim / 16 rotation items (RotateItem), then kv_dim / 8 V chunks. A K
 // head's item is stored in place and to the pool with the same bits. Eight pairs a thread step
-// instead of one, and 32-bit index arithmetic within a row: the scalar kernel's per-pair 64-bit
-// divisions made it instruction-bound at prefill sizes (~1.2 ms a 32K layer against ~0.3 at
-// the copy rate, docs/perf-notes.md session 29).
+// instead of one, and 32-bit index arithmetic within a row: the per-pair kernel's 64-bit
+// divisions and per-pair loads make it instruction-bound at prefill sizes (~1.2 ms a 32K layer
+// in session 24's trace against ~0.3 at the copy rate).
 __global__ void RopeWriteKvVecKernel(bf16* qkv, int64_t stride, int64_t rows, int n_heads,
                                      int n_kv_heads, const int32_t* pos, const int32_t* slots,
                                      bf16* pk, bf16* pv, int64_t num_slots,
@@ -243,7 +250,7 @@ cudaError_t RopeWriteKv(const KvPoolView& pool, bf16* qkv, int64_t qkv_stride, i
     if (e != cudaSuccess) return e;
     return WriteKv(pool, qkv + k_col, qkv_stride, qkv + v_col, qkv_stride, slots, rows, stream);
   }
-  if (rope.head_dim % 16 == 0) {
+  if (rope.head_dim % 16 == 0 && rows >= kRopeItemMinRows) {
     const int64_t total =
         rows * (static_cast<int64_t>(n_heads + n_kv_heads) * (rope.head_dim / 16) +
                 pool.kv_dim / 8);

@@ -57,7 +57,8 @@ cudaError_t WriteKv(const KvPoolView& pool, const bf16* k_src, int64_t k_stride,
 // Q heads, the K heads and V; the Q and K heads are rotated in place (row i at pos[i]) and the
 // rotated K and V rows written to the pool at slots[i] (slots outside the pool skipped).
 // Bit-identical to Rope over the Q and K heads then WriteKv. Needs 16-byte aligned rows
-// (qkv_stride, kv_dim multiples of 8); otherwise it runs those two kernels.
+// (qkv_stride, kv_dim multiples of 8); otherwise it runs those two kernels. Prefill sizes (64
+// rows or more, head_dim a multiple of 16) move 16 bytes a thread step; decode rows one pair.
 cudaError_t RopeWriteKv(const KvPoolView& pool, bf16* qkv, int64_t qkv_stride, int64_t rows,
                         int n_heads, const int32_t* pos, const int32_t* slots,
                         const RopeArgs& rope, cudaStream_t stream);

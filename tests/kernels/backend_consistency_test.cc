@@ -704,22 +704,25 @@ TEST_F(BackendConsistency, WriteKvReadKv) {
 }
 
 // RoPE + KV write in one operation against the CPU, and on the GPU bit-identical to the two
-// operations it replaces (Rope over Q and K heads, WriteKv): both layouts, head_dim 128 / 64
-// (the kernel on 16-byte items) and 8 (one pair a thread), and an unaligned shape (head_dim 6:
-// the kernel falls back to the two launches). Slots outside the pool are refused.
+// operations it replaces (Rope over Q and K heads, WriteKv): both layouts, head_dim 128 / 64 /
+// 8, 37 rows (one pair a thread) and 100 (head_dim 128 / 64: 16-byte items, from 64 rows), and
+// an unaligned shape (head_dim 6: the kernel falls back to the two launches). Slots outside the
+// pool are refused.
 TEST_F(BackendConsistency, RopeWriteKvEqualsRopeThenWriteKv) {
   struct Shape {
-    int H, KV, hd;
+    int H, KV, hd, n;
   };
   for (RopeLayout layout : {RopeLayout::kAdjacentPairs, RopeLayout::kHalves}) {
-    for (Shape sh : {Shape{32, 8, 128}, Shape{16, 2, 64}, Shape{8, 4, 8}, Shape{4, 2, 6}}) {
+    for (Shape sh : {Shape{32, 8, 128, 37}, Shape{32, 8, 128, 100}, Shape{16, 2, 64, 37},
+                     Shape{16, 2, 64, 100}, Shape{8, 4, 8, 37}, Shape{4, 2, 6, 37}}) {
       SCOPED_TRACE(testing::Message() << "heads " << sh.H << "/" << sh.KV << " hd " << sh.hd
+                                      << " rows " << sh.n
                                       << " halves " << (layout == RopeLayout::kHalves));
       RopeParams p;
       p.head_dim = sh.hd;
       p.theta = 500000.0f;
       p.layout = layout;
-      const int kv_dim = sh.KV * sh.hd, blocks = 8, bs = 16, n = 37;
+      const int kv_dim = sh.KV * sh.hd, blocks = 8, bs = 16, n = sh.n;
       const int64_t cols = static_cast<int64_t>(sh.H + 2 * sh.KV) * sh.hd;
       auto pc = cpu_->AllocKvPool(2, blocks, bs, kv_dim);
       auto pg = gpu_->AllocKvPool(2, blocks, bs, kv_dim);
