@@ -17,7 +17,9 @@
 # 6.19-6.23 ms against 6.29-6.30, on) and the early launches of the norms and the split-K
 # combine (slower, removed). Measured in session 29 (H100): the residual add + norm in the
 # small-n matmul's last block (+0.33 ms a batch-1 step) and RoPE + K/V write in the qkv
-# matmul's epilogue (+0.03 ms), both removed.
+# matmul's epilogue (+0.03 ms), both removed; the prefill's RoPE + K/V write on 16-byte items
+# (full prefill 32K -9 to -12 ms). Built after that, not yet run: those items from 64 rows only
+# (decode rows keep one pair a thread), checked by step 0's RoPE test at 37 and 100 rows.
 # This call:
 #   0. the decode matmul tests (DecodeMatMulConsistency.*), cuda_engine_test, then decode steps
 #      at 8K, batch 1 and 32, with the defaults, twice (each line carries a hash of the greedy
