@@ -114,7 +114,7 @@ __global__ void RopeWriteKvKernel(bf16* qkv, int64_t stride, int64_t rows, int n
 // place by p * f[e] (f: the item's 8 frequencies). Halves layout: pair e is (a[e], b[e]), a from
 // the head's first half, b the same columns of its second. Adjacent pairs: a's four pairs, then
 // b's. The chunks' columns in a head for item q: halves 8 q and 8 q + head_dim / 2, adjacent
-// 16 q and 16 q + 8 (ItemColumns).
+// 16 q and 16 q + 8 (ItemColumns adds the head's offset).
 __device__ __forceinline__ void RotateItem(uint4& a, uint4& b, float p, const float* f,
                                            bool halves) {
   bf16* ea = reinterpret_cast<bf16*>(&a);
@@ -134,18 +134,19 @@ __device__ __forceinline__ void RotateItem(uint4& a, uint4& b, float p, const fl
   }
 }
 
-__device__ __forceinline__ void ItemColumns(int q, int head_dim, bool halves, int* c0, int* c1) {
-  *c0 = halves ? 8 * q : 16 * q;
+// The two chunks' columns in a row for item q of head h (RotateItem's layouts).
+__device__ __forceinline__ void ItemColumns(int h, int q, int head_dim, bool halves, int* c0,
+                                            int* c1) {
+  *c0 = h * head_dim + (halves ? 8 * q : 16 * q);
   *c1 = *c0 + (halves ? head_dim / 2 : 8);
 }
 
 // RopeWriteKvKernel on 16-byte items (head_dim a multiple of 16, at least kRopeItemMinRows
-// rows): per row, (n_heads +
-// n_kv_heads) * head_dim / 16 rotation items (RotateItem), then kv_dim / 8 V chunks. A K
-// head's item is stored in place and to the pool with the same bits. Eight pairs a thread step
-// instead of one, and 32-bit index arithmetic within a row: the per-pair kernel's 64-bit
-// divisions and per-pair loads make it instruction-bound at prefill sizes (~1.2 ms a 32K layer
-// in session 24's trace against ~0.3 at the copy rate).
+// rows): per row, (n_heads + n_kv_heads) * head_dim / 16 rotation items (RotateItem), then
+// kv_dim / 8 V chunks. A K head's item is stored in place and to the pool with the same bits.
+// Eight pairs a thread step instead of one, and 32-bit index arithmetic within a row: the
+// per-pair kernel's 64-bit divisions and per-pair loads make it instruction-bound at prefill
+// sizes (~1.2 ms a 32K layer in session 24's trace against ~0.3 at the copy rate).
 __global__ void RopeWriteKvVecKernel(bf16* qkv, int64_t stride, int64_t rows, int n_heads,
                                      int n_kv_heads, const int32_t* pos, const int32_t* slots,
                                      bf16* pk, bf16* pv, int64_t num_slots,
@@ -175,9 +176,7 @@ __global__ void RopeWriteKvVecKernel(bf16* qkv, int64_t stride, int64_t rows, in
     }
     const int h = it / items_per_head, q = it - h * items_per_head;
     int c0, c1;
-    ItemColumns(q, head_dim, halves, &c0, &c1);
-    c0 += h * head_dim;
-    c1 += h * head_dim;
+    ItemColumns(h, q, head_dim, halves, &c0, &c1);
     uint4 a = *reinterpret_cast<const uint4*>(row + c0);
     uint4 b = *reinterpret_cast<const uint4*>(row + c1);
     RotateItem(a, b, static_cast<float>(pos[r]), inv_freq + 8 * q, halves);
@@ -219,9 +218,7 @@ __global__ void AssembleKvKernel(const bf16* ks, int64_t k_stride, const bf16* v
     }
     const int h = it / items_per_head, q = it % items_per_head;
     int c0, c1;
-    ItemColumns(q, head_dim, halves, &c0, &c1);
-    c0 += h * head_dim;
-    c1 += h * head_dim;
+    ItemColumns(h, q, head_dim, halves, &c0, &c1);
     const bf16* src = ks + r * k_stride;
     uint4 a = *reinterpret_cast<const uint4*>(src + c0);
     uint4 b = *reinterpret_cast<const uint4*>(src + c1);
