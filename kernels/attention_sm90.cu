@@ -671,20 +671,7 @@ cudaError_t Launch(const PagedAttentionParams& p, const AttentionStatsParams& st
 
 }  // namespace
 
-bool Sm90AttentionAvailable() {
-#if defined(SPX_HAVE_SM90A)
-  static const bool ok = [] {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    return major == 9 && minor == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+bool Sm90AttentionAvailable() { return sm90::Sm90aDevice(); }
 
 bool Sm90AttentionSupports(const PagedAttentionParams& p) {
   if (p.head_dim != kHd || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads) return false;

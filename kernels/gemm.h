@@ -98,4 +98,17 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
                              int64_t n, int64_t half, int64_t k, cudaStream_t stream,
                              SmallNGemmVariant variant = SmallNGemmVariant::kAuto);
 
+// The same gate_up + SwiGLU for prefill-sized row counts on Hopper (kernels/gemm_sm90.cu:
+// wgmma with bulk tensor copies, sm_90a builds on compute capability 9.0 only). cuBLASLt then
+// SwiGlu write and read back the [n, 2*half] gate_up product; here it stays in registers.
+// Gate and up are rounded to bf16 before the product as there, but summed in the kernel's own
+// order, so the result matches LtGemm then SwiGlu to the rounding of the sums, not bit for bit.
+// Supported from 128 rows, 128 outputs and 64 inputs, with 16-byte aligned x and w rows.
+bool Sm90GemmSwiGluSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                             int64_t w_stride, const __nv_bfloat16* out, int64_t out_stride,
+                             int64_t n, int64_t half, int64_t k);
+cudaError_t Sm90GemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                           int64_t w_stride, __nv_bfloat16* out, int64_t out_stride, int64_t n,
+                           int64_t half, int64_t k, cudaStream_t stream);
+
 }  // namespace sparsex::kernels

@@ -188,25 +188,51 @@ inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return fn;
 }
 
+// True when this build carries sm_90a code (SPX_HAVE_SM90A) and the current device is compute
+// capability 9.0: the wgmma kernels' precondition.
+inline bool Sm90aDevice() {
+#if defined(SPX_HAVE_SM90A)
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return major == 9 && minor == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// A 2-D tensor map of a row-major bf16 matrix of `rows` x `cols` elements (row stride `stride`
+// elements) for bulk loads of {box_cols, box_rows} boxes with the 128-byte swizzle the MMAs read
+// (box_cols = 64: one 128-byte swizzle row); elements outside the matrix load as zeros. False
+// where the driver cannot encode it (base 16-byte aligned and stride * 2 a multiple of 16
+// required).
+inline bool EncodeBf16Map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows,
+                          int64_t stride, int box_cols, int box_rows) {
+  const auto encode = TensorMapEncoder();
+  if (encode == nullptr || cols <= 0 || rows <= 0) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols),
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+                strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // The K and V pools' tensor maps of p (head_dim 128); ok = 0 when p.num_slots is 0 or the
 // driver cannot encode them (the kernels then gather with cp.async).
 inline KvMaps EncodeKvMaps(const PagedAttentionParams& p) {
   KvMaps m{};
-  const auto encode = TensorMapEncoder();
-  if (p.num_slots <= 0 || encode == nullptr || p.head_dim != 2 * kBulkCols ||
-      p.kv_stride < p.head_dim)
-    return m;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.kv_stride),
-                              static_cast<cuuint64_t>(p.num_slots)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.kv_stride) * 2};
-  const cuuint32_t box[2] = {kBulkCols, kBulkKeys};
-  const cuuint32_t elem[2] = {1, 1};
+  if (p.num_slots <= 0 || p.head_dim != 2 * kBulkCols || p.kv_stride < p.head_dim) return m;
   for (int i = 0; i < 2; ++i) {
-    void* base = const_cast<bf16*>(i == 0 ? p.k_pool : p.v_pool);
-    if (encode(i == 0 ? &m.k : &m.v, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides,
-               box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    if (!EncodeBf16Map(i == 0 ? &m.k : &m.v, i == 0 ? p.k_pool : p.v_pool, p.kv_stride,
+                       p.num_slots, p.kv_stride, kBulkCols, kBulkKeys))
       return KvMaps{};
   }
   m.ok = 1;

@@ -152,6 +152,13 @@ struct CudaBackendOptions {
   // then SwiGLU; false runs those two (comparisons). Needs small_n_gemm.
   // SPX_FUSED_SWIGLU=0 sets false. Default: true
   bool fused_swiglu = true;
+  // Backend::MatMulSwiGLU on more rows than the small-n kernel takes (prefill) as one Hopper
+  // kernel (kernels::Sm90GemmSwiGlu: wgmma, SwiGLU in the epilogue) where the build has sm_90a
+  // code and the device is compute capability 9.0, instead of cuBLASLt then SwiGLU, which
+  // write and read back the [n, 2 * ffn] gate_up product (1.9 GB a layer at 32K rows).
+  // Built in session 30, off until measured (docs/perf-notes.md "Session 30").
+  // SPX_GEMM_SWIGLU=1 sets true. Default: false
+  bool sm90_gemm_swiglu = false;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned
   // chunks filled on the shared thread pool (which a concurrent cluster fetch's decode also

@@ -20,6 +20,7 @@
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cuda/cudnn_attention.h"
 #include "kernels/attention_sm90.h"
+#include "kernels/gemm.h"
 #include "gtest/gtest.h"
 
 namespace sparsex {
@@ -355,6 +356,82 @@ TEST_F(BackendConsistency, MatMulAddFoldsTheResidual) {
     Free(x);
     Free(w);
     Free(out);
+  }
+}
+
+// ---- gate_up + SwiGLU for prefill rows on the Hopper kernel (kernels::Sm90GemmSwiGlu) ----
+// Llama-3-8B's gate_up at 300 rows (three row tiles, the last partial); more tiles than an H100
+// has SMs and more row tiles than one raster group (each block walks several); and odd sizes: a
+// partial row tile and a partial column tile whose gate box reaches into the up rows, with k
+// not a multiple of a 64-input stage; and a call below one tile, which the backend sends to
+// cuBLASLt. Every case checks the CPU reference and cuBLASLt then SwiGLU, and that the row past
+// the output is left alone.
+TEST_F(BackendConsistency, Sm90GemmSwiGluOnPrefillShapes) {
+  if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a code or not a Hopper GPU";
+  CudaBackendOptions on = CudaBackendOptionsFromEnv(), off = on;
+  on.sm90_gemm_swiglu = true;
+  off.sm90_gemm_swiglu = false;
+  auto fused_be = CreateBackend({.kind = "cuda", .cuda = on});
+  auto plain_be = CreateBackend({.kind = "cuda", .cuda = off});
+  ASSERT_TRUE(fused_be.ok() && plain_be.ok());
+  Backend& fb = **fused_be;
+  Backend& pb = **plain_be;
+  struct Shape {
+    const char* name;
+    int64_t n, half, k;
+    bool hopper;  // the Hopper kernel takes it
+  };
+  const Shape shapes[] = {{"gate_up", 300, 14336, 4096, true},
+                          {"many tiles", 2200, 1024, 128, true},
+                          {"odd", 200, 200, 200, true},
+                          {"below a tile", 70, 64, 8, false}};
+  for (const Shape& s : shapes) {
+    const std::vector<float> xh = Rand(s.n * s.k);
+    const std::vector<float> wh =
+        Rand(2 * s.half * s.k, 1.0f / std::sqrt(static_cast<float>(s.k)));
+    auto put = [](Backend& b, int64_t rows, int64_t cols, const std::vector<float>& h) {
+      auto t = b.Alloc(rows, cols);
+      EXPECT_TRUE(t.ok()) << t.status();
+      if (!t.ok()) return Tensor{};
+      EXPECT_TRUE(b.Upload(h, *t).ok());
+      return *t;
+    };
+    const std::vector<float> poison((s.n + 1) * s.half, NAN);
+    Tensor xc = put(*cpu_, s.n, s.k, xh), wc = put(*cpu_, 2 * s.half, s.k, wh);
+    Tensor oc = put(*cpu_, s.n, s.half, std::vector<float>(s.n * s.half, NAN));
+    ASSERT_TRUE(cpu_->MatMulSwiGLU(xc, wc, oc).ok());
+    const std::vector<float> ref = Get(*cpu_, oc);
+    std::vector<float> got[2];
+    Backend* bes[2] = {&fb, &pb};
+    for (int i = 0; i < 2; ++i) {
+      Backend& b = *bes[i];
+      Tensor xg = put(b, s.n, s.k, xh), wg = put(b, 2 * s.half, s.k, wh);
+      Tensor og = put(b, s.n + 1, s.half, poison);
+      Tensor ov = RowView(og, 0, s.n);
+      if (i == 0) {
+        EXPECT_EQ(kernels::Sm90GemmSwiGluSupported(
+                      static_cast<const __nv_bfloat16*>(xg.data), s.k,
+                      static_cast<const __nv_bfloat16*>(wg.data), s.k,
+                      static_cast<const __nv_bfloat16*>(ov.data), s.half, s.n, s.half, s.k),
+                  s.hopper)
+            << s.name;
+      }
+      absl::Status st = b.MatMulSwiGLU(xg, wg, ov);
+      ASSERT_TRUE(st.ok()) << s.name << ": " << st;
+      const std::vector<float> all = Get(b, og);
+      got[i].assign(all.begin(), all.begin() + s.n * s.half);
+      for (int64_t c = 0; c < s.half; ++c) {
+        ASSERT_TRUE(std::isnan(all[s.n * s.half + c])) << s.name << ": wrote past row " << s.n;
+      }
+      EXPECT_LT(RelErr(got[i], ref), kTol) << s.name << (i == 0 ? ", Hopper kernel" : ", cuBLASLt");
+      b.Free(xg);
+      b.Free(wg);
+      b.Free(og);
+    }
+    EXPECT_LT(RelErr(got[0], got[1]), kTol) << s.name << ": Hopper kernel against cuBLASLt";
+    cpu_->Free(xc);
+    cpu_->Free(wc);
+    cpu_->Free(oc);
   }
 }
 

@@ -681,14 +681,22 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
   if (w.rows % 2 != 0) return absl::InvalidArgumentError("MatMulSwiGLU: odd gate_up rows");
   RETURN_IF_ERROR(CheckShape(out, x.rows, w.rows / 2, "MatMulSwiGLU"));
   if (x.rows == 0 || w.rows == 0) return absl::OkStatus();
-  if (!options_.fused_swiglu || !UseSmallN(x, w)) {
-    return Backend::MatMulSwiGLU(x, w, out);
+  if (options_.fused_swiglu && UseSmallN(x, w)) {
+    const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);
+    return Run("MatMulSwiGLU (small n)", [=, this] {
+      return kernels::SmallNGemmSwiGlu(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
+                                       out.cols, x.cols, stream_, variant);
+    }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
   }
-  const auto variant = static_cast<kernels::SmallNGemmVariant>(options_.small_n_variant);
-  return Run("MatMulSwiGLU (small n)", [=, this] {
-    return kernels::SmallNGemmSwiGlu(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
-                                     out.cols, x.cols, stream_, variant);
-  }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
+  if (options_.sm90_gemm_swiglu && !UseSmallN(x, w) &&
+      kernels::Sm90GemmSwiGluSupported(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
+                                       out.cols, x.cols)) {
+    return Run("MatMulSwiGLU (sm90)", [=, this] {
+      return kernels::Sm90GemmSwiGlu(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
+                                     out.cols, x.cols, stream_);
+    }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
+  }
+  return Backend::MatMulSwiGLU(x, w, out);
 }
 
 absl::Status CudaBackend::Rope(Tensor& x, int64_t col_offset, int n_heads,

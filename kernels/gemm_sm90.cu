@@ -1,0 +1,205 @@
+// Hopper (sm_90a) gate_up projection with SwiGLU in its epilogue, for prefill-sized row counts
+// (kernels/gemm.h, Sm90GemmSwiGlu). cuBLASLt writes the [n, 2 * half] gate_up product (at 32K
+// rows 1.9 GB a layer) that a separate SwiGLU pass reads back; here each tile's gate and up
+// columns meet in the same thread's registers, so only the [n, half] activation is written.
+//
+// Block: a producer warpgroup (one thread issues bulk tensor copies) and two consumer
+// warpgroups (64 rows each) over a 128-row x (128 gate + 128 up)-column tile, 64 inputs a
+// stage (one 128-byte swizzle row: A 16 KiB, the gate and up boxes 16 KiB each), 4 stages
+// through full/empty mbarriers. Each consumer issues two m64n128k16 MMAs a k-step (gate, up)
+// into 2 x 64 fp32 accumulators. Persistent: one block per SM walks the tiles grouped by 16
+// row tiles, so a wave's blocks share the A rows and the weight columns they read through L2.
+// No setmaxnreg: the attention kernels measured slower with it (session 22).
+#include <cuda.h>
+
+#include <algorithm>
+
+#include "kernels/common.cuh"
+#include "kernels/gemm.h"
+#include "kernels/wgmma.cuh"
+
+namespace sparsex::kernels {
+namespace {
+
+using detail::CeilDiv;
+using namespace sm90;  // NOLINT: the shared wgmma building blocks (kernels/wgmma.cuh)
+
+constexpr int kBm = 128;            // rows of a tile
+constexpr int kBn = 128;            // output columns of a tile (gate and up columns each)
+constexpr int kBk = 64;             // inputs a stage: one 128-byte swizzle row
+constexpr int kStages = 4;
+constexpr int kGroupM = 16;         // row tiles walked together (L2 reuse of weight columns)
+constexpr int kConsumers = 256;     // two consumer warpgroups
+constexpr int kThreads = kConsumers + 128;
+constexpr int kABytes = kBm * kBk * 2;              // 16 KiB
+constexpr int kBBytes = 2 * kBn * kBk * 2;          // gate + up boxes, 32 KiB
+constexpr int kStageBytes = kABytes + kBBytes;      // 48 KiB
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes;
+
+struct GemmMaps {
+  CUtensorMap x, w;
+};
+
+__device__ __forceinline__ void TileOf(int t, int m_tiles, int n_tiles, int& mt, int& nt) {
+  const int per_group = kGroupM * n_tiles;
+  const int first_m = (t / per_group) * kGroupM;
+  const int rows_here = min(kGroupM, m_tiles - first_m);
+  const int local = t % per_group;
+  mt = first_m + local % rows_here;
+  nt = local / rows_here;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    GemmSwiGluKernel(const __grid_constant__ GemmMaps maps, bf16* out, int64_t out_stride,
+                     int n, int half, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages];
+  // Swizzle atoms must start on 1024-byte boundaries of the shared window.
+  const uint32_t raw = detail::SmemAddr(smem_raw);
+  const uint32_t sbase = raw + ((1024u - (raw & 1023u)) & 1023u);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int m_tiles = static_cast<int>(CeilDiv(n, kBm));
+  const int n_tiles = static_cast<int>(CeilDiv(half, kBn));
+  const int tiles = m_tiles * n_tiles, k_blocks = static_cast<int>(CeilDiv(k, kBk));
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(detail::SmemAddr(&s_full[s]), 1);                // the producer's expect_tx
+      MbarInit(detail::SmemAddr(&s_empty[s]), kConsumers / 32);  // one per consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (tid >= kConsumers) {
+    // Producer: stage it % kStages gets k-block kb of the tile once the consumers released
+    // what was there; the copies complete the full barrier's bytes.
+    if (tid == kConsumers) {
+      int it = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int mt, nt;
+        TileOf(t, m_tiles, n_tiles, mt, nt);
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kStages;
+          if (it >= kStages) MbarWait(detail::SmemAddr(&s_empty[s]), ((it / kStages) - 1) & 1);
+          const uint32_t full = detail::SmemAddr(&s_full[s]);
+          const uint32_t a_s = sbase + s * kStageBytes, b_s = a_s + kABytes;
+          MbarArriveExpectTx(full, kStageBytes);
+          TmaLoad2d(a_s, &maps.x, kb * kBk, mt * kBm, full);
+          TmaLoad2d(b_s, &maps.w, kb * kBk, nt * kBn, full);                // gate rows
+          TmaLoad2d(b_s + kBBytes / 2, &maps.w, kb * kBk, half + nt * kBn, full);  // up rows
+        }
+      }
+    }
+    return;
+  }
+
+  const int wg = warp >> 2;
+  float acc_g[64], acc_u[64];
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int mt, nt;
+    TileOf(t, m_tiles, n_tiles, mt, nt);
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      const int s = it % kStages;
+      MbarWait(detail::SmemAddr(&s_full[s]), (it / kStages) & 1);
+      const uint32_t a_s = sbase + s * kStageBytes + wg * 64 * 128, b_s = sbase +
+                           s * kStageBytes + kABytes;
+      WgFence();
+#pragma unroll
+      for (int ks = 0; ks < kBk / 16; ++ks) {
+        const uint64_t da = Desc(a_s + ks * 32, 16, 1024);
+        const int accumulate = kb > 0 || ks > 0;
+        WgmmaQK128(acc_g, da, Desc(b_s + ks * 32, 16, 1024), accumulate);
+        WgmmaQK128(acc_u, da, Desc(b_s + kBBytes / 2 + ks * 32, 16, 1024), accumulate);
+      }
+      WgCommit();
+      // The previous k-block's MMAs are done: its stage goes back to the producer.
+      WgWait1();
+      if (kb > 0) {
+        __syncwarp();
+        if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[(it - 1) % kStages]));
+      }
+    }
+    WgWait0();
+    __syncwarp();
+    if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[(it - 1) % kStages]));
+    // Epilogue: gate and up of the same columns sit in the same registers of acc_g and acc_u
+    // (element [4j + 2h + c]: row g + 8h of this warp's 16, column 8j + 2 tq + c). Both are
+    // rounded to bf16 first, as the separate GEMM and SwiGLU kernels round them.
+    const int row0 = mt * kBm + wg * 64 + (warp & 3) * 16 + (lane >> 2);
+    const int col0 = nt * kBn + (lane & 3) * 2;
+#pragma unroll
+    for (int j = 0; j < kBn / 8; ++j) {
+      const int col = col0 + j * 8;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + h * 8;
+        if (row >= n || col >= half) continue;
+        float v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float g = __bfloat162float(__float2bfloat16_rn(acc_g[4 * j + 2 * h + c]));
+          const float u = __bfloat162float(__float2bfloat16_rn(acc_u[4 * j + 2 * h + c]));
+          v[c] = detail::Silu(g) * u;
+        }
+        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(row) * out_stride + col) =
+            detail::PackBf16x2(v[0], v[1]);
+      }
+    }
+  }
+#else
+  (void)maps;
+  (void)out;
+  (void)out_stride;
+  (void)n;
+  (void)half;
+  (void)k;
+  __trap();  // never launched: Sm90GemmSwiGluSupported() is false without sm_90a code
+#endif
+}
+
+}  // namespace
+
+bool Sm90GemmSwiGluSupported(const bf16* x, int64_t x_stride, const bf16* w, int64_t w_stride,
+                             const bf16* out, int64_t out_stride, int64_t n, int64_t half,
+                             int64_t k) {
+  // Bulk copies need 16-byte aligned bases and row strides, and each matrix at least one box
+  // (smaller calls are cheap on cuBLASLt); the epilogue stores column pairs.
+  const auto aligned = [](const void* p, unsigned a) {
+    return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0;
+  };
+  return sm90::Sm90aDevice() && n >= kBm && half >= kBn && k >= kBk && half % 2 == 0 && k % 8 == 0 &&
+         x_stride % 8 == 0 && w_stride % 8 == 0 && out_stride % 2 == 0 && x_stride >= k &&
+         w_stride >= k && out_stride >= half && aligned(x, 16) && aligned(w, 16) &&
+         aligned(out, 4) && n <= INT32_MAX && 2 * half <= INT32_MAX && k <= INT32_MAX;
+}
+
+cudaError_t Sm90GemmSwiGlu(const bf16* x, int64_t x_stride, const bf16* w, int64_t w_stride,
+                           bf16* out, int64_t out_stride, int64_t n, int64_t half, int64_t k,
+                           cudaStream_t stream) {
+  if (!Sm90GemmSwiGluSupported(x, x_stride, w, w_stride, out, out_stride, n, half, k))
+    return cudaErrorInvalidValue;
+  GemmMaps maps{};
+  if (!sm90::EncodeBf16Map(&maps.x, x, k, n, x_stride, kBk, kBm) ||
+      !sm90::EncodeBf16Map(&maps.w, w, k, 2 * half, w_stride, kBk, kBn))
+    return cudaErrorInvalidValue;
+  static const cudaError_t configured = cudaFuncSetAttribute(
+      GemmSwiGluKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (configured != cudaSuccess) return configured;
+  static const int sms = [] {
+    int dev = 0, count = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
+    return std::max(count, 1);
+  }();
+  const int64_t tiles = CeilDiv(n, static_cast<int64_t>(kBm)) *
+                        CeilDiv(half, static_cast<int64_t>(kBn));
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
+  GemmSwiGluKernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, out, out_stride,
+                                                           static_cast<int>(n),
+                                                           static_cast<int>(half),
+                                                           static_cast<int>(k));
+  return cudaGetLastError();
+}
+
+}  // namespace sparsex::kernels
