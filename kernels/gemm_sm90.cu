@@ -7,8 +7,13 @@
 // (128 gate + 128 up)-column tile, 64 inputs a stage (one 128-byte swizzle row: A 16 KiB, the
 // gate and up boxes 16 KiB each), 3 stages through full/empty mbarriers. Each consumer issues
 // one m64n256k16 MMA a k-step (gate and up rows together) into 128 fp32 accumulators.
-// Persistent: one block per SM walks the tiles grouped by 16 row tiles, so a wave's blocks share
-// the A rows and the weight columns they read through L2.
+// Blocks come in clusters of two over neighbouring row tiles of the same columns: each loads
+// its own A and one of the two weight boxes, multicast into both, so a tile reads 2 MiB a
+// 64-input step through L2 instead of 3 (session 30: without it the kernel ran at ~665
+// TFLOP/s, ~7.4 TB/s from L2, on every card, where cuBLASLt's GEMM ran 765-817). A stage is
+// refilled once the consumers of both blocks released it.
+// Persistent: each cluster walks the pairs of row tiles grouped by 8 pairs, so a wave's
+// clusters share the A rows and the weight columns they read through L2.
 // The producer warpgroup's first thread issues the bulk tensor copies; its other three warps
 // are the epilogue: the consumers leave each tile's gate and up values (bf16) in a staging
 // buffer and go on to the next tile's MMAs while those warps compute silu(gate) * up and store
@@ -34,7 +39,8 @@ constexpr int kBm = 128;            // rows of a tile
 constexpr int kBn = 128;            // output columns of a tile (gate and up columns each)
 constexpr int kBk = 64;             // inputs a stage: one 128-byte swizzle row
 constexpr int kStages = 3;
-constexpr int kGroupM = 16;         // row tiles walked together (L2 reuse of weight columns)
+constexpr int kGroupM = 8;          // row-tile pairs walked together (L2 reuse of weight columns)
+constexpr int kCluster = 2;         // blocks of a cluster: neighbouring row tiles
 constexpr int kConsumers = 256;     // two consumer warpgroups
 constexpr int kThreads = kConsumers + 128;
 constexpr int kEpilogueWarps = 3;   // the producer warpgroup's warps 1-3
@@ -65,122 +71,137 @@ __global__ void __launch_bounds__(kThreads, 1)
                      int n, int half, int k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  // Per stage: full (the copies landed), empty (the 8 consumer warps are done with it). The
-  // staging buffer: written (by the 8 consumer warps), read (by the epilogue warps).
+  // Per stage: full (the copies landed), empty (the 8 consumer warps of both blocks are done
+  // with it). The staging buffer: written (by the 8 consumer warps), read (by the epilogue).
   __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages], s_written, s_read;
-  // Swizzle atoms must start on 1024-byte boundaries of the shared window.
+  // Swizzle atoms must start on 1024-byte boundaries of the shared window; the dynamic window
+  // starts at the same offset in both blocks of the cluster, so the multicast copies land on
+  // the same layout.
   const uint32_t raw = detail::SmemAddr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
   const uint32_t sbase = raw + pad;
   unsigned char* staging = smem_raw + pad + kStages * kStageBytes;  // gate, then up
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const uint32_t rank = ClusterRank();
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   const int m_tiles = static_cast<int>(CeilDiv(n, kBm));
+  const int m_pairs = static_cast<int>(CeilDiv(m_tiles, kCluster));
   const int n_tiles = static_cast<int>(CeilDiv(half, kBn));
-  const int tiles = m_tiles * n_tiles, k_blocks = static_cast<int>(CeilDiv(k, kBk));
+  const int tiles = m_pairs * n_tiles, k_blocks = static_cast<int>(CeilDiv(k, kBk));
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(detail::SmemAddr(&s_full[s]), 1);                // the producer's expect_tx
-      MbarInit(detail::SmemAddr(&s_empty[s]), kConsumers / 32);  // one per consumer warp
+      MbarInit(detail::SmemAddr(&s_full[s]), 1);  // the producer's expect_tx
+      MbarInit(detail::SmemAddr(&s_empty[s]), kCluster * kConsumers / 32);
     }
     MbarInit(detail::SmemAddr(&s_written), kConsumers / 32);
     MbarInit(detail::SmemAddr(&s_read), kEpilogueWarps);
+    FenceMbarInit();
   }
-  __syncthreads();
+  ClusterSync();  // both blocks' barriers exist before either copies or arrives across
 
-  if (tid >= kConsumers) {
-    if (tid == kConsumers) {
-      // Producer: stage it % kStages gets k-block kb of the tile once the consumers released
-      // what was there; the copies complete the full barrier's bytes.
-      int it = 0;
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        int mt, nt;
-        TileOf(t, m_tiles, n_tiles, mt, nt);
-        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = it % kStages;
-          if (it >= kStages) MbarWait(detail::SmemAddr(&s_empty[s]), ((it / kStages) - 1) & 1);
-          const uint32_t full = detail::SmemAddr(&s_full[s]);
-          const uint32_t a_s = sbase + s * kStageBytes, b_s = a_s + kABytes;
-          MbarArriveExpectTx(full, kStageBytes);
-          TmaLoad2d(a_s, &maps.x, kb * kBk, mt * kBm, full);
-          TmaLoad2d(b_s, &maps.w, kb * kBk, nt * kBn, full);                       // gate rows
-          TmaLoad2d(b_s + kBBytes / 2, &maps.w, kb * kBk, half + nt * kBn, full);  // up rows
+  if (tid == kConsumers) {
+    // Producer: stage it % kStages gets k-block kb of the tile once both blocks' consumers
+    // released what was there: this block's A rows, and one weight box for both blocks (block
+    // 0 the gate rows, block 1 the up rows). A partner past the last row tile loads the last
+    // one again (its rows are not stored).
+    int it = 0;
+    for (int t = cluster; t < tiles; t += clusters) {
+      int mp, nt;
+      TileOf(t, m_pairs, n_tiles, mp, nt);
+      const int mt = min(kCluster * mp + static_cast<int>(rank), m_tiles - 1);
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % kStages;
+        if (it >= kStages) MbarWait(detail::SmemAddr(&s_empty[s]), ((it / kStages) - 1) & 1);
+        const uint32_t full = detail::SmemAddr(&s_full[s]);
+        const uint32_t a_s = sbase + s * kStageBytes, b_s = a_s + kABytes;
+        MbarArriveExpectTx(full, kStageBytes);
+        TmaLoad2d(a_s, &maps.x, kb * kBk, mt * kBm, full);
+        TmaLoad2dMulticast(b_s + rank * (kBBytes / 2), &maps.w, kb * kBk,
+                           static_cast<int>(rank) * half + nt * kBn, full, 0x3);
+      }
+    }
+  } else if (warp > kConsumers / 32) {
+    // Epilogue warps: each tile's staged gate and up, 8 columns a thread at a time (16-byte
+    // loads and stores, a row's 256 output bytes by 16 consecutive threads).
+    const int et = tid - kConsumers - 32, threads = 32 * kEpilogueWarps;
+    int i = 0;
+    for (int t = cluster; t < tiles; t += clusters, ++i) {
+      int mp, nt;
+      TileOf(t, m_pairs, n_tiles, mp, nt);
+      const int mt = kCluster * mp + static_cast<int>(rank);
+      MbarWait(detail::SmemAddr(&s_written), i & 1);
+      for (int idx = et; idx < kBm * (kBn / 8); idx += threads) {
+        const int r = idx / (kBn / 8), c = (idx % (kBn / 8)) * 8;
+        const int row = mt * kBm + r, col = nt * kBn + c;
+        if (row >= n || col >= half) continue;  // half % 8 == 0: a chunk is whole or out
+        float g[8], u[8];
+        detail::Unpack8(*reinterpret_cast<const Bf16x8*>(staging + r * kStageRow + c * 2), g);
+        detail::Unpack8(
+            *reinterpret_cast<const Bf16x8*>(staging + kStagingBytes + r * kStageRow + c * 2),
+            u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) g[e] = detail::Silu(g[e]) * u[e];
+        *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(row) * out_stride + col) =
+            detail::Pack8(g);
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_read));
+    }
+  } else if (tid < kConsumers) {
+    const int wg = warp >> 2;
+    float acc[128];  // [4j + 2h + c]: row g + 8h of the warp's 16, column 8j + 2tq + c (j < 16:
+                     // gate columns, j >= 16: the up columns 8(j - 16) + 2tq + c)
+    // A stage goes back to both producers: one arrival a consumer warp on each block's barrier.
+    auto release = [&](int stage) {
+      __syncwarp();
+      if (lane == 0) {
+        const uint32_t bar = detail::SmemAddr(&s_empty[stage]);
+        MbarArrive(bar);
+        MbarArriveRemote(bar, rank ^ 1u);
+      }
+    };
+    int it = 0, i = 0;
+    for (int t = cluster; t < tiles; t += clusters, ++i) {
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % kStages;
+        MbarWait(detail::SmemAddr(&s_full[s]), (it / kStages) & 1);
+        const uint32_t a_s = sbase + s * kStageBytes + wg * 64 * 128;
+        const uint32_t b_s = sbase + s * kStageBytes + kABytes;
+        WgFence();
+#pragma unroll
+        for (int ks = 0; ks < kBk / 16; ++ks) {
+          WgmmaN256(acc, Desc(a_s + ks * 32, 16, 1024), Desc(b_s + ks * 32, 16, 1024),
+                    kb > 0 || ks > 0);
+        }
+        WgCommit();
+        // The previous k-block's MMAs are done: its stage can be refilled.
+        WgWait1();
+        if (kb > 0) release((it - 1) % kStages);
+      }
+      WgWait0();
+      release((it - 1) % kStages);
+      // Gate and up rounded to bf16 (as the separate GEMM and SwiGLU kernels round them) into
+      // the staging buffer once the epilogue warps have read the previous tile's.
+      if (i > 0) MbarWait(detail::SmemAddr(&s_read), (i - 1) & 1);
+      const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+#pragma unroll
+      for (int j = 0; j < kBn / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int off = (r0 + 8 * h) * kStageRow + (j * 8 + (lane & 3) * 2) * 2;
+          *reinterpret_cast<uint32_t*>(staging + off) =
+              detail::PackBf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          *reinterpret_cast<uint32_t*>(staging + kStagingBytes + off) =
+              detail::PackBf16x2(acc[64 + 4 * j + 2 * h], acc[64 + 4 * j + 2 * h + 1]);
         }
       }
-    } else if (warp > kConsumers / 32) {
-      // Epilogue warps: each tile's staged gate and up, 8 columns a thread at a time (16-byte
-      // loads and stores, a row's 256 output bytes by 16 consecutive threads).
-      const int et = tid - kConsumers - 32, threads = 32 * kEpilogueWarps;
-      int i = 0;
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
-        int mt, nt;
-        TileOf(t, m_tiles, n_tiles, mt, nt);
-        MbarWait(detail::SmemAddr(&s_written), i & 1);
-        for (int idx = et; idx < kBm * (kBn / 8); idx += threads) {
-          const int r = idx / (kBn / 8), c = (idx % (kBn / 8)) * 8;
-          const int row = mt * kBm + r, col = nt * kBn + c;
-          if (row >= n || col >= half) continue;  // half % 8 == 0: a chunk is whole or out
-          float g[8], u[8];
-          detail::Unpack8(*reinterpret_cast<const Bf16x8*>(staging + r * kStageRow + c * 2), g);
-          detail::Unpack8(
-              *reinterpret_cast<const Bf16x8*>(staging + kStagingBytes + r * kStageRow + c * 2),
-              u);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) g[e] = detail::Silu(g[e]) * u[e];
-          *reinterpret_cast<Bf16x8*>(out + static_cast<int64_t>(row) * out_stride + col) =
-              detail::Pack8(g);
-        }
-        __syncwarp();
-        if (lane == 0) MbarArrive(detail::SmemAddr(&s_read));
-      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_written));
     }
-    return;
   }
-
-  const int wg = warp >> 2;
-  float acc[128];  // [4j + 2h + c]: row g + 8h of the warp's 16, column 8j + 2tq + c (j < 16:
-                   // gate columns, j >= 16: the up columns 8(j - 16) + 2tq + c)
-  int it = 0, i = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
-    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-      const int s = it % kStages;
-      MbarWait(detail::SmemAddr(&s_full[s]), (it / kStages) & 1);
-      const uint32_t a_s = sbase + s * kStageBytes + wg * 64 * 128;
-      const uint32_t b_s = sbase + s * kStageBytes + kABytes;
-      WgFence();
-#pragma unroll
-      for (int ks = 0; ks < kBk / 16; ++ks) {
-        WgmmaN256(acc, Desc(a_s + ks * 32, 16, 1024), Desc(b_s + ks * 32, 16, 1024),
-                  kb > 0 || ks > 0);
-      }
-      WgCommit();
-      // The previous k-block's MMAs are done: its stage goes back to the producer.
-      WgWait1();
-      if (kb > 0) {
-        __syncwarp();
-        if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[(it - 1) % kStages]));
-      }
-    }
-    WgWait0();
-    __syncwarp();
-    if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[(it - 1) % kStages]));
-    // Gate and up rounded to bf16 (as the separate GEMM and SwiGLU kernels round them) into
-    // the staging buffer once the epilogue warps have read the previous tile's.
-    if (i > 0) MbarWait(detail::SmemAddr(&s_read), (i - 1) & 1);
-    const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);
-#pragma unroll
-    for (int j = 0; j < kBn / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int off = (r0 + 8 * h) * kStageRow + (j * 8 + (lane & 3) * 2) * 2;
-        *reinterpret_cast<uint32_t*>(staging + off) =
-            detail::PackBf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        *reinterpret_cast<uint32_t*>(staging + kStagingBytes + off) =
-            detail::PackBf16x2(acc[64 + 4 * j + 2 * h], acc[64 + 4 * j + 2 * h + 1]);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) MbarArrive(detail::SmemAddr(&s_written));
-  }
+  // Neither block may leave while the other can still arrive on its barriers or copy into it.
+  __syncwarp();
+  ClusterSync();
 #else
   (void)maps;
   (void)out;
@@ -221,19 +242,33 @@ cudaError_t Sm90GemmSwiGlu(const bf16* x, int64_t x_stride, const bf16* w, int64
   static const cudaError_t configured = cudaFuncSetAttribute(
       GemmSwiGluKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (configured != cudaSuccess) return configured;
-  static const int sms = [] {
-    int dev = 0, count = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kCluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  // Persistent clusters: as many as can be resident at once (a GPC with an odd count of free
+  // SMs leaves one idle), never more than there are tile pairs.
+  static const int resident = [&cfg] {
+    int count = 0;
+    cudaLaunchConfig_t q = cfg;
+    q.gridDim = dim3(kCluster);
+    if (cudaOccupancyMaxActiveClusters(&count, GemmSwiGluKernel, &q) != cudaSuccess) count = 0;
     return std::max(count, 1);
   }();
-  const int64_t tiles = CeilDiv(n, static_cast<int64_t>(kBm)) *
+  const int64_t pairs = CeilDiv(CeilDiv(n, static_cast<int64_t>(kBm)), kCluster) *
                         CeilDiv(half, static_cast<int64_t>(kBn));
-  const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
-  GemmSwiGluKernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, out, out_stride,
-                                                           static_cast<int>(n),
-                                                           static_cast<int>(half),
-                                                           static_cast<int>(k));
+  cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::min<int64_t>(pairs, resident)));
+  const cudaError_t e =
+      cudaLaunchKernelEx(&cfg, GemmSwiGluKernel, maps, out, out_stride, static_cast<int>(n),
+                         static_cast<int>(half), static_cast<int>(k));
+  if (e != cudaSuccess) return e;
   return cudaGetLastError();
 }
 
