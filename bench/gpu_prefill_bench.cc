@@ -884,35 +884,43 @@ int Main(const Options& o) {
             std::exit(1);
           }
         });
-        auto [ms_b, mn_b] = time_op([&] {
-          const cudaError_t e = kernels::Sm90GemmSwiGlu(xp, D, wp, D, a2, F, rows, F, D, stream);
-          if (e != cudaSuccess) {
-            std::fprintf(stderr, "Sm90GemmSwiGlu: %s\n", cudaGetErrorString(e));
-            std::exit(1);
-          }
-        });
-        // The two outputs side by side (same inputs): a wrong Hopper result shows here too.
-        std::vector<float> ha(static_cast<size_t>(rows) * F), hb(ha.size());
-        CHECK_OK(be->Download(RowView(act, 0, rows), ha));
-        CHECK_OK(be->Download(RowView(act2, 0, rows), hb));
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ha.size(); ++i) {
-          num += (static_cast<double>(hb[i]) - ha[i]) * (static_cast<double>(hb[i]) - ha[i]);
-          den += static_cast<double>(ha[i]) * ha[i];
-        }
-        const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
         const double flops = 2.0 * rows * 2 * F * D;
-        char extra[96];
+        char extra[160];
         std::snprintf(extra, sizeof extra, ", \"tflops\": %.1f", flops / ms_a * 1e-9);
         records.push_back({"gate_up_swiglu_cublaslt", static_cast<int>(rows), ms_a, mn_a, 5,
                            extra});
-        std::snprintf(extra, sizeof extra, ", \"tflops\": %.1f, \"rel_err_vs_cublaslt\": %.2e",
+        std::printf("gate_up + SwiGLU %6lld rows: cuBLASLt + SwiGLU %8.3f ms (%6.1f TFLOP/s)\n",
+                    static_cast<long long>(rows), ms_a, flops / ms_a * 1e-9);
+        for (int v = 0; v < kernels::kSm90GemmSwiGluVariants; ++v) {
+          const auto var = static_cast<kernels::Sm90GemmSwiGluVariant>(v);
+          auto [ms_b, mn_b] = time_op([&] {
+            const cudaError_t e =
+                kernels::Sm90GemmSwiGlu(xp, D, wp, D, a2, F, rows, F, D, stream, var);
+            if (e != cudaSuccess) {
+              std::fprintf(stderr, "Sm90GemmSwiGlu: %s\n", cudaGetErrorString(e));
+              std::exit(1);
+            }
+          });
+          // The two outputs side by side (same inputs): a wrong Hopper result shows here too.
+          std::vector<float> ha(static_cast<size_t>(rows) * F), hb(ha.size());
+          CHECK_OK(be->Download(RowView(act, 0, rows), ha));
+          CHECK_OK(be->Download(RowView(act2, 0, rows), hb));
+          double num = 0, den = 0;
+          for (size_t i = 0; i < ha.size(); ++i) {
+            num += (static_cast<double>(hb[i]) - ha[i]) * (static_cast<double>(hb[i]) - ha[i]);
+            den += static_cast<double>(ha[i]) * ha[i];
+          }
+          const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+          std::snprintf(extra, sizeof extra,
+                        ", \"variant\": \"%s\", \"tflops\": %.1f, \"rel_err_vs_cublaslt\": %.2e",
+                        kernels::Sm90GemmSwiGluVariantName(var), flops / ms_b * 1e-9, rel);
+          records.push_back({"gate_up_swiglu_sm90", static_cast<int>(rows), ms_b, mn_b, 5,
+                             extra});
+          std::printf("gate_up + SwiGLU %6lld rows: Hopper kernel %-15s %8.3f ms (%6.1f "
+                      "TFLOP/s), relative difference %.2e\n",
+                      static_cast<long long>(rows), kernels::Sm90GemmSwiGluVariantName(var), ms_b,
                       flops / ms_b * 1e-9, rel);
-        records.push_back({"gate_up_swiglu_sm90", static_cast<int>(rows), ms_b, mn_b, 5, extra});
-        std::printf("gate_up + SwiGLU %6lld rows: cuBLASLt + SwiGLU %8.3f ms (%6.1f TFLOP/s), "
-                    "Hopper kernel %8.3f ms (%6.1f TFLOP/s), relative difference %.2e\n",
-                    static_cast<long long>(rows), ms_a, flops / ms_a * 1e-9, ms_b,
-                    flops / ms_b * 1e-9, rel);
+        }
       }
       be->Free(x);
       be->Free(w);

@@ -38,9 +38,8 @@ using namespace sm90;  // NOLINT: the shared wgmma building blocks (kernels/wgmm
 constexpr int kBm = 128;            // rows of a tile
 constexpr int kBn = 128;            // output columns of a tile (gate and up columns each)
 constexpr int kBk = 64;             // inputs a stage: one 128-byte swizzle row
-constexpr int kStages = 3;
-constexpr int kGroupM = 8;          // row-tile pairs walked together (L2 reuse of weight columns)
-constexpr int kCluster = 2;         // blocks of a cluster: neighbouring row tiles
+constexpr int kMaxStages = 4;
+constexpr int kGroupRows = 16;      // row tiles walked together (L2 reuse of weight columns)
 constexpr int kConsumers = 256;     // two consumer warpgroups
 constexpr int kThreads = kConsumers + 128;
 constexpr int kEpilogueWarps = 3;   // the producer warpgroup's warps 1-3
@@ -51,21 +50,33 @@ constexpr int kStageBytes = kABytes + kBBytes;      // 48 KiB
 // 4-byte stores (8 rows x 4 column pairs a warp) fall on 32 different banks.
 constexpr int kStageRow = kBn * 2 + 16;
 constexpr int kStagingBytes = kBm * kStageRow;      // one of gate, up: 34 KiB
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStagingBytes;
+
+// The kernel's shapes (Sm90GemmSwiGluVariant): blocks in clusters of two sharing the weight
+// boxes or alone, the stage count, the SwiGLU on the epilogue warps or on the consumers.
+template <bool kPair, int kNs, bool kEpiWarps>
+struct Cfg {
+  static constexpr bool pair = kPair, epi_warps = kEpiWarps;
+  static constexpr int cluster = kPair ? 2 : 1, stages = kNs;
+  static constexpr int group = kGroupRows / cluster;  // units (row tiles or pairs) a group
+  static constexpr int smem = 1024 + kNs * kStageBytes + (kEpiWarps ? 2 * kStagingBytes : 0);
+  static_assert(kNs <= kMaxStages && smem <= 227 * 1024, "one block an SM");
+};
 
 struct GemmMaps {
   CUtensorMap x, w;
 };
 
-__device__ __forceinline__ void TileOf(int t, int m_tiles, int n_tiles, int& mt, int& nt) {
-  const int per_group = kGroupM * n_tiles;
-  const int first_m = (t / per_group) * kGroupM;
-  const int rows_here = min(kGroupM, m_tiles - first_m);
+__device__ __forceinline__ void TileOf(int t, int m_tiles, int n_tiles, int group, int& mt,
+                                       int& nt) {
+  const int per_group = group * n_tiles;
+  const int first_m = (t / per_group) * group;
+  const int rows_here = min(group, m_tiles - first_m);
   const int local = t % per_group;
   mt = first_m + local % rows_here;
   nt = local / rows_here;
 }
 
+template <class C>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmSwiGluKernel(const __grid_constant__ GemmMaps maps, bf16* out, int64_t out_stride,
                      int n, int half, int k) {
@@ -73,6 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   // Per stage: full (the copies landed), empty (the 8 consumer warps of both blocks are done
   // with it). The staging buffer: written (by the 8 consumer warps), read (by the epilogue).
+  constexpr int kStages = C::stages, kCluster = C::cluster;
   __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages], s_written, s_read;
   // Swizzle atoms must start on 1024-byte boundaries of the shared window; the dynamic window
   // starts at the same offset in both blocks of the cluster, so the multicast copies land on
@@ -82,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sbase = raw + pad;
   unsigned char* staging = smem_raw + pad + kStages * kStageBytes;  // gate, then up
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const uint32_t rank = ClusterRank();
+  const uint32_t rank = C::pair ? ClusterRank() : 0u;
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   const int m_tiles = static_cast<int>(CeilDiv(n, kBm));
   const int m_pairs = static_cast<int>(CeilDiv(m_tiles, kCluster));
@@ -95,9 +107,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     MbarInit(detail::SmemAddr(&s_written), kConsumers / 32);
     MbarInit(detail::SmemAddr(&s_read), kEpilogueWarps);
-    FenceMbarInit();
+    if (C::pair) FenceMbarInit();
   }
-  ClusterSync();  // both blocks' barriers exist before either copies or arrives across
+  if constexpr (C::pair) {
+    ClusterSync();  // both blocks' barriers exist before either copies or arrives across
+  } else {
+    __syncthreads();
+  }
 
   if (tid == kConsumers) {
     // Producer: stage it % kStages gets k-block kb of the tile once both blocks' consumers
@@ -107,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;
     for (int t = cluster; t < tiles; t += clusters) {
       int mp, nt;
-      TileOf(t, m_pairs, n_tiles, mp, nt);
+      TileOf(t, m_pairs, n_tiles, C::group, mp, nt);
       const int mt = min(kCluster * mp + static_cast<int>(rank), m_tiles - 1);
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % kStages;
@@ -116,18 +132,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t a_s = sbase + s * kStageBytes, b_s = a_s + kABytes;
         MbarArriveExpectTx(full, kStageBytes);
         TmaLoad2d(a_s, &maps.x, kb * kBk, mt * kBm, full);
-        TmaLoad2dMulticast(b_s + rank * (kBBytes / 2), &maps.w, kb * kBk,
-                           static_cast<int>(rank) * half + nt * kBn, full, 0x3);
+        if constexpr (C::pair) {
+          TmaLoad2dMulticast(b_s + rank * (kBBytes / 2), &maps.w, kb * kBk,
+                             static_cast<int>(rank) * half + nt * kBn, full, 0x3);
+        } else {
+          TmaLoad2d(b_s, &maps.w, kb * kBk, nt * kBn, full);                       // gate
+          TmaLoad2d(b_s + kBBytes / 2, &maps.w, kb * kBk, half + nt * kBn, full);  // up
+        }
       }
     }
-  } else if (warp > kConsumers / 32) {
+  } else if (C::epi_warps && warp > kConsumers / 32) {
     // Epilogue warps: each tile's staged gate and up, 8 columns a thread at a time (16-byte
     // loads and stores, a row's 256 output bytes by 16 consecutive threads).
     const int et = tid - kConsumers - 32, threads = 32 * kEpilogueWarps;
     int i = 0;
     for (int t = cluster; t < tiles; t += clusters, ++i) {
       int mp, nt;
-      TileOf(t, m_pairs, n_tiles, mp, nt);
+      TileOf(t, m_pairs, n_tiles, C::group, mp, nt);
       const int mt = kCluster * mp + static_cast<int>(rank);
       MbarWait(detail::SmemAddr(&s_written), i & 1);
       for (int idx = et; idx < kBm * (kBn / 8); idx += threads) {
@@ -157,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) {
         const uint32_t bar = detail::SmemAddr(&s_empty[stage]);
         MbarArrive(bar);
-        MbarArriveRemote(bar, rank ^ 1u);
+        if (C::pair) MbarArriveRemote(bar, rank ^ 1u);
       }
     };
     int it = 0, i = 0;
@@ -180,28 +201,56 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       WgWait0();
       release((it - 1) % kStages);
-      // Gate and up rounded to bf16 (as the separate GEMM and SwiGLU kernels round them) into
-      // the staging buffer once the epilogue warps have read the previous tile's.
-      if (i > 0) MbarWait(detail::SmemAddr(&s_read), (i - 1) & 1);
-      const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);
+      if constexpr (C::epi_warps) {
+        // Gate and up rounded to bf16 (as the separate GEMM and SwiGLU kernels round them)
+        // into the staging buffer once the epilogue warps have read the previous tile's.
+        if (i > 0) MbarWait(detail::SmemAddr(&s_read), (i - 1) & 1);
+        const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2);
 #pragma unroll
-      for (int j = 0; j < kBn / 8; ++j) {
+        for (int j = 0; j < kBn / 8; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int off = (r0 + 8 * h) * kStageRow + (j * 8 + (lane & 3) * 2) * 2;
-          *reinterpret_cast<uint32_t*>(staging + off) =
-              detail::PackBf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          *reinterpret_cast<uint32_t*>(staging + kStagingBytes + off) =
-              detail::PackBf16x2(acc[64 + 4 * j + 2 * h], acc[64 + 4 * j + 2 * h + 1]);
+          for (int h = 0; h < 2; ++h) {
+            const int off = (r0 + 8 * h) * kStageRow + (j * 8 + (lane & 3) * 2) * 2;
+            *reinterpret_cast<uint32_t*>(staging + off) =
+                detail::PackBf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            *reinterpret_cast<uint32_t*>(staging + kStagingBytes + off) =
+                detail::PackBf16x2(acc[64 + 4 * j + 2 * h], acc[64 + 4 * j + 2 * h + 1]);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) MbarArrive(detail::SmemAddr(&s_written));
+      } else {
+        // The consumers' own epilogue: gate and up rounded to bf16 first, column pairs stored.
+        int mp, nt;
+        TileOf(t, m_pairs, n_tiles, C::group, mp, nt);
+        const int row0 = (kCluster * mp + static_cast<int>(rank)) * kBm + wg * 64 +
+                         (warp & 3) * 16 + (lane >> 2);
+        const int col0 = nt * kBn + (lane & 3) * 2;
+#pragma unroll
+        for (int j = 0; j < kBn / 8; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h, col = col0 + 8 * j;
+            if (row >= n || col >= half) continue;
+            float v[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float g = __bfloat162float(__float2bfloat16_rn(acc[4 * j + 2 * h + c]));
+              const float u = __bfloat162float(__float2bfloat16_rn(acc[64 + 4 * j + 2 * h + c]));
+              v[c] = detail::Silu(g) * u;
+            }
+            *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(row) * out_stride + col) =
+                detail::PackBf16x2(v[0], v[1]);
+          }
         }
       }
-      __syncwarp();
-      if (lane == 0) MbarArrive(detail::SmemAddr(&s_written));
     }
   }
   // Neither block may leave while the other can still arrive on its barriers or copy into it.
-  __syncwarp();
-  ClusterSync();
+  if constexpr (C::pair) {
+    __syncwarp();
+    ClusterSync();
+  }
 #else
   (void)maps;
   (void)out;
@@ -230,46 +279,85 @@ bool Sm90GemmSwiGluSupported(const bf16* x, int64_t x_stride, const bf16* w, int
          aligned(out, 16) && n <= INT32_MAX && 2 * half <= INT32_MAX && k <= INT32_MAX;
 }
 
+namespace {
+
+template <class C>
+cudaError_t Launch(const GemmMaps& maps, bf16* out, int64_t out_stride, int64_t n, int64_t half,
+                   int64_t k, cudaStream_t stream) {
+  static const cudaError_t configured = cudaFuncSetAttribute(
+      GemmSwiGluKernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem);
+  if (configured != cudaSuccess) return configured;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = C::cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = C::smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = C::pair ? 1 : 0;
+  // Persistent: as many blocks (clusters) as can be resident at once, never more than there
+  // are units of work.
+  static const int resident = [&cfg] {
+    int count = 0, dev = 0;
+    if constexpr (C::pair) {
+      cudaLaunchConfig_t q = cfg;
+      q.gridDim = dim3(C::cluster);
+      if (cudaOccupancyMaxActiveClusters(&count, GemmSwiGluKernel<C>, &q) != cudaSuccess)
+        count = 0;
+    } else {
+      cudaGetDevice(&dev);
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
+    }
+    return std::max(count, 1);
+  }();
+  const int64_t units = CeilDiv(CeilDiv(n, static_cast<int64_t>(kBm)), C::cluster) *
+                        CeilDiv(half, static_cast<int64_t>(kBn));
+  cfg.gridDim = dim3(static_cast<unsigned>(C::cluster * std::min<int64_t>(units, resident)));
+  const cudaError_t e =
+      cudaLaunchKernelEx(&cfg, GemmSwiGluKernel<C>, maps, out, out_stride, static_cast<int>(n),
+                         static_cast<int>(half), static_cast<int>(k));
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+}  // namespace
+
+const char* Sm90GemmSwiGluVariantName(Sm90GemmSwiGluVariant v) {
+  switch (v) {
+    case Sm90GemmSwiGluVariant::kSingle4:
+      return "single-4";
+    case Sm90GemmSwiGluVariant::kSingle3Staged:
+      return "single-3-staged";
+    case Sm90GemmSwiGluVariant::kPair4:
+      return "pair-4";
+    case Sm90GemmSwiGluVariant::kPair3Staged:
+      return "pair-3-staged";
+  }
+  return "?";
+}
+
 cudaError_t Sm90GemmSwiGlu(const bf16* x, int64_t x_stride, const bf16* w, int64_t w_stride,
                            bf16* out, int64_t out_stride, int64_t n, int64_t half, int64_t k,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, Sm90GemmSwiGluVariant variant) {
   if (!Sm90GemmSwiGluSupported(x, x_stride, w, w_stride, out, out_stride, n, half, k))
     return cudaErrorInvalidValue;
   GemmMaps maps{};
   if (!sm90::EncodeBf16Map(&maps.x, x, k, n, x_stride, kBk, kBm) ||
       !sm90::EncodeBf16Map(&maps.w, w, k, 2 * half, w_stride, kBk, kBn))
     return cudaErrorInvalidValue;
-  static const cudaError_t configured = cudaFuncSetAttribute(
-      GemmSwiGluKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (configured != cudaSuccess) return configured;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kCluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  // Persistent clusters: as many as can be resident at once (a GPC with an odd count of free
-  // SMs leaves one idle), never more than there are tile pairs.
-  static const int resident = [&cfg] {
-    int count = 0;
-    cudaLaunchConfig_t q = cfg;
-    q.gridDim = dim3(kCluster);
-    if (cudaOccupancyMaxActiveClusters(&count, GemmSwiGluKernel, &q) != cudaSuccess) count = 0;
-    return std::max(count, 1);
-  }();
-  const int64_t pairs = CeilDiv(CeilDiv(n, static_cast<int64_t>(kBm)), kCluster) *
-                        CeilDiv(half, static_cast<int64_t>(kBn));
-  cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::min<int64_t>(pairs, resident)));
-  const cudaError_t e =
-      cudaLaunchKernelEx(&cfg, GemmSwiGluKernel, maps, out, out_stride, static_cast<int>(n),
-                         static_cast<int>(half), static_cast<int>(k));
-  if (e != cudaSuccess) return e;
-  return cudaGetLastError();
+  switch (variant) {
+    case Sm90GemmSwiGluVariant::kSingle4:
+      return Launch<Cfg<false, 4, false>>(maps, out, out_stride, n, half, k, stream);
+    case Sm90GemmSwiGluVariant::kSingle3Staged:
+      return Launch<Cfg<false, 3, true>>(maps, out, out_stride, n, half, k, stream);
+    case Sm90GemmSwiGluVariant::kPair4:
+      return Launch<Cfg<true, 4, false>>(maps, out, out_stride, n, half, k, stream);
+    case Sm90GemmSwiGluVariant::kPair3Staged:
+      return Launch<Cfg<true, 3, true>>(maps, out, out_stride, n, half, k, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace sparsex::kernels

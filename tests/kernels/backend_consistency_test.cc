@@ -424,6 +424,29 @@ TEST_F(BackendConsistency, Sm90GemmSwiGluOnPrefillShapes) {
         ASSERT_TRUE(std::isnan(all[s.n * s.half + c])) << s.name << ": wrote past row " << s.n;
       }
       EXPECT_LT(RelErr(got[i], ref), kTol) << s.name << (i == 0 ? ", Hopper kernel" : ", cuBLASLt");
+      // Every variant of the kernel called directly: the same sums in the same order.
+      for (int v = 0; i == 0 && s.hopper && v < kernels::kSm90GemmSwiGluVariants; ++v) {
+        const auto var = static_cast<kernels::Sm90GemmSwiGluVariant>(v);
+        ASSERT_TRUE(b.Upload(poison, og).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        ASSERT_EQ(kernels::Sm90GemmSwiGlu(static_cast<const __nv_bfloat16*>(xg.data), s.k,
+                                          static_cast<const __nv_bfloat16*>(wg.data), s.k,
+                                          static_cast<__nv_bfloat16*>(ov.data), s.half, s.n,
+                                          s.half, s.k, nullptr, var),
+                  cudaSuccess)
+            << s.name << ", variant " << kernels::Sm90GemmSwiGluVariantName(var);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> vall = Get(b, og);
+        const std::vector<float> vgot(vall.begin(), vall.begin() + s.n * s.half);
+        EXPECT_LT(RelErr(vgot, ref), kTol)
+            << s.name << ", variant " << kernels::Sm90GemmSwiGluVariantName(var);
+        EXPECT_TRUE(vgot == got[0])
+            << s.name << ", variant " << kernels::Sm90GemmSwiGluVariantName(var)
+            << ": not bit-identical to the backend's variant";
+        for (int64_t c = 0; c < s.half; ++c) {
+          ASSERT_TRUE(std::isnan(vall[s.n * s.half + c])) << s.name << ": wrote past row " << s.n;
+        }
+      }
       b.Free(xg);
       b.Free(wg);
       b.Free(og);

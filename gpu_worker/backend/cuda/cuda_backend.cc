@@ -49,6 +49,12 @@ absl::Status CudaBackend::Init() {
     return absl::InvalidArgumentError(absl::StrCat("small_n_variant ", options_.small_n_variant,
                                                    ": not -1 (auto) or a kernel variant"));
   }
+  if (options_.sm90_gemm_swiglu_variant < 0 ||
+      options_.sm90_gemm_swiglu_variant >= kernels::kSm90GemmSwiGluVariants) {
+    return absl::InvalidArgumentError(absl::StrCat("sm90_gemm_swiglu_variant ",
+                                                   options_.sm90_gemm_swiglu_variant,
+                                                   ": not a kernel variant (0-3)"));
+  }
   CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
   CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking),
@@ -692,8 +698,9 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
       kernels::Sm90GemmSwiGluSupported(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
                                        out.cols, x.cols)) {
     return Run("MatMulSwiGLU (sm90)", [=, this] {
-      return kernels::Sm90GemmSwiGlu(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
-                                     out.cols, x.cols, stream_);
+      return kernels::Sm90GemmSwiGlu(
+          B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows, out.cols, x.cols, stream_,
+          static_cast<kernels::Sm90GemmSwiGluVariant>(options_.sm90_gemm_swiglu_variant));
     }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
   }
   return Backend::MatMulSwiGLU(x, w, out);
