@@ -107,23 +107,20 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
 bool Sm90GemmSwiGluSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                              int64_t w_stride, const __nv_bfloat16* out, int64_t out_stride,
                              int64_t n, int64_t half, int64_t k);
-// The kernel's shapes (docs/perf-notes.md "Session 30" has their timings): blocks alone
-// (single) or in clusters of two over neighbouring row tiles, each weight box multicast into
-// both (pair); 4 or 3 stages of 64 inputs; the SwiGLU computed by the MMA warpgroups after each
-// tile, or by three otherwise idle warps from a staging buffer while the MMA warpgroups go on
-// (staged).
+// The kernel's shapes (docs/perf-notes.md "Session 30" has their timings): 3 stages of 64
+// inputs with the SwiGLU computed by three otherwise idle warps from a staging buffer while the
+// MMA warpgroups go on to the next tile, or 4 stages with the SwiGLU computed by the MMA
+// warpgroups after each tile.
 enum class Sm90GemmSwiGluVariant : int {
-  kSingle4 = 0,
-  kSingle3Staged = 1,
-  kPair4 = 2,
-  kPair3Staged = 3,
+  kStages3Staged = 0,
+  kStages4 = 1,
 };
-constexpr int kSm90GemmSwiGluVariants = 4;
-// "single-4", "single-3-staged", "pair-4", "pair-3-staged".
+constexpr int kSm90GemmSwiGluVariants = 2;
+// "stages-3-staged", "stages-4".
 const char* Sm90GemmSwiGluVariantName(Sm90GemmSwiGluVariant v);
 cudaError_t Sm90GemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                            int64_t w_stride, __nv_bfloat16* out, int64_t out_stride, int64_t n,
                            int64_t half, int64_t k, cudaStream_t stream,
-                           Sm90GemmSwiGluVariant variant = Sm90GemmSwiGluVariant::kSingle4);
+                           Sm90GemmSwiGluVariant variant = Sm90GemmSwiGluVariant::kStages3Staged);
 
 }  // namespace sparsex::kernels

@@ -5,21 +5,18 @@
 //
 // Block: a producer warpgroup and two consumer warpgroups (64 rows each) over a 128-row x
 // (128 gate + 128 up)-column tile, 64 inputs a stage (one 128-byte swizzle row: A 16 KiB, the
-// gate and up boxes 16 KiB each), 3 stages through full/empty mbarriers. Each consumer issues
-// one m64n256k16 MMA a k-step (gate and up rows together) into 128 fp32 accumulators.
-// Blocks come in clusters of two over neighbouring row tiles of the same columns: each loads
-// its own A and one of the two weight boxes, multicast into both, so a tile reads 2 MiB a
-// 64-input step through L2 instead of 3 (session 30: without it the kernel ran at ~665
-// TFLOP/s, ~7.4 TB/s from L2, on every card, where cuBLASLt's GEMM ran 765-817). A stage is
-// refilled once the consumers of both blocks released it.
-// Persistent: each cluster walks the pairs of row tiles grouped by 8 pairs, so a wave's
-// clusters share the A rows and the weight columns they read through L2.
-// The producer warpgroup's first thread issues the bulk tensor copies; its other three warps
-// are the epilogue: the consumers leave each tile's gate and up values (bf16) in a staging
-// buffer and go on to the next tile's MMAs while those warps compute silu(gate) * up and store
-// it, so the tensor cores do not wait for the SwiGLU (session 30: with the consumers computing
-// it themselves the kernel ran ~5% behind cuBLASLt's GEMM alone at 32K rows).
-// No setmaxnreg: the attention kernels measured slower with it (session 22).
+// gate and up boxes 16 KiB each) through full/empty mbarriers; the producer warpgroup's first
+// thread issues the bulk tensor copies. Each consumer issues one m64n256k16 MMA a k-step (gate
+// and up rows together) into 128 fp32 accumulators. Persistent: one block per SM walks the
+// tiles grouped by 16 row tiles, so a wave's blocks share the A rows and the weight columns
+// they read through L2. Two shapes (Sm90GemmSwiGluVariant): 4 stages with the SwiGLU computed
+// by the consumers after each tile, or 3 stages with the consumers leaving gate and up (bf16)
+// in a staging buffer and going on to the next tile while the producer warpgroup's three idle
+// warps compute silu(gate) * up and store it.
+// Measured in session 30 on an H100 (docs/perf-notes.md): both 1-7% behind cuBLASLt then
+// SwiGLU; so is a third shape, clusters of two blocks sharing the weight boxes by multicast
+// (~40% behind, removed). No setmaxnreg: the attention kernels measured slower with it
+// (session 22).
 #include <cuda.h>
 
 #include <algorithm>
@@ -39,7 +36,7 @@ constexpr int kBm = 128;            // rows of a tile
 constexpr int kBn = 128;            // output columns of a tile (gate and up columns each)
 constexpr int kBk = 64;             // inputs a stage: one 128-byte swizzle row
 constexpr int kMaxStages = 4;
-constexpr int kGroupRows = 16;      // row tiles walked together (L2 reuse of weight columns)
+constexpr int kGroupRows = 16;      // row tiles walked together (L2 reuse of weights)
 constexpr int kConsumers = 256;     // two consumer warpgroups
 constexpr int kThreads = kConsumers + 128;
 constexpr int kEpilogueWarps = 3;   // the producer warpgroup's warps 1-3
@@ -51,13 +48,12 @@ constexpr int kStageBytes = kABytes + kBBytes;      // 48 KiB
 constexpr int kStageRow = kBn * 2 + 16;
 constexpr int kStagingBytes = kBm * kStageRow;      // one of gate, up: 34 KiB
 
-// The kernel's shapes (Sm90GemmSwiGluVariant): blocks in clusters of two sharing the weight
-// boxes or alone, the stage count, the SwiGLU on the epilogue warps or on the consumers.
-template <bool kPair, int kNs, bool kEpiWarps>
+// The kernel's shapes (Sm90GemmSwiGluVariant): the stage count, and the SwiGLU on the
+// consumers or on the epilogue warps from a staging buffer.
+template <int kNs, bool kEpiWarps>
 struct Cfg {
-  static constexpr bool pair = kPair, epi_warps = kEpiWarps;
-  static constexpr int cluster = kPair ? 2 : 1, stages = kNs;
-  static constexpr int group = kGroupRows / cluster;  // units (row tiles or pairs) a group
+  static constexpr bool epi_warps = kEpiWarps;
+  static constexpr int stages = kNs;
   static constexpr int smem = 1024 + kNs * kStageBytes + (kEpiWarps ? 2 * kStagingBytes : 0);
   static_assert(kNs <= kMaxStages && smem <= 227 * 1024, "one block an SM");
 };
@@ -66,11 +62,10 @@ struct GemmMaps {
   CUtensorMap x, w;
 };
 
-__device__ __forceinline__ void TileOf(int t, int m_tiles, int n_tiles, int group, int& mt,
-                                       int& nt) {
-  const int per_group = group * n_tiles;
-  const int first_m = (t / per_group) * group;
-  const int rows_here = min(group, m_tiles - first_m);
+__device__ __forceinline__ void TileOf(int t, int m_tiles, int n_tiles, int& mt, int& nt) {
+  const int per_group = kGroupRows * n_tiles;
+  const int first_m = (t / per_group) * kGroupRows;
+  const int rows_here = min(kGroupRows, m_tiles - first_m);
   const int local = t % per_group;
   mt = first_m + local % rows_here;
   nt = local / rows_here;
@@ -82,49 +77,36 @@ __global__ void __launch_bounds__(kThreads, 1)
                      int n, int half, int k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  // Per stage: full (the copies landed), empty (the 8 consumer warps of both blocks are done
-  // with it). The staging buffer: written (by the 8 consumer warps), read (by the epilogue).
-  constexpr int kStages = C::stages, kCluster = C::cluster;
+  // Per stage: full (the copies landed), empty (the 8 consumer warps are done with it). The
+  // staging buffer: written (by the 8 consumer warps), read (by the epilogue warps).
+  constexpr int kStages = C::stages;
   __shared__ __align__(8) uint64_t s_full[kStages], s_empty[kStages], s_written, s_read;
-  // Swizzle atoms must start on 1024-byte boundaries of the shared window; the dynamic window
-  // starts at the same offset in both blocks of the cluster, so the multicast copies land on
-  // the same layout.
+  // Swizzle atoms must start on 1024-byte boundaries of the shared window.
   const uint32_t raw = detail::SmemAddr(smem_raw);
   const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
   const uint32_t sbase = raw + pad;
   unsigned char* staging = smem_raw + pad + kStages * kStageBytes;  // gate, then up
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const uint32_t rank = C::pair ? ClusterRank() : 0u;
-  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   const int m_tiles = static_cast<int>(CeilDiv(n, kBm));
-  const int m_pairs = static_cast<int>(CeilDiv(m_tiles, kCluster));
   const int n_tiles = static_cast<int>(CeilDiv(half, kBn));
-  const int tiles = m_pairs * n_tiles, k_blocks = static_cast<int>(CeilDiv(k, kBk));
+  const int tiles = m_tiles * n_tiles, k_blocks = static_cast<int>(CeilDiv(k, kBk));
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       MbarInit(detail::SmemAddr(&s_full[s]), 1);  // the producer's expect_tx
-      MbarInit(detail::SmemAddr(&s_empty[s]), kCluster * kConsumers / 32);
+      MbarInit(detail::SmemAddr(&s_empty[s]), kConsumers / 32);  // one per consumer warp
     }
     MbarInit(detail::SmemAddr(&s_written), kConsumers / 32);
     MbarInit(detail::SmemAddr(&s_read), kEpilogueWarps);
-    if (C::pair) FenceMbarInit();
   }
-  if constexpr (C::pair) {
-    ClusterSync();  // both blocks' barriers exist before either copies or arrives across
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (tid == kConsumers) {
-    // Producer: stage it % kStages gets k-block kb of the tile once both blocks' consumers
-    // released what was there: this block's A rows, and one weight box for both blocks (block
-    // 0 the gate rows, block 1 the up rows). A partner past the last row tile loads the last
-    // one again (its rows are not stored).
+    // Producer: stage it % kStages gets k-block kb of the tile once the consumers released
+    // what was there; the copies complete the full barrier's bytes.
     int it = 0;
-    for (int t = cluster; t < tiles; t += clusters) {
-      int mp, nt;
-      TileOf(t, m_pairs, n_tiles, C::group, mp, nt);
-      const int mt = min(kCluster * mp + static_cast<int>(rank), m_tiles - 1);
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      int mt, nt;
+      TileOf(t, m_tiles, n_tiles, mt, nt);
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % kStages;
         if (it >= kStages) MbarWait(detail::SmemAddr(&s_empty[s]), ((it / kStages) - 1) & 1);
@@ -132,13 +114,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t a_s = sbase + s * kStageBytes, b_s = a_s + kABytes;
         MbarArriveExpectTx(full, kStageBytes);
         TmaLoad2d(a_s, &maps.x, kb * kBk, mt * kBm, full);
-        if constexpr (C::pair) {
-          TmaLoad2dMulticast(b_s + rank * (kBBytes / 2), &maps.w, kb * kBk,
-                             static_cast<int>(rank) * half + nt * kBn, full, 0x3);
-        } else {
-          TmaLoad2d(b_s, &maps.w, kb * kBk, nt * kBn, full);                       // gate
-          TmaLoad2d(b_s + kBBytes / 2, &maps.w, kb * kBk, half + nt * kBn, full);  // up
-        }
+        TmaLoad2d(b_s, &maps.w, kb * kBk, nt * kBn, full);                       // gate rows
+        TmaLoad2d(b_s + kBBytes / 2, &maps.w, kb * kBk, half + nt * kBn, full);  // up rows
       }
     }
   } else if (C::epi_warps && warp > kConsumers / 32) {
@@ -146,10 +123,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // loads and stores, a row's 256 output bytes by 16 consecutive threads).
     const int et = tid - kConsumers - 32, threads = 32 * kEpilogueWarps;
     int i = 0;
-    for (int t = cluster; t < tiles; t += clusters, ++i) {
-      int mp, nt;
-      TileOf(t, m_pairs, n_tiles, C::group, mp, nt);
-      const int mt = kCluster * mp + static_cast<int>(rank);
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
+      int mt, nt;
+      TileOf(t, m_tiles, n_tiles, mt, nt);
       MbarWait(detail::SmemAddr(&s_written), i & 1);
       for (int idx = et; idx < kBm * (kBn / 8); idx += threads) {
         const int r = idx / (kBn / 8), c = (idx % (kBn / 8)) * 8;
@@ -172,17 +148,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg = warp >> 2;
     float acc[128];  // [4j + 2h + c]: row g + 8h of the warp's 16, column 8j + 2tq + c (j < 16:
                      // gate columns, j >= 16: the up columns 8(j - 16) + 2tq + c)
-    // A stage goes back to both producers: one arrival a consumer warp on each block's barrier.
-    auto release = [&](int stage) {
+    auto release = [&](int stage) {  // one arrival a consumer warp
       __syncwarp();
-      if (lane == 0) {
-        const uint32_t bar = detail::SmemAddr(&s_empty[stage]);
-        MbarArrive(bar);
-        if (C::pair) MbarArriveRemote(bar, rank ^ 1u);
-      }
+      if (lane == 0) MbarArrive(detail::SmemAddr(&s_empty[stage]));
     };
     int it = 0, i = 0;
-    for (int t = cluster; t < tiles; t += clusters, ++i) {
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % kStages;
         MbarWait(detail::SmemAddr(&s_full[s]), (it / kStages) & 1);
@@ -221,10 +192,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (lane == 0) MbarArrive(detail::SmemAddr(&s_written));
       } else {
         // The consumers' own epilogue: gate and up rounded to bf16 first, column pairs stored.
-        int mp, nt;
-        TileOf(t, m_pairs, n_tiles, C::group, mp, nt);
-        const int row0 = (kCluster * mp + static_cast<int>(rank)) * kBm + wg * 64 +
-                         (warp & 3) * 16 + (lane >> 2);
+        int mt, nt;
+        TileOf(t, m_tiles, n_tiles, mt, nt);
+        const int row0 = mt * kBm + wg * 64 + (warp & 3) * 16 + (lane >> 2);
         const int col0 = nt * kBn + (lane & 3) * 2;
 #pragma unroll
         for (int j = 0; j < kBn / 8; ++j) {
@@ -245,11 +215,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-  }
-  // Neither block may leave while the other can still arrive on its barriers or copy into it.
-  if constexpr (C::pair) {
-    __syncwarp();
-    ClusterSync();
   }
 #else
   (void)maps;
@@ -287,53 +252,31 @@ cudaError_t Launch(const GemmMaps& maps, bf16* out, int64_t out_stride, int64_t 
   static const cudaError_t configured = cudaFuncSetAttribute(
       GemmSwiGluKernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem);
   if (configured != cudaSuccess) return configured;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = C::cluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = C::smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = C::pair ? 1 : 0;
-  // Persistent: as many blocks (clusters) as can be resident at once, never more than there
-  // are units of work.
-  static const int resident = [&cfg] {
-    int count = 0, dev = 0;
-    if constexpr (C::pair) {
-      cudaLaunchConfig_t q = cfg;
-      q.gridDim = dim3(C::cluster);
-      if (cudaOccupancyMaxActiveClusters(&count, GemmSwiGluKernel<C>, &q) != cudaSuccess)
-        count = 0;
-    } else {
-      cudaGetDevice(&dev);
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
-    }
+  static const int sms = [] {
+    int dev = 0, count = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
     return std::max(count, 1);
   }();
-  const int64_t units = CeilDiv(CeilDiv(n, static_cast<int64_t>(kBm)), C::cluster) *
+  // Persistent: a block an SM, never more than there are tiles.
+  const int64_t tiles = CeilDiv(n, static_cast<int64_t>(kBm)) *
                         CeilDiv(half, static_cast<int64_t>(kBn));
-  cfg.gridDim = dim3(static_cast<unsigned>(C::cluster * std::min<int64_t>(units, resident)));
-  const cudaError_t e =
-      cudaLaunchKernelEx(&cfg, GemmSwiGluKernel<C>, maps, out, out_stride, static_cast<int>(n),
-                         static_cast<int>(half), static_cast<int>(k));
-  return e != cudaSuccess ? e : cudaGetLastError();
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, sms));
+  GemmSwiGluKernel<C><<<grid, kThreads, C::smem, stream>>>(maps, out, out_stride,
+                                                           static_cast<int>(n),
+                                                           static_cast<int>(half),
+                                                           static_cast<int>(k));
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 const char* Sm90GemmSwiGluVariantName(Sm90GemmSwiGluVariant v) {
   switch (v) {
-    case Sm90GemmSwiGluVariant::kSingle4:
-      return "single-4";
-    case Sm90GemmSwiGluVariant::kSingle3Staged:
-      return "single-3-staged";
-    case Sm90GemmSwiGluVariant::kPair4:
-      return "pair-4";
-    case Sm90GemmSwiGluVariant::kPair3Staged:
-      return "pair-3-staged";
+    case Sm90GemmSwiGluVariant::kStages3Staged:
+      return "stages-3-staged";
+    case Sm90GemmSwiGluVariant::kStages4:
+      return "stages-4";
   }
   return "?";
 }
@@ -348,14 +291,10 @@ cudaError_t Sm90GemmSwiGlu(const bf16* x, int64_t x_stride, const bf16* w, int64
       !sm90::EncodeBf16Map(&maps.w, w, k, 2 * half, w_stride, kBk, kBn))
     return cudaErrorInvalidValue;
   switch (variant) {
-    case Sm90GemmSwiGluVariant::kSingle4:
-      return Launch<Cfg<false, 4, false>>(maps, out, out_stride, n, half, k, stream);
-    case Sm90GemmSwiGluVariant::kSingle3Staged:
-      return Launch<Cfg<false, 3, true>>(maps, out, out_stride, n, half, k, stream);
-    case Sm90GemmSwiGluVariant::kPair4:
-      return Launch<Cfg<true, 4, false>>(maps, out, out_stride, n, half, k, stream);
-    case Sm90GemmSwiGluVariant::kPair3Staged:
-      return Launch<Cfg<true, 3, true>>(maps, out, out_stride, n, half, k, stream);
+    case Sm90GemmSwiGluVariant::kStages3Staged:
+      return Launch<Cfg<3, true>>(maps, out, out_stride, n, half, k, stream);
+    case Sm90GemmSwiGluVariant::kStages4:
+      return Launch<Cfg<4, false>>(maps, out, out_stride, n, half, k, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -65,7 +65,7 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   IntFromEnv("SPX_SMALL_N_ROWS", 0, 8, "row count", o.small_n_auto_rows);
   if (const char* f = std::getenv("SPX_FUSED_SWIGLU")) o.fused_swiglu = std::string(f) != "0";
   if (const char* f = std::getenv("SPX_GEMM_SWIGLU")) o.sm90_gemm_swiglu = std::string(f) == "1";
-  IntFromEnv("SPX_GEMM_SWIGLU_VARIANT", 0, 3, "variant", o.sm90_gemm_swiglu_variant);
+  IntFromEnv("SPX_GEMM_SWIGLU_VARIANT", 0, 1, "variant", o.sm90_gemm_swiglu_variant);
   if (const char* u = std::getenv("SPX_UPLOAD_DIRECT")) o.upload_direct = std::string(u) == "1";
   if (const char* w = std::getenv("SPX_ATTN_WARPS")) o.attn_warps = std::atoi(w);
   if (const char* w = std::getenv("SPX_SPLIT_WAVES")) o.split_waves = std::max(0, std::atoi(w));

@@ -159,8 +159,9 @@ struct CudaBackendOptions {
   // Built in session 30, off until measured (docs/perf-notes.md "Session 30").
   // SPX_GEMM_SWIGLU=1 sets true. Default: false
   bool sm90_gemm_swiglu = false;
-  // Which shape of that kernel (kernels::Sm90GemmSwiGluVariant, kernels/gemm.h): 0 single-4,
-  // 1 single-3-staged, 2 pair-4, 3 pair-3-staged. SPX_GEMM_SWIGLU_VARIANT (0-3). Default: 0
+  // Which shape of that kernel (kernels::Sm90GemmSwiGluVariant, kernels/gemm.h): 0 three
+  // stages with the SwiGLU on idle warps, 1 four stages with the SwiGLU after each tile
+  // (comparisons). SPX_GEMM_SWIGLU_VARIANT (0-1). Default: 0
   int sm90_gemm_swiglu_variant = 0;
   // Backend::UploadBf16 of a large host buffer (a fetched segment's layer) as one copy from
   // the pageable buffer, staged by the driver, instead of through the backend's two pinned

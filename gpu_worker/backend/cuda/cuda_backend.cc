@@ -53,7 +53,7 @@ absl::Status CudaBackend::Init() {
       options_.sm90_gemm_swiglu_variant >= kernels::kSm90GemmSwiGluVariants) {
     return absl::InvalidArgumentError(absl::StrCat("sm90_gemm_swiglu_variant ",
                                                    options_.sm90_gemm_swiglu_variant,
-                                                   ": not a kernel variant (0-3)"));
+                                                   ": not a kernel variant (0-1)"));
   }
   CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
