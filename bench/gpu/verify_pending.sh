@@ -18,10 +18,13 @@
 # combine (slower, removed). Measured in session 29 (H100): the residual add + norm in the
 # small-n matmul's last block (+0.33 ms a batch-1 step) and RoPE + K/V write in the qkv
 # matmul's epilogue (+0.03 ms), both removed; the prefill's RoPE + K/V write on 16-byte items
-# (full prefill 32K -9 to -12 ms). Built after that, not yet run: those items from 64 rows only
-# (decode rows keep one pair a thread), checked by step 0's RoPE test at 37 and 100 rows.
+# (full prefill 32K -9 to -12 ms). Measured in session 30 (H100): those items from 64 rows
+# only (decode rows keep one pair a thread: decode back at 6.16 ms), and gate_up + SwiGLU in
+# one Hopper kernel (SPX_GEMM_SWIGLU=1: level in the reuse prefill, 0.4% slower in the full
+# prefill, 1.5 GiB less memory at 32K; off). Nothing built is waiting for a GPU.
 # This call:
-#   0. the decode matmul tests (DecodeMatMulConsistency.*), cuda_engine_test, then decode steps
+#   0. the matmul tests (DecodeMatMulConsistency.*, the RoPE + K/V write and the Hopper gate_up
+#      + SwiGLU kernel's), cuda_engine_test, then decode steps
 #      at 8K, batch 1 and 32, with the defaults, twice (each line carries a hash of the greedy
 #      tokens, which must be the same in both runs);
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
@@ -62,7 +65,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='DecodeMatMulConsistency.*:BackendConsistency.RopeWriteKv*' \
+  --gtest_filter='DecodeMatMulConsistency.*:BackendConsistency.RopeWriteKv*:BackendConsistency.Sm90GemmSwiGlu*' \
   >"$FINAL/early.log" 2>&1
 stamp "decode matmul tests exit $?"
 grep -E "FAILED|PASSED|Failure|Expected|Which is" "$FINAL/early.log" | head -n 12 | tee -a "$LOG"

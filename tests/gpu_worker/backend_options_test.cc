@@ -124,7 +124,8 @@ TEST(CudaBackendOptionsFromEnv, SmallNAutoRows) {
 
 // On/off switches: "1" turns each on, "0" off, anything else keeps the default.
 // decode_early_kv: on since session 28's GPU run (the decode fusions measured slower in session
-// 29, SPX_EPILOGUE_NORM and SPX_QKV_ROPE, were removed with their options).
+// 29, SPX_EPILOGUE_NORM and SPX_QKV_ROPE, were removed with their options). sm90_gemm_swiglu:
+// off (session 30: no faster than cuBLASLt then SwiGLU; a memory saving).
 TEST(CudaBackendOptionsFromEnv, Switches) {
   struct Switch {
     const char* var;
@@ -133,7 +134,8 @@ TEST(CudaBackendOptionsFromEnv, Switches) {
     const char* bad;
   };
   const Switch switches[] = {
-      {"SPX_DECODE_EARLY_KV", &CudaBackendOptions::decode_early_kv, true, "yes"}};
+      {"SPX_DECODE_EARLY_KV", &CudaBackendOptions::decode_early_kv, true, "yes"},
+      {"SPX_GEMM_SWIGLU", &CudaBackendOptions::sm90_gemm_swiglu, false, "yes"}};
   for (const Switch& s : switches) {
     SCOPED_TRACE(s.var);
     EXPECT_EQ(CudaBackendOptions{}.*s.field, s.default_on);
@@ -144,6 +146,21 @@ TEST(CudaBackendOptionsFromEnv, Switches) {
     EXPECT_FALSE(CudaBackendOptionsFromEnv().*s.field);
     e.Set(s.var, s.bad);
     EXPECT_EQ(CudaBackendOptionsFromEnv().*s.field, s.default_on) << "not 0 or 1: default kept";
+  }
+}
+
+TEST(CudaBackendOptionsFromEnv, GemmSwiGluVariant) {
+  EXPECT_EQ(CudaBackendOptions{}.sm90_gemm_swiglu_variant, 0);
+  {
+    Env e;
+    e.Set("SPX_GEMM_SWIGLU_VARIANT", "1");
+    EXPECT_EQ(CudaBackendOptionsFromEnv().sm90_gemm_swiglu_variant, 1);
+  }
+  for (const char* bad : {"2", "-1", "1x", ""}) {
+    Env e;
+    e.Set("SPX_GEMM_SWIGLU_VARIANT", bad);
+    EXPECT_EQ(CudaBackendOptionsFromEnv().sm90_gemm_swiglu_variant, 0)
+        << "'" << bad << "' kept the default";
   }
 }
 
