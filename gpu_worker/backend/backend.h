@@ -156,9 +156,9 @@ struct CudaBackendOptions {
   // kernel (kernels::Sm90GemmSwiGlu: wgmma, SwiGLU in the epilogue) where the build has sm_90a
   // code and the device is compute capability 9.0, instead of cuBLASLt then SwiGLU, which
   // write and read back the [n, 2 * ffn] gate_up product (1.9 GB a layer at 32K rows).
-  // Bit-identical results. Session 30 (H100, docs/perf-notes.md): the peak memory of a 32K
-  // prefill 1.5 GiB lower, the reuse prefill level (within its spread), the full prefill 0.4%
-  // slower. SPX_GEMM_SWIGLU=1 sets true. Default: false
+  // Bit-identical results. Session 30 (H100, docs/perf-notes.md): peak memory 1.5 GiB lower
+  // at 32K and 6.0 GiB at 128K, the reuse prefill level (within its spread), the full prefill
+  // 0.4% slower. SPX_GEMM_SWIGLU=1 sets true. Default: false
   bool sm90_gemm_swiglu = false;
   // Which shape of that kernel (kernels::Sm90GemmSwiGluVariant, kernels/gemm.h): 0 three
   // stages with the SwiGLU on idle warps, 1 four stages with the SwiGLU after each tile
