@@ -84,6 +84,18 @@ std::vector<int> ParseList(const char* s) {
     }                                                                           \
   } while (0)
 
+// A GEMM's operands uniform in [-0.05, 0.05] (x first, then w, from one generator).
+void UploadOperands(Backend& be, Tensor& x, Tensor& w, uint32_t seed) {
+  std::vector<float> hx(static_cast<size_t>(x.rows) * x.cols);
+  std::vector<float> hw(static_cast<size_t>(w.rows) * w.cols);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(-0.05f, 0.05f);
+  for (float& v : hx) v = d(rng);
+  for (float& v : hw) v = d(rng);
+  CHECK_OK(be.Upload(hx, x));
+  CHECK_OK(be.Upload(hw, w));
+}
+
 template <typename T>
 T Unwrap(absl::StatusOr<T> v, const char* what) {
   if (!v.ok()) {
@@ -818,13 +830,7 @@ int Main(const Options& o) {
       Tensor x = Unwrap(be->Alloc(nmax, g.k), "Alloc");
       Tensor w = Unwrap(be->Alloc(g.m, g.k), "Alloc");
       Tensor y = Unwrap(be->Alloc(nmax, g.m), "Alloc");
-      std::vector<float> hx(static_cast<size_t>(nmax) * g.k), hw(static_cast<size_t>(g.m) * g.k);
-      std::mt19937 rng(9);
-      std::uniform_real_distribution<float> d(-0.05f, 0.05f);
-      for (float& v : hx) v = d(rng);
-      for (float& v : hw) v = d(rng);
-      CHECK_OK(be->Upload(hx, x));
-      CHECK_OK(be->Upload(hw, w));
+      UploadOperands(*be, x, w, 9);
       std::vector<double> t;
       for (int r = 0; r < 2 + 5; ++r) {
         timer.Start();
@@ -859,15 +865,7 @@ int Main(const Options& o) {
       Tensor gu = Unwrap(be->Alloc(nmax, 2 * F), "Alloc");
       Tensor act = Unwrap(be->Alloc(nmax, F), "Alloc");
       Tensor act2 = Unwrap(be->Alloc(nmax, F), "Alloc");
-      {
-        std::vector<float> hx(static_cast<size_t>(nmax) * D), hw(static_cast<size_t>(2 * F) * D);
-        std::mt19937 rng(11);
-        std::uniform_real_distribution<float> d(-0.05f, 0.05f);
-        for (float& v : hx) v = d(rng);
-        for (float& v : hw) v = d(rng);
-        CHECK_OK(be->Upload(hx, x));
-        CHECK_OK(be->Upload(hw, w));
-      }
+      UploadOperands(*be, x, w, 11);
       auto* xp = static_cast<const kernels::bf16*>(x.data);
       auto* wp = static_cast<const kernels::bf16*>(w.data);
       auto* gp = static_cast<kernels::bf16*>(gu.data);
