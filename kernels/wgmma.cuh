@@ -1,8 +1,9 @@
 // Hopper (sm_90a) building blocks shared by the wgmma kernels (attention_sm90.cu,
-// attention_stats_sm90.cu; CUDA translation units only): the 128-byte-swizzled tile layout and
-// its wgmma descriptors, the Q K^T warpgroup MMA, mbarriers, and bulk tensor copies (TMA) of
-// whole pool blocks with the tensor maps that describe the K/V pools. Device code exists only
-// in sm_90a compilations (__CUDA_ARCH_FEAT_SM90_ALL); the tensor maps are encoded on the host.
+// attention_stats_sm90.cu, gemm_sm90.cu; CUDA translation units only): the 128-byte-swizzled
+// tile layout and its wgmma descriptors, the warpgroup MMAs, mbarriers, and bulk tensor copies
+// (TMA) with the tensor maps that describe the K/V pools and plain row-major matrices. Device
+// code exists only in sm_90a compilations (__CUDA_ARCH_FEAT_SM90_ALL); the tensor maps are
+// encoded on the host.
 #pragma once
 
 #include <cuda.h>
