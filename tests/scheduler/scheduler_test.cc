@@ -801,6 +801,11 @@ TEST_F(SchedulerTest, CancellationFreesKvBlocks) {
     tokens = static_cast<int>(got.size());
   }
   ASSERT_GE(tokens, 5);
+  // Wait hands over every queued chunk: a test thread descheduled for the whole decode (a
+  // loaded machine) finds it finished, with nothing left to cancel.
+  if (std::any_of(got.begin(), got.end(), [](const StreamChunk& c) { return c.final; })) {
+    GTEST_SKIP() << "the decode finished before the cancel";
+  }
   EXPECT_LT(s->load().kv_blocks_free, total);
   (*h)->Cancel();
   Collected c = Drain(**h);
