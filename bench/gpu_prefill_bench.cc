@@ -889,6 +889,8 @@ int Main(const Options& o) {
                            extra});
         std::printf("gate_up + SwiGLU %6lld rows: cuBLASLt + SwiGLU %8.3f ms (%6.1f TFLOP/s)\n",
                     static_cast<long long>(rows), ms_a, flops / ms_a * 1e-9);
+        std::vector<float> ha(static_cast<size_t>(rows) * F), hb(ha.size());
+        CHECK_OK(be->Download(RowView(act, 0, rows), ha));
         for (int v = 0; v < kernels::kSm90GemmSwiGluVariants; ++v) {
           const auto var = static_cast<kernels::Sm90GemmSwiGluVariant>(v);
           auto [ms_b, mn_b] = time_op([&] {
@@ -900,8 +902,6 @@ int Main(const Options& o) {
             }
           });
           // The two outputs side by side (same inputs): a wrong Hopper result shows here too.
-          std::vector<float> ha(static_cast<size_t>(rows) * F), hb(ha.size());
-          CHECK_OK(be->Download(RowView(act, 0, rows), ha));
           CHECK_OK(be->Download(RowView(act2, 0, rows), hb));
           double num = 0, den = 0;
           for (size_t i = 0; i < ha.size(); ++i) {

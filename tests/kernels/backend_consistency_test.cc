@@ -103,6 +103,16 @@ class BackendConsistency : public ::testing::Test {
   Pair MakeOut(int64_t rows, int64_t cols) {
     return Make(rows, cols, std::vector<float>(rows * cols, NAN));
   }
+  // Put: host values in a tensor of one backend (Make fills both); Poison: NaNs for an output
+  // whose every element the operation must write.
+  static Tensor Put(Backend& b, int64_t rows, int64_t cols, const std::vector<float>& host) {
+    auto t = b.Alloc(rows, cols);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (!t.ok()) return Tensor{};
+    EXPECT_TRUE(b.Upload(host, *t).ok());
+    return *t;
+  }
+  static std::vector<float> Poison(int64_t n) { return std::vector<float>(n, NAN); }
   std::vector<float> Get(Backend& b, const Tensor& t) {
     std::vector<float> v(t.rows * t.cols);
     absl::Status s = b.Download(t, v);
@@ -389,24 +399,24 @@ TEST_F(BackendConsistency, Sm90GemmSwiGluOnPrefillShapes) {
     const std::vector<float> xh = Rand(s.n * s.k);
     const std::vector<float> wh =
         Rand(2 * s.half * s.k, 1.0f / std::sqrt(static_cast<float>(s.k)));
-    auto put = [](Backend& b, int64_t rows, int64_t cols, const std::vector<float>& h) {
-      auto t = b.Alloc(rows, cols);
-      EXPECT_TRUE(t.ok()) << t.status();
-      if (!t.ok()) return Tensor{};
-      EXPECT_TRUE(b.Upload(h, *t).ok());
-      return *t;
+    const std::vector<float> poison = Poison((s.n + 1) * s.half);
+    // The row past the output is left alone.
+    auto untouched_past = [&](const std::vector<float>& all) {
+      for (int64_t c = 0; c < s.half; ++c) {
+        if (!std::isnan(all[s.n * s.half + c])) return false;
+      }
+      return true;
     };
-    const std::vector<float> poison((s.n + 1) * s.half, NAN);
-    Tensor xc = put(*cpu_, s.n, s.k, xh), wc = put(*cpu_, 2 * s.half, s.k, wh);
-    Tensor oc = put(*cpu_, s.n, s.half, std::vector<float>(s.n * s.half, NAN));
+    Tensor xc = Put(*cpu_, s.n, s.k, xh), wc = Put(*cpu_, 2 * s.half, s.k, wh);
+    Tensor oc = Put(*cpu_, s.n, s.half, Poison(s.n * s.half));
     ASSERT_TRUE(cpu_->MatMulSwiGLU(xc, wc, oc).ok());
     const std::vector<float> ref = Get(*cpu_, oc);
     std::vector<float> got[2];
     Backend* bes[2] = {&fb, &pb};
     for (int i = 0; i < 2; ++i) {
       Backend& b = *bes[i];
-      Tensor xg = put(b, s.n, s.k, xh), wg = put(b, 2 * s.half, s.k, wh);
-      Tensor og = put(b, s.n + 1, s.half, poison);
+      Tensor xg = Put(b, s.n, s.k, xh), wg = Put(b, 2 * s.half, s.k, wh);
+      Tensor og = Put(b, s.n + 1, s.half, poison);
       Tensor ov = RowView(og, 0, s.n);
       if (i == 0) {
         EXPECT_EQ(kernels::Sm90GemmSwiGluSupported(
@@ -420,9 +430,7 @@ TEST_F(BackendConsistency, Sm90GemmSwiGluOnPrefillShapes) {
       ASSERT_TRUE(st.ok()) << s.name << ": " << st;
       const std::vector<float> all = Get(b, og);
       got[i].assign(all.begin(), all.begin() + s.n * s.half);
-      for (int64_t c = 0; c < s.half; ++c) {
-        ASSERT_TRUE(std::isnan(all[s.n * s.half + c])) << s.name << ": wrote past row " << s.n;
-      }
+      ASSERT_TRUE(untouched_past(all)) << s.name << ": wrote past row " << s.n;
       EXPECT_LT(RelErr(got[i], ref), kTol) << s.name << (i == 0 ? ", Hopper kernel" : ", cuBLASLt");
       // Every variant of the kernel called directly: the same sums in the same order.
       for (int v = 0; i == 0 && s.hopper && v < kernels::kSm90GemmSwiGluVariants; ++v) {
@@ -443,9 +451,7 @@ TEST_F(BackendConsistency, Sm90GemmSwiGluOnPrefillShapes) {
         EXPECT_TRUE(vgot == got[0])
             << s.name << ", variant " << kernels::Sm90GemmSwiGluVariantName(var)
             << ": not bit-identical to the backend's variant";
-        for (int64_t c = 0; c < s.half; ++c) {
-          ASSERT_TRUE(std::isnan(vall[s.n * s.half + c])) << s.name << ": wrote past row " << s.n;
-        }
+        ASSERT_TRUE(untouched_past(vall)) << s.name << ": wrote past row " << s.n;
       }
       b.Free(xg);
       b.Free(wg);
@@ -485,14 +491,6 @@ class DecodeMatMulConsistency : public BackendConsistency {
     EXPECT_TRUE(b.ok()) << b.status();
     return b.ok() ? std::move(*b) : nullptr;
   }
-  static Tensor Put(Backend& b, int64_t rows, int64_t cols, const std::vector<float>& host) {
-    auto t = b.Alloc(rows, cols);
-    EXPECT_TRUE(t.ok()) << t.status();
-    if (!t.ok()) return Tensor{};
-    EXPECT_TRUE(b.Upload(host, *t).ok());
-    return *t;
-  }
-  static std::vector<float> Poison(int64_t n) { return std::vector<float>(n, NAN); }
 };
 
 TEST_F(DecodeMatMulConsistency, EverySmallNVariantOnDecodeShapes) {

@@ -694,7 +694,8 @@ absl::Status CudaBackend::MatMulSwiGLU(const Tensor& x, const Tensor& w, Tensor&
                                        out.cols, x.cols, stream_, variant);
     }, x.data, x.rows, x.cols, w.data, w.rows, out.data, out.cols);
   }
-  if (options_.sm90_gemm_swiglu && !UseSmallN(x, w) &&
+  // (The Hopper kernel takes at least 128 rows: never a small-n call.)
+  if (options_.sm90_gemm_swiglu &&
       kernels::Sm90GemmSwiGluSupported(B(x), x.cols, B(w), w.cols, B(out), out.cols, x.rows,
                                        out.cols, x.cols)) {
     return Run("MatMulSwiGLU (sm90)", [=, this] {
