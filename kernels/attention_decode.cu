@@ -276,6 +276,77 @@ __global__ void __launch_bounds__(32 * NW)
       if (d == 0 && p.lse) p.lse[rh] = lse;
     }
   }
+  if (ws_o == nullptr || p.split_done == nullptr) return;
+
+  // The last split of this (sequence, KV head) to finish merges them all: no combine launch,
+  // no grid-wide wait for it. Every thread's partial is made visible device-wide before the
+  // block counts itself (the fence-then-count pattern of a last-block reduction).
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned int* done = p.split_done + blockIdx.x * gridDim.y + kvh;
+    const bool last = atomicAdd(done, 1u) == gridDim.z - 1;
+    if (last) *done = 0;  // every split has counted: ready for the next launch
+    s_last = last ? 1 : 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // The merge is latency-bound (a few KB per split from L2), so every read of a round is issued
+  // before any is used: the log-sum-exps of all (row, split) pairs at once, then per output
+  // column every split's partial at once (session 26's version read them one by one and grew
+  // the kernel by 14 us a layer). Arithmetic and order are CombineKernel's (attention.cu), so
+  // the result is bit-identical to it. The other splits' partials are read from L2 (__ldcg):
+  // this SM's L1 never held them. The stage area (free since the block's own merge) holds the
+  // weights.
+  const int S = static_cast<int>(gridDim.z), RG = R * G;
+  const int64_t stride = (int64_t)p.num_q * H;
+  float* s_lse = reinterpret_cast<float*>(sKV);        // [kRows][kMaxDecodeSplits]
+  float* s_w = s_lse + kRows * kMaxDecodeSplits;       // [kRows][kMaxDecodeSplits]
+  float* s_mx = s_w + kRows * kMaxDecodeSplits;        // [kRows]
+  static_assert(NW * ST * 2 * BN * HD * 2 >= (2 * kRows * kMaxDecodeSplits + kRows) * 4,
+                "merge weights");
+  auto rh_of = [&](int m) { return (int64_t)(q0 + m / G) * H + kvh * G + m % G; };
+  for (int idx = tid; idx < RG * S; idx += 32 * NW) {
+    const int m = idx / S, sp = idx % S;
+    s_lse[m * kMaxDecodeSplits + sp] = __ldcg(ws_lse + sp * stride + rh_of(m));
+  }
+  __syncthreads();
+  for (int idx = tid; idx < RG * S; idx += 32 * NW) {
+    const int m = idx / S, sp = idx % S;
+    const float* lm = s_lse + m * kMaxDecodeSplits;
+    float mx = kNegInf;
+    for (int j = 0; j < S; ++j) mx = fmaxf(mx, lm[j]);
+    const float l = lm[sp];
+    s_w[m * kMaxDecodeSplits + sp] = (mx == kNegInf || l == kNegInf) ? 0.0f : exp2f(l - mx);
+    if (sp == 0) s_mx[m] = mx;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < RG * HD; idx += 32 * NW) {
+    const int m = idx / HD, d = idx % HD;
+    const int64_t rh = rh_of(m);
+    float ov[kMaxDecodeSplits];
+#pragma unroll
+    for (int sp = 0; sp < kMaxDecodeSplits; ++sp) {
+      ov[sp] = sp < S ? __ldcg(ws_o + (sp * stride + rh) * HD + d) : 0.0f;
+    }
+    const float* wm = s_w + m * kMaxDecodeSplits;
+    float acc = 0.0f, wsum = 0.0f;
+#pragma unroll
+    for (int sp = 0; sp < kMaxDecodeSplits; ++sp) {
+      if (sp >= S) break;
+      const float w = wm[sp];
+      if (w != 0.0f) {
+        wsum += w;
+        acc += w * ov[sp];
+      }
+    }
+    const float v = wsum > 0.0f ? acc / wsum : 0.0f;
+    const int qrow = q0 + m / G, head = kvh * G + m % G;
+    p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
+    if (d == 0 && p.lse) p.lse[rh] = wsum > 0.0f ? s_mx[m] + log2f(wsum) : kNegInf;
+  }
 }
 
 template <int HD, int NW, int BN, int ST>

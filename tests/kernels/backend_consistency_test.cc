@@ -1227,6 +1227,91 @@ TEST_F(AttentionConsistency, DecodeSplitKAtEverySplitCount) {
   }
 }
 
+// The packed decode kernel merging its own split-K partials (CudaBackendOptions::
+// decode_fold_combine: the last block of each sequence and KV head combines them) against the
+// CPU at several split counts; then bit-identical to the combine kernel at batch 1 and 3 over
+// 8K keys, twice in a row (each last block resets its counter for the next launch).
+TEST_F(AttentionConsistency, DecodeFoldedCombine) {
+  for (int waves : {1, 2, 4, 8}) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.split_waves = waves;
+    o.decode_fold_combine = true;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+    SCOPED_TRACE(testing::Message() << "split waves " << waves);
+    RunBatched(32, 8, 128);
+    RunBatched(16, 2, 64);
+  }
+  std::unique_ptr<Backend> gpus[2];
+  for (int fold = 0; fold < 2; ++fold) {
+    CudaBackendOptions o = CudaBackendOptionsFromEnv();
+    o.decode_fold_combine = fold == 1;
+    auto g = CreateBackend({.kind = "cuda", .cuda = o});
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpus[fold] = std::move(*g);
+  }
+  const int H = 32, KV = 8, hd = 128, bs = 16, ctx = 8192, kv_dim = KV * hd;
+  for (int batch : {1, 3}) {
+    SCOPED_TRACE(testing::Message() << "batch " << batch);
+    const int blocks = batch * ctx / bs;
+    std::vector<int32_t> table(blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng_);
+    std::vector<std::vector<int32_t>> slots(batch);
+    std::vector<SeqRows> seqs;
+    std::vector<int32_t> q_pos;
+    for (int s = 0; s < batch; ++s) {
+      for (int j = 0; j < ctx; ++j) slots[s].push_back(table[s * ctx / bs + j / bs] * bs + j % bs);
+      seqs.push_back({s, s + 1, slots[s]});
+      q_pos.push_back(ctx - 1 - 37 * s);  // each row its own causal limit
+    }
+    const std::vector<float> kvh = Rand(static_cast<size_t>(ctx) * 2 * kv_dim, 2.0f);
+    const std::vector<float> qh = Rand(static_cast<size_t>(batch) * (H + 2 * KV) * hd, 2.0f);
+    AttentionArgs a;
+    a.n_heads = H;
+    a.n_kv_heads = KV;
+    a.head_dim = hd;
+    a.q_pos = q_pos;
+    a.seqs = seqs;
+    std::vector<float> got[2];
+    for (int fold = 0; fold < 2; ++fold) {
+      Backend& g = *gpus[fold];
+      auto pool = g.AllocKvPool(1, blocks, bs, kv_dim);
+      ASSERT_TRUE(pool.ok()) << pool.status();
+      auto kv = g.Alloc(ctx, 2 * kv_dim);
+      auto q = g.Alloc(batch, static_cast<int64_t>(H + 2 * KV) * hd);
+      auto out = g.Alloc(batch, static_cast<int64_t>(H) * hd);
+      ASSERT_TRUE(kv.ok() && q.ok() && out.ok());
+      ASSERT_TRUE(g.Upload(kvh, *kv).ok());
+      ASSERT_TRUE(g.Upload(qh, *q).ok());
+      for (int s = 0; s < batch; ++s) {
+        ASSERT_TRUE(g.WriteKv(*pool, 0, *kv, 0, *kv, kv_dim, slots[s]).ok());
+      }
+      for (int call = 0; call < 2; ++call) {
+        ASSERT_TRUE(g.Upload(std::vector<float>(batch * H * hd, NAN), *out).ok());
+        absl::Status st = g.Attention(*q, *pool, 0, a, *out);
+        ASSERT_TRUE(st.ok()) << st;
+        std::vector<float> v = Get(g, *out);
+        if (call == 0) {
+          got[fold] = v;
+        } else {
+          EXPECT_EQ(0, std::memcmp(v.data(), got[fold].data(), v.size() * sizeof(float)))
+              << "fold " << fold << ": the second call differs from the first";
+        }
+      }
+      g.FreeKvPool(*pool);
+      g.Free(*kv);
+      g.Free(*q);
+      g.Free(*out);
+    }
+    ASSERT_EQ(got[0].size(), got[1].size());
+    for (float v : got[1]) ASSERT_TRUE(std::isfinite(v));
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)))
+        << "the in-kernel merge differs from the combine kernel";
+  }
+}
+
 // Several sequences in one call (batched decode): each row attends only over its own
 // sequence's blocks. One row per sequence takes the batched kernel; a sequence with more rows
 // than one query tile holds gets a call of its own (after the batched launch of the small
