@@ -279,73 +279,90 @@ __global__ void __launch_bounds__(32 * NW)
   if (ws_o == nullptr || p.split_done == nullptr) return;
 
   // The last split of this (sequence, KV head) to finish merges them all: no combine launch,
-  // no grid-wide wait for it. Every thread's partial is made visible device-wide before the
-  // block counts itself (the fence-then-count pattern of a last-block reduction).
+  // no grid-wide wait for it. The barrier orders every thread's partial before thread 0's
+  // fence and count (the pattern of a cooperative grid barrier); the last block's thread 0
+  // fences again before the block reads the others' partials.
   __shared__ int s_last;
-  __threadfence();
   __syncthreads();
   if (tid == 0) {
+    __threadfence();
     unsigned int* done = p.split_done + blockIdx.x * gridDim.y + kvh;
     const bool last = atomicAdd(done, 1u) == gridDim.z - 1;
-    if (last) *done = 0;  // every split has counted: ready for the next launch
+    if (last) {
+      *done = 0;  // every split has counted: ready for the next launch
+      __threadfence();
+    }
     s_last = last ? 1 : 0;
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
-  // The merge is latency-bound (a few KB per split from L2), so every read of a round is issued
-  // before any is used: the log-sum-exps of all (row, split) pairs at once, then per output
-  // column every split's partial at once (session 26's version read them one by one and grew
-  // the kernel by 14 us a layer). Arithmetic and order are CombineKernel's (attention.cu), so
-  // the result is bit-identical to it. The other splits' partials are read from L2 (__ldcg):
-  // this SM's L1 never held them. The stage area (free since the block's own merge) holds the
-  // weights.
+  // The merge is latency-bound: a few KB per split from L2, read while the next kernel's blocks
+  // already stream their weights. So it takes one round of reads: every split's partials of the
+  // block's rows go to shared memory as 16-byte copies while each warp reads its rows'
+  // log-sum-exps (one per lane) and turns them into weights. Session 26's version (and session
+  // 31's first) read the splits of each output in rounds per row and took 11-14 us a layer
+  // against the combine kernel's ~7. Arithmetic and order are CombineKernel's (attention.cu):
+  // bit-identical to it. L2 reads only (cp.async.cg, __ldcg): this SM's L1 never held them.
   const int S = static_cast<int>(gridDim.z), RG = R * G;
   const int64_t stride = (int64_t)p.num_q * H;
-  float* s_lse = reinterpret_cast<float*>(sKV);        // [kRows][kMaxDecodeSplits]
-  float* s_w = s_lse + kRows * kMaxDecodeSplits;       // [kRows][kMaxDecodeSplits]
-  float* s_mx = s_w + kRows * kMaxDecodeSplits;        // [kRows]
-  static_assert(NW * ST * 2 * BN * HD * 2 >= (2 * kRows * kMaxDecodeSplits + kRows) * 4,
-                "merge weights");
+  constexpr int kStageFloats = NW * ST * 2 * BN * HD / 2;  // the stage area, free since the
+                                                           // block's own merge
+  constexpr int kPartFloats = kStageFloats - kRows * kMaxDecodeSplits - kRows;
+  static_assert(kPartFloats >= kMaxDecodeSplits * HD, "one row of every split");
+  float* sP = reinterpret_cast<float*>(sKV);    // [rows of a round][S][HD]
+  float* sW = sP + kPartFloats;                 // [kRows][kMaxDecodeSplits]
+  float* sMx = sW + kRows * kMaxDecodeSplits;   // [kRows]
+  const int per_round = min(RG, kPartFloats / (S * HD));
   auto rh_of = [&](int m) { return (int64_t)(q0 + m / G) * H + kvh * G + m % G; };
-  for (int idx = tid; idx < RG * S; idx += 32 * NW) {
-    const int m = idx / S, sp = idx % S;
-    s_lse[m * kMaxDecodeSplits + sp] = __ldcg(ws_lse + sp * stride + rh_of(m));
-  }
-  __syncthreads();
-  for (int idx = tid; idx < RG * S; idx += 32 * NW) {
-    const int m = idx / S, sp = idx % S;
-    const float* lm = s_lse + m * kMaxDecodeSplits;
-    float mx = kNegInf;
-    for (int j = 0; j < S; ++j) mx = fmaxf(mx, lm[j]);
-    const float l = lm[sp];
-    s_w[m * kMaxDecodeSplits + sp] = (mx == kNegInf || l == kNegInf) ? 0.0f : exp2f(l - mx);
-    if (sp == 0) s_mx[m] = mx;
-  }
-  __syncthreads();
-  for (int idx = tid; idx < RG * HD; idx += 32 * NW) {
-    const int m = idx / HD, d = idx % HD;
+  auto stage = [&](int m0) {
+    const int n = min(per_round, RG - m0) * S * (HD / 4);
+    for (int c = tid; c < n; c += 32 * NW) {
+      const int c4 = c % (HD / 4), rest = c / (HD / 4), sp = rest % S, mm = rest / S;
+      CpAsync16(sP + (mm * S + sp) * HD + c4 * 4,
+                ws_o + (sp * stride + rh_of(m0 + mm)) * HD + c4 * 4, true);
+    }
+    detail::CpAsyncCommit();
+  };
+  stage(0);
+  for (int m = warp; m < RG; m += NW) {
     const int64_t rh = rh_of(m);
-    float ov[kMaxDecodeSplits];
+    const float l0 = lane < S ? __ldcg(ws_lse + lane * stride + rh) : kNegInf;
+    const float l1 = lane + 32 < S ? __ldcg(ws_lse + (lane + 32) * stride + rh) : kNegInf;
+    float mx = fmaxf(l0, l1);
 #pragma unroll
-    for (int sp = 0; sp < kMaxDecodeSplits; ++sp) {
-      ov[sp] = sp < S ? __ldcg(ws_o + (sp * stride + rh) * HD + d) : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane < S) sW[m * kMaxDecodeSplits + lane] =
+        (mx == kNegInf || l0 == kNegInf) ? 0.0f : exp2f(l0 - mx);
+    if (lane + 32 < S) sW[m * kMaxDecodeSplits + lane + 32] =
+        (mx == kNegInf || l1 == kNegInf) ? 0.0f : exp2f(l1 - mx);
+    if (lane == 0) sMx[m] = mx;
+  }
+  for (int m0 = 0; m0 < RG; m0 += per_round) {
+    if (m0 > 0) {
+      __syncthreads();  // the previous round's partials are read
+      stage(m0);
     }
-    const float* wm = s_w + m * kMaxDecodeSplits;
-    float acc = 0.0f, wsum = 0.0f;
-#pragma unroll
-    for (int sp = 0; sp < kMaxDecodeSplits; ++sp) {
-      if (sp >= S) break;
-      const float w = wm[sp];
-      if (w != 0.0f) {
-        wsum += w;
-        acc += w * ov[sp];
+    detail::CpAsyncWait<0>();
+    __syncthreads();
+    const int rows = min(per_round, RG - m0);
+    for (int idx = tid; idx < rows * HD; idx += 32 * NW) {
+      const int mm = idx / HD, d = idx % HD, m = m0 + mm;
+      const float* wm = sW + m * kMaxDecodeSplits;
+      const float* pm = sP + mm * S * HD + d;
+      float acc = 0.0f, wsum = 0.0f;
+#pragma unroll 8
+      for (int sp = 0; sp < S; ++sp) {
+        const float w = wm[sp];
+        if (w != 0.0f) {
+          wsum += w;
+          acc += w * pm[sp * HD];
+        }
       }
+      const float v = wsum > 0.0f ? acc / wsum : 0.0f;
+      const int qrow = q0 + m / G, head = kvh * G + m % G;
+      p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
+      if (d == 0 && p.lse) p.lse[rh_of(m)] = wsum > 0.0f ? sMx[m] + log2f(wsum) : kNegInf;
     }
-    const float v = wsum > 0.0f ? acc / wsum : 0.0f;
-    const int qrow = q0 + m / G, head = kvh * G + m % G;
-    p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
-    if (d == 0 && p.lse) p.lse[rh] = wsum > 0.0f ? s_mx[m] + log2f(wsum) : kNegInf;
   }
 }
 
