@@ -43,9 +43,14 @@ __global__ void __launch_bounds__(32 * NW)
   // early_kv: the tiles of keys below every row's position are requested before the wait
   // (attention.h says why that is safe); everything else after it.
   const bool early = p.decode_early_kv != 0;
+  // With the in-kernel merge the kernel after this one (the o projection, which requests its
+  // weights before its own wait) is let start only by the merging blocks (an exiting block
+  // counts as triggered): started with the others, its weight requests competed with the key
+  // reads and the merge (session 31 call 2, H100: batch 1 +0.25 ms a step).
+  const bool fold = ws_o != nullptr && p.split_done != nullptr;
   if (!early) {
     detail::PdlWait();
-    detail::PdlLaunchDependents();
+    if (!fold) detail::PdlLaunchDependents();
   }
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -125,7 +130,7 @@ __global__ void __launch_bounds__(32 * NW)
       detail::CpAsyncCommit();
     }
     detail::PdlWait();
-    detail::PdlLaunchDependents();
+    if (!fold) detail::PdlLaunchDependents();
     load_q();
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(32 * NW)
       if (d == 0 && p.lse) p.lse[rh] = lse;
     }
   }
-  if (ws_o == nullptr || p.split_done == nullptr) return;
+  if (!fold) return;
 
   // The last split of this (sequence, KV head) to finish merges them all: no combine launch,
   // no grid-wide wait for it. The barrier orders every thread's partial before thread 0's
@@ -296,8 +301,9 @@ __global__ void __launch_bounds__(32 * NW)
   }
   __syncthreads();
   if (!s_last) return;
-  // The merge is latency-bound: a few KB per split from L2, read while the next kernel's blocks
-  // already stream their weights. So it takes one round of reads: every split's partials of the
+  detail::PdlLaunchDependents();
+  // The merge is latency-bound (a few KB per split from L2, read while the next kernel's blocks
+  // start and request their weights), so it takes one round of reads: every split's partials of the
   // block's rows go to shared memory as 16-byte copies while each warp reads its rows'
   // log-sum-exps (one per lane) and turns them into weights. Session 26's version (and session
   // 31's first) read the splits of each output in rounds per row and took 11-14 us a layer
