@@ -302,13 +302,14 @@ __global__ void __launch_bounds__(32 * NW)
   __syncthreads();
   if (!s_last) return;
   detail::PdlLaunchDependents();
-  // The merge is latency-bound (a few KB per split from L2, read while the next kernel's blocks
-  // start and request their weights), so it takes one round of reads: every split's partials of the
-  // block's rows go to shared memory as 16-byte copies while each warp reads its rows'
-  // log-sum-exps (one per lane) and turns them into weights. Session 26's version (and session
-  // 31's first) read the splits of each output in rounds per row and took 11-14 us a layer
-  // against the combine kernel's ~7. Arithmetic and order are CombineKernel's (attention.cu):
-  // bit-identical to it. L2 reads only (cp.async.cg, __ldcg): this SM's L1 never held them.
+  // The merge is latency-bound (a few KB per split from L2, read while the next kernel's
+  // blocks start and request their weights), so it takes one round of reads: every split's
+  // partials of the block's rows go to shared memory as 16-byte copies while each warp reads
+  // its rows' log-sum-exps (one per lane) and turns them into weights. Session 26's version
+  // (and session 31's first) read the splits of each output in rounds per row and took 11-14 us
+  // a layer against the combine kernel's ~7. Arithmetic and order are CombineKernel's
+  // (attention.cu): bit-identical to it. L2 reads only (cp.async.cg, __ldcg): this SM's L1
+  // never held them.
   const int S = static_cast<int>(gridDim.z), RG = R * G;
   const int64_t stride = (int64_t)p.num_q * H;
   constexpr int kStageFloats = NW * ST * 2 * BN * HD / 2;  // the stage area, free since the
