@@ -1057,27 +1057,20 @@ int Main(const Options& o) {
       p.max_seq_rows = 1;
       const double bytes = 2.0 * B * ctx * KV * hd * 2;
       struct KernelCase {
-        int kernel, waves, early, fold;
+        int kernel, waves, early;
         const char* name;
       };
-      // The in-kernel split-K merge's counters (PagedAttentionParams::split_done).
-      unsigned int* d_done = nullptr;
-      cudaMalloc(&d_done, static_cast<size_t>(B) * KV * sizeof(unsigned int));
-      cudaMemset(d_done, 0, static_cast<size_t>(B) * KV * sizeof(unsigned int));
-      cudaDeviceSynchronize();
       // Batch 1 fills 8 blocks: its split-K (about `waves` blocks per SM) decides the time.
-      for (auto [kernel, waves, early, fold, name] :
-           {KernelCase{1, 0, 0, 0, "tile"}, {0, 0, 0, 0, "packed 16 keys"},
-            {2, 0, 0, 0, "packed 32 keys"}, {0, 1, 0, 0, "packed 16 keys, split waves 1"},
-            {0, 3, 0, 0, "packed 16 keys, split waves 3"},
-            {0, 4, 0, 0, "packed 16 keys, split waves 4"},
-            {0, 0, 1, 0, "packed 16 keys, early key requests"},
-            {0, 0, 1, 1, "packed 16 keys, early key requests, split-K merged in-kernel"}}) {
+      for (auto [kernel, waves, early, name] :
+           {KernelCase{1, 0, 0, "tile"}, {0, 0, 0, "packed 16 keys"},
+            {2, 0, 0, "packed 32 keys"}, {0, 1, 0, "packed 16 keys, split waves 1"},
+            {0, 3, 0, "packed 16 keys, split waves 3"},
+            {0, 4, 0, "packed 16 keys, split waves 4"},
+            {0, 0, 1, "packed 16 keys, early key requests"}}) {
         if (waves > 0 && B > 1) continue;  // 256 blocks already fill the GPU: no split
         p.decode_kernel = kernel;
         p.split_waves = waves;
         p.decode_early_kv = early;
-        p.split_done = fold ? d_done : nullptr;
         const size_t ws_bytes = kernels::PagedAttentionWorkspaceBytes(p);
         void* ws = nullptr;
         if (ws_bytes) cudaMalloc(&ws, ws_bytes);
@@ -1107,7 +1100,6 @@ int Main(const Options& o) {
                     "GB/s\n", B, ctx, name, med, bytes / med * 1e-6);
       }
       for (int32_t* d : {d_rows, d_start, d_len, d_qpos, d_slots}) cudaFree(d);
-      cudaFree(d_done);
       be->Free(q);
       be->Free(att);
     }

@@ -43,7 +43,7 @@ static_assert(kBN == kStatsTileKeys, "AttentionStatsParams::tile_groups counts k
 constexpr int kMaxGroup = 64;  // G must divide 16 * warps for every block size
 // Split-K partials per row at most; the combine keeps their weights in shared memory, one per
 // thread (head_dim >= 64 threads).
-constexpr int kMaxSplits = kMaxDecodeSplits;
+constexpr int kMaxSplits = 64;
 
 
 // K/V stages of FlashKernel: two for attention; four K tiles for the statistics pass, which has
@@ -767,7 +767,6 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
         : p.head_dim == 128 ? LaunchFlash<128, false>(p, none, ex, plan.splits, stream)
                             : LaunchFlash<64, false>(p, none, ex, plan.splits, stream);
     if (e != cudaSuccess || plan.splits <= 1) return e;
-    if (p.split_done != nullptr && DecodeAttentionSupports(p)) return e;  // merged in-kernel
     return detail::LaunchPdl(CombineKernel, static_cast<unsigned>((int64_t)p.num_q * p.n_heads),
                              p.head_dim, 0, stream, p, ex.ws_o, ex.ws_lse, plan.splits);
   }

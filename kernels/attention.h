@@ -109,13 +109,6 @@ struct PagedAttentionParams {
   // finished had passed its own wait, so when this one starts every kernel before the qkv
   // projection has finished. Default: 0
   int decode_early_kv = 0;
-  // The packed decode kernel merges its own split-K partials: each block counts itself on its
-  // (sequence, KV head)'s counter once its partial is out, and the last one combines every
-  // split in the combine kernel's arithmetic and order (bit-identical), so no combine launch
-  // and no grid-wide wait follow the attention. [num_seqs * n_kv_heads] device counters, zero
-  // before the call and after it (the last block resets its own, so a captured graph
-  // replays). null: the combine kernel. Default: null
-  unsigned int* split_done = nullptr;
 };
 
 // Selection statistics, computed from p.lse (the softmax normaliser of PagedAttention) in a

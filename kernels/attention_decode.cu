@@ -43,14 +43,9 @@ __global__ void __launch_bounds__(32 * NW)
   // early_kv: the tiles of keys below every row's position are requested before the wait
   // (attention.h says why that is safe); everything else after it.
   const bool early = p.decode_early_kv != 0;
-  // With the in-kernel merge the kernel after this one (the o projection, which requests its
-  // weights before its own wait) is let start only by the merging blocks (an exiting block
-  // counts as triggered): started with the others, its weight requests competed with the key
-  // reads and the merge (session 31 call 2, H100: batch 1 +0.25 ms a step).
-  const bool fold = ws_o != nullptr && p.split_done != nullptr;
   if (!early) {
     detail::PdlWait();
-    if (!fold) detail::PdlLaunchDependents();
+    detail::PdlLaunchDependents();
   }
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -130,7 +125,7 @@ __global__ void __launch_bounds__(32 * NW)
       detail::CpAsyncCommit();
     }
     detail::PdlWait();
-    if (!fold) detail::PdlLaunchDependents();
+    detail::PdlLaunchDependents();
     load_q();
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
@@ -279,96 +274,6 @@ __global__ void __launch_bounds__(32 * NW)
     } else {
       p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
       if (d == 0 && p.lse) p.lse[rh] = lse;
-    }
-  }
-  if (!fold) return;
-
-  // The last split of this (sequence, KV head) to finish merges them all: no combine launch,
-  // no grid-wide wait for it. The barrier orders every thread's partial before thread 0's
-  // fence and count (the pattern of a cooperative grid barrier); the last block's thread 0
-  // fences again before the block reads the others' partials.
-  __shared__ int s_last;
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    unsigned int* done = p.split_done + blockIdx.x * gridDim.y + kvh;
-    const bool last = atomicAdd(done, 1u) == gridDim.z - 1;
-    if (last) {
-      *done = 0;  // every split has counted: ready for the next launch
-      __threadfence();
-    }
-    s_last = last ? 1 : 0;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  detail::PdlLaunchDependents();
-  // The merge is latency-bound (a few KB per split from L2, read while the next kernel's
-  // blocks start and request their weights), so it takes one round of reads: every split's
-  // partials of the block's rows go to shared memory as 16-byte copies while each warp reads
-  // its rows' log-sum-exps (one per lane) and turns them into weights. Session 26's version
-  // (and session 31's first) read the splits of each output in rounds per row and took 11-14 us
-  // a layer against the combine kernel's ~7. Arithmetic and order are CombineKernel's
-  // (attention.cu): bit-identical to it. L2 reads only (cp.async.cg, __ldcg): this SM's L1
-  // never held them.
-  const int S = static_cast<int>(gridDim.z), RG = R * G;
-  const int64_t stride = (int64_t)p.num_q * H;
-  constexpr int kStageFloats = NW * ST * 2 * BN * HD / 2;  // the stage area, free since the
-                                                           // block's own merge
-  constexpr int kPartFloats = kStageFloats - kRows * kMaxDecodeSplits - kRows;
-  static_assert(kPartFloats >= kMaxDecodeSplits * HD, "one row of every split");
-  float* sP = reinterpret_cast<float*>(sKV);    // [rows of a round][S][HD]
-  float* sW = sP + kPartFloats;                 // [kRows][kMaxDecodeSplits]
-  float* sMx = sW + kRows * kMaxDecodeSplits;   // [kRows]
-  const int per_round = min(RG, kPartFloats / (S * HD));
-  auto rh_of = [&](int m) { return (int64_t)(q0 + m / G) * H + kvh * G + m % G; };
-  auto stage = [&](int m0) {
-    const int n = min(per_round, RG - m0) * S * (HD / 4);
-    for (int c = tid; c < n; c += 32 * NW) {
-      const int c4 = c % (HD / 4), rest = c / (HD / 4), sp = rest % S, mm = rest / S;
-      CpAsync16(sP + (mm * S + sp) * HD + c4 * 4,
-                ws_o + (sp * stride + rh_of(m0 + mm)) * HD + c4 * 4, true);
-    }
-    detail::CpAsyncCommit();
-  };
-  stage(0);
-  for (int m = warp; m < RG; m += NW) {
-    const int64_t rh = rh_of(m);
-    const float l0 = lane < S ? __ldcg(ws_lse + lane * stride + rh) : kNegInf;
-    const float l1 = lane + 32 < S ? __ldcg(ws_lse + (lane + 32) * stride + rh) : kNegInf;
-    float mx = fmaxf(l0, l1);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane < S) sW[m * kMaxDecodeSplits + lane] =
-        (mx == kNegInf || l0 == kNegInf) ? 0.0f : exp2f(l0 - mx);
-    if (lane + 32 < S) sW[m * kMaxDecodeSplits + lane + 32] =
-        (mx == kNegInf || l1 == kNegInf) ? 0.0f : exp2f(l1 - mx);
-    if (lane == 0) sMx[m] = mx;
-  }
-  for (int m0 = 0; m0 < RG; m0 += per_round) {
-    if (m0 > 0) {
-      __syncthreads();  // the previous round's partials are read
-      stage(m0);
-    }
-    detail::CpAsyncWait<0>();
-    __syncthreads();
-    const int rows = min(per_round, RG - m0);
-    for (int idx = tid; idx < rows * HD; idx += 32 * NW) {
-      const int mm = idx / HD, d = idx % HD, m = m0 + mm;
-      const float* wm = sW + m * kMaxDecodeSplits;
-      const float* pm = sP + mm * S * HD + d;
-      float acc = 0.0f, wsum = 0.0f;
-#pragma unroll 8
-      for (int sp = 0; sp < S; ++sp) {
-        const float w = wm[sp];
-        if (w != 0.0f) {
-          wsum += w;
-          acc += w * pm[sp * HD];
-        }
-      }
-      const float v = wsum > 0.0f ? acc / wsum : 0.0f;
-      const int qrow = q0 + m / G, head = kvh * G + m % G;
-      p.out[(int64_t)qrow * p.out_stride + head * HD + d] = __float2bfloat16_rn(v);
-      if (d == 0 && p.lse) p.lse[rh_of(m)] = wsum > 0.0f ? sMx[m] + log2f(wsum) : kNegInf;
     }
   }
 }

@@ -18,13 +18,9 @@ namespace sparsex::kernels {
 // 16 rows, head_dim 64 or 128, decode_kernel not 1. The caller has checked the tensor-core
 // path's alignment.
 bool DecodeAttentionSupports(const PagedAttentionParams& p);
-// Split-K partials per row at most (PlanSplits' cap in attention.cu; the in-kernel merge of
-// PagedAttentionParams::split_done holds one weight per split and row in shared memory).
-inline constexpr int kMaxDecodeSplits = 64;
 // Runs p. ws_o / ws_lse null: writes p.out (and p.lse); else each split's partial output and
 // log2 sum-exp in the layout the split-K combine kernel reads ([splits, num_q, n_heads, hd] and
-// [splits, num_q, n_heads]), which with p.split_done the kernel's last block per (sequence, KV
-// head) merges into p.out itself (splits <= kMaxDecodeSplits).
+// [splits, num_q, n_heads]).
 cudaError_t DecodeAttention(const PagedAttentionParams& p, float* ws_o, float* ws_lse,
                             int splits, cudaStream_t stream);
 

@@ -21,16 +21,15 @@
 # (full prefill 32K -9 to -12 ms). Measured in session 30 (H100): those items from 64 rows
 # only (decode rows keep one pair a thread: decode back at 6.16 ms), and gate_up + SwiGLU in
 # one Hopper kernel (SPX_GEMM_SWIGLU=1: level in the reuse prefill, 0.4% slower in the full
-# prefill, 1.5 GiB less memory at 32K; off). Measured in session 31 (H100): the decode split-K
-# merged by the attention kernel's last block (SPX_DECODE_FOLD_COMBINE=1), two versions, both
-# slower (batch 1 6.77 and 6.41 ms against 6.12-6.16). Waiting for a GPU: its third version,
-# where only the merging blocks let the o projection start (off until measured).
+# prefill, 1.5 GiB less memory at 32K; off). Measured in sessions 31-32 (H100): the decode
+# split-K merged by the attention kernel's last block, three versions, all slower (batch 1 6.77,
+# 6.41 and 6.36 ms against 6.12-6.19 with the combine kernel; removed). Nothing built is
+# waiting for a GPU.
 # This call:
 #   0. the matmul tests (DecodeMatMulConsistency.*, the RoPE + K/V write and the Hopper gate_up
-#      + SwiGLU kernel's) and the in-kernel merge's (AttentionConsistency.DecodeFoldedCombine),
-#      cuda_engine_test (defaults, then SPX_DECODE_FOLD_COMBINE=1), then decode steps at 8K,
-#      batch 1 and 32, with the defaults and with SPX_DECODE_FOLD_COMBINE=1, alternated twice
-#      (each line carries a hash of the greedy tokens, which must be the same in every run);
+#      + SwiGLU kernel's), cuda_engine_test, then decode steps
+#      at 8K, batch 1 and 32, with the defaults, twice (each line carries a hash of the greedy
+#      tokens, which must be the same in both runs);
 #   1. the attention GPU tests (AttentionConsistency.*: the complement case with cuDNN required,
 #      a fallback fails it), the ws, ping-pong, ws pipelined, ws 128 and ws 128 with row sums on
 #      MMA cases alone under a short timeout each (a hang there must not eat the call; later
@@ -49,7 +48,7 @@
 #   4. the transformers baseline at 32K (bench/gpu/hf_baseline.py) for the ratios, time allowing;
 #   5. (step 0 times the decode steps.)
 # Writes to $OUT: verify.log (the summary) and all.tgz (bc.log, ws.log, reuse_<v>.json/.log,
-# micro.json/.log, hf.json, early.log, engine_<fold>.log, decode_<round>.json/.log: a device call
+# micro.json/.log, hf.json, early.log, engine.log, decode_<round>.json/.log: a device call
 # brings back only a few files).
 #
 #   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
@@ -69,34 +68,27 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 stamp "cuDNN from: ${CUDNN_DIR:-the loader path}"
 
 timeout 150 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
-  --gtest_filter='DecodeMatMulConsistency.*:BackendConsistency.RopeWriteKv*:BackendConsistency.Sm90GemmSwiGlu*:AttentionConsistency.DecodeFoldedCombine' \
+  --gtest_filter='DecodeMatMulConsistency.*:BackendConsistency.RopeWriteKv*:BackendConsistency.Sm90GemmSwiGlu*' \
   >"$FINAL/early.log" 2>&1
 stamp "decode matmul tests exit $?"
 grep -E "FAILED|PASSED|Failure|Expected|Which is" "$FINAL/early.log" | head -n 12 | tee -a "$LOG"
-for fold in 0 1; do
-  SPX_DECODE_FOLD_COMBINE=$fold timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 \
-    >"$FINAL/engine_$fold.log" 2>&1
-  stamp "cuda_engine_test (SPX_DECODE_FOLD_COMBINE=$fold) exit $?"
-  grep -E "FAILED|PASSED|Failure|tests ran" "$FINAL/engine_$fold.log" | head -n 12 | tee -a "$LOG"
-done
-for round in 1 fold1 2 fold2; do
-  fold=0
-  case $round in fold*) fold=1 ;; esac
-  SPX_DECODE_FOLD_COMBINE=$fold timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 \
-    --warmup 0 --no-micro --decode-ctx 8192 --decode-steps 24 --decode-batch 32 \
+timeout 150 "$SPX/bin/cuda_engine_test" --gtest_brief=1 >"$FINAL/engine.log" 2>&1
+stamp "cuda_engine_test exit $?"
+grep -E "FAILED|PASSED|Failure|tests ran" "$FINAL/engine.log" | head -n 12 | tee -a "$LOG"
+for round in 1 2; do
+  timeout 90 "$SPX/bin/gpu_prefill_bench" --lengths 16 --reps 1 --warmup 0 --no-micro \
+    --decode-ctx 8192 --decode-steps 24 --decode-batch 32 \
     --out "$FINAL/decode_$round.json" >"$FINAL/decode_$round.log" 2>&1
   stamp "decode steps, round $round: exit $?"
   grep -E "greedy on the device" "$FINAL/decode_$round.log" | tee -a "$LOG"
 done
-# The greedy tokens' hashes (one per decode mode and batch) must be the same in every run: a
+# The greedy tokens' hashes (one per decode mode and batch) must be the same in both runs: a
 # read racing a write would change them.
-for round in fold1 2 fold2; do
-  if [ "$(grep -o 'tokens [0-9a-f]*' "$FINAL/decode_$round.log")" = "$(grep -o 'tokens [0-9a-f]*' "$FINAL/decode_1.log")" ]; then
-    stamp "decode_$round: greedy tokens as in decode_1"
-  else
-    stamp "decode_$round: GREEDY TOKENS DIFFER from decode_1"
-  fi
-done
+if [ "$(grep -o 'tokens [0-9a-f]*' "$FINAL/decode_2.log")" = "$(grep -o 'tokens [0-9a-f]*' "$FINAL/decode_1.log")" ]; then
+  stamp "decode_2: greedy tokens as in decode_1"
+else
+  stamp "decode_2: GREEDY TOKENS DIFFER from decode_1"
+fi
 
 stamp "attention GPU tests"
 # The complement test runs its cases three ways since session 24 (~70 s on an H100, its CPU

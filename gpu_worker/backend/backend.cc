@@ -122,7 +122,6 @@ CudaBackendOptions CudaBackendOptionsFromEnv() {
   if (const char* m = std::getenv("SPX_CUDNN_MIN_TOKENS")) o.cudnn_min_tokens = std::atoll(m);
   if (const char* l = std::getenv("SPX_CUDNN_LIB")) o.cudnn_library = l;
   SwitchFromEnv("SPX_DECODE_EARLY_KV", o.decode_early_kv);
-  SwitchFromEnv("SPX_DECODE_FOLD_COMBINE", o.decode_fold_combine);
   SwitchFromEnv("SPX_CUDNN_STATS", o.cudnn_statistics);
   SwitchFromEnv("SPX_STATS_RECV_SPLIT", o.stats_recv_split);
   SwitchFromEnv("SPX_ATTN_BULK_KV", o.attn_bulk_kv);

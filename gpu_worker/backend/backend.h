@@ -210,15 +210,6 @@ struct CudaBackendOptions {
   // at 8K 6.19-6.23 ms a step against 6.29-6.30 off, batch 32 unchanged (docs/perf-notes.md).
   // SPX_DECODE_EARLY_KV=0 sets false. Default: true
   bool decode_early_kv = true;
-  // The packed decode attention's split-K partials merged by its last block per (sequence, KV
-  // head) instead of a combine kernel after it (PagedAttentionParams::split_done): one launch
-  // and one grid-wide wait fewer a layer when a decode step is split (batch 1-16 at 8 KV
-  // heads). Bit-identical. Measured slower on H100s: session 26's version (reads one by one)
-  // +0.45 ms a batch-1 step, session 31's one-round merge +0.25 ms (the o projection, started
-  // with the attention, competed with it); the version where only the merging blocks let the
-  // o projection start is not yet measured (bench/gpu/verify_pending.sh step 0).
-  // SPX_DECODE_FOLD_COMBINE=0|1. Default: false
-  bool decode_fold_combine = false;
   // Recorded scopes (Backend::BeginGraph) replayed as captured CUDA graphs; false runs them as
   // plain launches (comparisons). SPX_CUDA_GRAPHS=0 sets false. Default: true
   bool cuda_graphs = true;

@@ -135,8 +135,7 @@ TEST(CudaBackendOptionsFromEnv, Switches) {
   };
   const Switch switches[] = {
       {"SPX_DECODE_EARLY_KV", &CudaBackendOptions::decode_early_kv, true, "yes"},
-      {"SPX_GEMM_SWIGLU", &CudaBackendOptions::sm90_gemm_swiglu, false, "yes"},
-      {"SPX_DECODE_FOLD_COMBINE", &CudaBackendOptions::decode_fold_combine, false, "on"}};
+      {"SPX_GEMM_SWIGLU", &CudaBackendOptions::sm90_gemm_swiglu, false, "yes"}};
   for (const Switch& s : switches) {
     SCOPED_TRACE(s.var);
     EXPECT_EQ(CudaBackendOptions{}.*s.field, s.default_on);

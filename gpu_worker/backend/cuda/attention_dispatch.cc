@@ -424,9 +424,6 @@ absl::Status CudaBackend::AttentionBatched(const Tensor& q, const KvPool& pool, 
   // copy kernel right before the attention (layer 0 of a step), which the early reads would
   // race.
   p.decode_early_kv = options_.decode_early_kv && checked ? 1 : 0;
-  if (split_done_ != nullptr && static_cast<int64_t>(S) * p.n_kv_heads <= kSplitDoneCounters) {
-    p.split_done = split_done_;
-  }
   if (recording()) {
     // The lengths are read on the device; the launch is planned for a bucket of context
     // lengths (key blocks past a sequence's end add nothing), so the next steps' launches are

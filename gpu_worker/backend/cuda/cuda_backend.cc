@@ -36,7 +36,6 @@ CudaBackend::~CudaBackend() {
   cudnn_.reset();  // its handle is bound to stream_
   recorder_.Release();
   for (auto& [k, p] : rope_tables_) cudaFree(p);
-  if (split_done_) cudaFree(split_done_);
   stager_.Release();
   for (auto& [t, ev] : tickets_) cudaEventDestroy(ev);
   FreePinnedChunks(chunks_);
@@ -69,14 +68,6 @@ absl::Status CudaBackend::Init() {
   cublasStatus_t st = gemm_.Init(64u << 20);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuBLASLt init: ", kernels::CublasStatusName(st)));
-  }
-  if (options_.decode_fold_combine) {
-    CUDA_RETURN(cudaMalloc(&split_done_, kSplitDoneCounters * sizeof(unsigned int)),
-                "split-K counters");
-    // On the compute stream: it does not wait for the legacy default stream.
-    CUDA_RETURN(cudaMemsetAsync(split_done_, 0, kSplitDoneCounters * sizeof(unsigned int),
-                                stream_),
-                "split-K counters");
   }
   RETURN_IF_ERROR(stager_.Init(stream_));
   RETURN_IF_ERROR(recorder_.Init(stream_, options_.cuda_graphs, options_.graph_first_segment));

@@ -212,11 +212,6 @@ class CudaBackend final : public Backend {
   const CudaBackendOptions options_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t copy_stream_ = nullptr;  // Prefetch copies, beside the compute stream
-  // Zeroed counters of the packed decode kernel's in-kernel split-K merge
-  // (PagedAttentionParams::split_done, CudaBackendOptions::decode_fold_combine): one per
-  // (sequence, KV head) of a batched call; larger calls launch the combine kernel.
-  static constexpr int64_t kSplitDoneCounters = 4096;
-  unsigned int* split_done_ = nullptr;
   // Large fp32 uploads (segment KV from the host store) are converted to bf16 on host threads
   // into two pinned chunks and copied from there: half the bytes, at the pinned rate, where a
   // pageable fp32 copy plus a device conversion took ~2 s for a 32K-token fetched prompt.
