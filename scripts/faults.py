@@ -201,7 +201,15 @@ class Cluster:
                 except ValueError:
                     pass
             if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited during startup ({self.dir}/{name}.log)")
+                # The log's tail in the error itself: CI shows it, and the run directory may be
+                # gone by the time anyone looks.
+                try:
+                    with open(os.path.join(self.dir, name + ".log"), errors="replace") as f:
+                        tail = "".join(f.readlines()[-20:])
+                except OSError:
+                    tail = "(no log)"
+                raise RuntimeError(f"{name} exited during startup (exit {self.procs[name].returncode},"
+                                   f" {self.dir}/{name}.log):\n{tail}")
             time.sleep(0.05)
         raise RuntimeError(f"{name} not ready in {timeout} s")
 
@@ -1235,7 +1243,8 @@ def main():
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)
         log(f"wrote {a.out} ({report['seconds']} s)")
-        if not a.keep and rc == 0:
+        # Kept after a failure, an escaping exception included, for its logs.
+        if not a.keep and rc == 0 and sys.exc_info()[0] is None:
             shutil.rmtree(a.run_dir, ignore_errors=True)
     return rc
 
