@@ -1071,7 +1071,7 @@ TEST_F(AttentionConsistency, WarpSpecializedWgmma) {
 
 // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong,
 // SPX_ATTN_IMPL=wgmma-ws-pp): the same cases. A turn-taking mistake hangs rather
-// than fails; bench/gpu/verify_pending.sh runs this test alone under a timeout.
+// than fails; bench/gpu/kernel_variants.sh runs this test alone under a timeout.
 TEST_F(AttentionConsistency, WsPingPongWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
   RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWsPingPong, "pp");
@@ -1079,7 +1079,7 @@ TEST_F(AttentionConsistency, WsPingPongWgmma) {
 
 // The ping-pong schedule without the turns (SPX_ATTN_IMPL=wgmma-ws-pipe): each warpgroup's
 // softmax of tile t overlaps its P V of tile t - 1. The same cases; run alone under a timeout
-// by bench/gpu/verify_pending.sh like the others (an mbarrier mistake hangs).
+// by bench/gpu/kernel_variants.sh like the others (an mbarrier mistake hangs).
 TEST_F(AttentionConsistency, WsPipelinedWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
   RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWsPipelined, "ws pipe");
@@ -1087,7 +1087,7 @@ TEST_F(AttentionConsistency, WsPipelinedWgmma) {
 
 // The ws kernel on 128-key tiles (SPX_ATTN_IMPL=wgmma-ws-128): the same cases (their key counts
 // are not multiples of 128, so the last tile is partial), one row, and a context of exactly
-// 128 keys; run alone under a timeout by bench/gpu/verify_pending.sh. Its full tiles of
+// 128 keys; run alone under a timeout by bench/gpu/kernel_variants.sh. Its full tiles of
 // 16-slot blocks load as bulk tensor copies: the cases with 8-slot blocks take the cp.async
 // gathers on every tile, or on the shuffled half of the table only (both paths in one launch),
 // and the whole list runs again with the bulk copies off (SPX_ATTN_BULK_KV=0).
@@ -1118,7 +1118,7 @@ TEST_F(AttentionConsistency, Ws128Wgmma) {
 
 // The ws-128 kernel with the softmax's row sums on the tensor cores (SPX_ATTN_IMPL=
 // wgmma-ws-128-lsum): the unsplit cases, one tile, and a sparse case on 8-slot blocks (the
-// cp.async gathers); run alone under a timeout by bench/gpu/verify_pending.sh.
+// cp.async gathers); run alone under a timeout by bench/gpu/kernel_variants.sh.
 TEST_F(AttentionConsistency, Ws128RowSumWgmma) {
   if (!kernels::Sm90AttentionAvailable()) GTEST_SKIP() << "no sm_90a device";
   RunWgmmaVariant(CudaBackendOptions::AttentionImpl::kWgmmaWs128RowSum, "ws 128 lsum");

@@ -1,30 +1,9 @@
 #!/usr/bin/env bash
-# The GPU paths built without a device, checked and timed against the paths they replace in
-# one device call from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage).
-# Measured by now (docs/perf-notes.md, sessions 20-24, H100): the cuDNN statistics
-# (SPX_CUDNN_STATS, on), the ws attention on 128-key tiles (SPX_ATTN_IMPL auto = wgmma-ws-128
-# since session 23; wgmma-ws on 64-key tiles before), ping-pong and ws pipelined (wgmma-ws-pp,
-# wgmma-ws-pipe: level with ws), the complement pass's split received attention
-# (SPX_STATS_RECV_SPLIT, on), the KV assembly queued at the selection (no difference, on), the
-# ws-128 kernel's bulk K/V copies and the statistics by complement on wgmma (SPX_ATTN_BULK_KV,
-# SPX_WGMMA_STATS, on since session 24), the ws-128 kernel with its row sums on MMA
-# (SPX_ATTN_IMPL=wgmma-ws-128-lsum: no gain, off; session 25). The script re-checks and times
-# them on a new card, the defaults against the 64-key ws kernel. Measured in session 26 (H100):
-# the short first graph segments (SPX_GRAPH_FIRST_SEGMENT=8, default), the small-n kernel at 1
-# row (SPX_SMALL_N_ROWS=1, default). Measured in session 27 (H100): the norm folded into the
-# small-n matmul (SPX_FUSED_NORM=1: 6.85 ms a batch-1 step against 6.25, removed). Measured in
-# session 28 (H100): the decode attention's early key requests (SPX_DECODE_EARLY_KV: batch 1
-# 6.19-6.23 ms against 6.29-6.30, on) and the early launches of the norms and the split-K
-# combine (slower, removed). Measured in session 29 (H100): the residual add + norm in the
-# small-n matmul's last block (+0.33 ms a batch-1 step) and RoPE + K/V write in the qkv
-# matmul's epilogue (+0.03 ms), both removed; the prefill's RoPE + K/V write on 16-byte items
-# (full prefill 32K -9 to -12 ms). Measured in session 30 (H100): those items from 64 rows
-# only (decode rows keep one pair a thread: decode back at 6.16 ms), and gate_up + SwiGLU in
-# one Hopper kernel (SPX_GEMM_SWIGLU=1: level in the reuse prefill, 0.4% slower in the full
-# prefill, 1.5 GiB less memory at 32K; off). Measured in sessions 31-32 (H100): the decode
-# split-K merged by the attention kernel's last block, three versions, all slower (batch 1 6.77,
-# 6.41 and 6.36 ms against 6.12-6.19 with the combine kernel; removed). Nothing built is
-# waiting for a GPU.
+# The CUDA kernel paths and their selectable alternatives, checked and timed in one device call
+# from the staged binaries (bench/gpu/stage_serve.sh; the call carries .stage): run it on a new
+# card, or after a kernel change, to re-check the defaults against the alternatives they beat.
+# The switches and their measured figures are in docs/perf-notes.md ("Tried and not adopted")
+# and docs/operations.md ("GPU kernel switches").
 # This call:
 #   0. the matmul tests (DecodeMatMulConsistency.*, the RoPE + K/V write and the Hopper gate_up
 #      + SwiGLU kernel's), cuda_engine_test, then decode steps
@@ -35,11 +14,11 @@
 #      MMA cases alone under a short timeout each (a hang there must not eat the call; later
 #      steps skip a variant that failed);
 #   2. reuse_prefill_bench at 32K (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15,
-#      the issue-15 case) in the same call: the defaults (SPX_VERIFY_REUSE can add
+#      the benchmark case of docs/benchmarks.md) in the same call: the defaults (SPX_VERIFY_REUSE can add
 #      SPX_ATTN_IMPL=wgmma-ws-128-lsum, the row sums on MMA: lsum; wgmma-ws, 64-key tiles:
 #      stats1_ws64; wgmma-ws-pipe: stats1_pipe; wgmma-ws-128,
 #      the default's kernel forced: stats1_ws128; the assembly layer by layer, --assemble-ahead 0:
-#      no_ahead; SPX_STATS_RECV_SPLIT=1, the default since session 22: stats1_ws_split;
+#      no_ahead; SPX_STATS_RECV_SPLIT=1, on by default: stats1_ws_split;
 #      SPX_CUDNN_STATS=0 with plain wgmma: stats0; the cuDNN statistics with plain wgmma:
 #      stats1; ping-pong: stats1_pp);
 #   3. gpu_prefill_bench's single-op rows at 32K: one causal layer and 15% sparse rows per
@@ -51,7 +30,7 @@
 # micro.json/.log, hf.json, early.log, engine.log, decode_<round>.json/.log: a device call
 # brings back only a few files).
 #
-#   OUT=/tmp/out bench/gpu/verify_pending.sh     # SPX_VERIFY_BUDGET_S (default 540),
+#   OUT=/tmp/out bench/gpu/kernel_variants.sh     # SPX_VERIFY_BUDGET_S (default 540),
 #                                                # SPX_VERIFY_REUSE (reuse variants: stats0 stats1
 #                                                # stats1_ws no_ahead stats1_pp stats1_ws_split
 #                                                # stats1_pipe stats1_ws128 stats1_ws64 lsum;
@@ -91,7 +70,7 @@ else
 fi
 
 stamp "attention GPU tests"
-# The complement test runs its cases three ways since session 24 (~70 s on an H100, its CPU
+# The complement test runs its cases three ways (~70 s on an H100, its CPU
 # reference the slow part), the rest ~70 s.
 timeout 240 "$SPX/bin/backend_consistency_test" --gtest_brief=1 \
   --gtest_filter='AttentionConsistency.*-*WarpSpecialized*:*WsPingPong*:*WsPipelined*:*Ws128*' \
@@ -138,7 +117,7 @@ reuse() {  # name, then environment assignments (VAR=value) and benchmark flags 
   grep -vE "^\s*$" "$FINAL/reuse_$name.log" | tail -n 6 | tee -a "$LOG"
 }
 # SPX_VERIFY_REUSE picks the variants (default: the defaults alone; the others, the row sums on
-# MMA included, were measured in sessions 20-25 on an H100).
+# MMA included, have their H100 figures in docs/perf-notes.md).
 VARIANTS=" ${SPX_VERIFY_REUSE:-stats1_ws} "
 [[ $VARIANTS == *" stats0 "* ]] && reuse stats0 SPX_CUDNN_STATS=0 SPX_ATTN_IMPL=wgmma
 [[ $VARIANTS == *" stats1 "* ]] && reuse stats1 SPX_CUDNN_STATS=1 SPX_ATTN_IMPL=wgmma
