@@ -22,6 +22,17 @@ Checks, without a cluster:
   * cluster wiring: CACHE_SERVERS names every cache-server replica by its StatefulSet DNS name
     and gRPC port; ETCD_ENDPOINTS points at an etcd Service port; etcd's --initial-cluster
     names every replica; the worker asks for a GPU and its grace period outlasts its drain
+  * credentials: every SparseX container runs with mutual TLS (--tls_ca/--tls_cert/--tls_key),
+    the router also with --api_keys_file and --scope_key_file; no --insecure_loopback anywhere;
+    each of those paths is a key of a mounted Secret (cert and key from the same one; the key
+    files without subPath, so changes reach the router); every Secret a pod uses is defined or
+    made by the kustomization's secretGenerator, whose sources lie in a folder deploy/k8s/.gitignore
+    ignores and never include the CA key or a tenant's API key; no committed file holds a private
+    key; no gRPC probe of a mutual-TLS port (the kubelet's probe speaks plaintext)
+  * network policies: a default-deny ingress policy, every workload selected by one, and who may
+    connect to each port of each component exactly as EXPECTED_INGRESS says (router API from
+    anywhere, worker gRPC from routers, cache servers on every TCP port from workers, etcd from
+    routers and workers, metrics from Prometheus)
   * monitoring: the Prometheus scrape jobs select existing pods and ports, the Prometheus pod
     mounts the rules where rule_files looks, prometheus.io/port annotations name the metrics
     port; every metric the alert rules use exists in the sources; monitoring-config.yaml is
@@ -268,6 +279,11 @@ GRPC_HEALTH_SERVICES = {
 }
 
 
+# Binaries whose gRPC server takes only mutual TLS under the cluster CA (proto/grpc_tls.h); the
+# router's public gRPC port is plaintext (API keys authenticate its callers).
+MTLS_GRPC = {"sparsex/cache-server", "sparsex/worker", "sparsex/worker-cpu"}
+
+
 def source_flags(rel):
     with open(os.path.join(REPO, rel)) as f:
         src = f.read()
@@ -373,6 +389,10 @@ def check_workloads(objs):
                     if image.startswith("sparsex/worker") and kind == "livenessProbe":
                         err(f"{where}: livenessProbe must not be gRPC (a draining worker is "
                             "NOT_SERVING: the drain would be cut short by a restart)")
+                    if image in MTLS_GRPC and g.get("port") == ports.get("grpc"):
+                        err(f"{where}: {kind} is a gRPC probe of the mutual-TLS gRPC port: the "
+                            "kubelet's gRPC probe speaks plaintext and never passes the "
+                            "handshake (probe /healthz on the metrics port)")
                     continue
                 handler = probe.get("httpGet") or probe.get("tcpSocket")
                 if handler is None:
@@ -531,6 +551,299 @@ def check_wiring(objs):
         err("ConfigMap sparsex-config: UCX_NET_DEVICES must not be lo")
 
 
+# --------------------------------------------------------------------------- credentials
+
+# Path flags each SparseX binary needs in Kubernetes: mutual TLS everywhere (cluster CA, own
+# certificate and key), and on the router the API key file and the scope key. Plaintext
+# (--insecure_loopback) is for a single host only and never appears here.
+TLS_FLAGS = ("tls_ca", "tls_cert", "tls_key")
+ROUTER_AUTH_FLAGS = ("api_keys_file", "scope_key_file")
+# File names of a private key the kustomization must never turn into a Secret (the CA's signs
+# any certificate; the tenants' API keys belong to the tenants).
+NEVER_IN_SECRETS = (r"(^|/)ca-key\.pem$", r"(^|/)api_key\.[^/]+$")
+
+
+def kustomization():
+    with open(os.path.join(K8S, "kustomization.yaml")) as f:
+        return yaml.safe_load(f) or {}
+
+
+def generated_secrets():
+    """{name: {key: source path}} of the kustomization's secretGenerator."""
+    out = {}
+    for g in kustomization().get("secretGenerator", []) or []:
+        keys = {}
+        for entry in (g.get("files", []) or []):
+            key, eq, path = entry.partition("=")
+            if not eq:
+                key, path = os.path.basename(entry), entry
+            keys[key] = path
+        for lit in (g.get("literals", []) or []):
+            keys[lit.split("=", 1)[0]] = None
+        if g.get("envs") or g.get("env"):
+            err(f"kustomization.yaml: secretGenerator {g.get('name')}: env files are not "
+                "checked here; use files:")
+        out[g.get("name")] = keys
+    return out
+
+
+def ignored_dirs():
+    """Folders deploy/k8s/.gitignore excludes (lines like /secrets/)."""
+    path = os.path.join(K8S, ".gitignore")
+    if not os.path.exists(path):
+        return []
+    dirs = []
+    for line in open(path):
+        line = line.strip()
+        if line and not line.startswith("#") and line.endswith("/"):
+            dirs.append(line.strip("/"))
+    return dirs
+
+
+def check_credentials(objs):
+    gen = generated_secrets()
+    secrets = {name: set((o.get("data") or {}).keys()) | set((o.get("stringData") or {}).keys())
+               for name, o in by_kind(objs, "Secret").items()}
+    known = {name: set(keys) for name, keys in gen.items()}
+    known.update(secrets)
+    # Generated Secrets: sources inside an ignored folder of the kustomization (key material is
+    # never committed), never the CA's private key or a tenant's API key.
+    ignored = ignored_dirs()
+    missing = []
+    for name, keys in gen.items():
+        for key, path in keys.items():
+            if path is None:
+                err(f"kustomization.yaml: secretGenerator {name}: literal {key} would commit a secret")
+                continue
+            norm = os.path.normpath(path)
+            if os.path.isabs(path) or norm.startswith(".."):
+                err(f"kustomization.yaml: secretGenerator {name}: {path} is outside deploy/k8s "
+                    "(kustomize refuses it)")
+            elif norm.split(os.sep)[0] not in ignored:
+                err(f"kustomization.yaml: secretGenerator {name}: {path} is not in a folder "
+                    f"deploy/k8s/.gitignore ignores ({ignored}): key material would be committed")
+            if any(re.search(p, norm) for p in NEVER_IN_SECRETS):
+                err(f"kustomization.yaml: secretGenerator {name}: {path} must never go into "
+                    "the cluster")
+            if not os.path.exists(os.path.join(K8S, path)) and path not in missing:
+                missing.append(path)
+    if missing:
+        notes.append(f"{len(missing)} secretGenerator source(s) absent (e.g. {missing[0]}): "
+                     "deploy/k8s/make-secrets.sh makes them; kubectl_dry_run.py checks a "
+                     "generated set")
+    # Committed manifests carry no private key.
+    for root, dirs, files in os.walk(K8S):
+        rel = os.path.relpath(root, K8S)
+        if rel.split(os.sep)[0] in ignored:
+            dirs[:] = []
+            continue
+        for fn in files:
+            with open(os.path.join(root, fn), errors="replace") as f:
+                if re.search(r"-----BEGIN [A-Z ]*PRIVATE KEY-----", f.read()):
+                    err(f"{os.path.join(rel, fn)}: contains a private key")
+
+    for o in workloads(objs):
+        ps = pod_spec(o)
+        volumes = {v["name"]: v for v in ps.get("volumes", []) or []}
+        for v in volumes.values():
+            refs = []
+            if "secret" in v:
+                refs.append((v["secret"].get("secretName"), v["secret"].get("items")))
+            for src in (v.get("projected") or {}).get("sources", []) or []:
+                if "secret" in src:
+                    refs.append((src["secret"].get("name"), src["secret"].get("items")))
+            for name, items in refs:
+                if name not in known:
+                    err(f"{oid(o)}: volume {v['name']} mounts Secret {name}, which is neither "
+                        "defined nor generated by the kustomization")
+                    continue
+                for it in items or []:
+                    if it.get("key") not in known[name]:
+                        err(f"{oid(o)}: volume {v['name']}: key {it.get('key')} is not in Secret {name}")
+        for c in (ps.get("containers", []) or []) + (ps.get("initContainers", []) or []):
+            where = f"{oid(o)} container {c.get('name')}"
+            for e in c.get("env", []) or []:
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                if ref and (ref.get("name") not in known or ref.get("key") not in known[ref.get("name")]):
+                    err(f"{where}: env {e['name']} reads Secret {ref.get('name')} key {ref.get('key')}, "
+                        "which is neither defined nor generated")
+            for ef in c.get("envFrom", []) or []:
+                name = (ef.get("secretRef") or {}).get("name")
+                if name and name not in known:
+                    err(f"{where}: envFrom Secret {name} is neither defined nor generated")
+            args = [str(a) for a in (c.get("args", []) or []) + (c.get("command", []) or [])]
+            if any(a.split("=", 1)[0] == "--insecure_loopback" for a in args):
+                err(f"{where}: --insecure_loopback (plaintext, no API keys) is for one host; "
+                    "Kubernetes runs with TLS and API keys")
+            image = c.get("image", "").rsplit(":", 1)[0]
+            if image not in SOURCES:
+                continue
+            flags = arg_flags(c.get("args", []) or [])
+            need = TLS_FLAGS + (ROUTER_AUTH_FLAGS if image == "sparsex/router" else ())
+            secret_of = {}
+            for flag in need:
+                if not flags.get(flag):
+                    err(f"{where}: --{flag} is not set (every SparseX process runs with mutual "
+                        "TLS; the router also with API keys)")
+                    continue
+                secret_of[flag] = mounted_secret_key(c, volumes, known, flags[flag], where, flag)
+            if secret_of.get("tls_cert") and secret_of.get("tls_key") and \
+                    secret_of["tls_cert"][0] != secret_of["tls_key"][0]:
+                err(f"{where}: --tls_cert and --tls_key come from different Secrets "
+                    f"({secret_of['tls_cert'][0]}, {secret_of['tls_key'][0]})")
+            for flag in ROUTER_AUTH_FLAGS:
+                if secret_of.get(flag) and secret_of[flag][2]:
+                    err(f"{where}: --{flag} is mounted with subPath: kubelet never updates a "
+                        "subPath mount, so the router would not see a changed key file")
+
+
+def mounted_secret_key(c, volumes, known, path, where, flag):
+    """(secret, key, subPath?) of the Secret file at `path` in container c, or None (reported)."""
+    for m in c.get("volumeMounts", []) or []:
+        v = volumes.get(m["name"], {})
+        sec = (v.get("secret") or {}).get("secretName")
+        if sec is None:
+            continue
+        mp = m["mountPath"].rstrip("/")
+        if m.get("subPath"):
+            if path == mp:
+                key = m["subPath"]
+            else:
+                continue
+        elif path.startswith(mp + "/"):
+            key = path[len(mp) + 1:]
+        else:
+            continue
+        items = (v.get("secret") or {}).get("items")
+        if items:  # items rename keys to paths
+            by_path = {it.get("path"): it.get("key") for it in items}
+            if key not in by_path:
+                err(f"{where}: --{flag}={path}: {key} is not a path of volume {m['name']}'s items")
+                return None
+            key = by_path[key]
+        if sec in known and key not in known[sec]:
+            err(f"{where}: --{flag}={path}: Secret {sec} has no key {key} ({sorted(known[sec])})")
+            return None
+        return (sec, key, bool(m.get("subPath")))
+    err(f"{where}: --{flag}={path} is not a file of a mounted Secret")
+    return None
+
+
+# ----------------------------------------------------------------------- network policies
+
+ANY = "anywhere"            # a rule without `from`, an ipBlock or a namespaceSelector peer
+NS_PODS = "namespace-pods"  # podSelector {}: every pod of the namespace
+OTHER_PORT = "other TCP ports"
+# Who may open a connection to each component's ports (container port names; OTHER_PORT: any
+# undeclared TCP port, e.g. UCX's ephemeral listeners). Exact: a path missing here is broken,
+# a path added here is a hole.
+EXPECTED_INGRESS = {
+    "router": {"grpc": {ANY}, "http": {ANY}, OTHER_PORT: set()},
+    "worker": {"grpc": {"router"}, "metrics": {"prometheus"}, OTHER_PORT: set()},
+    "cache-server": {"grpc": {"worker"}, "metrics": {"worker", "prometheus"},
+                     OTHER_PORT: {"worker"}},
+    "etcd": {"client": {"router", "worker"}, "peer": {"etcd"}, "metrics": {"prometheus"},
+             OTHER_PORT: set()},
+    "prometheus": {"web": {NS_PODS}, OTHER_PORT: set()},
+}
+
+
+def selector_matches(sel, labels):
+    if sel is None:
+        return False
+    for k, v in (sel.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in sel.get("matchExpressions") or []:
+        k, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
+        if op == "In" and labels.get(k) not in vals:
+            return False
+        if op == "NotIn" and labels.get(k) in vals:
+            return False
+        if op == "Exists" and k not in labels:
+            return False
+        if op == "DoesNotExist" and k in labels:
+            return False
+    return True
+
+
+def check_network_policies(objs):
+    pols = list(by_kind(objs, "NetworkPolicy").values())
+    pods = [w for w in workloads(objs) if component(w)]
+    if not any(p["spec"].get("podSelector") == {} and "Ingress" in (p["spec"].get("policyTypes") or [])
+               and not p["spec"].get("ingress") for p in pols):
+        err("no default-deny ingress NetworkPolicy (podSelector: {}, policyTypes: [Ingress], "
+            "no ingress rules)")
+
+    def sources(rule, where):
+        peers = rule.get("from")
+        if not peers:
+            return {ANY}
+        out = set()
+        for peer in peers:
+            if "ipBlock" in peer or "namespaceSelector" in peer:
+                out.add(ANY)
+            elif peer.get("podSelector") == {}:
+                out.add(NS_PODS)
+            elif "podSelector" in peer:
+                hit = {component(w) for w in pods if selector_matches(peer["podSelector"], pod_labels(w))}
+                if not hit:
+                    err(f"{where}: from podSelector {peer['podSelector']} matches no pod")
+                out |= hit
+        return out
+
+    def port_matches(rule_port, cport):
+        if rule_port.get("protocol", "TCP") != cport.get("protocol", "TCP"):
+            return False
+        p = rule_port.get("port")
+        if p is None:
+            return True
+        if isinstance(p, str):
+            return cport.get("name") == p
+        end = rule_port.get("endPort", p)
+        return cport.get("containerPort") is not None and p <= cport["containerPort"] <= end
+
+    for w in pods:
+        comp = component(w)
+        labels = pod_labels(w)
+        selected = [p for p in pols if selector_matches(p["spec"].get("podSelector"), labels)
+                    and "Ingress" in (p["spec"].get("policyTypes") or ["Ingress"])]
+        if not selected:
+            err(f"{oid(w)}: no NetworkPolicy selects its pods (all ingress allowed)")
+            continue
+        cports = [cp for c in containers(w) for cp in c.get("ports", []) or []]
+        allowed = {cp.get("name") or str(cp["containerPort"]): set() for cp in cports}
+        allowed[OTHER_PORT] = set()
+        other = {"name": None, "containerPort": None, "protocol": "TCP"}
+        for p in selected:
+            for i, rule in enumerate(p["spec"].get("ingress", []) or []):
+                where = f"{oid(p)} ingress[{i}]"
+                src = sources(rule, where)
+                rports = rule.get("ports") or [{}]
+                for rp in rports:
+                    if isinstance(rp.get("port"), str) and not any(cp.get("name") == rp["port"] for cp in cports):
+                        err(f"{where}: port {rp['port']} is no container port name of {oid(w)}")
+                for cp in cports + [other]:
+                    if any(port_matches(rp, cp) for rp in rports):
+                        allowed[cp.get("name") or (str(cp["containerPort"]) if cp["containerPort"] else OTHER_PORT)] |= src
+        for name, src in allowed.items():
+            if name != OTHER_PORT and not src:
+                err(f"{oid(w)}: port {name} admits no connection (NetworkPolicy)")
+        want = EXPECTED_INGRESS.get(comp)
+        if want is None:
+            err(f"{oid(w)}: component {comp} has no expected ingress in check_k8s.py "
+                "(EXPECTED_INGRESS): decide who may reach it")
+            continue
+        for name in sorted(set(want) | set(allowed)):
+            if allowed.get(name, set()) != want.get(name, set()):
+                err(f"{oid(w)}: port {name} admits {sorted(allowed.get(name, set())) or 'nothing'}, "
+                    f"expected {sorted(want.get(name, set())) or 'nothing'}")
+    for p in pols:
+        sel = p["spec"].get("podSelector")
+        if sel and not any(selector_matches(sel, pod_labels(w)) for w in pods):
+            err(f"{oid(p)}: podSelector {sel} matches no pod")
+
+
 # ---------------------------------------------------------------------------- monitoring
 
 def metric_names_in_sources():
@@ -636,7 +949,8 @@ def main():
     files, objs = load()
     check_basics(files, objs)
     schema_check(objs)
-    for check in (check_workloads, check_services, check_rbac, check_wiring, check_monitoring):
+    for check in (check_workloads, check_services, check_rbac, check_wiring, check_credentials,
+                  check_network_policies, check_monitoring):
         try:
             check(objs)
         except Exception as e:  # a malformed object: report it, keep the other checks
