@@ -1,12 +1,15 @@
 // sparsex-loadgen: the serving benchmark's load generator (issue 18 §4). Sends a seeded
-// rag / chat / agents workload (workloads.h) to the router's public streaming API
-// (sparsex.v1.SparseX/Generate), open loop (Poisson arrivals at --rate) or closed loop
+// workload (workloads.h: rag, chat, agents, longdocqa, multiround, or a Mooncake trace) to the
+// router's public streaming API (sparsex.v1.SparseX/Generate, or with --api openai the OpenAI
+// chat API as a real client sends it), open loop (Poisson arrivals at --rate, or the
+// workload's own schedule: trace timestamps, multiround's paced users) or closed loop
 // (--concurrency clients), with segment reuse on or off, and reports TTFT / TPOT / E2E
-// percentiles, throughput, errors by gRPC code and the Usage sums. docs/benchmarks.md,
-// "Serving load generator", has the flags and the JSON schema.
+// percentiles, throughput, errors by code, the Usage sums and a sweep's goodput.
+// docs/benchmarks.md, "Serving load generator" and "Load generator workloads", has the flags
+// and the JSON schema.
 //
-//   sparsex-loadgen --target 127.0.0.1:50051 --workload rag --rate 2 --requests 200
-//       --reuse on --out rag_on.json
+//   sparsex-loadgen --target 127.0.0.1:50051 --workload rag --sweep 1,2,4 --reuse on
+//       --out rag_on.json
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -24,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,9 +35,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/loadgen/openai_client.h"
 #include "bench/loadgen/stats.h"
 #include "bench/loadgen/workloads.h"
 #include "common/flags.h"
+#include "common/usage.h"
 #include "proto/request_check.h"
 #include "proto/sparsex.grpc.pb.h"
 
@@ -49,6 +55,11 @@ double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(
 struct Options {
   std::string target = "127.0.0.1:50051", model, content = "numbers", docs_path, reuse = "on";
   std::string selector, out, records, sweep, order = "rr";
+  std::string api = "grpc", trace, dump_requests, api_key;
+  std::string http_host;  // --api openai: --target split
+  int http_port = 0;
+  int min_requests = 300;
+  double min_seconds = 180;
   double rate = 0, duration_s = 0, temperature = 0, recompute_ratio = -1;
   double slo_ttft_ms = 2000, slo_tpot_ms = 50;
   int concurrency = 0, requests = -1, timeout_ms = 60000, max_tokens = 32, warmup = 0;
@@ -59,13 +70,18 @@ struct Options {
   lg::WorkloadConfig wc;
   bool reuse_on() const { return reuse == "on"; }
   bool closed() const { return concurrency > 0; }
+  bool openai() const { return api == "openai"; }
+  bool trace_mode() const { return wc.workload == "trace"; }
+  // No --requests and no --duration_s: a point runs until both --min_requests requests were
+  // sent and --min_seconds passed (a trace: its window).
+  bool sustained_rule() const { return requests < 0; }
 };
 
 // One request's outcome.
 struct Record {
-  int64_t index = 0;
-  int group = -1;
-  int prompt_tokens_est = 0;
+  int64_t index = 0, after = -1;
+  int group = -1, line = 0, http_status = 0;
+  int prompt_tokens_est = 0, max_tokens = 0;
   double scheduled_ms = 0, lag_ms = 0;  // send time after the run's start; late by
   double ttft_ms = kNaN, tpot_ms = kNaN, e2e_ms = kNaN;
   double end_ms = 0;  // completion time after the run's start
@@ -120,7 +136,18 @@ const char* CodeName(grpc::StatusCode c) {
 v1::GenerateRequest ToProto(const lg::RequestSpec& r, const Options& o, const std::string& id) {
   v1::GenerateRequest req;
   if (!o.model.empty()) req.set_model(o.model);
+  if (r.one_prompt) {
+    // One prompt: the router finds the repeated spans by content-defined chunking.
+    for (const lg::SegmentSpec& s : r.segments) {
+      if (s.is_text) {
+        req.mutable_prompt()->append(s.text);
+      } else {
+        req.mutable_prompt_ids()->Add(s.ids.begin(), s.ids.end());
+      }
+    }
+  }
   for (const lg::SegmentSpec& s : r.segments) {
+    if (r.one_prompt) break;
     v1::Segment* seg = req.add_segments();
     if (s.is_text) {
       seg->set_text(s.text);
@@ -131,7 +158,7 @@ v1::GenerateRequest ToProto(const lg::RequestSpec& r, const Options& o, const st
   }
   v1::SamplingParams* sp = req.mutable_sampling();
   sp->set_temperature(static_cast<float>(o.temperature));
-  sp->set_max_tokens(o.max_tokens);
+  sp->set_max_tokens(r.max_tokens > 0 ? r.max_tokens : o.max_tokens);
   if (o.temperature > 0) sp->set_seed(o.wc.seed * 1000003u + static_cast<uint64_t>(r.index));
   if (o.ignore_eos) sp->set_ignore_eos(true);
   if (!o.reuse_on()) {
@@ -151,8 +178,10 @@ v1::GenerateRequest ToProto(const lg::RequestSpec& r, const Options& o, const st
 }
 
 // Sends one request and reads its stream. Times are from the call's start.
-void Execute(v1::SparseX::Stub* stub, const v1::GenerateRequest& req, int timeout_ms, Record* rec) {
+void Execute(v1::SparseX::Stub* stub, const v1::GenerateRequest& req, int timeout_ms,
+             const std::string& api_key, Record* rec) {
   grpc::ClientContext ctx;
+  if (!api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + api_key);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   const Clock::time_point t0 = Clock::now();
   Clock::time_point first{}, last{};
@@ -190,6 +219,124 @@ void Execute(v1::SparseX::Stub* stub, const v1::GenerateRequest& req, int timeou
   rec->e2e_ms = Ms(end - t0);
   if (tokens > 0) rec->ttft_ms = Ms(first - t0);
   if (tokens > 1) rec->tpot_ms = Ms(last - first) / (tokens - 1);
+}
+
+lg::ChatOptions ChatOpts(const lg::RequestSpec& r, const Options& o) {
+  lg::ChatOptions c;
+  c.model = o.model;
+  c.max_tokens = r.max_tokens > 0 ? r.max_tokens : o.max_tokens;
+  c.temperature = o.temperature;
+  if (o.temperature > 0) {
+    c.seed = static_cast<int64_t>((o.wc.seed * 1000003u + static_cast<uint64_t>(r.index)) >> 1);
+  }
+  c.ignore_eos = o.ignore_eos;
+  c.reuse_enable = o.reuse_on();
+  if (o.reuse_on()) {
+    c.selector = o.selector;
+    c.recompute_ratio = o.recompute_ratio;
+    c.store_after_misses = o.store_after_misses;
+  }
+  return c;
+}
+
+// The gRPC code closest to an HTTP error status, so both APIs report errors alike.
+grpc::StatusCode CodeOfHttp(int status) {
+  switch (status) {
+    case 400:
+    case 413:
+    case 431:
+      return grpc::StatusCode::INVALID_ARGUMENT;
+    case 404:
+      return grpc::StatusCode::NOT_FOUND;
+    case 408:
+    case 504:
+      return grpc::StatusCode::DEADLINE_EXCEEDED;
+    case 429:
+      return grpc::StatusCode::RESOURCE_EXHAUSTED;
+    case 501:
+      return grpc::StatusCode::UNIMPLEMENTED;
+    case 503:
+      return grpc::StatusCode::UNAVAILABLE;
+    default:
+      return grpc::StatusCode::INTERNAL;
+  }
+}
+
+// Sends one chat completion (stream with usage) and reads its events. TTFT: the first chunk
+// carrying content; the token count is the usage's completion_tokens (chunks may carry several).
+void ExecuteOpenAI(const Options& o, const std::string& body, Record* rec) {
+  const Clock::time_point t0 = Clock::now();
+  Clock::time_point first{}, last{};
+  int chunks = 0;
+  bool saw_done = false;
+  std::string err_body, stream_error;
+  absl::Status parse_error;
+  lg::SseDecoder sse;
+  auto on_body = [&](int http, absl::string_view b) {
+    if (http != 200) {
+      if (err_body.size() < (64 << 10)) err_body.append(b.data(), b.size());
+      return;
+    }
+    for (const std::string& ev : sse.Feed(b)) {
+      absl::StatusOr<lg::ChatChunk> c = lg::ParseChatChunk(ev);
+      if (!c.ok()) {
+        if (parse_error.ok()) parse_error = c.status();
+        continue;
+      }
+      if (c->done) {
+        saw_done = true;
+        continue;
+      }
+      if (!c->error.empty()) stream_error = c->error;
+      if (!c->content.empty()) {
+        const Clock::time_point now = Clock::now();
+        if (chunks == 0) first = now;
+        last = now;
+        ++chunks;
+      }
+      if (!c->finish_reason.empty()) rec->finish_reason = c->finish_reason;
+      if (c->has_usage) {
+        rec->has_usage = true;
+        rec->worker = c->worker;
+#define SPX_SET_USAGE(name, type, def)                                           \
+  if (auto it = c->usage.find(#name); it != c->usage.end()) {                    \
+    rec->usage.set_##name(static_cast<type>(it->second));                        \
+  }
+        SPARSEX_USAGE_FIELDS(SPX_SET_USAGE)
+#undef SPX_SET_USAGE
+      }
+    }
+  };
+  int http = 0;
+  const absl::Status s = lg::PostStream(o.http_host, o.http_port, "/v1/chat/completions", body,
+                                        o.timeout_ms, o.api_key, on_body, &http);
+  const Clock::time_point end = Clock::now();
+  rec->http_status = http;
+  if (!s.ok()) {
+    rec->code = s.code() == absl::StatusCode::kDeadlineExceeded
+                    ? grpc::StatusCode::DEADLINE_EXCEEDED
+                    : s.code() == absl::StatusCode::kUnavailable ? grpc::StatusCode::UNAVAILABLE
+                                                                 : grpc::StatusCode::DATA_LOSS;
+    rec->error = std::string(s.message());
+  } else if (http != 200) {
+    rec->code = CodeOfHttp(http);
+    rec->error = absl::StrCat("HTTP ", http, ": ", lg::HttpErrorMessage(err_body));
+  } else if (!stream_error.empty()) {
+    rec->code = grpc::StatusCode::UNKNOWN;
+    rec->error = absl::StrCat("error event in the stream: ", stream_error);
+  } else if (!parse_error.ok()) {
+    rec->code = grpc::StatusCode::DATA_LOSS;
+    rec->error = std::string(parse_error.message());
+  } else if (!saw_done) {
+    rec->code = grpc::StatusCode::DATA_LOSS;
+    rec->error = "the stream ended without data: [DONE]";
+  }
+  int tokens = chunks;
+  if (rec->has_usage && tokens > 0) tokens = std::max(tokens, rec->usage.completion_tokens());
+  rec->tokens = tokens;
+  rec->e2e_ms = Ms(end - t0);
+  if (chunks > 0) rec->ttft_ms = Ms(first - t0);
+  if (chunks > 1 && tokens > 1) rec->tpot_ms = Ms(last - first) / (tokens - 1);
 }
 
 // Runs submitted tasks at once: a worker thread per task in flight, reused when idle, at most
@@ -286,13 +433,13 @@ struct Summary {
   int64_t sent = 0, completed = 0, errors = 0;
   double rps = 0, tok_s = 0, ttft50 = kNaN, ttft90 = kNaN, ttft99 = kNaN, tpot50 = kNaN,
          tpot99 = kNaN, e2e50 = kNaN, e2e99 = kNaN, reused_share = kNaN, prefix_share = kNaN;
-  bool goodput_ok = false;
+  bool goodput_ok = false, sustained = false;
   std::map<std::string, int64_t> by_code;
   std::string last_error;
 };
 
 Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, double send_s,
-                  int max_inflight) {
+                  int max_inflight, const lg::WorkloadConfig& wc) {
   Summary s;
   s.x = x;
   s.sent = static_cast<int64_t>(recs.size());
@@ -342,13 +489,14 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
   const std::vector<double> w = lg::Percentiles(wttft, {50, 99});
   s.reused_share = prompt > 0 ? static_cast<double>(reused) / prompt : kNaN;
   s.prefix_share = prompt > 0 ? static_cast<double>(prefix) / prompt : kNaN;
-  // No TPOT sample (max_tokens 1) does not fail the SLO; no completed request does.
-  s.goodput_ok = s.completed > 0 && s.errors == 0 && s.ttft99 <= o.slo_ttft_ms &&
-                 (std::isnan(s.tpot99) || s.tpot99 <= o.slo_tpot_ms);
+  s.goodput_ok = lg::MeetsSlo({x, s.ttft99, s.tpot99, s.completed, s.errors}, o.slo_ttft_ms,
+                              o.slo_tpot_ms);
+  // A sustained point: enough requests over enough time for p99 to mean something.
+  s.sustained = s.sent >= o.min_requests && duration_s >= o.min_seconds;
 
   JsonObj codes;
   for (const auto& [k, v] : by_code) codes.Num(k, static_cast<double>(v));
-  const lg::WorkloadConfig& c = o.wc;
+  const lg::WorkloadConfig& c = wc;
   JsonObj cfg;
   cfg.Num("seed", static_cast<double>(c.seed)).Str("target", o.target).Str("model", o.model);
   if (c.content == lg::Content::kNumbers) {
@@ -356,7 +504,30 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
   } else {
     cfg.Str("docs", o.docs_path).Num("doc_chars", o.doc_chars);
   }
-  if (c.workload == "rag") {
+  if (c.workload == "trace") {
+    cfg.Str("trace", o.trace)
+        .Num("trace_block_tokens", c.trace_block_tokens)
+        .Num("time_scale", c.time_scale)
+        .Num("start_s", c.trace_start_s)
+        .Num("duration_s", c.trace_duration_s)
+        .Num("max_output_tokens", c.max_output_tokens)
+        .Num("max_input_tokens", c.max_input_tokens)
+        .Num("trace_token_scale", c.trace_token_scale)
+        .Bool("trace_segments", c.trace_segments);
+  } else if (c.workload == "longdocqa") {
+    cfg.Num("documents", c.documents)
+        .Num("document_tokens", c.document_tokens)
+        .Num("repeat", c.repeat)
+        .Str("repeat_mode", c.repeat_mode)
+        .Num("question_tokens", c.question_tokens);
+  } else if (c.workload == "multiround") {
+    cfg.Num("users", c.users)
+        .Num("rounds", c.rounds)
+        .Num("shared_system_tokens", c.shared_system_tokens)
+        .Num("user_history_tokens", c.user_history_tokens)
+        .Num("round_tokens", c.round_tokens)
+        .Num("answer_tokens", c.answer_tokens);
+  } else if (c.workload == "rag" || c.workload == "textrag") {
     cfg.Num("pool", c.pool)
         .Num("zipf", c.zipf)
         .Num("docs_per_request", c.docs_per_request)
@@ -380,7 +551,10 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
       .Num("temperature", o.temperature)
       .Bool("ignore_eos", o.ignore_eos)
       .Num("timeout_ms", o.timeout_ms)
-      .Num("warmup", o.warmup);
+      .Num("warmup", o.warmup)
+      .Str("api", o.api)
+      .Num("min_requests", o.min_requests)
+      .Num("min_seconds", o.min_seconds);
   if (!o.selector.empty()) cfg.Str("selector", o.selector);
   if (o.recompute_ratio >= 0) cfg.Num("recompute_ratio", o.recompute_ratio);
   if (o.store_after_misses > 0) cfg.Num("store_after_misses", o.store_after_misses);
@@ -390,7 +564,10 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
       .Str("content", o.content)
       .Str("mode", o.reuse_on() ? "reuse_on" : "reuse_off")
       .Bool("reuse", o.reuse_on())
-      .Str("arrival", o.closed() ? "closed" : "poisson")
+      .Str("arrival", o.closed()                 ? "closed"
+                      : c.workload == "trace"      ? "trace"
+                      : c.workload == "multiround" ? "paced"
+                                                   : "poisson")
       .Num("rate", o.closed() ? kNaN : x)
       .Num("concurrency", o.closed() ? x : kNaN)
       .Num("seed", static_cast<double>(c.seed))
@@ -419,6 +596,7 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
       .Num("slo_ttft_ms", o.slo_ttft_ms)
       .Num("slo_tpot_ms", o.slo_tpot_ms)
       .Bool("goodput_ok", s.goodput_ok)
+      .Bool("sustained", s.sustained)
       .Num("prompt_tokens", static_cast<double>(prompt))
       .Num("completion_tokens", static_cast<double>(completion))
       .Num("prefix_tokens", static_cast<double>(prefix))
@@ -443,6 +621,7 @@ std::string RecordJson(const Options& o, int run, double x, const Record& r) {
       .Num("index", static_cast<double>(r.index))
       .Num("group", r.group)
       .Num("prompt_tokens_est", r.prompt_tokens_est)
+      .Num("max_tokens", r.max_tokens)
       .Num("scheduled_ms", r.scheduled_ms)
       .Num("lag_ms", r.lag_ms)
       .Num("ttft_ms", r.ttft_ms)
@@ -450,6 +629,9 @@ std::string RecordJson(const Options& o, int run, double x, const Record& r) {
       .Num("e2e_ms", r.e2e_ms)
       .Num("tokens", r.tokens)
       .Str("code", CodeName(r.code));
+  if (r.line > 0) j.Num("line", r.line);
+  if (r.after >= 0) j.Num("after", static_cast<double>(r.after));
+  if (r.http_status > 0) j.Num("http_status", r.http_status);
   if (r.code != grpc::StatusCode::OK) j.Str("error", r.error);
   if (!r.finish_reason.empty()) j.Str("finish_reason", r.finish_reason);
   if (!r.worker.empty()) j.Str("worker", r.worker);
@@ -477,12 +659,28 @@ class Client {
     const Clock::time_point deadline = Clock::now() + std::chrono::seconds(o_.wait_ready_s);
     std::string last = "no answer";
     for (;;) {
+      if (o_.openai()) {
+        int http = 0;
+        std::string body;
+        const absl::Status s =
+            lg::HttpGet(o_.http_host, o_.http_port, "/healthz", 2000, &http, &body);
+        if (s.ok() && http == 200) return absl::OkStatus();
+        last = s.ok() ? absl::StrCat("/healthz ", http, ": ", body) : std::string(s.message());
+        if (Clock::now() + std::chrono::milliseconds(200) >= deadline) {
+          return absl::UnavailableError(absl::StrCat("no serving cluster at http://", o_.target,
+                                                     " within ", o_.wait_ready_s, " s (last: ",
+                                                     last, ")"));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        continue;
+      }
       grpc::ClientContext ctx;
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       ctx.set_deadline(
           std::chrono::system_clock::now() +
           std::clamp(left, std::chrono::milliseconds(100), std::chrono::milliseconds(2000)));
+      if (!o_.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + o_.api_key);
       v1::HealthResponse h;
       const grpc::Status s = stubs_[0]->Health(&ctx, v1::HealthRequest(), &h);
       if (s.ok() && h.serving()) return absl::OkStatus();
@@ -504,8 +702,12 @@ class Client {
 // State shared by a run's threads.
 struct RunState {
   std::mutex mu;
+  std::condition_variable finished_cv;
   std::vector<Record> records;
   std::vector<double> ttft;  // completed requests, for the progress line
+  std::vector<std::string> dumps;  // --dump_requests lines
+  std::set<int64_t> finished;       // indexes of finished requests (dependencies)
+  int64_t first_index = 0;          // requests before it (warmup) finished before the run
   std::atomic<int64_t> sent{0}, done{0}, errors{0};
   std::atomic<int> inflight{0}, max_inflight{0};
   Clock::time_point start;
@@ -517,45 +719,113 @@ struct RunState {
     }
   }
   void Finish(Record&& r) {
-    std::lock_guard<std::mutex> l(mu);
-    if (r.code == grpc::StatusCode::OK) {
-      if (!std::isnan(r.ttft_ms)) ttft.push_back(r.ttft_ms);
-    } else {
-      ++errors;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (r.code == grpc::StatusCode::OK) {
+        if (!std::isnan(r.ttft_ms)) ttft.push_back(r.ttft_ms);
+      } else {
+        ++errors;
+      }
+      finished.insert(r.index);
+      records.push_back(std::move(r));
+      ++done;
+      --inflight;
     }
-    records.push_back(std::move(r));
-    ++done;
-    --inflight;
+    finished_cv.notify_all();
+  }
+  // Blocks until request `index` finished (failed counts: the user moves on).
+  void WaitFinished(int64_t index) {
+    if (index < first_index) return;
+    std::unique_lock<std::mutex> l(mu);
+    finished_cv.wait(l, [&] { return finished.count(index) > 0; });
   }
 };
 
 // A request ready to send.
 struct Prepared {
-  int64_t index = 0;
-  int group = -1, prompt_tokens_est = 0;
+  int64_t index = 0, after = -1;
+  int group = -1, prompt_tokens_est = 0, max_tokens = 0, line = 0;
+  double arrival_s = kNaN;
   v1::GenerateRequest req;
+  std::string body;  // --api openai: the JSON body
 };
 
-Prepared Prepare(const Options& o, int run, const lg::RequestSpec& spec, bool warmup) {
+// The request as --dump_requests writes it: what was sent (chat messages, or segments),
+// for offline analyses (bench/chunk_reuse.py) of the same requests.
+std::string DumpJson(const Options& o, int run, const lg::RequestSpec& r, bool warmup) {
+  JsonObj j;
+  j.Num("run", run).Num("index", static_cast<double>(r.index)).Bool("warmup", warmup);
+  std::string items = "[";
+  if (o.openai()) {
+    for (const auto& [role, text] : lg::ChatMessages(r)) {
+      items += (items.size() > 1 ? "," : "") +
+               JsonObj().Str("role", lg::RoleName(role)).Str("content", text).Done();
+    }
+    j.Raw("messages", items + "]");
+  } else {
+    for (const lg::SegmentSpec& sg : r.segments) {
+      JsonObj seg;
+      seg.Str("kind", lg::KindName(sg.kind)).Bool("cacheable", sg.cacheable);
+      if (sg.is_text) {
+        seg.Str("text", sg.text);
+      } else {
+        std::string ids = "[";
+        for (size_t i = 0; i < sg.ids.size(); ++i) {
+          ids += (i > 0 ? "," : "") + std::to_string(sg.ids[i]);
+        }
+        seg.Raw("ids", ids + "]");
+      }
+      items += (items.size() > 1 ? "," : "") + seg.Done();
+    }
+    j.Raw("segments", items + "]").Bool("one_prompt", r.one_prompt);
+  }
+  return j.Done();
+}
+
+Prepared Prepare(const Options& o, int run, const lg::RequestSpec& spec, bool warmup,
+                 RunState* dump_to = nullptr) {
   Prepared p;
   p.index = spec.index;
+  p.after = spec.after;
   p.group = spec.group;
+  p.line = spec.line;
+  p.arrival_s = spec.arrival_s;
   p.prompt_tokens_est = spec.prompt_tokens();
-  p.req = ToProto(spec, o, absl::StrCat("lg-", run, warmup ? "-w" : "-", spec.index));
+  p.max_tokens = spec.max_tokens > 0 ? spec.max_tokens : o.max_tokens;
+  if (o.openai()) {
+    p.body = lg::ChatBody(spec, ChatOpts(spec, o));
+  } else {
+    p.req = ToProto(spec, o, absl::StrCat("lg-", run, warmup ? "-w" : "-", spec.index));
+  }
+  if (dump_to != nullptr && !o.dump_requests.empty()) {
+    std::string line = DumpJson(o, run, spec, warmup);
+    std::lock_guard<std::mutex> l(dump_to->mu);
+    dump_to->dumps.push_back(std::move(line));
+  }
   return p;
 }
 
-// Sends one request of the run (on the calling thread) and records it.
+// Sends one request of the run (on the calling thread) and records it. A request that
+// follows another (multiround: the user's previous round) first waits for it; the wait shows
+// as launch lag.
 void SendOne(Client& client, const Options& o, RunState& st, const Prepared& p,
              Clock::time_point scheduled) {
+  if (p.after >= 0) st.WaitFinished(p.after);
   Record rec;
   rec.index = p.index;
+  rec.after = p.after;
   rec.group = p.group;
+  rec.line = p.line;
   rec.prompt_tokens_est = p.prompt_tokens_est;
+  rec.max_tokens = p.max_tokens;
   rec.scheduled_ms = Ms(scheduled - st.start);
   rec.lag_ms = std::max(0.0, Ms(Clock::now() - scheduled));
   st.Begin();
-  Execute(client.stub(p.index), p.req, o.timeout_ms, &rec);
+  if (o.openai()) {
+    ExecuteOpenAI(o, p.body, &rec);
+  } else {
+    Execute(client.stub(p.index), p.req, o.timeout_ms, o.api_key, &rec);
+  }
   rec.end_ms = Ms(Clock::now() - st.start);
   st.Finish(std::move(rec));
 }
@@ -583,40 +853,57 @@ void Progress(const Options& o, RunState& st, const std::string& label, std::ato
   if (tty) std::fprintf(stderr, "\n");
 }
 
-// One measured run at rate (open loop) or concurrency (closed loop) x.
+// Whether a run sends another request: the workload has one (a trace window ends), and the
+// stopping rule (--requests N, --duration_s S, or by default at least --min_requests sent and
+// --min_seconds passed, whichever is longer) has not been met.
+bool KeepSending(const Options& o, lg::Workload& gen, int64_t sent, double elapsed_s) {
+  if (!gen.HasNext()) return false;
+  if (o.requests > 0 && sent >= o.requests) return false;
+  if (o.trace_mode()) return true;  // the window bounds it (and --requests when given)
+  if (o.duration_s > 0 && elapsed_s >= o.duration_s) return false;
+  if (o.sustained_rule()) return sent < o.min_requests || elapsed_s < o.min_seconds;
+  return true;
+}
+
+// One measured run at rate (open loop) or concurrency (closed loop) x. A trace's x is the
+// speed-up of its timestamps (--sweep) and the summary's rate the offered rate.
 absl::StatusOr<Summary> RunOnce(Client& client, const Options& o, int run, double x,
-                                const std::vector<std::string>& docs, std::ofstream* records) {
+                                const std::vector<std::string>& docs, std::ofstream* records,
+                                std::ofstream* dumps) {
   lg::WorkloadConfig wc = o.wc;
   if (o.sweep_vary_seed) wc.seed += static_cast<uint64_t>(run);
+  if (!o.closed()) wc.rate = x;
+  if (o.trace_mode() && !o.closed()) wc.time_scale = o.wc.time_scale / x;
   absl::StatusOr<std::unique_ptr<lg::Workload>> gen = lg::MakeWorkload(wc, docs);
   if (!gen.ok()) return gen.status();
-  const std::string label =
-      o.closed() ? absl::StrCat("concurrency ", x) : absl::StrCat("rate ", x, "/s");
+  const std::string label = o.closed()       ? absl::StrCat("concurrency ", x)
+                            : o.trace_mode() ? absl::StrCat("trace x", x)
+                                             : absl::StrCat("rate ", x, "/s");
+  RunState st;
 
   // Warmup: the sequence's first requests, one at a time, not measured.
   if (o.warmup > 0) {
     RunState w;
     w.start = Clock::now();
-    for (int i = 0; i < o.warmup; ++i) {
-      SendOne(client, o, w, Prepare(o, run, (*gen)->Next(), true), Clock::now());
+    int n = 0;
+    for (; n < o.warmup && (*gen)->HasNext(); ++n) {
+      SendOne(client, o, w, Prepare(o, run, (*gen)->Next(), true, &st), Clock::now());
     }
-    std::fprintf(stderr, "[%s] warmup: %d requests, %lld errors\n", label.c_str(), o.warmup,
+    std::fprintf(stderr, "[%s] warmup: %d requests, %lld errors\n", label.c_str(), n,
                  static_cast<long long>(w.errors.load()));
+    st.first_index = n;
   }
 
-  const int64_t limit = o.requests;  // 0: until --duration_s
-  const auto duration =
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.duration_s));
-  RunState st;
   st.start = Clock::now() + std::chrono::milliseconds(10);
   std::atomic<bool> stop_progress{false};
   std::thread progress;
   if (o.progress) progress = std::thread([&] { Progress(o, st, label, stop_progress); });
   Clock::time_point last_send = st.start;
+  double first_arrival = kNaN, last_arrival = kNaN;
+  auto elapsed_s = [&](Clock::time_point t) { return Ms(t - st.start) / 1000.0; };
 
   if (o.closed()) {
     std::mutex gen_mu;
-    int64_t issued = 0;
     std::vector<std::thread> clients;
     std::this_thread::sleep_until(st.start);
     for (int c = 0; c < static_cast<int>(x); ++c) {
@@ -627,35 +914,46 @@ absl::StatusOr<Summary> RunOnce(Client& client, const Options& o, int run, doubl
           {
             std::lock_guard<std::mutex> l(gen_mu);
             now = Clock::now();
-            if ((limit > 0 && issued >= limit) ||
-                (o.duration_s > 0 && now - st.start >= duration)) {
-              break;
-            }
-            ++issued;
+            if (!KeepSending(o, **gen, st.sent.load(), elapsed_s(now))) break;
             ++st.sent;
             spec = (*gen)->Next();
             last_send = now;
           }
-          const Prepared p = Prepare(o, run, spec, false);
+          const Prepared p = Prepare(o, run, spec, false, &st);
           SendOne(client, o, st, p, Clock::now());
         }
       });
     }
     for (std::thread& t : clients) t.join();
   } else {
+    // Poisson gaps, unless the workload schedules its requests itself (trace timestamps,
+    // multiround's paced users): then each goes out at its arrival_s after the first's.
     lg::PoissonArrivals arrivals(x, wc.seed);
     Launcher launcher(o.max_inflight);
     Clock::time_point t = st.start;
-    for (int64_t i = 0;; ++i) {
-      if (limit > 0 && i >= limit) break;
-      if (o.duration_s > 0 && t - st.start >= duration) break;
-      auto p = std::make_shared<const Prepared>(Prepare(o, run, (*gen)->Next(), false));
+    for (;;) {
+      if (!KeepSending(o, **gen, st.sent.load(), elapsed_s(t))) break;
+      lg::RequestSpec spec = (*gen)->Next();
+      if (!std::isnan(spec.arrival_s)) {
+        if (std::isnan(first_arrival)) first_arrival = spec.arrival_s;
+        last_arrival = spec.arrival_s;
+        t = st.start + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(spec.arrival_s - first_arrival));
+        // The stopping rule reads the scheduled time, so a paced workload ends on time.
+        if (!o.trace_mode() && o.sustained_rule() && st.sent.load() >= o.min_requests &&
+            elapsed_s(t) >= o.min_seconds) {
+          break;
+        }
+      }
+      auto p = std::make_shared<const Prepared>(Prepare(o, run, spec, false, &st));
       std::this_thread::sleep_until(t);
       ++st.sent;
       last_send = t;
       launcher.Submit([&client, &o, &st, p, t] { SendOne(client, o, st, *p, t); });
-      t += std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(arrivals.NextGapS()));
+      if (std::isnan(spec.arrival_s)) {
+        t += std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(arrivals.NextGapS()));
+      }
     }
     launcher.Join();
   }
@@ -664,19 +962,41 @@ absl::StatusOr<Summary> RunOnce(Client& client, const Options& o, int run, doubl
 
   std::sort(st.records.begin(), st.records.end(),
             [](const Record& a, const Record& b) { return a.index < b.index; });
+  // A trace's point is its offered rate: requests over the window's scaled length (the span of
+  // their timestamps when the window runs to the trace's end).
+  double point = x;
+  if (o.trace_mode() && !o.closed()) {
+    const double span = wc.trace_duration_s > 0 ? wc.trace_duration_s * wc.time_scale
+                                                : last_arrival - first_arrival;
+    point = span > 0 ? static_cast<double>(st.sent.load()) / span : kNaN;
+  }
   if (records != nullptr) {
-    for (const Record& r : st.records) *records << RecordJson(o, run, x, r) << "\n";
+    for (const Record& r : st.records) *records << RecordJson(o, run, point, r) << "\n";
     records->flush();
   }
-  return Summarize(o, x, st.records, Ms(last_send - st.start) / 1000.0, st.max_inflight.load());
+  if (dumps != nullptr) {
+    for (const std::string& d : st.dumps) *dumps << d << "\n";
+    dumps->flush();
+  }
+  Summary sum = Summarize(o, point, st.records, Ms(last_send - st.start) / 1000.0,
+                          st.max_inflight.load(), wc);
+  return sum;
 }
 
 void PrintTable(const Options& o, const std::vector<Summary>& rows) {
+  const std::string& w = o.wc.workload;
+  const std::string max_tokens = w == "trace"        ? "output lengths of the trace"
+                                 : w == "multiround" ? absl::StrCat("max_tokens ", o.wc.answer_tokens)
+                                                     : absl::StrCat("max_tokens ", o.max_tokens);
   std::printf(
-      "\nsparsex-loadgen: workload %s (%s), reuse %s, %s, max_tokens %d, SLO TTFT p99 <= %g ms, "
+      "\nsparsex-loadgen: workload %s (%s, %s API), reuse %s, %s, %s, SLO TTFT p99 <= %g ms, "
       "TPOT p99 <= %g ms\n",
-      o.wc.workload.c_str(), o.content.c_str(), o.reuse.c_str(),
-      o.closed() ? "closed loop" : "Poisson arrivals", o.max_tokens, o.slo_ttft_ms, o.slo_tpot_ms);
+      w.c_str(), o.content.c_str(), o.api.c_str(), o.reuse.c_str(),
+      o.closed()            ? "closed loop"
+      : w == "trace"        ? "arrivals at the trace's timestamps (rate: offered)"
+      : w == "multiround"   ? "paced users"
+                            : "Poisson arrivals",
+      max_tokens.c_str(), o.slo_ttft_ms, o.slo_tpot_ms);
   const char* line =
       "+--------+-------+-------+------+--------+---------+-----------------------------+"
       "-----------------+-----------------+--------+--------+------+\n";
@@ -714,11 +1034,26 @@ void PrintTable(const Options& o, const std::vector<Summary>& rows) {
   }
 }
 
-void DryRun(const Options& o, lg::Workload& gen) {
-  for (int i = 0; i < o.dry_run; ++i) {
+// Prints the first requests' layout; with --dump_requests also writes them (no server needed).
+int DryRun(const Options& o, lg::Workload& gen) {
+  std::ofstream dump;
+  if (!o.dump_requests.empty()) {
+    dump.open(o.dump_requests);
+    if (!dump) {
+      std::cerr << "sparsex-loadgen: cannot write " << o.dump_requests << "\n";
+      return 1;
+    }
+  }
+  for (int i = 0; i < o.dry_run && gen.HasNext(); ++i) {
     const lg::RequestSpec r = gen.Next();
-    std::printf("request %lld group %d prompt ~%d tokens:", static_cast<long long>(r.index),
+    if (dump.is_open()) dump << DumpJson(o, 0, r, false) << "\n";
+    std::printf("request %lld group %d prompt ~%d tokens", static_cast<long long>(r.index),
                 r.group, r.prompt_tokens());
+    if (!std::isnan(r.arrival_s)) std::printf(" at %.3f s", r.arrival_s);
+    if (r.after >= 0) std::printf(" after %lld", static_cast<long long>(r.after));
+    if (r.max_tokens > 0) std::printf(" max_tokens %d", r.max_tokens);
+    if (r.line > 0) std::printf(" line %d", r.line);
+    std::printf(":");
     for (const lg::SegmentSpec& s : r.segments) {
       std::printf(" %s", lg::KindName(s.kind));
       if (s.source >= 0) std::printf("#%d", s.source);
@@ -726,6 +1061,7 @@ void DryRun(const Options& o, lg::Workload& gen) {
     }
     std::printf("\n");
   }
+  return dump ? 0 : 1;
 }
 
 }  // namespace
@@ -745,9 +1081,59 @@ int main(int argc, char** argv) {
         "sequence, same seed each; --out gets a JSON array");
   f.Add("sweep_vary_seed", &o.sweep_vary_seed, "use seed + run index for each sweep point");
   f.Add("requests", &o.requests,
-        "measured requests per run (default 100 without --duration_s; "
-        "0 = until --duration_s)");
-  f.Add("duration_s", &o.duration_s, "stop sending after this many seconds (0 = off)");
+        "measured requests per run, exactly (0 = until --duration_s; default: the sustained "
+        "rule, --min_requests and --min_seconds)");
+  f.Add("duration_s", &o.duration_s,
+        "stop sending after this many seconds (0 = off); trace: the window's length in trace "
+        "seconds from --start_s (0 = to the end)");
+  f.Add("min_requests", &o.min_requests,
+        "sustained rule (without --requests / --duration_s): a point sends at least this many "
+        "measured requests ...");
+  f.Add("min_seconds", &o.min_seconds, "... and runs at least this many seconds, whichever is longer");
+  f.Add("api", &o.api,
+        "grpc (sparsex.v1.SparseX/Generate, segments) | openai (POST /v1/chat/completions on "
+        "--target host:port, the router's HTTP port: the request's text pasted into chat "
+        "messages, no segment marks; --content text)");
+  f.Add("api_key", &o.api_key,
+        "the router's API key, sent as \"authorization: Bearer KEY\" (default: "
+        "$SPARSEX_API_KEY; none against a router started with --insecure_loopback)");
+  f.Add("dump_requests", &o.dump_requests,
+        "write every request sent (chat messages or segments) as JSON lines here, for "
+        "bench/chunk_reuse.py");
+  f.Add("trace", &o.trace,
+        "replay a Mooncake trace (JSON lines: timestamp ms, input_length, output_length, "
+        "hash_ids); a bare file name is looked up in $SPARSEX_TRACES, then ../shared/traces");
+  f.Add("trace_block_tokens", &c.trace_block_tokens, "trace: tokens per hash id (Mooncake: 512)");
+  f.Add("time_scale", &c.time_scale,
+        "trace: arrival gaps multiplied by this (0.5: twice the rate); --sweep values multiply "
+        "the rate further");
+  f.Add("start_s", &c.trace_start_s, "trace: window start, seconds of trace time");
+  f.Add("max_output_tokens", &c.max_output_tokens,
+        "trace: cap on each request's recorded output_length (0 = as recorded; generated "
+        "with ignore_eos)");
+  f.Add("max_input_tokens", &c.max_input_tokens, "trace: cut prompts to this many tokens (0 = off)");
+  f.Add("trace_token_scale", &c.trace_token_scale,
+        "trace: prompt sizes times this, in (0, 1] (blocks of round(block * scale) tokens): the "
+        "trace's reuse structure at a size a small model serves");
+  f.Add("trace_segments", &c.trace_segments,
+        "trace: send each block as its own ids segment (--notrace_segments: one prompt_ids "
+        "prompt, chunked by the router)");
+  f.Add("documents", &c.documents, "longdocqa: documents");
+  f.Add("document_tokens", &c.document_tokens, "longdocqa, numbers: tokens per document");
+  f.Add("repeat", &c.repeat, "longdocqa: times each document is asked about per round");
+  f.Add("repeat_mode", &c.repeat_mode,
+        "longdocqa: random (a round shuffled) | tile (documents in order, round after round) | "
+        "interleave (each document's repeats back to back)");
+  f.Add("users", &c.users, "multiround: concurrent users (each sends every users / rate s)");
+  f.Add("rounds", &c.rounds, "multiround: rounds per user, then a new user takes its place");
+  f.Add("shared_system_tokens", &c.shared_system_tokens,
+        "multiround: the system prompt all users share");
+  f.Add("user_history_tokens", &c.user_history_tokens,
+        "multiround: each user's own context, in its first message");
+  f.Add("round_tokens", &c.round_tokens, "multiround: each round's new question");
+  f.Add("answer_tokens", &c.answer_tokens,
+        "multiround: each round's answer (max_tokens; synthetic answers of this size in the "
+        "history)");
   f.Add("warmup", &o.warmup, "requests sent first, one at a time, not measured");
   f.Add("prime", &o.prime,
         "rag: send every pool document this many times (docs_per_request a request, one at a "
@@ -768,7 +1154,10 @@ int main(int argc, char** argv) {
   f.Add("store_after_misses", &o.store_after_misses,
         "reuse.store_after_misses of every request: store a missing segment at its n-th miss "
         "(1: at once, e.g. chat turns that come back; 0 = the worker's)");
-  f.Add("workload", &c.workload, "rag | chat | agents");
+  f.Add("workload", &c.workload,
+        "rag | textrag (rag through the OpenAI chat API: --api openai --content text, --docs "
+        "default ../shared/models/tinystories-text/tinystories_sample.txt, --target default "
+        "127.0.0.1:8000) | chat | agents | longdocqa | multiround | trace (implied by --trace)");
   f.Add("content", &o.content,
         "numbers (random token ids as ids segments, for synthetic models) "
         "| text (--docs file; *_tokens sizes count words)");
@@ -780,7 +1169,8 @@ int main(int argc, char** argv) {
   f.Add("zipf", &c.zipf, "rag: Zipf exponent of document popularity");
   f.Add("docs_per_request", &c.docs_per_request, "rag: distinct documents per request");
   f.Add("doc_tokens", &c.doc_tokens, "rag, numbers: tokens per document");
-  f.Add("question_tokens", &c.question_tokens, "rag: tokens of the fresh question segment");
+  f.Add("question_tokens", &c.question_tokens,
+        "rag, longdocqa: tokens of the fresh question segment (longdocqa: 0 = none)");
   f.Add("sessions", &c.sessions, "chat: conversations");
   f.Add("order", &o.order, "chat/agents: rr (round robin) | random session / agent per request");
   f.Add("system_tokens", &c.system_tokens, "chat: system prompt tokens (one prompt, all sessions)");
@@ -825,8 +1215,58 @@ int main(int argc, char** argv) {
   if (o.order != "rr" && o.order != "random") return fail("--order must be rr or random");
   c.random_order = o.order == "random";
   if (c.reply_tokens < 0) c.reply_tokens = o.max_tokens;
-  if (o.requests < 0) o.requests = o.duration_s > 0 ? 0 : 100;
-  if (o.requests == 0 && o.duration_s <= 0) return fail("--requests 0 needs --duration_s");
+  if (c.workload == "textrag") {
+    // Text RAG as a real client sends it: chat messages over HTTP, documents pasted in.
+    o.api = "openai";
+    o.content = "text";
+    c.content = lg::Content::kText;
+    if (o.docs_path.empty()) o.docs_path = "../shared/models/tinystories-text/tinystories_sample.txt";
+    if (o.target == "127.0.0.1:50051") o.target = "127.0.0.1:8000";
+  }
+  if (!o.trace.empty()) {
+    if (c.workload != "rag" && c.workload != "trace") {
+      return fail(absl::StrCat("--trace replays a trace; it does not combine with --workload ",
+                               c.workload));
+    }
+    c.workload = "trace";
+  } else if (c.workload == "trace") {
+    return fail("--workload trace needs --trace FILE");
+  }
+  if (o.trace_mode()) {
+    // The window is in trace time; the run ends with it.
+    c.trace_duration_s = o.duration_s;
+    o.duration_s = 0;
+    if (o.requests < 0) o.requests = 0;
+    if (c.content != lg::Content::kNumbers) return fail("a trace is token ids: --content numbers");
+  } else if (o.requests < 0 && o.duration_s > 0) {
+    o.requests = 0;  // until --duration_s
+  }
+  if (o.requests == 0 && o.duration_s <= 0 && !o.trace_mode()) {
+    return fail("--requests 0 needs --duration_s");
+  }
+  if (o.min_requests < 1 || !(o.min_seconds >= 0)) {
+    return fail("--min_requests must be >= 1 and --min_seconds >= 0");
+  }
+  if (o.api != "grpc" && o.api != "openai") return fail("--api must be grpc or openai");
+  if (o.api_key.empty() && std::getenv("SPARSEX_API_KEY") != nullptr) {
+    o.api_key = std::getenv("SPARSEX_API_KEY");
+  }
+  if (o.openai()) {
+    if (c.content != lg::Content::kText) {
+      return fail("--api openai sends chat messages of text: give --content text --docs FILE");
+    }
+    const size_t colon = o.target.rfind(':');
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(o.target.substr(colon + 1), &o.http_port) || o.http_port < 1 ||
+        o.http_port > 65535) {
+      return fail(absl::StrCat("--api openai needs --target host:port (the router's HTTP "
+                               "address), not '", o.target, "'"));
+    }
+    o.http_host = o.target.substr(0, colon);
+    if (o.http_host.size() > 2 && o.http_host.front() == '[') {
+      o.http_host = o.http_host.substr(1, o.http_host.size() - 2);
+    }
+  }
   if (o.max_tokens < 1) return fail("--max_tokens must be >= 1");
   if (o.timeout_ms < 1) return fail("--timeout_ms must be >= 1");
   if (o.warmup < 0 || o.concurrency < 0) return fail("--warmup and --concurrency must be >= 0");
@@ -846,12 +1286,43 @@ int main(int argc, char** argv) {
     if (xs.empty()) return fail("--sweep is empty");
   } else if (o.closed()) {
     xs.push_back(o.concurrency);
+  } else if (o.trace_mode()) {
+    xs.push_back(1);  // the trace's own rate at --time_scale
   } else {
     if (!(o.rate > 0) && o.dry_run == 0)
       return fail("give --rate R (open loop) or --concurrency C");
     xs.push_back(o.rate);
   }
 
+  c.rate = xs.empty() || o.closed() || !(xs[0] > 0) ? 1 : xs[0];  // multiround's pacing (per point in RunOnce)
+  std::vector<lg::TraceEntry> trace;
+  if (o.trace_mode()) {
+    // A bare name is looked up where the shared traces live (docs/benchmarks.md).
+    std::string path = o.trace;
+    if (path.find('/') == std::string::npos && !std::ifstream(path).good()) {
+      const char* env = std::getenv("SPARSEX_TRACES");
+      for (const std::string& dir : {env != nullptr ? std::string(env) : std::string(),
+                                     std::string("../shared/traces")}) {
+        if (!dir.empty() && std::ifstream(dir + "/" + path).good()) {
+          path = dir + "/" + path;
+          break;
+        }
+      }
+    }
+    absl::StatusOr<std::vector<lg::TraceEntry>> t =
+        lg::LoadMooncakeTrace(path, c.trace_block_tokens);
+    if (!t.ok()) {
+      std::cerr << "sparsex-loadgen: " << t.status().message()
+                << (path == o.trace && o.trace.find('/') == std::string::npos
+                        ? " (nor in $SPARSEX_TRACES or ../shared/traces)"
+                        : "")
+                << "\n";
+      return 1;
+    }
+    trace = std::move(*t);
+    o.trace = path;
+    c.trace = &trace;
+  }
   std::vector<std::string> docs;
   if (c.content == lg::Content::kText) {
     if (o.docs_path.empty()) return fail("--content text needs --docs FILE");
@@ -860,7 +1331,7 @@ int main(int argc, char** argv) {
       std::cerr << "sparsex-loadgen: no documents in " << o.docs_path << "\n";
       return 1;
     }
-    if (c.workload == "rag" && static_cast<int>(docs.size()) < c.pool) {
+    if ((c.workload == "rag" || c.workload == "textrag") && static_cast<int>(docs.size()) < c.pool) {
       std::cerr << "sparsex-loadgen: " << o.docs_path << " has " << docs.size() << " documents of ~"
                 << o.doc_chars << " chars; the pool is " << docs.size() << "\n";
     }
@@ -868,17 +1339,21 @@ int main(int argc, char** argv) {
   {
     absl::StatusOr<std::unique_ptr<lg::Workload>> gen = lg::MakeWorkload(c, docs);
     if (!gen.ok()) return fail(std::string(gen.status().message()));
-    if (o.dry_run > 0) {
-      DryRun(o, **gen);
-      return 0;
-    }
+    if (o.dry_run > 0) return DryRun(o, **gen);
   }
 
-  std::ofstream records;
+  std::ofstream records, dumps;
   if (!o.records.empty()) {
     records.open(o.records);
     if (!records) {
       std::cerr << "sparsex-loadgen: cannot write " << o.records << "\n";
+      return 1;
+    }
+  }
+  if (!o.dump_requests.empty()) {
+    dumps.open(o.dump_requests);
+    if (!dumps) {
+      std::cerr << "sparsex-loadgen: cannot write " << o.dump_requests << "\n";
       return 1;
     }
   }
@@ -896,19 +1371,46 @@ int main(int argc, char** argv) {
     RunState p;
     p.start = Clock::now();
     for (const lg::RequestSpec& spec : prime) {
+      if (dumps.is_open()) dumps << DumpJson(o, -1, spec, true) << "\n";
       SendOne(client, o, p, Prepare(o, -1, spec, true), Clock::now());
     }
+    if (prime.empty()) std::fprintf(stderr, "prime: workload %s has nothing to prime\n", c.workload.c_str());
     std::fprintf(stderr, "prime: %zu requests (%d passes over the pool), %lld errors\n",
                  prime.size(), o.prime, static_cast<long long>(p.errors.load()));
   }
   std::vector<Summary> rows;
   for (size_t i = 0; i < xs.size(); ++i) {
-    absl::StatusOr<Summary> s = RunOnce(client, o, static_cast<int>(i), xs[i], docs,
-                                        records.is_open() ? &records : nullptr);
+    absl::StatusOr<Summary> s =
+        RunOnce(client, o, static_cast<int>(i), xs[i], docs,
+                records.is_open() ? &records : nullptr, dumps.is_open() ? &dumps : nullptr);
     if (!s.ok()) return fail(std::string(s.status().message()));
     rows.push_back(std::move(*s));
   }
   PrintTable(o, rows);
+  // Goodput of the sweep: the highest offered rate whose point met the SLO; each point's record
+  // carries it, so one record read alone tells the sweep's result.
+  std::vector<lg::SloPoint> points;
+  for (const Summary& s : rows) {
+    points.push_back({s.x, s.ttft99, s.tpot99, s.completed, s.errors});
+  }
+  const double goodput = lg::GoodputX(points, o.slo_ttft_ms, o.slo_tpot_ms);
+  int unsustained = 0;
+  for (Summary& s : rows) {
+    s.json.insert(s.json.size() - 1, absl::StrCat(",\"sweep_goodput\":", lg::JsonNumber(goodput)));
+    unsustained += s.sustained ? 0 : 1;
+  }
+  if (std::isnan(goodput)) {
+    std::printf("goodput: no point met the SLO (p99 TTFT <= %g ms, p99 TPOT <= %g ms, no error)\n",
+                o.slo_ttft_ms, o.slo_tpot_ms);
+  } else {
+    std::printf("goodput: %g %s (the highest point with p99 TTFT <= %g ms, p99 TPOT <= %g ms, "
+                "no error)\n",
+                goodput, o.closed() ? "clients" : "requests/s", o.slo_ttft_ms, o.slo_tpot_ms);
+  }
+  if (unsustained > 0) {
+    std::printf("%d point(s) below the sustained rule (%d requests, %g s): \"sustained\": false\n",
+                unsustained, o.min_requests, o.min_seconds);
+  }
   int64_t completed = 0;
   for (const Summary& s : rows) completed += s.completed;
   if (!o.out.empty()) {

@@ -81,4 +81,17 @@ std::string JsonString(const std::string& s) {
   return out + "\"";
 }
 
+bool MeetsSlo(const SloPoint& p, double slo_ttft_ms, double slo_tpot_ms) {
+  return p.completed > 0 && p.errors == 0 && p.ttft_p99_ms <= slo_ttft_ms &&
+         (std::isnan(p.tpot_p99_ms) || p.tpot_p99_ms <= slo_tpot_ms);
+}
+
+double GoodputX(const std::vector<SloPoint>& points, double slo_ttft_ms, double slo_tpot_ms) {
+  double best = std::numeric_limits<double>::quiet_NaN();
+  for (const SloPoint& p : points) {
+    if (MeetsSlo(p, slo_ttft_ms, slo_tpot_ms) && !(p.x <= best)) best = p.x;
+  }
+  return best;
+}
+
 }  // namespace sparsex::loadgen

@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include <nlohmann/json.hpp>
 
 namespace sparsex::loadgen {
 
@@ -51,6 +52,138 @@ int RequestSpec::prompt_tokens() const {
   int n = 0;
   for (const SegmentSpec& s : segments) n += s.tokens;
   return n;
+}
+
+Role RoleOf(SegmentSpec::Kind kind) {
+  switch (kind) {
+    case SegmentSpec::Kind::kSystem:
+      return Role::kSystem;
+    case SegmentSpec::Kind::kAssistant:
+      return Role::kAssistant;
+    default:
+      return Role::kUser;
+  }
+}
+
+const char* RoleName(Role role) {
+  switch (role) {
+    case Role::kSystem:
+      return "system";
+    case Role::kAssistant:
+      return "assistant";
+    case Role::kUser:
+      return "user";
+  }
+  return "user";
+}
+
+namespace {
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// A JSON number that is an integer (1 and 1.0 both; 1.5 not) within [lo, hi].
+bool IntegerIn(const nlohmann::json& v, int64_t lo, int64_t hi, int64_t* out) {
+  if (v.is_number_integer()) {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return false;
+    }
+    *out = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!(d == std::floor(d)) || d < -9e15 || d > 9e15) return false;
+    *out = static_cast<int64_t>(d);
+  } else {
+    return false;
+  }
+  return *out >= lo && *out <= hi;
+}
+}  // namespace
+
+std::vector<int32_t> TraceBlock(uint64_t seed, int64_t hash_id, int block_tokens, int min_id,
+                                int max_id) {
+  Rng rng(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(hash_id))));
+  std::vector<int32_t> ids(static_cast<size_t>(std::max(block_tokens, 0)));
+  for (int32_t& id : ids) id = static_cast<int32_t>(UniformInt(rng, min_id, max_id));
+  return ids;
+}
+
+absl::StatusOr<std::vector<TraceEntry>> ParseMooncakeTrace(std::istream& in,
+                                                           const std::string& name,
+                                                           int block_tokens) {
+  if (block_tokens < 1) return absl::InvalidArgumentError("--trace_block_tokens must be >= 1");
+  std::vector<TraceEntry> out;
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    const auto bad = [&](const std::string& why) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ":", n, ": ", why));
+    };
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return bad("not valid JSON");
+    if (!j.is_object()) return bad("not a JSON object");
+    for (const auto& [key, value] : j.items()) {
+      if (key != "timestamp" && key != "input_length" && key != "output_length" &&
+          key != "hash_ids") {
+        return bad(absl::StrCat("unsupported key '", key,
+                                "' (a Mooncake trace line has timestamp, input_length, "
+                                "output_length, hash_ids)"));
+      }
+    }
+    for (const char* key : {"timestamp", "input_length", "output_length", "hash_ids"}) {
+      if (!j.contains(key)) return bad(absl::StrCat("missing '", key, "'"));
+    }
+    TraceEntry e;
+    e.line = n;
+    const nlohmann::json& ts = j["timestamp"];
+    if (!ts.is_number() || !(ts.get<double>() >= 0) || !std::isfinite(ts.get<double>())) {
+      return bad("'timestamp' must be a number >= 0 (milliseconds)");
+    }
+    e.timestamp_ms = ts.get<double>();
+    int64_t v = 0;
+    if (!IntegerIn(j["input_length"], 1, 1 << 30, &v)) {
+      return bad("'input_length' must be an integer >= 1");
+    }
+    e.input_length = static_cast<int>(v);
+    if (!IntegerIn(j["output_length"], 0, 1 << 30, &v)) {
+      return bad("'output_length' must be an integer >= 0");
+    }
+    e.output_length = static_cast<int>(v);
+    const nlohmann::json& ids = j["hash_ids"];
+    if (!ids.is_array()) return bad("'hash_ids' must be an array");
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!IntegerIn(ids[i], 0, INT64_MAX, &v)) {
+        return bad(absl::StrCat("hash_ids[", i, "] must be an integer >= 0"));
+      }
+      e.hash_ids.push_back(v);
+    }
+    const int64_t blocks = (e.input_length + block_tokens - 1) / block_tokens;
+    if (static_cast<int64_t>(e.hash_ids.size()) != blocks) {
+      return bad(absl::StrCat(e.hash_ids.size(), " hash_ids for input_length ", e.input_length,
+                              ": blocks of ", block_tokens, " tokens need ", blocks,
+                              " (--trace_block_tokens)"));
+    }
+    out.push_back(std::move(e));
+  }
+  if (in.bad()) return absl::DataLossError(absl::StrCat(name, ": read error"));
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(name, ": no requests"));
+  std::stable_sort(out.begin(), out.end(), [](const TraceEntry& a, const TraceEntry& b) {
+    return a.timestamp_ms < b.timestamp_ms;
+  });
+  return out;
+}
+
+absl::StatusOr<std::vector<TraceEntry>> LoadMooncakeTrace(const std::string& path,
+                                                          int block_tokens) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read trace ", path));
+  return ParseMooncakeTrace(in, path, block_tokens);
 }
 
 const char* KindName(SegmentSpec::Kind kind) {
@@ -316,6 +449,193 @@ class ConversationWorkload : public Workload {
   int64_t next_index_ = 0;
 };
 
+// LMCache's long_doc_qa: documents asked about again and again; the order within a round
+// decides how far apart the repeats of one document come (interleave: back to back; tile: a
+// whole round apart; random: shuffled).
+class LongDocQaWorkload : public Workload {
+ public:
+  LongDocQaWorkload(const WorkloadConfig& c, const std::vector<std::string>& text_docs)
+      : c_(c), content_(c_, text_docs), rng_(c.seed) {
+    Rng pool_rng(c.pool_seed != 0 ? c.pool_seed : c.seed ^ 0x6c6f6e67646f6371ULL);
+    for (int d = 0; d < c.documents; ++d) {
+      SegmentSpec s =
+          content_.text()
+              ? content_.FromText(SegmentSpec::Kind::kDocument,
+                                  "Document:\n" + text_docs[static_cast<size_t>(d)] + "\n")
+              : content_.Make(SegmentSpec::Kind::kDocument, c.document_tokens, "", "", pool_rng);
+      s.source = d;
+      docs_.push_back(std::move(s));
+    }
+  }
+  std::vector<RequestSpec> Prime(int passes) override {
+    // LMCache's warm-up round: every document once, in order.
+    std::vector<RequestSpec> out;
+    Rng rng(c_.seed ^ 0x9e3779b97f4a7c15ULL);
+    for (int p = 0; p < passes; ++p) {
+      for (int d = 0; d < c_.documents; ++d) {
+        RequestSpec r = Request(d, rng);
+        r.index = -1 - static_cast<int64_t>(out.size());
+        out.push_back(std::move(r));
+      }
+    }
+    return out;
+  }
+  RequestSpec Next() override {
+    if (pos_ == order_.size()) NewRound();
+    RequestSpec r = Request(order_[pos_++], rng_);
+    r.index = next_index_++;
+    return r;
+  }
+
+ private:
+  void NewRound() {
+    order_.clear();
+    pos_ = 0;
+    const int n = c_.documents, k = c_.repeat;
+    if (c_.repeat_mode == "interleave") {
+      for (int d = 0; d < n; ++d)
+        for (int i = 0; i < k; ++i) order_.push_back(d);
+    } else {
+      for (int i = 0; i < k; ++i)
+        for (int d = 0; d < n; ++d) order_.push_back(d);
+      if (c_.repeat_mode == "random") Shuffle(order_, rng_);
+    }
+  }
+  RequestSpec Request(int d, Rng& rng) const {
+    RequestSpec r;
+    r.group = d;
+    r.segments.push_back(docs_[static_cast<size_t>(d)]);
+    if (c_.question_tokens > 0) {
+      SegmentSpec q = content_.Make(SegmentSpec::Kind::kQuestion, c_.question_tokens,
+                                    "Question: ", "?\nAnswer:", rng);
+      q.cacheable = false;
+      r.segments.push_back(std::move(q));
+    }
+    return r;
+  }
+  WorkloadConfig c_;
+  ContentSource content_;
+  Rng rng_;
+  std::vector<SegmentSpec> docs_;
+  std::vector<int> order_;
+  size_t pos_ = 0;
+  int64_t next_index_ = 0;
+};
+
+// LMCache's multi_round_qa: `users` user slots served round robin at `rate` requests/s, so one
+// user's rounds are users / rate seconds apart and each waits for the previous round's answer.
+// A user runs `rounds` rounds and is then replaced by a new user (own context, empty history).
+// Slot s's first user starts at round s * rounds / users (a shorter first conversation, its
+// history complete), so users are replaced at staggered times, as LMCache's ramp-up staggers
+// them, instead of all at once.
+class MultiRoundWorkload : public Workload {
+ public:
+  MultiRoundWorkload(const WorkloadConfig& c, const std::vector<std::string>& text_docs)
+      : c_(c), content_(c_, text_docs), rng_(c.seed), slots_(static_cast<size_t>(c.users)) {
+    system_ = content_.Make(SegmentSpec::Kind::kSystem, c.shared_system_tokens,
+                            "System: ", "\n", rng_);
+    for (int s = 0; s < c.users; ++s) {
+      Slot& slot = slots_[static_cast<size_t>(s)];
+      slot.round = static_cast<int>(static_cast<int64_t>(s) * c.rounds / c.users);
+      slot.first_round = slot.round;
+      slot.user = -1;
+    }
+  }
+  RequestSpec Next() override {
+    using K = SegmentSpec::Kind;
+    RequestSpec r;
+    r.index = next_index_++;
+    const int s = static_cast<int>(r.index % c_.users);
+    Slot& slot = slots_[static_cast<size_t>(s)];
+    if (slot.user < 0 || slot.round >= c_.rounds) {
+      slot.user = next_user_++;
+      if (slot.round >= c_.rounds) slot.round = slot.first_round = 0;
+      slot.history.clear();
+      slot.context = content_.Make(K::kUser, c_.user_history_tokens,
+                                   absl::StrCat("For user ", slot.user, ", here is some context: "),
+                                   "\n", rng_);
+    }
+    r.group = s;
+    r.arrival_s = static_cast<double>(r.index) / c_.rate;
+    r.after = slot.round > slot.first_round ? r.index - c_.users : -1;
+    r.max_tokens = c_.answer_tokens;
+    r.segments.push_back(system_);
+    r.segments.push_back(slot.context);
+    r.segments.insert(r.segments.end(), slot.history.begin(), slot.history.end());
+    SegmentSpec q = content_.Make(K::kUser, c_.round_tokens,
+                                  absl::StrCat("Question #", slot.round + 1, ": "), "\n", rng_);
+    r.segments.push_back(q);
+    slot.history.push_back(std::move(q));
+    slot.history.push_back(
+        content_.Make(K::kAssistant, c_.answer_tokens, "Answer: ", "\n", rng_));
+    ++slot.round;
+    return r;
+  }
+
+ private:
+  struct Slot {
+    int user = -1, round = 0, first_round = 0;
+    SegmentSpec context;
+    std::vector<SegmentSpec> history;
+  };
+  WorkloadConfig c_;
+  ContentSource content_;
+  Rng rng_;
+  SegmentSpec system_;
+  std::vector<Slot> slots_;
+  int next_user_ = 0;
+  int64_t next_index_ = 0;
+};
+
+// A Mooncake trace window: every hash id a fixed block of seeded token ids, so requests share
+// exactly the prefix blocks the trace says they share.
+class TraceWorkload : public Workload {
+ public:
+  TraceWorkload(const WorkloadConfig& c, std::vector<const TraceEntry*> entries)
+      : c_(c), entries_(std::move(entries)) {}
+  bool HasNext() const override { return next_ < entries_.size(); }
+  RequestSpec Next() override {
+    RequestSpec r;
+    r.index = static_cast<int64_t>(next_);
+    if (next_ >= entries_.size()) return r;  // callers check HasNext()
+    const TraceEntry& e = *entries_[next_++];
+    r.line = e.line;
+    r.arrival_s = (e.timestamp_ms / 1000.0 - c_.trace_start_s) * c_.time_scale;
+    r.max_tokens = std::max(e.output_length, 1);
+    if (c_.max_output_tokens > 0) r.max_tokens = std::min(r.max_tokens, c_.max_output_tokens);
+    r.one_prompt = !c_.trace_segments;
+    const int B = c_.trace_block_tokens;
+    const int scaled_b = std::max(1, static_cast<int>(std::lround(B * c_.trace_token_scale)));
+    const uint64_t seed = c_.pool_seed != 0 ? c_.pool_seed : c_.seed;
+    int total = 0;
+    const size_t n = e.hash_ids.size();
+    for (size_t j = 0; j < n; ++j) {
+      int len = scaled_b;
+      if (j + 1 == n) {
+        const int last = e.input_length - static_cast<int>(n - 1) * B;
+        len = std::max(1, static_cast<int>(std::lround(last * c_.trace_token_scale)));
+        len = std::min(len, scaled_b);
+      }
+      if (c_.max_input_tokens > 0) len = std::min(len, c_.max_input_tokens - total);
+      if (len <= 0) break;
+      SegmentSpec s;
+      s.kind = SegmentSpec::Kind::kDocument;
+      s.ids = TraceBlock(seed, e.hash_ids[j], scaled_b, c_.min_id, c_.max_id);
+      s.ids.resize(static_cast<size_t>(len));
+      s.tokens = len;
+      s.source = static_cast<int>(std::min<int64_t>(e.hash_ids[j], INT32_MAX));
+      total += len;
+      r.segments.push_back(std::move(s));
+    }
+    return r;
+  }
+
+ private:
+  WorkloadConfig c_;
+  std::vector<const TraceEntry*> entries_;
+  size_t next_ = 0;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const WorkloadConfig& c,
@@ -342,7 +662,7 @@ absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const WorkloadConfig& c,
                       {c.max_history_tokens, "max_history_tokens"}}) {
     if (absl::Status s = nonneg(v, n); !s.ok()) return s;
   }
-  if (c.workload == "rag") {
+  if (c.workload == "rag" || c.workload == "textrag") {
     int pool = c.pool;
     if (text) pool = std::min<int>(pool, static_cast<int>(text_docs.size()));
     if (c.docs_per_request < 0 || pool < c.docs_per_request || pool < 1) {
@@ -361,8 +681,67 @@ absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const WorkloadConfig& c,
     }
     return std::make_unique<ConversationWorkload>(c, text_docs);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown workload '", c.workload, "' (expected rag, chat or agents)"));
+  if (c.workload == "longdocqa") {
+    if (c.documents < 1) return absl::InvalidArgumentError("--documents must be >= 1");
+    if (c.repeat < 1) return absl::InvalidArgumentError("--repeat must be >= 1");
+    if (c.repeat_mode != "random" && c.repeat_mode != "tile" && c.repeat_mode != "interleave") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--repeat_mode must be random, tile or interleave, not '", c.repeat_mode, "'"));
+    }
+    if (!text && c.document_tokens < 1) {
+      return absl::InvalidArgumentError("--document_tokens must be >= 1");
+    }
+    if (text && static_cast<int>(text_docs.size()) < c.documents) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("longdocqa needs --documents (", c.documents, ") documents, the text has ",
+                       text_docs.size(), " (lower --doc_chars or --documents)"));
+    }
+    return std::make_unique<LongDocQaWorkload>(c, text_docs);
+  }
+  if (c.workload == "multiround") {
+    if (c.users < 1 || c.rounds < 1) {
+      return absl::InvalidArgumentError("--users and --rounds must be >= 1");
+    }
+    if (c.answer_tokens < 1) return absl::InvalidArgumentError("--answer_tokens must be >= 1");
+    for (auto [v, n] : {std::pair{c.shared_system_tokens, "shared_system_tokens"},
+                        {c.user_history_tokens, "user_history_tokens"},
+                        {c.round_tokens, "round_tokens"}}) {
+      if (absl::Status s = nonneg(v, n); !s.ok()) return s;
+    }
+    if (!(c.rate > 0)) return absl::InvalidArgumentError("multiround needs a rate > 0");
+    return std::make_unique<MultiRoundWorkload>(c, text_docs);
+  }
+  if (c.workload == "trace") {
+    if (c.trace == nullptr) return absl::InvalidArgumentError("--workload trace needs --trace FILE");
+    if (text) return absl::InvalidArgumentError("a trace is token ids: --content text is not supported");
+    if (!(c.time_scale > 0)) return absl::InvalidArgumentError("--time_scale must be > 0");
+    if (!(c.trace_token_scale > 0) || c.trace_token_scale > 1) {
+      return absl::InvalidArgumentError("--trace_token_scale must be in (0, 1]");
+    }
+    if (c.trace_start_s < 0 || c.trace_duration_s < 0) {
+      return absl::InvalidArgumentError("--start_s and --duration_s must be >= 0");
+    }
+    if (c.max_output_tokens < 0 || c.max_input_tokens < 0) {
+      return absl::InvalidArgumentError("--max_output_tokens and --max_input_tokens must be >= 0");
+    }
+    std::vector<const TraceEntry*> window;
+    for (const TraceEntry& e : *c.trace) {
+      const double t = e.timestamp_ms / 1000.0;
+      if (t < c.trace_start_s) continue;
+      if (c.trace_duration_s > 0 && t >= c.trace_start_s + c.trace_duration_s) continue;
+      window.push_back(&e);
+    }
+    if (window.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the trace has no request in the window [", c.trace_start_s, " s, ",
+          c.trace_duration_s > 0 ? absl::StrCat(c.trace_start_s + c.trace_duration_s, " s)")
+                                 : std::string("end)")));
+    }
+    return std::make_unique<TraceWorkload>(c, std::move(window));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown workload '", c.workload,
+      "' (expected rag, textrag, chat, agents, longdocqa, multiround or trace)"));
 }
 
 }  // namespace sparsex::loadgen

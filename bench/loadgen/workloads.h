@@ -3,10 +3,21 @@
 //
 //   rag     a pool of documents with Zipf popularity; each request: docs_per_request distinct
 //           documents in random order + a fresh question segment.
+//   textrag rag over text, as sparsex-loadgen sends it through the OpenAI chat API: the
+//           documents pasted into one user message (another order each time), no segments.
 //   chat    sessions; each request re-sends the system prompt + the session's history (every
 //           earlier user and assistant turn its own segment) + a new user message.
 //   agents  agents sharing one large context; each request: the agent's instructions, the
 //           shared context, the agent's history, a new message.
+//   longdocqa  LMCache's benchmarks/long_doc_qa: `documents` long documents, each asked about
+//           `repeat` times per round, the rounds ordered random / tile / interleave; each
+//           request: one document + a fresh question.
+//   multiround LMCache's benchmarks/multi_round_qa: `users` concurrent users, each a
+//           conversation of `rounds` rounds paced at users / rate seconds; each request: the
+//           shared system prompt, the user's own context, the earlier rounds (question and
+//           answer), a new question. A finished user is replaced by a new one.
+//   trace   a Mooncake trace (ParseMooncakeTrace): each hash id a fixed seeded block of token
+//           ids, requests at the trace's timestamps.
 //
 // Same config (seed included) => the same request sequence, whatever the arrival process or
 // the server's replies: assistant turns are synthetic (seeded ids / corpus words of
@@ -16,6 +27,8 @@
 #pragma once
 
 #include <cstdint>
+#include <istream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -65,8 +78,10 @@ class PoissonArrivals {
 
 enum class Content { kNumbers, kText };
 
+struct TraceEntry;
+
 struct WorkloadConfig {
-  std::string workload = "rag";  // rag | chat | agents
+  std::string workload = "rag";  // rag | textrag | chat | agents | longdocqa | multiround | trace
   Content content = Content::kNumbers;
   uint64_t seed = 1;
   // Seed of the document pool's content (rag) when nonzero; 0: derived from `seed`. A fixed pool
@@ -93,6 +108,34 @@ struct WorkloadConfig {
   int shared_tokens = 4096;
   int instr_tokens = 256;
   bool shared_first = false;  // [shared, instructions, ...] instead of [instructions, shared, ...]
+  // longdocqa (LMCache long_doc_qa: 8 documents in its examples, 20,000 tokens in vLLM's
+  // original; 12,000 here). question_tokens is the fresh question after the document (0: none,
+  // as LMCache).
+  int documents = 8;
+  int document_tokens = 12000;
+  int repeat = 2;                       // times each document is asked about per round
+  std::string repeat_mode = "random";   // random | tile | interleave
+  // multiround (LMCache multi_round_qa: --shared-system-prompt 1000 --user-history-prompt 2000
+  // --answer-len 100). Requests of user slot s go out every users / rate seconds.
+  int users = 10;
+  int rounds = 5;
+  int shared_system_tokens = 1000;
+  int user_history_tokens = 2000;  // the user's own context, in its first message
+  int round_tokens = 20;           // each round's new question
+  int answer_tokens = 100;         // each round's answer (synthetic in the history; max_tokens)
+  double rate = 1;                 // requests/s over all users (the sweep point)
+  // trace: parsed entries (in arrival order) and how they become requests.
+  const std::vector<TraceEntry>* trace = nullptr;
+  int trace_block_tokens = 512;  // tokens per hash id (Mooncake: 512)
+  double time_scale = 1;         // arrival gaps multiplied by this (0.5: twice the rate)
+  double trace_start_s = 0;      // window start in trace time
+  double trace_duration_s = 0;   // window length in trace time (0: to the end)
+  int max_output_tokens = 0;     // cap on a request's recorded output_length (0: none)
+  int max_input_tokens = 0;      // prompts cut to their first N tokens (0: none)
+  // Prompt sizes multiplied by this (blocks of round(block_tokens * scale) tokens, the last
+  // block scaled alike): the trace's reuse structure at a size a small model can serve.
+  double trace_token_scale = 1;
+  bool trace_segments = true;    // each block its own segment; false: one prompt (chunked)
 };
 
 // One prompt segment: token ids (numbers) or text. `tokens` is exact for ids and the number of
@@ -105,15 +148,56 @@ struct SegmentSpec {
   std::string text;
   bool cacheable = true;
   int tokens = 0;
-  int source = -1;  // document index (rag) or -1
+  int source = -1;  // document index (rag, longdocqa), hash id (trace) or -1
 };
+
+// The chat role a segment belongs to when a request is sent as OpenAI chat messages:
+// system prompts are `system`, assistant turns `assistant`, everything else the user's
+// (documents, questions, instructions, shared context are pasted into user messages).
+enum class Role { kSystem, kUser, kAssistant };
+Role RoleOf(SegmentSpec::Kind kind);
+const char* RoleName(Role role);
 
 struct RequestSpec {
   int64_t index = 0;  // position in the sequence
-  int group = -1;     // session (chat) or agent (agents); -1 for rag
+  int group = -1;     // session (chat), agent (agents), user slot (multiround); -1 otherwise
   std::vector<SegmentSpec> segments;
+  // Send time in seconds on the workload's own clock (trace: scaled trace time; multiround:
+  // index / rate); NaN: the arrival process decides (Poisson or closed loop).
+  double arrival_s = std::numeric_limits<double>::quiet_NaN();
+  // Index of a request that must have finished before this one is sent (multiround: the
+  // user's previous round, as a person waits for the answer); -1: none.
+  int64_t after = -1;
+  int max_tokens = -1;   // tokens to generate (trace, multiround, longdocqa); -1: --max_tokens
+  bool one_prompt = false;  // send as one prompt (the router chunks it), not as segments
+  int line = 0;             // trace: the line of the trace file
   int prompt_tokens() const;  // sum of segment sizes
 };
+
+// One request of a Mooncake trace (github.com/kvcache-ai/Mooncake, FAST25-release/traces):
+// {"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}, one a line.
+struct TraceEntry {
+  double timestamp_ms = 0;
+  int input_length = 0;
+  int output_length = 0;
+  std::vector<int64_t> hash_ids;
+  int line = 0;  // 1-based line in the file
+};
+
+// Parses a Mooncake trace. Every non-empty line must be one JSON object with exactly these four
+// keys (another key is refused by name: a field this replayer does not implement is never
+// ignored), integer lengths (input >= 1, output >= 0), non-negative integer hash ids, and as
+// many hash ids as input_length needs blocks of block_tokens. Errors name `name` and the line.
+// Entries come back in arrival order (stable by timestamp).
+absl::StatusOr<std::vector<TraceEntry>> ParseMooncakeTrace(std::istream& in,
+                                                           const std::string& name,
+                                                           int block_tokens);
+absl::StatusOr<std::vector<TraceEntry>> LoadMooncakeTrace(const std::string& path,
+                                                          int block_tokens);
+// The token ids of one hash id's block: block_tokens ids from a stream seeded by (seed,
+// hash_id), uniform in [min_id, max_id). Equal ids give equal blocks.
+std::vector<int32_t> TraceBlock(uint64_t seed, int64_t hash_id, int block_tokens, int min_id,
+                                int max_id);
 
 class Workload {
  public:
@@ -125,6 +209,8 @@ class Workload {
   // the first sweep point does not measure cold documents. Not part of Next()'s sequence.
   // Empty for workloads without a pool. Default: none
   virtual std::vector<RequestSpec> Prime(int /*passes*/) { return {}; }
+  // False once a finite workload (a trace window) has no more requests. Default: endless
+  virtual bool HasNext() const { return true; }
 };
 
 // text_docs: the documents for --content text (LoadTextDocs); ignored for numbers.
