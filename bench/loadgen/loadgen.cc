@@ -1,4 +1,4 @@
-// sparsex-loadgen: the serving benchmark's load generator (issue 18 §4). Sends a seeded
+// sparsex-loadgen: the serving benchmark's load generator. Sends a seeded
 // workload (workloads.h: rag, chat, agents, longdocqa, multiround, or a Mooncake trace) to the
 // router's public streaming API (sparsex.v1.SparseX/Generate, or with --api openai the OpenAI
 // chat API as a real client sends it), open loop (Poisson arrivals at --rate, or the

@@ -1,4 +1,4 @@
-// Workload generation for sparsex-loadgen (issue 18 §4): seeded, reproducible request sequences
+// Workload generation for sparsex-loadgen: seeded, reproducible request sequences
 // for the serving benchmark, independent of gRPC (the unit test links this alone).
 //
 //   rag     a pool of documents with Zipf popularity; each request: docs_per_request distinct
