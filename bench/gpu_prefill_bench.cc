@@ -259,7 +259,7 @@ void Check(cudaError_t e, const char* what) {
   }
 }
 
-// --small-n: the decode matmuls alone (issue 15, docs/perf-notes.md v8). For every small-n
+// --small-n: the decode matmuls alone (docs/perf-notes.md). For every small-n
 // kernel variant (and cuBLASLt), every decode shape and 1, 2, 4, 8 rows: time per call and
 // TB/s of weight bytes; the gate_up projection with SwiGLU fused against the two kernels; then
 // whole decode steps (batch 1, 2, 4, ... up to min(--decode-batch, 8)) per configuration: the
@@ -767,7 +767,7 @@ int Main(const Options& o) {
       st.cross_complement = true;
       st.tile_groups = d_tiles;
       // The weighted rows' received attention in blocks of their own over parts of the keys
-      // (the backend's choice), then in the cross-mass blocks (before session 21).
+      // (the backend's choice), then in the cross-mass blocks (the earlier layout).
       // The cross mass on the wgmma kernel (sm_90a: the default, with the pool's whole blocks
       // as bulk copies), then on mma.sync (AttentionStatsParams::impl 1).
       st.recv_rows_begin = std::min(std::max(0, nmax - 256), n);

@@ -6,7 +6,7 @@
 //       [--temperature 0] [--top_k 0] [--top_p 1] [--json OUT.json]
 //
 // Per batch size: milliseconds per step with the rows sampled one after another on one thread
-// (the scheduler before session 15) and on the thread pool (ParallelForIfIdle, as the
+// (as a scheduler without the pool did) and on the thread pool (ParallelForIfIdle, as the
 // scheduler does now), the same samplers and seeded rows (N(0, 1) logits), median of --reps.
 #include <algorithm>
 #include <chrono>

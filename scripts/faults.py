@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fault suite (issue 16, "A fault suite with figures"; docs/reliability.md, "Fault suite").
+"""Fault suite (docs/reliability.md, "Fault suite").
 
 Starts a local cluster on 127.0.0.1 (etcd-server, one sparsex-cache-server with RocksDB on a
 real directory, two CPU sparsex-workers serving stories260K, the router), injects one fault
@@ -974,7 +974,7 @@ def fault_disk_full(cl, a, docs, R):
     phase("full", list(range(60, 80)), 702)
     # Keep it full past one tick of RocksDB's 10 s info-log flush: that write failing on the
     # full disk made the next line logged (at the recovery) abort the server, in whichever runs
-    # a tick happened to fall in the window (issue 16, finding 1). Held, the check is
+    # a tick happened to fall in the window (the suite's first finding, docs/reliability.md). Held, the check is
     # deterministic: a regression fails every run.
     time.sleep(a.disk_full_hold_s)
     phases["held_full_s"] = a.disk_full_hold_s

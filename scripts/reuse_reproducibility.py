@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Greedy reproducibility with reuse on, through a local router and CPU workers (issue 16,
-defect 9; docs/reliability.md). 20 prompts over six shared documents are sent once (the first
+"""Greedy reproducibility with reuse on, through a local router and CPU workers
+(docs/reliability.md). 20 prompts over six shared documents are sent once (the first
 run), then (a) once more each, one at a time, and (b) `--copies` times each, all at once. Every
 repeat is compared with its prompt's first run and classified by the reuse state its usage
 reports (prefix_tokens, reused_tokens, segments_hit, recomputed_tokens, worker): a difference

@@ -2,7 +2,7 @@
 # Two builds in one device call: the staged binaries of the working tree (.stage/serve.tar.gz)
 # against an earlier stage (.stage/old.tar.gz: SPX_STAGE_KEEP_OLD=1 bench/gpu/stage_serve.sh
 # keeps the previous one there), so a kernel change is judged against a baseline measured on the
-# same card minutes apart (separate calls differ by ~6 ms on a 32K reuse prefill, session 22).
+# same card minutes apart (separate calls differ by ~6 ms on a 32K reuse prefill).
 #   1. the new build's attention GPU tests ($SPX_AB_TESTS, a gtest filter; default every
 #      AttentionConsistency case) and cuda_engine_test (stories260K greedy against the CPU);
 #   2. gpu_prefill_bench's single-op rows at 32K of both builds (attention kernels in TFLOP/s,

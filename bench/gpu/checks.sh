@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Correctness on the GPU machine (issue 18 §6), from the staged binaries (bench/gpu/
+# Correctness on the GPU machine, from the staged binaries (bench/gpu/
 # stage_serve.sh; the device call carries .stage): the GPU tests (backend_consistency_test,
 # cuda_engine_test), then stories260K through the whole cluster twice on this machine, once with
 # a CUDA worker and once with a CPU worker, each with one cache server: sparsex-rag sends the

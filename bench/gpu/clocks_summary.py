@@ -4,7 +4,7 @@ staged_env.sh's `sample_clocks` writes (timestamp, clocks.sm, clocks.mem, power.
 temperature.gpu, utilization.gpu, clock event reasons; CSV without header or units).
 
 A card at its power limit runs its kernels at whatever clock the limit allows (an H100 at
-700 W: ~1515 MHz of 1980 through a 32K prefill, docs/perf-notes.md session 23), so idle time
+700 W: ~1515 MHz of 1980 through a 32K prefill, docs/perf-notes.md), so idle time
 removed from a run buys nothing there and only less energy shortens it: the summary says how
 many samples ran power-capped (reason bit 0x4, the software power cap).
 

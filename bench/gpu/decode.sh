@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batched decode on the GPU machine (issue 15), from the staged binaries (bench/gpu/
+# Batched decode on the GPU machine, from the staged binaries (bench/gpu/
 # stage_serve.sh; the device call carries .stage): the attention tests (every batched-decode
 # kernel against the CPU), then gpu_prefill_bench's decode section once per decode attention
 # kernel (SPX_DECODE_ATTN=tile | auto | packed32): the one-layer kernel micro-benchmark (all

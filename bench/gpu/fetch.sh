@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Segment KV across workers on the GPU machine (issue 18 §3): two CUDA workers on the one GPU
+# Segment KV across workers on the GPU machine: two CUDA workers on the one GPU
 # and one cache server. Worker A serves a 32K-token RAG prompt (8 documents of 4000 tokens + a
 # 256-token question) and stores the documents; their KV is copied to the host store and
 # written back to the cache server. Then A is killed (kill -9), so the router can only send the
 # same documents, in other orders, to B: B's first request fetches the 8 segments from the cache
 # server before its reuse prefill (--fetch_wait_ms -1: it waits for the whole fetch, or, with
-# --cache_fetch_stream, the default since session 14, only for its start); its later
+# --cache_fetch_stream, the default, only for its start); its later
 # ones find them in its own tiers. B has served two requests on other documents before the fetch
 # (warm, like a worker in service). Reported: B's worker TTFT with the fetch vs from its own GPU
 # tier (target: at most 1.3x), the fetched bytes and the transfer rate, and a reuse-off (full

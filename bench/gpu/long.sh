@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long contexts and the cost curve over r on the GPU machine (issue 15), from the staged
+# Long contexts and the cost curve over r on the GPU machine, from the staged
 # binaries (bench/gpu/stage_serve.sh; the device call carries .stage), in one call:
 #   1. the GPU tests (backend_consistency_test, cuda_engine_test);
 #   2. full prefill at 32K, 64K and 128K tokens (gpu_prefill_bench: our forward pass, device

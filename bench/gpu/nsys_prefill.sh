@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The timeline of one 32K reuse prefill under Nsight Systems (issue 15): where the wall time
+# The timeline of one 32K reuse prefill under Nsight Systems: where the wall time
 # that no kernel accounts for goes. Nsight Compute (profile_prefill.sh) times each kernel alone,
 # serialised; this traces the real run (kernels overlapping under programmatic dependent launch,
 # launch gaps, host stalls) between reuse_prefill_bench --profile-range's cudaProfilerStart/Stop,
@@ -34,7 +34,7 @@ if [ -z "$NSYS" ] && [ -e "$TRACER" ]; then
   if [ -s "$OUT/cupti_trace.csv" ]; then
     python3 "$ROOT/bench/gpu/nsys_gaps.py" "$OUT/cupti_trace.csv" --out "$OUT/nsys_gaps.json" \
       --api "$OUT/cupti_trace.csv.api.csv" | tee -a "$LOG"
-    # The sparse rows' attention rate counting only unmasked work (issue 15's target): the
+    # The sparse rows' attention rate counting only unmasked work (the figure its target is set in): the
     # run's attended keys (reuse_prefill_bench's record) x 4 x head_dim x heads of the
     # synthetic Llama-3-8B over the wgmma attention kernels' time (the full layers' attention
     # runs on cuDNN, their statistics on the mma.sync kernel).

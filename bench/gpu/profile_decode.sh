@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a decode step's time goes (issue 15), from the staged binaries (bench/gpu/
+# Where a decode step's time goes, from the staged binaries (bench/gpu/
 # stage_serve.sh; the device call carries .stage): Nsight Compute times every kernel of
 # `gpu_prefill_bench`'s decode steps at 8K context (batch 1 and batch 32, plain launches and
 # CUDA graphs) with one metric (gpu__time_duration.sum, clocks left alone), written as CSV;

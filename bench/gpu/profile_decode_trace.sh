@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a decode step's time goes in the real run (issue 15), from the staged binaries (bench/gpu/
+# Where a decode step's time goes in the real run, from the staged binaries (bench/gpu/
 # stage_serve.sh; the device call carries .stage): the staged CUPTI tracer
 # (bench/gpu_trace/cupti_trace.cc) records gpu_prefill_bench's --profile-decode range, 11
 # graph-replayed decode steps at 8K context with greedy drawn on the device (the serving path),

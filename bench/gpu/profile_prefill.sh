@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Where a 32K prefill's GPU time goes (issue 15: reuse prefill against 0.20x transformers, full
+# Where a 32K prefill's GPU time goes (targets: reuse prefill against 0.20x transformers, full
 # prefill against 0.83x), from the staged binaries (bench/gpu/stage_serve.sh; the device call
 # carries .stage). Nsight Compute times every kernel of one prefill with one metric
 # (gpu__time_duration.sum, clocks and caches left alone) and bench/gpu/ncu_sum.py sums them by
 # kernel and grid (an element-wise kernel on the full layers' and the sparse layers' rows apart;
-# cuBLASLt's persistent GEMMs launch one grid for both, so the phase split of session 21 came from
+# cuBLASLt's persistent GEMMs launch one grid for both, so an earlier phase split came from
 # the CSV's launch order, docs/perf-notes.md):
 #   1. one reuse prefill (8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15):
 #      reuse_prefill_bench --profile-range reuse_device runs it once more between

@@ -152,7 +152,7 @@ stamp "reuse prefill benchmark"
 reuse_bench --out "$OUT/reuse_prefill_raw.json"
 stamp "reuse done"
 
-# ---- tensor parallelism (issue 7): the same reuse benchmark on 2 GPUs over NCCL ----
+# ---- tensor parallelism: the same reuse benchmark on 2 GPUs over NCCL ----
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$NCCL" = ON ] && [ "$NGPU" -ge 2 ]; then
   stamp "reuse prefill benchmark, tp 2 ($NGPU GPUs)"

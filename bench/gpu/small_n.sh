@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode matmuls and the fetch path on the GPU machine (issue 15 perf-notes v8, issue 18 §3),
+# Decode matmuls and the fetch path on the GPU machine (docs/perf-notes.md),
 # from the staged binaries (bench/gpu/stage_serve.sh; the device call carries .stage): the GPU
 # tests (every small-n variant and the fused gate_up + SwiGLU against the CPU, graph-replayed
 # decode fused vs separate), then `gpu_prefill_bench --small-n` (every variant per decode shape,

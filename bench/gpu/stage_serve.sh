@@ -53,7 +53,7 @@ MODELS=${SPARSEX_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 mkdir -p "$TMP/spx/models"
 cp -r "$MODELS/stories260K" "$MODELS/tinystories-text" "$TMP/spx/models/"
 strip --strip-unneeded "$TMP/spx/lib/"*.so* 2>/dev/null || true
-# Which tree the binaries were built from (a later session reads it before trusting a stage).
+# Which tree the binaries were built from (read before trusting a stage).
 { git -C "$ROOT" rev-parse HEAD; git -C "$ROOT" status --short --untracked-files=no; } \
   >"$TMP/spx/STAGED_FROM" 2>/dev/null
 if [ "${SPX_STAGE_KEEP_OLD:-0}" = 1 ] && [ -e "$STAGE/serve.tar.gz" ]; then

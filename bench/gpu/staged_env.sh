@@ -5,7 +5,7 @@
 # (bench/gpu/stage_serve.sh -> .stage/serve.tar.gz, carried by the device call) into $SPX once
 # per call, points the loader, UCX and PATH at them, and SPARSEX_MODELS at the staged test
 # models (stories260K, TinyStories text) unless set; REUSE_32K holds reuse_prefill_bench's flags
-# for issue 15's reuse case (32K: 8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15);
+# for the benchmark's reuse case (32K: 8 x 4064 stored segments shuffled + 256 new, F = 2, r = 0.15);
 # sample_clocks NAME CMD... runs CMD with nvidia-smi sampling the clocks and power every 50 ms
 # into $OUT/clocks_NAME.csv (bench/gpu/clocks_summary.py reads them).
 SPX_SCRIPT=${SPX_SCRIPT:-gpu}
@@ -40,7 +40,7 @@ done
 REUSE_32K="--model synthetic:llama3-8b --device cuda --segments 8 --segment-tokens 4064 \
 --new-tokens 256 --full-layers 2 --ratio 0.15"
 # The card's SM clock, power and clock event reasons beside a command (a power-capped card runs
-# at the clock its limit allows: docs/perf-notes.md session 23). The command's exit status is
+# at the clock its limit allows: docs/perf-notes.md). The command's exit status is
 # returned; nvidia-smi is stopped by PID.
 sample_clocks() {
   local name=$1 reasons=clocks_event_reasons.active

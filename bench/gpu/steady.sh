@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19 §4 at full size: reuse under a stream of new document orderings on the GPU machine.
+# At full size: reuse under a stream of new document orderings on the GPU machine.
 # One CUDA worker (synthetic llama3-8b), one cache server and the router; sparsex-loadgen sends
 # at least 1,000 RAG requests (Poisson arrivals), each 4 documents drawn with Zipf popularity
 # from a pool of 64 x 2000 tokens plus a fresh 64-token question. The load generator draws

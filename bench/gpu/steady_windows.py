@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 19 §4 at full size: reuse under a stream of new document orderings, per window.
+"""At full size: reuse under a stream of new document orderings, per window.
 
 Two subcommands (python3 standard library only; bench/gpu/steady.sh runs both):
 
