@@ -10,12 +10,17 @@
 #   bridge br0 in sx<pid>-br;  10.231.0.0/24:
 #   etcd .10   cache0 .20   cache1 .21   worker0 .30   worker1 .31   router .40   client .50
 #
+# Credentials as in production: deploy/local/make-credentials.sh makes a CA, the router, worker
+# and cache certificates (mutual TLS on every gRPC channel between the hosts) and an API key,
+# which the RAG client sends (SPARSEX_API_KEY); a request without it must be refused.
+#
 # Scenario (each step's figures go to the JSON file and the summary; docs/operations.md):
 #   reuse    worker0 alone computes a RAG document pool (sparsex-rag from the client host) and
 #            writes the segments to the two cache servers; worker1 joins, worker0 drains; the
 #            same documents in new combinations run on worker1, which fetches them across hosts
 #            (counters: worker1 fetched segments and reused tokens, cache hits and bytes out,
-#            no inline gRPC reads, UCX TCP connections between the hosts)
+#            no inline gRPC reads, UCX TCP connections between the hosts, each opened by the
+#            worker: deploy/k8s/networkpolicy.yaml admits nothing from cache servers to workers)
 #   link     a fresh worker serves alone; cache1's link goes down mid-load: every request still
 #            completes (fetches of cache1's segments fail and are recomputed), greedy outputs are
 #            compared with full prefill as in the other phases
@@ -53,7 +58,7 @@ skip() { echo "SKIP: netns_test: $*"; exit 77; }
 [ "${SPARSEX_NETNS_TEST:-0}" = 1 ] ||
   skip "opt-in: set SPARSEX_NETNS_TEST=1 (root; takes a few minutes; ctest -L netns)"
 [ "$(id -u)" = 0 ] || skip "needs root (ip netns, veth, bridge)"
-for t in ip etcd curl python3 ss awk base64 setsid; do command -v "$t" >/dev/null || skip "$t not found"; done
+for t in ip etcd curl python3 ss awk base64 setsid openssl; do command -v "$t" >/dev/null || skip "$t not found"; done
 for b in sparsex-cache-server sparsex-worker sparsex-router sparsex-rag; do
   [ -x "$BIN_DIR/$b" ] || skip "$BIN_DIR/$b not built"
 done
@@ -73,6 +78,12 @@ ETCD="${IP[etcd]}:2379"
 ROUTER_GRPC="${IP[router]}:50051"
 ROUTER_HTTP="${IP[router]}:8000"
 T0=$(date +%s.%N)
+# Credentials: one CA, a certificate per role (DNS SAN sparsex.cluster: valid whatever address
+# is dialled), the scope key and one tenant's API key.
+CRED="$RUN/credentials"
+"$REPO/deploy/local/make-credentials.sh" "$CRED" netns >/dev/null
+tls() { echo "--tls_ca=$CRED/tls/ca.pem --tls_cert=$CRED/tls/$1.pem --tls_key=$CRED/tls/$1-key.pem"; }
+API_KEY=$(cat "$CRED/api_key.netns")
 FAILS=()
 FIG="$RUN/figures.jsonl"   # one {"key": value} per line, merged at the end
 : >"$FIG"
@@ -275,7 +286,7 @@ start_cache() {  # start_cache i
   spawn "cache$i" "cache$i" env UCX_NET_DEVICES=eth0 "$BIN_DIR/sparsex-cache-server" \
     --address="${IP[cache$i]}" --grpc_port=50070 --metrics_port=9470 --server_id="cache$i" \
     --disk_path="$RUN/cache$i-db" --memory_capacity=256M --ucx_tls=tcp \
-    --ready_file="$RUN/cache$i.ready"
+    --ready_file="$RUN/cache$i.ready" $(tls cache)
   wait_until 60 "cache$i ready" ready "cache$i"
 }
 start_worker() {  # start_worker i
@@ -284,13 +295,14 @@ start_worker() {  # start_worker i
   spawn "worker$i" "worker$i" env UCX_NET_DEVICES=eth0 "$BIN_DIR/sparsex-worker" \
     --model "$MODEL" --device cpu --address "${IP[worker$i]}" --port 50060 --metrics_port 9460 \
     --worker_id "worker$i" --etcd "$ETCD" --cache_servers "$CACHES" --ucx_tls tcp \
-    --drain_timeout_ms 10000 --ready_file "$RUN/worker$i.ready"
+    --drain_timeout_ms 10000 --ready_file "$RUN/worker$i.ready" $(tls worker)
   wait_until 60 "worker$i ready" ready "worker$i"
 }
 start_router() {
   spawn router router "$BIN_DIR/sparsex-router" --model "$MODEL" \
     --grpc_address "$ROUTER_GRPC" --http_address "$ROUTER_HTTP" --etcd "$ETCD" \
-    --membership_poll_ms 200 --ready_file "$RUN/router.ready"
+    --membership_poll_ms 200 --ready_file "$RUN/router.ready" $(tls router) \
+    --api_keys_file "$CRED/api_keys.json" --scope_key_file "$CRED/scope.key"
   wait_until 60 "router ready" ready router
   spawn watch client python3 "$RUN/watch.py" "$ROUTER_HTTP" "$ETCD" "$WATCH"
 }
@@ -304,7 +316,7 @@ healthz_ok() { http "$1/healthz" >/dev/null; }
 # interrupts the wait at once).
 rag_bg() {
   local name=$1 seed=$2; shift 2
-  in_ns client "$BIN_DIR/sparsex-rag" --target "$ROUTER_GRPC" --docs "$DOCS" \
+  in_ns client env SPARSEX_API_KEY="$API_KEY" "$BIN_DIR/sparsex-rag" --target "$ROUTER_GRPC" --docs "$DOCS" \
     --requests "$REQUESTS" --pool 16 --docs_per_request 3 --max_tokens 16 --fidelity_every 4 \
     --seed "$seed" --timeout_ms 120000 --progress=false --json "$RUN/rag-$name.json" "$@" \
     >"$RUN/rag-$name.log" 2>&1 &
@@ -335,6 +347,15 @@ ucx_conns() {
   in_ns "$1" ss -tnH state established 2>/dev/null |
     awk -v a="${IP[$1]}" '$3 ~ "^"a":" && $3 !~ ":(50070|9470)$" && $4 ~ /10\.231\.0\.3[01]:/' | wc -l
 }
+# UCX TCP connections between cache and worker hosts that the cache host opened (its end is not
+# one of its listening ports): none expected, the worker creates every endpoint.
+ucx_conns_from_cache() {
+  local listening
+  listening=$(in_ns "$1" ss -tlnH 2>/dev/null | awk '{n = split($4, a, ":"); print a[n]}' | sort -u | tr '\n' ' ')
+  in_ns "$1" ss -tnH state established 2>/dev/null |
+    awk -v a="${IP[$1]}" -v l=" $listening" '$3 ~ "^"a":" && $4 ~ /10\.231\.0\.3[01]:/ {
+      n = split($3, p, ":"); if (index(l, " " p[n] " ") == 0) c++ } END {print c + 0}'
+}
 W0="${IP[worker0]}:9460" W1="${IP[worker1]}:9460" C0="${IP[cache0]}:9470" C1="${IP[cache1]}:9470"
 waddr() { [ "$1" = worker0 ] && echo "$W0" || echo "$W1"; }
 
@@ -346,6 +367,13 @@ start_cache 1
 start_worker 0
 start_router
 wait_until 30 "router sees worker0" workers_are 1
+
+log "credentials: a client without the API key is refused"
+rc=0
+in_ns client env -u SPARSEX_API_KEY "$BIN_DIR/sparsex-rag" --target "$ROUTER_GRPC" --docs "$DOCS" \
+  --requests 1 --wait_ready_s 5 --progress=false >"$RUN/rag-nokey.log" 2>&1 || rc=$?
+check "a request without an API key is refused (rc $rc: $(tail -n 1 "$RUN/rag-nokey.log"))" \
+  grep -q "refused the credentials" "$RUN/rag-nokey.log"
 
 log "phase reuse: worker0 computes the document pool (seed 1, $REQUESTS requests)"
 rag A 1 || fail "rag A: requests failed ($(tail -n 2 "$RUN/rag-A.log" | tr '\n' ' '))"
@@ -382,6 +410,7 @@ bout=$(( $(metric "$C0" sparsex_cache_bytes_out_total) + $(metric "$C1" sparsex_
 leases=$(( $(metric "$C0" sparsex_cache_requests_total 'method="lease"') + $(metric "$C1" sparsex_cache_requests_total 'method="lease"') ))
 reads=$(( $(metric "$C0" sparsex_cache_requests_total 'method="read"') + $(metric "$C1" sparsex_cache_requests_total 'method="read"') - reads_before ))
 conns=$(( $(ucx_conns cache0) + $(ucx_conns cache1) ))
+conns_from_cache=$(( $(ucx_conns_from_cache cache0) + $(ucx_conns_from_cache cache1) ))
 log "worker1: fetched $f1 segments across hosts, reused $r1 of $p1 prompt tokens (new $n1), fetch failures $ff1"
 log "cache servers: hits $hits (cache0 $hits0, cache1 $hits1), bytes out $bout, leases $leases, inline reads $reads, UCX TCP connections to workers $conns"
 check "worker1 fetched segments worker0 computed" [ "$f1" -gt 0 ]
@@ -390,8 +419,9 @@ check "both cache servers served hits" [ "$hits0" -gt 0 -a "$hits1" -gt 0 ]
 check "no fetch failures" [ "$ff1" = 0 ]
 check "bytes moved over UCX (no inline gRPC reads)" [ "$bout" -gt 0 -a "$reads" = 0 ]
 check "UCX TCP connections between cache and worker hosts" [ "$conns" -gt 0 ]
+check "every UCX connection opened by the worker ($conns_from_cache of $conns by a cache host)" [ "$conns_from_cache" = 0 ]
 rag_fig reuse_B B
-fig reuse_counters "{\"worker1_fetched_segments\": $f1, \"worker1_reused_tokens\": $r1, \"worker1_prompt_tokens\": $p1, \"worker1_new_tokens\": $n1, \"worker1_fetch_failures\": $ff1, \"cache_hits\": $hits, \"cache0_hits\": $hits0, \"cache1_hits\": $hits1, \"cache_bytes_out\": $bout, \"cache_leases\": $leases, \"inline_reads\": $reads, \"ucx_tcp_connections\": $conns, \"drained_worker_dropped_s\": $drain_drop_s}"
+fig reuse_counters "{\"worker1_fetched_segments\": $f1, \"worker1_reused_tokens\": $r1, \"worker1_prompt_tokens\": $p1, \"worker1_new_tokens\": $n1, \"worker1_fetch_failures\": $ff1, \"cache_hits\": $hits, \"cache0_hits\": $hits0, \"cache1_hits\": $hits1, \"cache_bytes_out\": $bout, \"cache_leases\": $leases, \"inline_reads\": $reads, \"ucx_tcp_connections\": $conns, \"ucx_tcp_connections_opened_by_cache\": $conns_from_cache, \"drained_worker_dropped_s\": $drain_drop_s}"
 
 # ---------------------------------------------------------------------- 2: cache link down
 log "phase link: fresh worker0 serves alone; cache1's link goes down mid-load"

@@ -8,12 +8,16 @@
 // is compared token by token. Prints a progress line, then a table.
 //
 //   sparsex-rag --target 127.0.0.1:50051 --requests 60 --docs $SPARSEX_MODELS/tinystories-text/tinystories_sample.txt
+//
+// A router with API keys needs one: --api_key, or $SPARSEX_API_KEY (which keeps it out of the
+// process list); it goes out as gRPC metadata "authorization: Bearer <key>" on every call.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -40,9 +44,17 @@ struct Result {
   std::string worker;
 };
 
+// The router's credential on every call; "" sends none (a router without API keys).
+std::string g_authorization;
+
+void Authorize(grpc::ClientContext* ctx) {
+  if (!g_authorization.empty()) ctx->AddMetadata("authorization", g_authorization);
+}
+
 Result Run(v1::SparseX::Stub* stub, const v1::GenerateRequest& req, int timeout_ms) {
   Result r;
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   const Clock::time_point t0 = Clock::now();
   auto reader = stub->Generate(&ctx, req);
@@ -102,7 +114,8 @@ double Mean(const std::vector<double>& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string target = "127.0.0.1:50051", docs_path, json_path, ids_path, model;
+  std::string target = "127.0.0.1:50051", docs_path, json_path, ids_path, model, api_key;
+  if (const char* k = std::getenv("SPARSEX_API_KEY")) api_key = k;
   int requests = 60, pool = 40, per_request = 3, max_tokens = 24, fidelity_every = 3;
   int doc_chars = 500, timeout_ms = 60000, wait_ready_s = 60;
   uint64_t seed = 1;
@@ -110,6 +123,8 @@ int main(int argc, char** argv) {
   bool progress = true;
   sparsex::FlagSet f("sparsex-rag");
   f.Add("target", &target, "router gRPC address");
+  f.Add("api_key", &api_key,
+        "API key sent as \"authorization: Bearer <key>\" (default: $SPARSEX_API_KEY; \"\" = none)");
   f.Add("model", &model, "model name (\"\" = the router's)");
   f.Add("docs", &docs_path, "document text file (paragraphs)");
   f.Add("requests", &requests, "requests to send");
@@ -136,6 +151,14 @@ int main(int argc, char** argv) {
     std::cout << f.Usage();
     return 0;
   }
+  // Whitespace around a key read from a file (a trailing newline) is not part of it.
+  api_key.erase(0, api_key.find_first_not_of(" \t\r\n"));
+  api_key.erase(api_key.find_last_not_of(" \t\r\n") + 1);
+  if (api_key.find_first_of(" \t\r\n") != std::string::npos) {
+    std::cerr << "sparsex-rag: --api_key contains whitespace\n";
+    return 2;
+  }
+  if (!api_key.empty()) g_authorization = "Bearer " + api_key;
   std::vector<std::string> docs = LoadDocs(docs_path, static_cast<size_t>(doc_chars),
                                            static_cast<size_t>(pool));
   if (static_cast<int>(docs.size()) < per_request) {
@@ -148,9 +171,20 @@ int main(int argc, char** argv) {
   const Clock::time_point ready_deadline = Clock::now() + std::chrono::seconds(wait_ready_s);
   for (;;) {
     grpc::ClientContext ctx;
+    Authorize(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     v1::HealthResponse h;
-    if (stub->Health(&ctx, v1::HealthRequest(), &h).ok() && h.serving()) break;
+    grpc::Status hs = stub->Health(&ctx, v1::HealthRequest(), &h);
+    if (hs.ok() && h.serving()) break;
+    // A wrong or missing key does not get better by waiting.
+    if (hs.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+        hs.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+      std::cerr << "sparsex-rag: " << target << " refused the credentials: "
+                << hs.error_message()
+                << (api_key.empty() ? " (no key given: --api_key or $SPARSEX_API_KEY)" : "")
+                << "\n";
+      return 1;
+    }
     if (Clock::now() > ready_deadline) {
       std::cerr << "sparsex-rag: no healthy cluster at " << target << "\n";
       return 1;
