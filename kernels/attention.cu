@@ -35,8 +35,8 @@ constexpr float kNegInf = -INFINITY;
 // (docs/perf-notes.md has the measurements behind it).
 constexpr bool kDefaultSm90 = true;
 // The warp-specialised variant: 21.1 against 25.0 ms for a 32K causal layer, 3.39 against 4.02
-// for 15% sparse rows (session 20, H100); on 128-key tiles 18.6 against 20.1 ms and 3.07
-// against 3.41 (session 23, H100).
+// for 15% sparse rows (H100); on 128-key tiles 18.6 against 20.1 ms and 3.07 against 3.41
+// (H100).
 constexpr bool kDefaultWarpSpecialized = true;
 constexpr int kBN = 64;       // keys per step
 static_assert(kBN == kStatsTileKeys, "AttentionStatsParams::tile_groups counts key steps");
@@ -48,7 +48,7 @@ constexpr int kMaxSplits = 64;
 
 // K/V stages of FlashKernel: two for attention; four K tiles for the statistics pass, which has
 // no V to load. Four were tried for its complement form's ~98 TFLOP/s of Q K^T and measured no
-// faster (9.58 against 9.71 ms, session 20, H100): it is bound by instruction latency at 2 warps
+// faster (9.58 against 9.71 ms, H100): it is bound by instruction latency at 2 warps
 // per scheduler, not by its loads (docs/perf-notes.md); kept, as the smem was unused.
 template <bool STATS>
 constexpr int FlashStages() {
@@ -74,7 +74,7 @@ struct FlashExtra {
 };
 
 // The statistics pass is bound by instruction latency with one 8-warp block per SM (141
-// registers, 2 warps per scheduler, session 20's ncu): it is held to 128 registers so that two
+// registers, 2 warps per scheduler, per Nsight Compute): it is held to 128 registers so that two
 // blocks share an SM (2 x 98 KB of shared memory fit).
 template <int HD, bool STATS, int NW>
 __global__ void __launch_bounds__(32 * NW, NW == 4 || STATS ? 2 : 1)
@@ -744,7 +744,7 @@ cudaError_t PagedAttention(const PagedAttentionParams& p, void* workspace,
     if (plan.splits <= 1 && p.head_dim == 128 && p.impl != 1 && p.num_seqs == 0 &&
         (p.impl != 0 || kDefaultSm90) && Sm90AttentionAvailable() && Sm90AttentionSupports(p)) {
       // Calls with the fused cross mass too (AttentionConsistency.WarpSpecializedWgmma's
-      // statistics case passed in session 21).
+      // statistics case checks them).
       const bool ws_auto = p.impl == 0 && kDefaultWarpSpecialized;
       const Sm90Variant v = p.impl == 8                ? Sm90Variant::kWs128RowSum
                             : p.impl == 7 || ws_auto ? Sm90Variant::kWs128

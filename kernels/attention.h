@@ -139,7 +139,7 @@ struct AttentionStatsParams {
   // hold every row with recv_weight > 0 (the new tokens). When set (end > begin), their
   // received attention runs in blocks of their own, each over a part of the keys, ahead of the
   // cross-mass blocks, which then read only their own segments: the few weighted rows' reads of
-  // every key no longer trail the launch (session 21: 6.40 ms a layer at 32K, of which 2.4 were
+  // every key no longer trail the launch (6.40 ms a layer at 32K on an H100, of which 2.4 were
   // that tail). A weighted row outside the range would lose its received attention. 0, 0: off.
   int recv_rows_begin = 0;
   int recv_rows_end = 0;

@@ -40,7 +40,7 @@ constexpr int kQBytes = kBm * kHd * 2;         // 32 KiB
 constexpr int kStages = 3;  // cp.async stages of the variants without a producer
 // The warp-specialised variant keeps more tiles in flight: its producer runs ahead of both
 // warpgroups, and 5 stages of 64 keys (193 KiB with Q) still fit one block per SM (6, 225 KiB,
-// measured no faster in session 22).
+// measured no faster).
 constexpr int kWsStages = 5;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -79,9 +79,9 @@ __device__ __forceinline__ void WgmmaPVMn(float* d, const uint32_t* a, uint64_t 
 // kWsPipelined: the ping-pong schedule without the turns: each consumer warpgroup issues tile
 // t's Q K^T with tile t - 1's P V and runs tile t's softmax while that P V runs
 // (FlashAttention-3's overlap inside a warpgroup), the warpgroups free-running.
-// Neither uses setmaxnreg: session 22 (H100) measured every variant with it (producer 40,
-// consumers 232 registers) at ~257-266 TFLOP/s against ws's ~420, and both at ~390 without it
-// (perf-notes.md, session 22, also for Q in registers and a two-warp producer, both slower).
+// Neither uses setmaxnreg: every variant measured with it (H100; producer 40, consumers 232
+// registers) ran at ~257-266 TFLOP/s against ws's ~420, and both at ~390 without it
+// (perf-notes.md, also for Q in registers and a two-warp producer, both slower).
 enum Mode {
   kPlain = 0,
   kPipelined = 1,
@@ -95,8 +95,8 @@ enum Mode {
 // kWs128RowSum: kWs128 with the softmax's row sums on the tensor cores: each tile's P times a
 // 16 x 8 block of ones (one m64n8k16 a k-step beside P V) instead of an FADD a score, in an
 // issue-bound softmax (~300 instructions a thread and tile); the sums then use P as rounded to
-// bf16, as P V does. Session 25 (H100): no faster than kWs128 in the 32K reuse prefill, so
-// kWs128 stays the automatic choice.
+// bf16, as P V does. On an H100 no faster than kWs128 in the 32K reuse prefill, so kWs128
+// stays the automatic choice.
 template <int MODE>
 constexpr bool IsWs128() {
   return MODE == kWs128 || MODE == kWs128RowSum;
@@ -107,9 +107,9 @@ constexpr bool IsWs() {
          IsWs128<MODE>();
 }
 // The warp-specialised variant adds a producer warpgroup to the two consumer warpgroups: one
-// producer warp alone measured 2x slower than the plain variant (session 20, H100: its 64
-// dependent slot-load + copy pairs per lane and tile could not keep up with the MMAs), two
-// warps ~20% slower (session 22).
+// producer warp alone measured 2x slower than the plain variant (H100: its 64 dependent
+// slot-load + copy pairs per lane and tile could not keep up with the MMAs), two warps ~20%
+// slower.
 constexpr int kProducerThreads = 128;
 constexpr int kWsThreads = kThreads + kProducerThreads;
 template <int MODE>
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(BlockThreads<MODE>(), 1)
   // cross mass updated, corr the factor O must be rescaled by), touching neither O nor pa: in
   // the ping-pong variant the previous tile's P V still reads and writes them meanwhile.
   uint32_t pa[kBn / 16][4];  // P as the A fragments of the k-steps (16 keys each)
-  // Instruction counts matter here (Nsight Compute, session 22: the ws kernel issues an
+  // Instruction counts matter here (Nsight Compute on an H100: the ws kernel issues an
   // instruction every 1.8 cycles per scheduler with ~1 eligible warp): the mask is a
   // block-uniform branch taken only by tiles that reach past some row's causal limit (a per-score
   // predicate cost three instructions a score on every tile), and the scale rides in the

@@ -7,7 +7,7 @@
 //
 // Why a kernel of its own: the mma.sync statistics pass, bound by instruction latency, took
 // 3.5 ms a layer for this at 32K (4.2 with the new rows' received attention); this one takes
-// 1.6 (1.9) (session 24, H100, docs/perf-notes.md). Each score is one MMA share, an FFMA, an
+// 1.6 (1.9) (H100, docs/perf-notes.md). Each score is one MMA share, an FFMA, an
 // ex2 and an add, the Q K^T of one warpgroup running on the tensor cores while another
 // exponentiates. Block: one producer warp (bulk tensor copies of whole
 // 16-slot pool blocks, cp.async gathers for other tiles) and two consumer warpgroups of 64

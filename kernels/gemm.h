@@ -102,13 +102,13 @@ cudaError_t SmallNGemmSwiGlu(const __nv_bfloat16* x, int64_t x_stride, const __n
 // wgmma with bulk tensor copies, sm_90a builds on compute capability 9.0 only). cuBLASLt then
 // SwiGlu write and read back the [n, 2*half] gate_up product; here it stays in registers.
 // Gate and up are rounded to bf16 before the product as there, but summed in the kernel's own
-// order: nothing guarantees the same bits as LtGemm then SwiGlu, though every comparison of
-// session 30 (H100) found them.
+// order: nothing guarantees the same bits as LtGemm then SwiGlu, though every comparison on an
+// H100 found them.
 // Supported from 128 rows, 128 outputs and 64 inputs, with 16-byte aligned x and w rows.
 bool Sm90GemmSwiGluSupported(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
                              int64_t w_stride, const __nv_bfloat16* out, int64_t out_stride,
                              int64_t n, int64_t half, int64_t k);
-// The kernel's shapes (docs/perf-notes.md "Session 30" has their timings): 3 stages of 64
+// The kernel's shapes (docs/perf-notes.md has their figures): 3 stages of 64
 // inputs with the SwiGLU computed by three otherwise idle warps from a staging buffer while the
 // MMA warpgroups go on to the next tile, or 4 stages with the SwiGLU computed by the MMA
 // warpgroups after each tile.

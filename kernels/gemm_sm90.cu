@@ -13,11 +13,10 @@
 // by the consumers after each tile, or 3 stages with the consumers leaving gate and up (bf16)
 // in a staging buffer and going on to the next tile while the producer warpgroup's three idle
 // warps compute silu(gate) * up and store it.
-// Measured in session 30 on an H100 (docs/perf-notes.md): both level with or up to 7% behind
+// Measured on an H100 (docs/perf-notes.md): both level with or up to 7% behind
 // cuBLASLt then SwiGLU, call to call. A third shape, clusters of two blocks sharing the weight
 // boxes by multicast, ran ~40% behind (a pair of SMs at one SM's rate, with all 66 clusters
-// resident) and was removed. No setmaxnreg: the attention kernels measured slower with it
-// (session 22).
+// resident) and was removed. No setmaxnreg: the attention kernels measured slower with it.
 #include <cuda.h>
 
 #include <algorithm>

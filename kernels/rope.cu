@@ -10,7 +10,7 @@ using detail::CeilDiv;
 constexpr int kThreads = 256;
 
 // RopeWriteKv takes 16-byte items (RopeWriteKvVecKernel) from this many rows: prefill sizes
-// gain (session 29, H100: full prefill 32K 1136-1138 ms against 1145-1148), while a decode
+// gain (H100: full prefill 32K 1136-1138 ms against 1145-1148), while a decode
 // row's launch is latency-bound and one pair a thread is shorter (batch 1 at 8K: 6.26 ms a step
 // with items against 6.17; batch 32 level).
 constexpr int64_t kRopeItemMinRows = 64;
@@ -146,7 +146,7 @@ __device__ __forceinline__ void ItemColumns(int h, int q, int head_dim, bool hal
 // kv_dim / 8 V chunks. A K head's item is stored in place and to the pool with the same bits.
 // Eight pairs a thread step instead of one, and 32-bit index arithmetic within a row: the
 // per-pair kernel's 64-bit divisions and per-pair loads make it instruction-bound at prefill
-// sizes (~1.2 ms a 32K layer in session 24's trace against ~0.3 at the copy rate).
+// sizes (~1.2 ms a 32K layer in an H100 trace against ~0.3 at the copy rate).
 __global__ void RopeWriteKvVecKernel(bf16* qkv, int64_t stride, int64_t rows, int n_heads,
                                      int n_kv_heads, const int32_t* pos, const int32_t* slots,
                                      bf16* pk, bf16* pv, int64_t num_slots,
@@ -194,7 +194,7 @@ __global__ void RopeWriteKvVecKernel(bf16* qkv, int64_t stride, int64_t rows, in
 // elements of a head's first half with their 8 partners in the second; an adjacent-pairs item:
 // 16 consecutive elements, 8 pairs) rotated to pos[r], then kv_dim / 8 V chunks copied. The
 // scalar RopeKernel + ScatterRows pair it replaces moved 2 bytes per access in two launches
-// (session 21, H100: 18 + 14 us per 4064-row segment and layer at kv_dim 1024).
+// (H100: 18 + 14 us per 4064-row segment and layer at kv_dim 1024).
 __global__ void AssembleKvKernel(const bf16* ks, int64_t k_stride, const bf16* vs,
                                  int64_t v_stride, const int32_t* pos, const int32_t* slots,
                                  int64_t n, bf16* pk, bf16* pv, int64_t num_slots, int kv_dim,
