@@ -10,6 +10,7 @@
       base images live on a registry this machine cannot reach).
 
   podman.py kube --k8s deploy/k8s --out FILE --tag TAG --models-dir DIR [--model-path PATH]
+                 --credentials DIR --secret-volumes DIR
       deploy/k8s (the kustomization's resources, in order) rendered for `podman kube play`,
       one replica of each tier, every change printed in the output's header. podman 4.3 plays
       Pods, Deployments, PersistentVolumeClaims and ConfigMaps only and has no Services, so:
@@ -20,6 +21,11 @@
         - the GPU worker runs the CPU image with --device=cpu and no GPU request;
         - sizes meant for an 8B model on a GPU node are scaled to stories260K on this VM;
         - status.podIP (not supported by podman) is replaced by the pod name;
+        - Secret volumes (the kustomization's secretGenerator: TLS per role, API keys) become
+          hostPath folders under --secret-volumes holding the Secret's keys as files (mode
+          0440, group: the pod's fsGroup), made from --credentials, a folder laid out as
+          deploy/k8s/secrets (deploy/local/make-credentials.sh writes it); the flags and
+          mount paths stay the manifests';
         - the models PVC becomes a hostPath volume of the host's model folder, still mounted
           read-only (a podman volume bound to it fails: podman chowns a named volume to the
           container's user, "lchown ...: read-only file system", and must never chown the
@@ -118,6 +124,54 @@ def containerfile(args):
 
 
 # ------------------------------------------------------------------------------- kube
+def secret_generators(k8s_dir):
+    """{Secret name: {key: source path relative to k8s_dir}} of the kustomization."""
+    kust = yaml.safe_load(open(os.path.join(k8s_dir, "kustomization.yaml")))
+    out = {}
+    for g in kust.get("secretGenerator", []) or []:
+        keys = {}
+        for entry in g.get("files", []) or []:
+            key, eq, path = entry.partition("=")
+            keys[key if eq else os.path.basename(entry)] = path if eq else entry
+        out[g["name"]] = keys
+    return out
+
+
+def secret_volume(v, pod_spec, generators, credentials, out_dir, where, changes):
+    """Turns a Secret volume into a hostPath folder with the Secret's keys as files."""
+    name = v["secret"]["secretName"]
+    if name not in generators:
+        fail(f"{where}: volume {v['name']}: Secret {name} is not made by the kustomization's "
+             "secretGenerator")
+    if v["secret"].get("items"):
+        fail(f"{where}: volume {v['name']}: Secret items are not rendered")
+    folder = os.path.join(out_dir, name)
+    os.makedirs(folder, exist_ok=True)
+    sc = pod_spec.get("securityContext") or {}
+    gid = sc.get("fsGroup", sc.get("runAsGroup", 0))
+    for key, src in generators[name].items():
+        # The kustomization reads secrets/<path>; the same file lies at <credentials>/<path>.
+        head, _, rest = src.partition("/")
+        if head != "secrets" or not rest:
+            fail(f"{where}: Secret {name}: source {src} is not under secrets/")
+        path = os.path.join(credentials, rest)
+        if not os.path.isfile(path):
+            fail(f"{where}: Secret {name} key {key}: {path} does not exist "
+                 "(deploy/local/make-credentials.sh makes it)")
+        dst = os.path.join(folder, key)
+        with open(path, "rb") as f_in, open(dst + ".tmp", "wb") as f_out:
+            f_out.write(f_in.read())
+        os.chown(dst + ".tmp", 0, gid)
+        os.chmod(dst + ".tmp", 0o440)
+        os.replace(dst + ".tmp", dst)
+    os.chown(folder, 0, gid)
+    os.chmod(folder, 0o750)
+    v.pop("secret")
+    v["hostPath"] = {"path": folder, "type": "Directory"}
+    changes.append(f"{where}: volume {v['name']} (Secret {name}) -> hostPath {folder} "
+                   f"({', '.join(sorted(generators[name]))}; mode 0440, group {gid})")
+
+
 def load_k8s(k8s_dir):
     kust = yaml.safe_load(open(os.path.join(k8s_dir, "kustomization.yaml")))
     docs = []
@@ -184,7 +238,7 @@ def expand_vars(c, pod_name, config, where, changes):
 
 
 def render_pod(workload, index, template, tag, replicas, claims, config, models_dir,
-               changes):
+               secrets, changes):
     name = workload["metadata"]["name"]
     pod_name = f"{name}-{index}"
     spec = copy.deepcopy(template["spec"])
@@ -233,6 +287,8 @@ def render_pod(workload, index, template, tag, replicas, claims, config, models_
         expand_vars(c, pod_name, config, f"{where}/{c['name']}", changes)
     volumes = spec.get("volumes", [])
     for v in volumes:
+        if "secret" in v:
+            secret_volume(v, spec, *secrets, where, changes)
         if v.get("persistentVolumeClaim", {}).get("claimName") == "sparsex-models":
             v.pop("persistentVolumeClaim")
             v["hostPath"] = {"path": models_dir, "type": "Directory"}
@@ -286,6 +342,8 @@ def kube(args):
             data[k] = v
     config["metadata"].pop("namespace", None)
 
+    secrets = (secret_generators(args.k8s), os.path.abspath(args.credentials),
+               os.path.abspath(args.secret_volumes))
     pods = {}
     for name in KEEP_WORKLOADS:
         w = workloads[name]
@@ -293,7 +351,7 @@ def kube(args):
             changes.append(f"{w['kind']} {name}: replicas {w['spec'].get('replicas', 1)} -> "
                            f"{replicas}")
         pods[name] = [render_pod(w, i, w["spec"]["template"], args.tag, replicas, claims,
-                                 data, os.path.abspath(args.models_dir), changes)
+                                 data, os.path.abspath(args.models_dir), secrets, changes)
                       for i in range(replicas)]
 
     out.append(config)
@@ -328,6 +386,10 @@ def main():
     k.add_argument("--tag", required=True)
     k.add_argument("--model-path", default="/models/stories260K/stories260K.gguf")
     k.add_argument("--models-dir", required=True, help="host folder mounted at /models")
+    k.add_argument("--credentials", required=True,
+                   help="credentials laid out as deploy/k8s/secrets (make-credentials.sh)")
+    k.add_argument("--secret-volumes", required=True,
+                   help="folder for the Secrets' files (one hostPath folder per Secret)")
     args = ap.parse_args()
     {"containerfile": containerfile, "kube": kube}[args.cmd](args)
 

@@ -4,6 +4,12 @@
 # played with `podman kube play`, and the demo's RAG workload served from the containers
 # (etcd, cache server, CPU worker with stories260K, router). Root only.
 #
+# Credentials as on Kubernetes: deploy/local/make-credentials.sh makes <work>/credentials (CA,
+# router/worker/cache certificates, scope key, API keys file, the key of tenant "podman"; kept
+# across runs), and the render mounts them where the manifests mount their Secrets. Every gRPC
+# channel between the pods is mutual TLS; the RAG client and the OpenAI request send the API key,
+# and a request without it must be refused (401).
+#
 #   deploy/podman/up.sh [all]    images, up, rag, down: the whole thing, end to end
 #   deploy/podman/up.sh test     the same, for ctest: skipped (77) unless SPARSEX_PODMAN_TEST=1,
 #                                root, and podman, buildah, debootstrap and a CPU build present
@@ -58,13 +64,15 @@ while [ $# -gt 0 ]; do
     --requests) REQUESTS=$2; shift 2 ;;
     --json) JSON_OUT=$2; shift 2 ;;
     --keep) KEEP=1; shift ;;
-    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     *) echo "up.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 NET=sparsex-podman
 BASE=localhost/sparsex/debian:12-slim
 KUBE=$WORK/sparsex-kube.yaml
+CRED=$WORK/credentials
+TENANT=podman
 PODS=(sparsex-etcd-0 sparsex-cache-0 sparsex-worker-0 sparsex-router-0)
 PYTHON=${SPARSEX_PYTHON:-$(command -v python3)}
 [ -x /usr/bin/python3 ] && PYTHON=${SPARSEX_PYTHON:-/usr/bin/python3}
@@ -78,7 +86,7 @@ step() { echo "== $*"; }
 preflight() {  # preflight [test]: missing prerequisites skip (test) or fail
   local miss=() t
   [ "$(id -u)" = 0 ] || miss+=("root")
-  for t in podman buildah debootstrap runc curl; do command -v $t >/dev/null || miss+=("$t"); done
+  for t in podman buildah debootstrap runc curl openssl; do command -v $t >/dev/null || miss+=("$t"); done
   "$PYTHON" -c 'import yaml' 2>/dev/null || miss+=("python3-yaml")
   if [ ${#miss[@]} -gt 0 ]; then
     [ "${1:-}" = test ] && skip "needs ${miss[*]} (apt-get install podman buildah debootstrap runc)"
@@ -265,8 +273,10 @@ cluster_up() {
   mkdir -p "$WORK/logs"
   cluster_down quiet
   podman network create "$NET" >/dev/null
+  "$REPO/deploy/local/make-credentials.sh" "$CRED" "$TENANT"
+  rm -rf "$WORK/secret-volumes"
   "$PYTHON" "$HERE/podman.py" kube --k8s "$REPO/deploy/k8s" --out "$KUBE" --tag "$TAG" \
-    --models-dir "$MODELS" >/dev/null
+    --models-dir "$MODELS" --credentials "$CRED" --secret-volumes "$WORK/secret-volumes" >/dev/null
   grep '^#   ' "$KUBE" | sed 's/^#   /  changed: /'
   podman kube play --network "$NET" "$KUBE" >"$WORK/logs/play.log" 2>&1 ||
     { cat "$WORK/logs/play.log" >&2; dump_logs; die "podman kube play failed"; }
@@ -295,6 +305,7 @@ cluster_up() {
   echo "ROUTER_GRPC=${IP[sparsex-router-0]}:50051" >>"$WORK/cluster.env"
   echo "WORKER_METRICS=${IP[sparsex-worker-0]}:9460" >>"$WORK/cluster.env"
   echo "CACHE_METRICS=${IP[sparsex-cache-0]}:9470" >>"$WORK/cluster.env"
+  echo "API_KEY_FILE=$CRED/api_key.$TENANT" >>"$WORK/cluster.env"
 }
 
 metric() {  # metric HOST:PORT NAME [LABELS]: the sum of a metric's series (those with LABELS)
@@ -306,7 +317,8 @@ metric() {  # metric HOST:PORT NAME [LABELS]: the sum of a metric's series (thos
 # rag NAME SEED: the RAG workload from a container on the pods' network (the router image has
 # sparsex-rag), against the router pod by name; summary in <work>/out/rag-NAME.json.
 rag() {
-  podman run --rm --network "$NET" -v "$MODELS:/models:ro" -v "$WORK/out:/out" \
+  SPARSEX_API_KEY=$(cat "$API_KEY_FILE") podman run --rm --network "$NET" -e SPARSEX_API_KEY \
+    -v "$MODELS:/models:ro" -v "$WORK/out:/out" \
     --entrypoint /usr/local/bin/sparsex-rag "localhost/sparsex/router:$TAG" \
     --target sparsex-router-0:50051 --docs /models/tinystories-text/tinystories_sample.txt \
     --requests "$REQUESTS" --pool 16 --docs_per_request 3 --max_tokens 16 --fidelity_every 4 \
@@ -324,10 +336,16 @@ run_rag() {
   step "RAG workload (seed 1): sparsex-rag in a container (router image) -> sparsex-router-0:50051"
   rag compute 1
   step "one OpenAI-compatible request from the host (http://$ROUTER_HTTP/v1/completions)"
-  curl -fsS --max-time 60 "http://$ROUTER_HTTP/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"model":"stories260K","prompt":"Once upon a time","max_tokens":24,"temperature":0}' |
-    tee "$WORK/out/completion.json"
+  local body='{"model":"stories260K","prompt":"Once upon a time","max_tokens":24,"temperature":0}'
+  # The key goes to curl on stdin (a header file), not on its command line.
+  printf 'Authorization: Bearer %s\n' "$(cat "$API_KEY_FILE")" |
+    curl -fsS --max-time 60 "http://$ROUTER_HTTP/v1/completions" -H @- \
+      -H 'Content-Type: application/json' -d "$body" | tee "$WORK/out/completion.json"
   echo
+  local nokey
+  nokey=$(curl -sS -o /dev/null -w '%{http_code}' --max-time 10 \
+    "http://$ROUTER_HTTP/v1/completions" -H 'Content-Type: application/json' -d "$body")
+  log "the same request without the API key: HTTP $nokey"
   # The worker's write-backs to the cache server are asynchronous: wait until they stop.
   local wb last=-1
   for _ in $(seq 60); do
@@ -368,14 +386,16 @@ run_rag() {
   out=$(metric "$CACHE_METRICS" sparsex_cache_bytes_out_total)
   reads=$(metric "$CACHE_METRICS" sparsex_cache_requests_total 'method="read"')
   "$PYTHON" - "$WORK/out" "$REQUESTS" "$reused" "$wb" "$commits" "$hits" "$out" "$reads" \
-      "${JSON_OUT:-$WORK/out/podman.json}" <<'EOF'
+      "${JSON_OUT:-$WORK/out/podman.json}" "$nokey" <<'EOF'
 import json, sys
 d = sys.argv[1]
 compute = json.load(open(f"{d}/rag-compute.json"))
 fetch = json.load(open(f"{d}/rag-fetch.json"))
 comp = json.load(open(f"{d}/completion.json"))
 requests, reused, wb, commits, hits, out, reads = (int(a) for a in sys.argv[2:9])
+nokey = int(sys.argv[10])
 checks = {
+    "an OpenAI request without the API key is refused (401)": nokey == 401,
     "seed 1: every RAG request ok": compute["ok"] == requests and compute["failed"] == 0,
     "seed 1: segments reused": compute["reused_tokens"] > 0 and reused > 0,
     "seed 1: worker wrote segments back, cache server committed them": wb > 0 and commits > 0,
@@ -389,7 +409,8 @@ checks = {
 summary = {"rag_seed1": compute, "rag_seed2_fresh_worker": fetch,
            "completion": comp["choices"][0]["text"], "router_reused_tokens_seed1": reused,
            "worker_writebacks_ok": wb, "cache_commits_ok": commits, "cache_hits": hits,
-           "cache_bytes_out": out, "cache_inline_reads": reads, "checks": checks}
+           "cache_bytes_out": out, "cache_inline_reads": reads,
+           "openai_without_key_http_status": nokey, "checks": checks}
 json.dump(summary, open(sys.argv[9], "w"), indent=1)
 for k in ("reused_tokens", "recomputed_tokens", "new_tokens", "segments_fetched",
           "fetch_failures", "ttft_reuse_mean_ms", "ttft_baseline_mean_ms", "exact",
