@@ -256,7 +256,7 @@ TEST_F(BlockCacheTest, AbandonedReservationIsReclaimed) {
   EXPECT_TRUE(Put(5, 0).ok());  // the key is free again
 }
 
-// Issue 16 defect 12: one client cannot reserve the whole arena. Its uncommitted bytes are
+// One client cannot reserve the whole arena. Its uncommitted bytes are
 // bounded (max_client_reserved_bytes); beyond, RESOURCE_EXHAUSTED "client_quota" at once, while
 // another client still reserves; a commit or abort gives the quota back.
 TEST_F(BlockCacheTest, PerClientReservationQuota) {
@@ -488,7 +488,7 @@ TEST_F(BlockCacheTest, CorruptMemoryCopyDetectedOnInlineRead) {
   EXPECT_EQ(cache_->Stats().memory_used_bytes, 0u);
 }
 
-// Issue 16 (2): a client's corruption report (Evict with corrupt=true) is a hint. The cache
+// A client's corruption report (Evict with corrupt=true) is a hint. The cache
 // verifies its own copy: one that verifies stays (the damage was the client's, or on the
 // way, e.g. a stale data-plane endpoint); one that does not is dropped and counted.
 TEST_F(BlockCacheTest, CorruptionReportIsAHintVerifiedAgainstTheStoredCopy) {
@@ -523,7 +523,7 @@ TEST_F(BlockCacheTest, CorruptionReportIsAHintVerifiedAgainstTheStoredCopy) {
   EXPECT_EQ(cache_->Stats().disk_blocks, 1u);
 }
 
-// Issue 16 (3), in-process: a disk tier whose filesystem has less free space than the
+// A full disk, in-process: a disk tier whose filesystem has less free space than the
 // reserve (here: a reserve larger than any disk) is not written; commits succeed in memory
 // only, the state is reported, nothing aborts. (The full-disk-and-back cycle on a real small
 // filesystem: ServerE2ETest.FullDiskDegradesToMemoryOnlyAndRecovers.)
@@ -558,7 +558,7 @@ TEST_F(BlockCacheTest, DiskBelowTheReserveKeepsCommitsInMemoryOnly) {
 }
 
 #if SPARSEX_WITH_ROCKSDB
-// Issue 16 (3): a server restarting on a full disk. Opening RocksDB for writing replays its WAL
+// A full disk: a server restarting on it. Opening RocksDB for writing replays its WAL
 // into new files, which on a full disk ends in the packaged RocksDB's abort; the store is
 // opened read-only instead (its blocks are served, commits stay in memory) and reopened for
 // writing once there is room. On a real small filesystem without root: the body runs in a
@@ -686,7 +686,7 @@ int RestartOnFullDisk(const std::string& dir) {
   return 0;
 }
 
-// Issue 16 (3), the abort left after the reserve: RocksDB's info log. RocksDB writes its LOG by
+// A full disk, the abort left after the reserve: RocksDB's info log. RocksDB writes its LOG by
 // itself (every 10 s, and on the next line 5 s after the last write), outside the reserve's
 // checks. With RocksDB's default logger, one such write failing on a full disk made the next
 // line logged (DB::Resume's "Resuming DB", i.e. the disk tier's recovery) abort the process on

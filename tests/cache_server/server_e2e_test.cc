@@ -381,7 +381,7 @@ TEST_F(ServerE2ETest, KilledServerRestartsWithEveryCommittedSegmentIntact) {
   EXPECT_EQ(rc, 0) << out;
 }
 
-// Issue 16 (2): a worker's CacheClient outlives a kill -9 + restart of its server (same port,
+// A worker's CacheClient outlives a kill -9 + restart of its server (same port,
 // same RocksDB directory). The client must notice the new incarnation and exchange endpoints
 // again instead of reading the dead server's arena through its old endpoint and remote key;
 // nothing may be reported or dropped as corrupt; write-back keeps working.
@@ -463,7 +463,7 @@ TEST_F(ServerE2ETest, RestartedServerServesItsDiskBlocksToTheSameClient) {
             std::string::npos);
 }
 
-// Issue 16 (2): a client's corruption report is a hint. The server verifies its own copy and
+// A client's corruption report is a hint. The server verifies its own copy and
 // keeps a block that verifies; it drops (and counts) only one whose stored bytes fail.
 TEST_F(ServerE2ETest, CorruptionReportIsAHintTheServerVerifies) {
   auto* s = StartServer("db", {"--warm_load_bytes=0"});
@@ -527,7 +527,7 @@ TEST_F(ServerE2ETest, CorruptionReportIsAHintTheServerVerifies) {
             std::string::npos);
 }
 
-// Issue 16 (3): the disk fills up (here: a 48 MiB tmpfs, filled to the last byte by another
+// A full disk: the disk fills up (here: a 48 MiB tmpfs, filled to the last byte by another
 // file). The server keeps disk_reserve_bytes free, so it stops writing to RocksDB, commits go
 // on succeeding memory-only, the gauge and Health say so, and once the space is back it
 // writes to the disk again. It never aborts.
@@ -604,7 +604,7 @@ TEST_F(ServerE2ETest, FullDiskDegradesToMemoryOnlyAndRecovers) {
   ExpectCleanExit(*s);
 }
 
-// Issue 16 (3), the abort itself. It came from RocksDB meeting the full disk: a WAL append
+// A full disk, the abort itself. It came from RocksDB meeting the full disk: a WAL append
 // failing with ENOSPC, after which the packaged RocksDB (assertions on) aborts on the next use
 // of that WAL (a write, its automatic recovery, a background WAL sync, even Close): exit 134.
 // Here 1028 KiB are left for 1 MiB blocks with the reserve asked to be 0, the case that

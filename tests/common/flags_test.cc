@@ -18,8 +18,8 @@ absl::Status ParseWords(FlagSet& f, std::vector<std::string> words) {
 }
 
 TEST(Flags, BoolTakesAValueFromTheNextWord) {
-  // `--gate 0` set the flag to true and dropped the 0 (the H200 fetch run of session 8 ran
-  // its "gate off" worker with the gate on).
+  // `--gate 0` once set the flag to true and dropped the 0 (a "gate off" benchmark worker ran
+  // with the gate on).
   for (const char* word : {"0", "false", "no"}) {
     bool gate = true;
     int port = 0;

@@ -935,7 +935,7 @@ def check_monitoring(objs):
     for m in sorted(used_metrics(rules_text)):
         if m not in known:
             err(f"alert rules use {m}, which no source file defines")
-    # Dashboards (written with the cluster, issue 6): report metrics the code does not define.
+    # Dashboards: report metrics the code does not define.
     dash = cms.get("sparsex-grafana-dashboards", {}).get("data") or {}
     if not dash:
         notes.append("no Grafana dashboard in deploy/grafana yet")

@@ -1,6 +1,6 @@
 // Runs the fidelity harness binary over 50 RAG-style prompts and checks the ordering the
 // design rests on: SparseX selection beats naive reuse and the random control at r = 0.15.
-// Also: prompts are sized from the context so the harness never aborts (issue 19).
+// Also: prompts are sized from the context so the harness never aborts.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -55,7 +55,7 @@ int IntField(const std::string& text, const std::string& key) {
   return std::stoi(m[1].str());
 }
 
-// Issue 19: with the context at 200 tokens (the GGUF says 2048), prompts are sized so prompt +
+// With the context at 200 tokens (the GGUF says 2048), prompts are sized so prompt +
 // 32-token continuation reach the limit without passing it; the run completes with JSON
 // (every setting, intervals, per-prompt records). At 100 tokens some prompts cannot hold even
 // one document: they are skipped and counted, the rest still run.

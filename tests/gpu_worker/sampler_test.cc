@@ -1,5 +1,5 @@
 // Sampler (gpu_worker/engine/sampler.h): greedy and seeded sampling, and non-finite logits
-// (issue 16): NaN or +Inf is an INTERNAL "non-finite logits" error from TrySample, never a
+// (docs/reliability.md): NaN or +Inf is an INTERNAL "non-finite logits" error from TrySample, never a
 // token; Sample (for callers without a Status) records it in status() and does not sort NaNs.
 // ComputeLogprobs: a normalized log-softmax of the raw logits, stable for large logits, top
 // alternatives by value with ties broken by token id.

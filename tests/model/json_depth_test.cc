@@ -1,4 +1,4 @@
-// CheckJsonDepth / CheckJsonLimits (common/json_depth.h, issue 16): the pre-scan every JSON
+// CheckJsonDepth / CheckJsonLimits (common/json_depth.h): the pre-scan every JSON
 // parse of outside input runs, so that deeply nested text is an error, never a stack overflow.
 #include "common/json_depth.h"
 

@@ -1175,7 +1175,7 @@ TEST_F(ModelLoaderTest, ModelInfoOfSyntheticModels) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Input hardening (issue 16): deep JSON, FIFOs, non-finite weights, inconsistent files
+// Input hardening: deep JSON, FIFOs, non-finite weights, inconsistent files
 
 // `levels` arrays nested inside each other: "[[[...]]]".
 std::string Nested(int levels) { return std::string(levels, '[') + std::string(levels, ']'); }

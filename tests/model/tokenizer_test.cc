@@ -397,7 +397,7 @@ TEST(HfLoadTest, LoadsFromFile) {
 namespace sparsex {
 namespace {
 
-// 40,000 added tokens sharing a first byte (issue 16: inserting them one by one re-sorted the
+// 40,000 added tokens sharing a first byte (inserting them one by one once re-sorted the
 // bucket each time, 71 s to load). Every one is found, and the longest match wins over its
 // prefixes. The load time is printed, not asserted (speed lives in benchmarks).
 TEST(HfAddedTokensTest, ManyAddedTokensLoadAndTheLongestMatchWins) {

@@ -1,4 +1,4 @@
-// Router input hardening (issue 16), through the real front ends of a router serving the
+// Router input hardening, through the real front ends of a router serving the
 // synthetic "tiny" model (vocabulary 1000, 4 layers) whose one static worker never answers:
 // a request the router accepts ends in 503 (no healthy worker), one it refuses in 400 (HTTP)
 // or INVALID_ARGUMENT (gRPC) before any routing.

@@ -1,4 +1,4 @@
-// The online correctness gate (issue 19 section 3): its sampling and escalation logic, and the
+// The online correctness gate (docs/reliability.md): its sampling and escalation logic, and the
 // worker's scheduler with it on stories260K: a broken reuse configuration (segments encoded
 // after BOS, no full layer, nothing recomputed) is caught and reuse disabled while exact
 // prefix caching still serves; the default configuration is left alone; and a replay never

@@ -1,4 +1,4 @@
-// Issue 16, defect 9: greedy output with reuse on, repeated sequentially and concurrently
+// Greedy output with reuse on, repeated sequentially and concurrently
 // through the BatchScheduler on stories260K. A repeat may legitimately differ from the first
 // run when it saw a different reuse state (the first request computed a segment, later ones
 // reuse it; a finished request's prompt and reply went to the approximate prefix namespace):
@@ -24,7 +24,7 @@ namespace sparsex::service {
 namespace {
 
 // More pool threads than this machine's cores: parallel loops split into several parts that
-// finish in varying order (the race of defect 9 needs more than one part). Set before the
+// finish in varying order (the order race this guards against needs more than one part). Set before the
 // process-wide pool is created (its first use).
 const bool kThreads = [] {
   setenv("SPARSEX_THREADS", "6", /*overwrite=*/0);

@@ -1,4 +1,4 @@
-// Issue 19 §4 in CI size: reuse must hold under a stream of new document orderings. 1,000 RAG
+// In CI size: reuse must hold under a stream of new document orderings. 1,000 RAG
 // requests through the worker's scheduler on stories260K, each a fresh random ordering of 4
 // documents drawn (Zipf 1.0) from a pool of 32, with the host store bounded to half of the
 // pool's KV. The store is content-addressed (one entry per segment, whatever the ordering), so

@@ -788,8 +788,8 @@ const client = new OpenAI({ baseURL: 'http://' + process.argv[2] + '/v1', apiKey
   EXPECT_EQ(j["status"], 404);
 }
 
-// logprobs / top_logprobs through the official npm client, both endpoints, streamed and not
-// (issue 17 §2): the shapes it parses, greedy tokens being their position's most likely token,
+// logprobs / top_logprobs through the official npm client, both endpoints, streamed and not:
+// the shapes it parses, greedy tokens being their position's most likely token,
 // the stream carrying the same entries as the whole response, and the range errors.
 TEST_F(ClusterTest, OpenAiNpmClientLogprobs) {
   NPM_DIR_OR_SKIP(dir, "openai");

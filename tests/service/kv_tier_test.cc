@@ -467,7 +467,7 @@ TEST_F(KvTierServerTest, ABlockOfTheWrongShapeIsAFailureNotAHit) {
   EXPECT_EQ(g.failures, 0);
 }
 
-// Issue 16, fault suite finding 2: a block whose bytes arrive and fail their checksum was
+// Found by the fault suite: a block whose bytes arrive and fail their checksum was
 // counted as an "incomplete" fetch (the client answers it NOT_FOUND, a miss); it is "corrupt".
 // The tier leaves it to the client's report (the server re-verifies and drops it).
 TEST_F(KvTierServerTest, ABlockThatFailsItsChecksumIsCountedCorrupt) {
@@ -614,7 +614,7 @@ TEST(KvTierLargeSegmentTest, PartlyEvictedSegmentCostsNoTransfer) {
   EXPECT_FALSE(store.Contains(fp));
 }
 
-// Issue 16 (2): the cache server restarts (same port, same RocksDB directory) under a running
+// The cache server restarts (same port, same RocksDB directory) under a running
 // worker. The worker's tier, the same object, must notice the new incarnation and exchange
 // endpoints again: its fetch gets the restarted server's disk blocks intact, nothing is
 // reported or dropped as corrupt, and its write-back succeeds.

@@ -1,4 +1,4 @@
-// Issue 16, fault suite finding 3: with the cache server down every write-back failed with a
+// Found by the fault suite: with the cache server down every write-back failed with a
 // log line of its own (89 lines within a second of cache_kill). Write-back and fetch failures
 // now go through LogLimiter: one line per 5 s, which says how many were held back.
 #include "gpu_worker/service/log_limiter.h"

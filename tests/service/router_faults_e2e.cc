@@ -1,19 +1,19 @@
-// Router faults of issue 16 (defects 4, 5 and 6), each against real processes on 127.0.0.1:
+// Router faults, each against real processes on 127.0.0.1:
 // one sparsex-router and two sparsex-workers (stories260K on the CPU, static membership, no
 // etcd), started per test and stopped by PID. docs/reliability.md "Router front end and
 // worker faults".
-//   - HealthAndMetricsAnswerUnderIdleTricklingConnectionsAndStreams (defect 4): 70 idle or
+//   - HealthAndMetricsAnswerUnderIdleTricklingConnectionsAndStreams: 70 idle or
 //     trickling connections plus 70 streams looping; every /healthz and /metrics probe answers
 //     within 1 s, and a completion still completes.
-//   - ConnectionLimitAndTimeoutsRefuseQuickly (defect 4): over --http_max_connections a
+//   - ConnectionLimitAndTimeoutsRefuseQuickly: over --http_max_connections a
 //     connection gets 503 at once; idle and trickling connections get 408 after their
 //     timeouts.
-//   - AbandonedNonStreamingRequestsStopGenerating (defect 5): 10 non-streaming completions
+//   - AbandonedNonStreamingRequestsStopGenerating: 10 non-streaming completions
 //     whose sockets close after 0.3 s stop generating at the worker promptly.
-//   - FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried (defect 6): one worker SIGSTOPped;
+//   - FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried: one worker SIGSTOPped;
 //     every request succeeds within a bound, the router marks it unhealthy within ~2 s;
 //     SIGCONT at the end and it serves again.
-//   - FrozenWorkerMidGenerationNonStreamingRequestsStartOver (defect 6): a non-streaming
+//   - FrozenWorkerMidGenerationNonStreamingRequestsStartOver: a non-streaming
 //     request whose worker freezes mid-generation (nothing sent to the client yet) starts over
 //     on the other worker and succeeds.
 #include <arpa/inet.h>
@@ -288,7 +288,7 @@ class RouterFaults : public ::testing::Test {
   std::unique_ptr<v1::SparseX::Stub> stub_;
 };
 
-// Defect 4: 70 idle or trickling connections and 70 streams used to take all 64 civetweb
+// HTTP starvation: 70 idle or trickling connections and 70 streams used to take all 64 civetweb
 // threads (one-hour request timeout): /healthz, /metrics and completions timed out.
 TEST_F(RouterFaults, HealthAndMetricsAnswerUnderIdleTricklingConnectionsAndStreams) {
   StartWorkers(2);
@@ -373,7 +373,7 @@ TEST_F(RouterFaults, HealthAndMetricsAnswerUnderIdleTricklingConnectionsAndStrea
             << MetricValue(m, "sparsex_router_http_connections") << "\n";
 }
 
-// Defect 4: the limits are enforced (flags with small values here).
+// HTTP starvation: the limits are enforced (flags with small values here).
 TEST_F(RouterFaults, ConnectionLimitAndTimeoutsRefuseQuickly) {
   StartWorkers(1);
   StartRouter({"--http_max_connections", "16", "--http_idle_timeout_ms", "600",
@@ -439,7 +439,7 @@ TEST_F(RouterFaults, ConnectionLimitAndTimeoutsRefuseQuickly) {
   EXPECT_GE(MetricValue(m, "sparsex_router_http_closed_total{reason=\"read_timeout\"}"), 1);
 }
 
-// Defect 5: non-streaming completions whose clients close the connection used to run to the
+// Abandoned requests: non-streaming completions whose clients close the connection used to run to the
 // end (10 requests closed after 0.3 s produced 20,000 tokens).
 TEST_F(RouterFaults, AbandonedNonStreamingRequestsStopGenerating) {
   // Two sequences at a time: run to the end, the ten requests would keep the worker busy for
@@ -502,7 +502,7 @@ TEST_F(RouterFaults, AbandonedNonStreamingRequestsStopGenerating) {
             << " requested); worker idle " << stopped_ms << " ms after the close\n";
 }
 
-// Defect 6: a frozen worker (SIGSTOP) kept getting requests until its etcd lease expired, and
+// A frozen worker: a frozen worker (SIGSTOP) kept getting requests until its etcd lease expired, and
 // its requests stalled ~15 s. Here membership is static, so nothing but the router's own
 // detection can take it out.
 TEST_F(RouterFaults, FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried) {
@@ -583,7 +583,7 @@ TEST_F(RouterFaults, FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried) {
   EXPECT_TRUE(WaitHealthy(2, 15s));
 }
 
-// Defect 6, the rest of "retry what has not started": a non-streaming HTTP request sends the
+// A frozen worker, the rest of "retry what has not started": a non-streaming HTTP request sends the
 // client nothing until the end, so one whose worker freezes mid-generation starts over on the
 // other worker instead of failing with "failed after streaming".
 TEST_F(RouterFaults, FrozenWorkerMidGenerationNonStreamingRequestsStartOver) {
