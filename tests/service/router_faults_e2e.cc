@@ -502,7 +502,7 @@ TEST_F(RouterFaults, AbandonedNonStreamingRequestsStopGenerating) {
             << " requested); worker idle " << stopped_ms << " ms after the close\n";
 }
 
-// A frozen worker: a frozen worker (SIGSTOP) kept getting requests until its etcd lease expired, and
+// A frozen worker (SIGSTOP) kept getting requests until its etcd lease expired, and
 // its requests stalled ~15 s. Here membership is static, so nothing but the router's own
 // detection can take it out.
 TEST_F(RouterFaults, FrozenWorkerIsRoutedAroundAndUnstartedRequestsRetried) {
