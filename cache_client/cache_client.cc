@@ -138,8 +138,9 @@ absl::StatusOr<std::unique_ptr<CacheClient>> CacheClient::Connect(
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   args.SetServiceConfigJSON(kRetryServiceConfig);
-  impl->channel =
-      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  ASSIGN_OR_RETURN(ClientChannelSecurity sec, ClientCredentials(options.tls));
+  sec.Apply(&args);
+  impl->channel = grpc::CreateCustomChannel(options.address, sec.creds, args);
   impl->stub = pb::CacheService::NewStub(impl->channel);
 
   pb::EndpointRequest req;

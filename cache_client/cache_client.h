@@ -32,6 +32,7 @@
 #include "common/fingerprint.h"
 #include "common/hash.h"
 #include "common/status.h"
+#include "proto/grpc_tls.h"
 
 namespace sparsex::cache {
 
@@ -63,6 +64,9 @@ struct CacheClientOptions {
   // UCX with a same-host server: copy through the mapped arena on several threads
   // (TransportOptions::mapped_copies). Default: true.
   bool mapped_copies = true;
+  // Mutual TLS to the server (proto/grpc_tls.h): this member's certificate and the cluster CA.
+  // Empty: plaintext (the server must allow it). Default: plaintext.
+  TlsFiles tls;
 };
 
 struct LookupInfo {

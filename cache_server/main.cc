@@ -145,6 +145,14 @@ std::map<std::string, Flag> Flags(ServerOptions* o, std::string* ready_file) {
   f["cuda_pin"] = {"page-lock the arena for CUDA: auto | on | off (default auto)",
                    str(&t.cuda_pin)};
   f["ready_file"] = {"write ports as JSON here once serving", str(ready_file)};
+  f["tls_ca"] = {"cluster CA (PEM): clients must present a certificate it signed",
+                 str(&o->tls.ca)};
+  f["tls_cert"] = {"this server's certificate (PEM, signed by the cluster CA)",
+                   str(&o->tls.cert)};
+  f["tls_key"] = {"this server's private key (PEM)", str(&o->tls.key)};
+  f["insecure_loopback"] = {"serve plaintext without client certificates; refused unless "
+                            "--address is loopback (default false)",
+                            boolean(&o->insecure_loopback), true};
   return f;
 }
 

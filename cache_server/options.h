@@ -7,6 +7,7 @@
 
 #include "cache_client/transport.h"
 #include "common/fingerprint.h"
+#include "proto/grpc_tls.h"
 
 namespace sparsex::cache {
 
@@ -96,6 +97,12 @@ struct ServerOptions {
   int max_message_bytes = 64 << 20;
   CacheOptions cache;
   TransportOptions transport;
+  // Mutual TLS on the gRPC listener: only clients with a certificate of the cluster CA (the
+  // workers, the cache CLI with one) are served. Default: none (plaintext).
+  TlsFiles tls;
+  // Plaintext is refused unless this is set and `address` is on loopback (a local test cluster).
+  // Default: false.
+  bool insecure_loopback = false;
 };
 
 }  // namespace sparsex::cache

@@ -13,6 +13,7 @@
 #include "common/metrics/http_server.h"
 #include "common/metrics/metrics.h"
 #include "proto/grpc_health.h"
+#include "proto/grpc_tls.h"
 
 namespace sparsex::cache {
 
@@ -57,10 +58,15 @@ absl::StatusOr<std::unique_ptr<CacheServer>> CacheServer::Start(const ServerOpti
   ASSIGN_OR_RETURN(s.cache, BlockCache::Open(co, s.transport->arena(),
                                              s.transport->arena_bytes(), &s.registry));
 
+  if (!options.tls.enabled()) {
+    RETURN_IF_ERROR(CheckPlaintextAllowed(options.insecure_loopback, "insecure_loopback",
+                                          {absl::StrCat(options.address, ":0")}));
+  }
+  ASSIGN_OR_RETURN(auto creds, ServerCredentials(options.tls, /*require_client_cert=*/true));
   EnableGrpcStandardServices();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(options.address, ":", options.grpc_port),
-                           grpc::InsecureServerCredentials(), &s.grpc_port);
+  builder.AddListeningPort(absl::StrCat(options.address, ":", options.grpc_port), creds,
+                           &s.grpc_port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // The id defaults to address:port, known only once the port is bound (SetServerId below).

@@ -10,6 +10,13 @@ Hash128 SegmentFingerprint(const Hash128& model_fp, std::span<const int32_t> tok
   return h.Finish();
 }
 
+Hash128 ScopedModelFingerprint(const Hash128& model_fp, const Hash128& scope) {
+  if (scope == Hash128{}) return model_fp;
+  Hasher h;
+  h.Str("sparsex.scope").U64(model_fp.hi).U64(model_fp.lo).U64(scope.hi).U64(scope.lo);
+  return h.Finish();
+}
+
 Hash128 PrefixBlockHash(const Hash128& model_fp, const Hash128& parent,
                         std::span<const int32_t> block_tokens) {
   Hasher h;

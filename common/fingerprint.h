@@ -25,8 +25,14 @@ inline constexpr uint32_t kKvLayoutVersion = 1;
 Hash128 SegmentFingerprint(const Hash128& model_fp, std::span<const int32_t> tokens,
                            std::string_view encoding);
 
+// The model fingerprint a KV scope's segment keys derive from (router/auth.h: tenants and shared
+// scopes): model_fp itself for the unscoped namespace (scope all zero), else a hash of both, so
+// that the same tokens of two scopes never share a key in any tier.
+Hash128 ScopedModelFingerprint(const Hash128& model_fp, const Hash128& scope);
+
 // Chained hash of one full prefix block (vLLM-style): identical only when every token before it
-// and in it is identical, for the same model.
+// and in it is identical, for the same model. The first block's parent is the request's scope
+// (all zero when unscoped), which keeps exact-prefix blocks of different scopes apart.
 Hash128 PrefixBlockHash(const Hash128& model_fp, const Hash128& parent,
                         std::span<const int32_t> block_tokens);
 

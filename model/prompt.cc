@@ -9,7 +9,9 @@ namespace sparsex {
 std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const ChunkingOptions& o) {
   std::vector<PromptSegment> out;
   for (auto [b, e] : ChunkTokens(ids, o)) {
-    out.push_back({std::vector<int32_t>(ids.begin() + b, ids.begin() + e), true});
+    PromptSegment s;
+    s.tokens.assign(ids.begin() + b, ids.begin() + e);
+    out.push_back(std::move(s));
   }
   return out;
 }
@@ -22,7 +24,7 @@ RequestFingerprints FingerprintRequest(const Hash128& model_fp,
   if (bos_id >= 0) all.push_back(bos_id);
   for (const PromptSegment& s : segments) all.insert(all.end(), s.tokens.begin(), s.tokens.end());
   const size_t bs = static_cast<size_t>(std::max(1, options.block_size));
-  Hash128 parent;
+  Hash128 parent = options.prefix_scope;
   for (size_t i = 0; i + bs < all.size(); i += bs) {
     parent = PrefixBlockHash(model_fp, parent, std::span<const int32_t>(all.data() + i, bs));
     f.prefix_blocks.push_back(parent);
@@ -30,7 +32,8 @@ RequestFingerprints FingerprintRequest(const Hash128& model_fp,
   f.segments.reserve(segments.size());
   for (const PromptSegment& s : segments) {
     if (options.segments && s.cacheable && !s.tokens.empty()) {
-      f.segments.push_back(SegmentFingerprint(model_fp, s.tokens, options.encoding));
+      f.segments.push_back(SegmentFingerprint(ScopedModelFingerprint(model_fp, s.scope),
+                                              s.tokens, options.encoding));
     } else {
       f.segments.push_back(std::nullopt);
     }

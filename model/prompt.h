@@ -22,6 +22,9 @@ namespace sparsex {
 struct PromptSegment {
   std::vector<int32_t> tokens;
   bool cacheable = true;  // look up and store this segment. Default: true
+  // KV scope the segment is fingerprinted in (ScopedModelFingerprint); all zero: unscoped.
+  // Default: unscoped
+  Hash128 scope;
 };
 
 // Splits a plain prompt into segments by content-defined chunking.
@@ -31,6 +34,7 @@ struct FingerprintOptions {
   int block_size = 16;              // KV block size of the exact-prefix cache. Default: 16
   std::string encoding = "none";    // segment encoding context. Default: "none"
   bool segments = true;             // fingerprint segments (false: reuse off). Default: true
+  Hash128 prefix_scope;             // root of the exact-prefix block chain. Default: unscoped
 };
 
 struct RequestFingerprints {

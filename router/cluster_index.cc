@@ -104,6 +104,14 @@ int ClusterIndex::ReusableTokens(const std::string& worker,
   return n;
 }
 
+bool ClusterIndex::HeldAnywhere(const Hash128& segment) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, w] : workers_) {
+    if (w.segments.contains(segment)) return true;
+  }
+  return false;
+}
+
 size_t ClusterIndex::Segments(const std::string& worker) const {
   std::lock_guard<std::mutex> l(mu_);
   auto it = workers_.find(worker);

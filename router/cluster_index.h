@@ -93,6 +93,7 @@ class ClusterIndex {
   // Tokens of `segments` (segment fingerprints and prefix-block hashes) the worker holds.
   int ReusableTokens(const std::string& worker, std::span<const IndexEntry> segments) const;
   size_t Segments(const std::string& worker) const;  // segments only, not prefix blocks
+  bool HeldAnywhere(const Hash128& segment) const;   // some worker holds this segment
   uint64_t LastSeq(const std::string& worker) const;
   std::string Instance(const std::string& worker) const;
   WorkerLoadInfo Load(const std::string& worker) const;

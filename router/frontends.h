@@ -42,10 +42,17 @@ class GrpcFrontend {
 class HttpFrontend {
  public:
   // `threads` generation threads; the other limits come from router->options() (http_*,
-  // max_body_bytes).
+  // max_body_bytes, max_prompt_bytes), per-client ones included: connections and completions in
+  // flight per source address, over which a client is answered 429.
   static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(Router* router,
                                                              const std::string& address,
                                                              int threads);
+  // The admin listener: GET /healthz (as on the API port), /livez (200 while `api`'s I/O loop
+  // turns; `api` may be null) and /metrics, on connections and limits of its own (at most 64
+  // connections), so that no API client (idle connections, streams) can make a probe fail.
+  static absl::StatusOr<std::unique_ptr<HttpFrontend>> StartAdmin(Router* router,
+                                                                  const std::string& address,
+                                                                  const HttpFrontend* api);
   ~HttpFrontend();
   void Shutdown();
   int port() const { return port_; }

@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <condition_variable>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -17,9 +19,22 @@ class SparseXService final : public v1::SparseX::Service {
  public:
   explicit SparseXService(Router* r) : r_(r) {}
 
+  // The caller's tenant from the "authorization" metadata ("Bearer <key>"); UNAUTHENTICATED
+  // without a valid key when keys are configured.
+  absl::StatusOr<std::shared_ptr<const Tenant>> Caller(grpc::ServerContext* ctx) {
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    std::string_view v;
+    if (it != md.end()) v = std::string_view(it->second.data(), it->second.size());
+    return r_->auth().Authenticate(v);
+  }
+
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    auto tenant = Caller(ctx);
+    if (!tenant.ok()) return ToGrpcStatus(tenant.status());
     CallControl ctl;
+    ctl.tenant = *tenant;
     ctl.grpc_parent = ctx;
     ctl.deadline = ctx->deadline();
     ctl.api = "grpc";
@@ -28,23 +43,29 @@ class SparseXService final : public v1::SparseX::Service {
     return ToGrpcStatus(s);
   }
 
-  grpc::Status Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* req,
+  grpc::Status Tokenize(grpc::ServerContext* ctx, const v1::TokenizeRequest* req,
                         v1::TokenizeResponse* resp) override {
+    auto tenant = Caller(ctx);
+    if (!tenant.ok()) return ToGrpcStatus(tenant.status());
     auto r = r_->Tokenize(*req);
     if (!r.ok()) return ToGrpcStatus(r.status());
     *resp = std::move(*r);
     return grpc::Status::OK;
   }
 
-  grpc::Status ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+  grpc::Status ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest*,
                           v1::ListModelsResponse* resp) override {
-    *resp = r_->ListModels();
+    auto tenant = Caller(ctx);
+    if (!tenant.ok()) return ToGrpcStatus(tenant.status());
+    *resp = r_->ListModels(tenant->get());
     return grpc::Status::OK;
   }
 
-  grpc::Status Health(grpc::ServerContext*, const v1::HealthRequest*,
+  grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest*,
                       v1::HealthResponse* resp) override {
-    *resp = r_->Health();
+    auto tenant = Caller(ctx);
+    if (!tenant.ok()) return ToGrpcStatus(tenant.status());
+    *resp = r_->Health(tenant->get());
     return grpc::Status::OK;
   }
 
@@ -71,6 +92,14 @@ struct GrpcFrontend::Impl {
 namespace {
 constexpr char kServiceName[] = "sparsex.v1.SparseX";
 constexpr auto kHealthFollowPeriod = std::chrono::milliseconds(100);  // well under probe periods
+
+// The largest request gRPC reads: the prompt text bound plus 8 MiB for token ids (a context's
+// worth at a few bytes each) and the other fields, so a huge message is refused by gRPC before
+// it is even parsed (it used to be 64 MiB whatever the prompt bound).
+int MaxRequestBytes(const RouterOptions& o) {
+  const size_t bytes = o.max_prompt_bytes + (size_t{8} << 20);
+  return static_cast<int>(std::min<size_t>(bytes, std::numeric_limits<int>::max()));
+}
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcFrontend>> GrpcFrontend::Start(Router* router,
@@ -82,7 +111,7 @@ absl::StatusOr<std::unique_ptr<GrpcFrontend>> GrpcFrontend::Start(Router* router
   grpc::ServerBuilder b;
   b.AddListeningPort(address, grpc::InsecureServerCredentials(), &f->port_);
   b.RegisterService(f->impl_->service.get());
-  b.SetMaxReceiveMessageSize(64 << 20);
+  b.SetMaxReceiveMessageSize(MaxRequestBytes(router->options()));
   f->impl_->server = b.BuildAndStart();
   if (!f->impl_->server || f->port_ == 0) {
     return absl::UnavailableError("router: cannot listen on " + address + " (gRPC)");

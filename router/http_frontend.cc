@@ -92,6 +92,10 @@ HttpError FromStatus(const absl::Status& s) {
   e.param = openai::ErrorParam(s);
   if (e.status == 429) e.type = "rate_limit_error";
   else if (e.status >= 500) e.type = "server_error";
+  if (s.code() == absl::StatusCode::kUnauthenticated) {
+    e.status = 401;  // OpenAI's answer to a missing or wrong key
+    e.code = "invalid_api_key";
+  }
   if (e.status == 400 && e.message.rfind("unknown model", 0) == 0) {
     e.status = 404;
     e.code = "model_not_found";
@@ -255,6 +259,18 @@ struct HttpFrontend::Impl {
   static constexpr std::chrono::milliseconds kLinger{1000};
   static constexpr size_t kMaxHead = 64 << 10;
   size_t max_body = size_t{16} << 20;
+  size_t max_prompt_bytes = openai::kDefaultMaxPromptBytes;
+  // The admin listener (StartAdmin): /healthz and /metrics only, no generation threads.
+  bool admin = false;
+  // Per source address (IPv4 / IPv6 address, without the port): open connections and HTTP
+  // completions in flight (queued or running); 0 = no limit.
+  int max_connections_per_client = 0;
+  int max_streams_per_client = 0;
+  struct ClientUse {
+    int connections = 0;
+    int streams = 0;
+  };
+  std::unordered_map<std::string, ClientUse> clients;  // I/O thread only
 
   int listen_fd = -1, ep = -1, wake_fd = -1;
   std::thread io;
@@ -285,6 +301,8 @@ struct HttpFrontend::Impl {
     size_t out_off = 0;
     Clock::time_point opened, last_byte, deadline;
     std::shared_ptr<CallCancel> cancel;
+    std::string client;          // source address (ClientOf)
+    bool stream_counted = false;  // counts in clients[client].streams
   };
   std::unordered_map<uint64_t, std::unique_ptr<Conn>> conns;
   uint64_t next_id = 2;  // 0: the listening socket, 1: the wake-up eventfd
@@ -298,6 +316,7 @@ struct HttpFrontend::Impl {
     HttpRequest req;
     bool chat;
     std::shared_ptr<CallCancel> cancel;
+    std::shared_ptr<const Tenant> tenant;  // from the Authorization header
   };
   std::mutex jobs_mu;
   std::condition_variable jobs_cv;
@@ -311,12 +330,12 @@ struct HttpFrontend::Impl {
   // Handlers
 
   int HandleGenerate(const HttpRequest& rq, bool chat, Sender& out,
-                     std::shared_ptr<CallCancel> cancel) {
+                     std::shared_ptr<CallCancel> cancel, std::shared_ptr<const Tenant> tenant) {
     absl::StatusOr<openai::Request> parsed;
     try {
       parsed = openai::ParseRequest(
           rq.body, chat ? openai::Endpoint::kChat : openai::Endpoint::kCompletions,
-          &router->chat_format());
+          &router->chat_format(), {.max_prompt_bytes = max_prompt_bytes});
     } catch (const json::exception& x) {
       // The codec makes no throwing nlohmann call; should one slip in, the client gets a 400.
       out.Send(ErrorResponse(Error(400, std::string("bad request: ") + x.what())));
@@ -336,6 +355,7 @@ struct HttpFrontend::Impl {
     CallControl ctl;
     ctl.api = "http";
     ctl.cancel = std::move(cancel);
+    ctl.tenant = std::move(tenant);
     if (const std::string* t = rq.Header("x-request-timeout-ms"); t != nullptr) {
       int ms = std::atoi(t->c_str());
       if (ms > 0) ctl.deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(ms);
@@ -443,8 +463,8 @@ struct HttpFrontend::Impl {
     return 200;
   }
 
-  std::string HandleModels(const HttpRequest& rq) {
-    v1::ListModelsResponse lm = router->ListModels();
+  std::string HandleModels(const HttpRequest& rq, const Tenant* caller) {
+    v1::ListModelsResponse lm = router->ListModels(caller);
     json data = json::array();
     for (const auto& m : lm.models()) {
       data.push_back({{"id", m.id()},
@@ -478,6 +498,48 @@ struct HttpFrontend::Impl {
                               {"healthy_workers", healthy}}));
   }
 
+  std::string Unauthorized(const absl::Status& s) {
+    std::string r = ErrorResponse(FromStatus(s));
+    // RFC 6750: a 401 names the scheme it wants.
+    const size_t eol = r.find("\r\n");
+    if (eol != std::string::npos) r.insert(eol + 2, "WWW-Authenticate: Bearer\r\n");
+    return r;
+  }
+
+  // ---- the admin listener (StartAdmin): probes and monitoring, apart from the API's
+  // connections and limits, so that no API client can make them fail.
+
+  const Impl* watched = nullptr;  // admin: the API front end whose I/O loop /livez checks
+  std::atomic<int64_t> loop_turn_ns{0};  // steady clock of the I/O loop's last turn
+  static constexpr std::chrono::seconds kLoopStall{5};
+
+  std::string HandleLive() {
+    if (watched != nullptr) {
+      const auto stalled = std::chrono::nanoseconds(Clock::now().time_since_epoch().count() -
+                                                    watched->loop_turn_ns.load());
+      if (stalled > kLoopStall) {
+        return Response(503, "application/json",
+                        Dump(json{{"status", "HTTP API I/O loop stalled"},
+                                  {"stalled_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                     stalled).count()}}));
+      }
+    }
+    return Response(200, "application/json", Dump(json{{"status", "alive"}}));
+  }
+
+  std::string AdminRoute(const HttpRequest& rq) {
+    const std::string& p = rq.path;
+    if (p == "/healthz") return HandleHealth();
+    if (p == "/livez") return HandleLive();
+    if (p == "/metrics") {
+      return Response(200, "text/plain; version=0.0.4; charset=utf-8",
+                      router->registry().Render());
+    }
+    return ErrorResponse(Error(404, "no route for " + rq.method + " " + p +
+                                        " (the admin listener serves /healthz, /livez and "
+                                        "/metrics)"));
+  }
+
   // Everything but a completion, answered on the I/O thread.
   std::string Light(const HttpRequest& rq) {
     const std::string& p = rq.path;
@@ -486,7 +548,12 @@ struct HttpFrontend::Impl {
       return Response(200, "text/plain; version=0.0.4; charset=utf-8",
                       router->registry().Render());
     }
-    if (p == "/v1/models" || p.rfind("/v1/models/", 0) == 0) return HandleModels(rq);
+    // Everything below needs an API key (when keys are configured); /healthz and /metrics
+    // above are for probes and the monitoring system.
+    const std::string* authz = rq.Header("authorization");
+    auto tenant = router->auth().Authenticate(authz ? *authz : std::string());
+    if (!tenant.ok()) return Unauthorized(tenant.status());
+    if (p == "/v1/models" || p.rfind("/v1/models/", 0) == 0) return HandleModels(rq, tenant->get());
     if (p == "/v1/completions" || p == "/v1/chat/completions") {
       return ErrorResponse(Error(405, "use POST"));
     }
@@ -510,6 +577,7 @@ struct HttpFrontend::Impl {
     ::epoll_ctl(ep, EPOLL_CTL_DEL, c.fd, nullptr);
     ::close(c.fd);
     if (reason != nullptr) closed->Get({reason}).Inc();
+    ReleaseClient(c);
     conns.erase(it);
     open_conns->Set(static_cast<double>(conns.size()));
   }
@@ -559,9 +627,85 @@ struct HttpFrontend::Impl {
     Watch(c, EPOLLIN | EPOLLRDHUP);
   }
 
+  // ---- per-client limits (I/O thread)
+
+  // The source address of a connection: the unit of the per-client limits.
+  static std::string ClientOf(const sockaddr_storage& ss) {
+    char buf[INET6_ADDRSTRLEN] = "";
+    if (ss.ss_family == AF_INET) {
+      ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof buf);
+    } else if (ss.ss_family == AF_INET6) {
+      const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr;
+      if (IN6_IS_ADDR_V4MAPPED(&a)) {  // a dual-stack socket: the IPv4 client's own address
+        ::inet_ntop(AF_INET, &a.s6_addr[12], buf, sizeof buf);
+      } else {
+        ::inet_ntop(AF_INET6, &a, buf, sizeof buf);
+      }
+    }
+    return buf;
+  }
+
+  // A new connection from `client`: false (answered 429 and closed) when that client holds
+  // max_connections_per_client already, so that one client's idle connections cannot fill the
+  // server (the global limit, max_connections, is every client's).
+  bool AdmitConnection(int fd, const std::string& client) {
+    ClientUse& u = clients[client];
+    if (max_connections_per_client > 0 && u.connections >= max_connections_per_client) {
+      const std::string r = ErrorResponse(Error(
+          429, absl::StrCat("too many connections from ", client, " (at most ",
+                            max_connections_per_client,
+                            " per client, http_max_connections_per_client); retry later")));
+      (void)::send(fd, r.data(), r.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      ::shutdown(fd, SHUT_WR);
+      ::close(fd);
+      closed->Get({"client_connection_limit"}).Inc();
+      if (u.connections == 0 && u.streams == 0) clients.erase(client);
+      return false;
+    }
+    ++u.connections;
+    return true;
+  }
+
+  // A completion from c's client: false (answered 429) when the client has
+  // max_streams_per_client completions in flight already (queued or running), so that one
+  // client cannot take every generation thread.
+  bool AdmitStream(Conn& c) {
+    ClientUse& u = clients[c.client];
+    if (max_streams_per_client > 0 && u.streams >= max_streams_per_client) {
+      HttpError e = Error(429, absl::StrCat("too many concurrent completions from ", c.client,
+                                            " (at most ", max_streams_per_client,
+                                            " per client, http_max_streams_per_client); "
+                                            "retry when one has finished"));
+      e.type = "rate_limit_error";
+      e.code = "too_many_streams";
+      Fail(c, e, "client_stream_limit");
+      return false;
+    }
+    ++u.streams;
+    c.stream_counted = true;
+    return true;
+  }
+
+  void ReleaseStream(Conn& c) {
+    if (!c.stream_counted) return;
+    c.stream_counted = false;
+    auto it = clients.find(c.client);
+    if (it != clients.end()) --it->second.streams;
+  }
+
+  void ReleaseClient(Conn& c) {
+    ReleaseStream(c);
+    auto it = clients.find(c.client);
+    if (it == clients.end()) return;
+    if (--it->second.connections <= 0 && it->second.streams <= 0) clients.erase(it);
+  }
+
   void Accept() {
     for (;;) {
-      const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      sockaddr_storage peer{};
+      socklen_t peer_len = sizeof peer;
+      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&peer), &peer_len,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -584,6 +728,8 @@ struct HttpFrontend::Impl {
         closed->Get({"connection_limit"}).Inc();
         continue;
       }
+      const std::string client = ClientOf(peer);
+      if (!AdmitConnection(fd, client)) continue;
       const int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       // TCP keepalive: a client that vanished without a FIN (host gone, network cut) shows as
@@ -596,6 +742,7 @@ struct HttpFrontend::Impl {
       auto c = std::make_unique<Conn>();
       c->id = next_id++;
       c->fd = fd;
+      c->client = client;
       c->opened = c->last_byte = Clock::now();
       Conn& ref = *c;
       conns.emplace(c->id, std::move(c));
@@ -739,16 +886,27 @@ struct HttpFrontend::Impl {
   }
 
   void Dispatch(Conn& c) {
+    if (admin) {
+      Respond(c, AdminRoute(c.req));
+      return;
+    }
     const std::string& p = c.req.path;
     const bool chat = p == "/v1/chat/completions";
     if ((chat || p == "/v1/completions") && c.req.method == "POST") {
-      HandOff(c, chat);
+      const std::string* authz = c.req.Header("authorization");
+      auto tenant = router->auth().Authenticate(authz ? *authz : std::string());
+      if (!tenant.ok()) {
+        Respond(c, Unauthorized(tenant.status()));
+        return;
+      }
+      if (!AdmitStream(c)) return;
+      HandOff(c, chat, *tenant);
       return;
     }
     Respond(c, Light(c.req));
   }
 
-  void HandOff(Conn& c, bool chat) {
+  void HandOff(Conn& c, bool chat, std::shared_ptr<const Tenant> tenant) {
     c.st = St::kHandedOff;
     c.in.clear();
     c.in.shrink_to_fit();
@@ -763,7 +921,7 @@ struct HttpFrontend::Impl {
     Watch(c, EPOLLRDHUP | EPOLLONESHOT);
     {
       std::lock_guard<std::mutex> l(jobs_mu);
-      jobs.push_back(Job{c.id, c.fd, std::move(c.req), chat, c.cancel});
+      jobs.push_back(Job{c.id, c.fd, std::move(c.req), chat, c.cancel, std::move(tenant)});
       completions->Get({"queued"}).Set(static_cast<double>(jobs.size()));
     }
     jobs_cv.notify_one();
@@ -820,6 +978,7 @@ struct HttpFrontend::Impl {
       auto it = conns.find(id);
       if (it == conns.end()) continue;
       Conn& c = *it->second;
+      ReleaseStream(c);
       ::fcntl(c.fd, F_SETFL, ::fcntl(c.fd, F_GETFL) | O_NONBLOCK);
       Linger(c);
     }
@@ -868,6 +1027,7 @@ struct HttpFrontend::Impl {
     epoll_event evs[256];
     Clock::time_point last_sweep = Clock::now();
     while (!stopping.load()) {
+      loop_turn_ns.store(Clock::now().time_since_epoch().count());
       const int n = ::epoll_wait(ep, evs, 256, 50);
       for (int i = 0; i < n; ++i) {
         const uint64_t id = evs[i].data.u64;
@@ -905,7 +1065,7 @@ struct HttpFrontend::Impl {
       completions->Get({"running"}).Set(++running);
       Sender s(j.fd);
       try {
-        HandleGenerate(j.req, j.chat, s, j.cancel);
+        HandleGenerate(j.req, j.chat, s, j.cancel, j.tenant);
       } catch (const std::exception& x) {
         std::cerr << "[router] HTTP completion failed: " << x.what() << std::endl;
       }
@@ -982,6 +1142,15 @@ absl::StatusOr<int> Listen(const std::string& address) {
   return fd;
 }
 
+// The per-client limits and the prompt bound of the API listener (RouterOptions).
+void ApplyClientLimits(const RouterOptions& o, HttpFrontend::Impl* s) {
+  s->max_prompt_bytes = o.max_prompt_bytes;
+  s->max_connections_per_client = std::max(0, o.http_max_connections_per_client);
+  s->max_streams_per_client = o.http_max_streams_per_client < 0   ? 0
+                              : o.http_max_streams_per_client > 0 ? o.http_max_streams_per_client
+                                                                  : std::max(1, s->threads / 4);
+}
+
 int BoundPort(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
@@ -1007,6 +1176,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(Router* router
   s.read_timeout = std::chrono::milliseconds(std::max(1, o.http_read_timeout_ms));
   s.write_timeout = std::chrono::milliseconds(std::max(1, o.http_write_timeout_ms));
   s.max_connections = std::max(1, o.http_max_connections);
+  ApplyClientLimits(o, &s);
   // Each connection is a descriptor: keep the limit below the process's own.
   rlimit rl{};
   if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
@@ -1022,10 +1192,12 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(Router* router
   s.closed = &r.AddCounter("sparsex_router_http_closed_total",
                            "HTTP connections refused or closed early, by reason "
                            "(connection_limit, idle_timeout, read_timeout, write_timeout, "
-                           "bad_request, too_large, client_gone, no_descriptors).",
+                           "bad_request, too_large, client_gone, no_descriptors, "
+                           "client_connection_limit, client_stream_limit).",
                            {"reason"});
   for (const char* reason : {"connection_limit", "idle_timeout", "read_timeout", "write_timeout",
-                             "bad_request", "too_large", "client_gone"}) {
+                             "bad_request", "too_large", "client_gone",
+                             "client_connection_limit", "client_stream_limit"}) {
     s.closed->Get({reason});
   }
   s.completions = &r.AddGauge("sparsex_router_http_completions",
@@ -1049,6 +1221,48 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(Router* router
   ::epoll_ctl(s.ep, EPOLL_CTL_ADD, s.wake_fd, &ev);
   Impl* impl = &s;
   for (int i = 0; i < s.threads; ++i) s.gen_threads.emplace_back([impl] { impl->GenLoop(); });
+  s.io = std::thread([impl] { impl->IoLoop(); });
+  return f;
+}
+
+absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::StartAdmin(Router* router,
+                                                                       const std::string& address,
+                                                                       const HttpFrontend* api) {
+  std::unique_ptr<HttpFrontend> f(new HttpFrontend());
+  f->impl_ = std::make_unique<Impl>();
+  Impl& s = *f->impl_;
+  const RouterOptions& o = router->options();
+  s.router = router;
+  s.admin = true;
+  s.threads = 0;
+  s.watched = api != nullptr ? api->impl_.get() : nullptr;
+  // Probes and scrapes: small requests, few clients; limits of their own.
+  s.max_body = 64 << 10;
+  s.max_connections = 64;
+  s.idle_timeout = std::chrono::milliseconds(std::max(1, o.http_idle_timeout_ms));
+  s.read_timeout = std::chrono::milliseconds(std::max(1, o.http_read_timeout_ms));
+  s.write_timeout = std::chrono::milliseconds(std::max(1, o.http_write_timeout_ms));
+  metrics::Registry& r = router->registry();
+  s.open_conns =
+      &r.AddGauge("sparsex_router_admin_connections", "Open admin listener connections.").Get();
+  s.closed = &r.AddCounter("sparsex_router_admin_closed_total",
+                           "Admin listener connections refused or closed early, by reason "
+                           "(as sparsex_router_http_closed_total).",
+                           {"reason"});
+  s.closed->Get({"connection_limit"});
+  ASSIGN_OR_RETURN(s.listen_fd, Listen(address));
+  f->port_ = BoundPort(s.listen_fd);
+  if (f->port_ == 0) return absl::InternalError("router: cannot determine the admin port");
+  s.ep = ::epoll_create1(EPOLL_CLOEXEC);
+  s.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (s.ep < 0 || s.wake_fd < 0) return absl::InternalError("router: epoll/eventfd failed");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;
+  ::epoll_ctl(s.ep, EPOLL_CTL_ADD, s.listen_fd, &ev);
+  ev.data.u64 = 1;
+  ::epoll_ctl(s.ep, EPOLL_CTL_ADD, s.wake_fd, &ev);
+  Impl* impl = &s;
   s.io = std::thread([impl] { impl->IoLoop(); });
   return f;
 }

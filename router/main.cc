@@ -1,5 +1,6 @@
 // sparsex-router: the public API (gRPC on 127.0.0.1:50051, OpenAI-compatible HTTP and
-// /metrics on 127.0.0.1:8000 by default) in front of the workers. See docs/operations.md.
+// /metrics on 127.0.0.1:8000 by default; /healthz, /livez and /metrics also on the admin
+// listener, 127.0.0.1:8001) in front of the workers. See docs/operations.md.
 //
 //   sparsex-router --model stories260K.gguf --etcd 127.0.0.1:2379
 //   sparsex-router --model stories260K.gguf --workers 127.0.0.1:7001,127.0.0.1:7002
@@ -33,6 +34,16 @@ int main(int argc, char** argv) {
         "HTTP: time to receive a whole request (head and body), then 408 and close");
   f.Add("http_write_timeout_ms", &o.http_write_timeout_ms,
         "HTTP: a response write blocked this long (client not reading) cancels the request");
+  f.Add("admin_address", &o.admin_address,
+        "/healthz, /livez and /metrics on a listener of their own host:port (\"\" = off); the "
+        "default 127.0.0.1:8001, when taken, falls back to a free port (logged, ready file)");
+  f.Add("http_max_connections_per_client", &o.http_max_connections_per_client,
+        "HTTP API connections per source address; one more is answered 429 (0 = no limit)");
+  f.Add("http_max_streams_per_client", &o.http_max_streams_per_client,
+        "HTTP completions in flight per source address; one more is answered 429 (0 = a "
+        "quarter of http_threads, -1 = no limit)");
+  f.Add("max_prompt_bytes", &o.max_prompt_bytes,
+        "prompt text per request (both APIs), checked before tokenizing; more is refused");
   f.Add("worker_keepalive_ms", &o.worker_keepalive_ms,
         "keepalive ping period on the router->worker channels");
   f.Add("worker_keepalive_timeout_ms", &o.worker_keepalive_timeout_ms,
@@ -57,7 +68,18 @@ int main(int argc, char** argv) {
         "routing: most in-flight requests above the least loaded worker");
   f.Add("max_attempts", &o.max_attempts, "workers tried before the first token");
   f.Add("request_timeout_ms", &o.request_timeout_ms, "default request deadline (0 = none)");
-  f.Add("ready_file", &o.ready_file, "write {grpc_port, http_port, pid} here once serving");
+  f.Add("ready_file", &o.ready_file,
+        "write {grpc_port, http_port, admin_port, pid} here once serving");
+  f.Add("api_keys_file", &o.api_keys_file,
+        "JSON file of API keys (SHA-256), tenants, scopes and limits (docs/security.md); "
+        "re-read when it changes");
+  f.Add("scope_key_file", &o.scope_key_file,
+        "secret (>= 16 bytes) that keys the tenants' KV scope salts (HMAC-SHA256)");
+  f.Add("tls_ca", &o.cluster_tls.ca, "cluster CA (PEM): workers must present a certificate it signed");
+  f.Add("tls_cert", &o.cluster_tls.cert, "the router's certificate (PEM, signed by the cluster CA)");
+  f.Add("tls_key", &o.cluster_tls.key, "the router's private key (PEM)");
+  f.Add("insecure_loopback", &o.insecure_loopback,
+        "run without API keys and/or cluster TLS; refused unless every listener is on loopback");
   if (absl::Status s = f.Parse(argc, argv); !s.ok()) {
     std::cerr << "sparsex-router: " << s.message() << "\n";
     return 2;
@@ -91,15 +113,33 @@ int main(int argc, char** argv) {
     }
     http = std::move(*h);
   }
+  std::unique_ptr<HttpFrontend> admin;
+  if (!o.admin_address.empty()) {
+    auto a = HttpFrontend::StartAdmin(router->get(), o.admin_address, http.get());
+    if (!a.ok() && o.admin_address == RouterOptions{}.admin_address) {
+      // Another router on this host holds the default port: a free one, said here and in the
+      // ready file, rather than no probes at all. An address given explicitly must bind.
+      std::cerr << "[router] admin listener: " << o.admin_address
+                << " is not available; using a free port" << std::endl;
+      a = HttpFrontend::StartAdmin(router->get(), "127.0.0.1:0", http.get());
+    }
+    if (!a.ok()) {
+      std::cerr << "sparsex-router: " << a.status() << "\n";
+      return 1;
+    }
+    admin = std::move(*a);
+  }
   std::cerr << "[router] serving " << (*router)->model_name() << ": gRPC port "
             << (grpc ? grpc->port() : -1) << ", HTTP port " << (http ? http->port() : -1)
-            << std::endl;
+            << ", admin port " << (admin ? admin->port() : -1) << std::endl;
   if (!o.ready_file.empty()) {
     const std::string tmp = o.ready_file + ".tmp";
     {
       std::ofstream out(tmp, std::ios::trunc);
       out << "{\"grpc_port\":" << (grpc ? grpc->port() : -1)
-          << ",\"http_port\":" << (http ? http->port() : -1) << ",\"pid\":" << getpid() << "}\n";
+          << ",\"http_port\":" << (http ? http->port() : -1)
+          << ",\"admin_port\":" << (admin ? admin->port() : -1) << ",\"pid\":" << getpid()
+          << "}\n";
     }
     std::filesystem::rename(tmp, o.ready_file);
   }
@@ -107,6 +147,7 @@ int main(int argc, char** argv) {
   std::cerr << "[router] stopping" << std::endl;
   if (grpc) grpc->Shutdown();
   if (http) http->Shutdown();
+  if (admin) admin->Shutdown();
   (*router)->Shutdown();
   return 0;
 }

@@ -1,6 +1,7 @@
 #include "router/openai_codec.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -8,6 +9,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "common/json_depth.h"
+#include "common/random.h"
 #include "common/usage.h"
 #include "common/utf8.h"
 
@@ -23,6 +25,14 @@ absl::Status FieldError(const std::string& param, const std::string& message) {
   absl::Status s = absl::InvalidArgumentError(message);
   if (!param.empty()) s.SetPayload(kParamUrl, absl::Cord(param));
   return s;
+}
+
+// The prompt-size bound, checked on the raw text before any templating or tokenization.
+absl::Status CheckPromptBytes(const char* field, size_t bytes, const ParseLimits& limits) {
+  if (bytes <= limits.max_prompt_bytes) return absl::OkStatus();
+  return FieldError(field, absl::StrCat("prompt text of ", bytes,
+                                        " bytes exceeds this router's limit of ",
+                                        limits.max_prompt_bytes, " bytes (max_prompt_bytes)"));
 }
 
 // Field readers: a wrong type is INVALID_ARGUMENT naming the field.
@@ -354,11 +364,229 @@ const char* ChunkObject(const ResponseMeta& meta) {
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// Chat content kept apart from the template's own special tokens.
+//
+// A rendered chat is tokenized with special-token parsing (the template writes its control
+// tokens as text: "<|im_start|>", "<|start_header_id|>"), so the same text inside a message would
+// become the same control tokens and let a client forge a system turn. The guard: a message
+// whose content holds special-token text is rendered a second time with its content wrapped in
+// two random markers (inside its leading and trailing whitespace, so that trim/strip act as on
+// the plain content); the markers removed, that rendering must equal the plain one, and the
+// spans between markers are the client's text, where no special token is matched. A template
+// that cuts or re-encodes content breaks the equality: such a message is refused rather than
+// served with tokens the client forged. Messages without special-token text take the plain
+// path unchanged (their tokens are exactly those of transformers' apply_chat_template).
+
+struct SpecialTokens {
+  struct Entry {
+    std::string text;
+    int32_t id;
+  };
+  std::array<std::vector<Entry>, 256> by_first;  // longest first within each first byte
+  // The longest special token at `pos` that ends at or before `end`, or null.
+  const Entry* At(std::string_view text, size_t pos, size_t end) const {
+    for (const Entry& e : by_first[static_cast<unsigned char>(text[pos])]) {
+      if (pos + e.text.size() <= end && text.compare(pos, e.text.size(), e.text) == 0) return &e;
+    }
+    return nullptr;
+  }
+  // The first special token in `text`, or null.
+  const Entry* Find(std::string_view text, size_t* pos) const {
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (const Entry* e = At(text, i, text.size())) {
+        *pos = i;
+        return e;
+      }
+    }
+    return nullptr;
+  }
+};
+
+namespace {
+
+std::shared_ptr<const SpecialTokens> CollectSpecialTokens(const Tokenizer& tok) {
+  auto out = std::make_shared<SpecialTokens>();
+  for (int32_t id = 0; id < tok.vocab_size(); ++id) {
+    if (!tok.IsSpecial(id)) continue;
+    std::string text = tok.SpecialText(id);
+    if (text.empty()) continue;
+    out->by_first[static_cast<unsigned char>(text[0])].push_back({std::move(text), id});
+  }
+  for (auto& bucket : out->by_first) {
+    std::stable_sort(bucket.begin(), bucket.end(), [](const auto& a, const auto& b) {
+      return a.text.size() > b.text.size();
+    });
+  }
+  return out;
+}
+
+// A byte range [begin, end) of a rendered piece that holds client text.
+struct Range {
+  size_t begin, end;
+};
+// One piece of the prompt and the client-text ranges in it (sorted, disjoint).
+struct Piece {
+  std::string text;
+  std::vector<Range> client;
+};
+
+// Private-use code points around a per-request random number: no client can write them.
+struct Markers {
+  std::string open, close;
+  Markers() {
+    const std::string nonce = absl::StrCat(RandomU64());
+    open = absl::StrCat("\xEE\x80\x80", nonce, "\xEE\x80\x81");   // U+E000 nonce U+E001
+    close = absl::StrCat("\xEE\x80\x82", nonce, "\xEE\x80\x83");  // U+E002 nonce U+E003
+  }
+};
+
+bool IsAsciiSpace(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
+
+std::string MarkContent(const std::string& content, const Markers& m) {
+  size_t b = 0, e = content.size();
+  while (b < e && IsAsciiSpace(content[b])) ++b;
+  while (e > b && IsAsciiSpace(content[e - 1])) --e;
+  return absl::StrCat(content.substr(0, b), m.open, content.substr(b, e - b), m.close,
+                      content.substr(e));
+}
+
+// Removes the markers from a marked rendering: the text and its client ranges; false when the
+// markers are not whole, paired and in order (the template cut or moved them).
+bool Unmark(std::string_view marked, const Markers& m, Piece* out) {
+  out->text.clear();
+  out->client.clear();
+  size_t pos = 0;
+  for (;;) {
+    const size_t o = marked.find(m.open, pos);
+    const size_t c = marked.find(m.close, pos);
+    if (o == std::string_view::npos) {
+      if (c != std::string_view::npos) return false;
+      out->text.append(marked.substr(pos));
+      return true;
+    }
+    if (c == std::string_view::npos || c < o) return false;
+    out->text.append(marked.substr(pos, o - pos));
+    const size_t body = o + m.open.size();
+    const size_t next_open = marked.find(m.open, body);
+    if (next_open != std::string_view::npos && next_open < c) return false;  // nested
+    const size_t begin = out->text.size();
+    out->text.append(marked.substr(body, c - body));
+    out->client.push_back({begin, out->text.size()});
+    pos = c + m.close.size();
+  }
+}
+
+// Encodes a piece: special tokens matched only outside its client ranges (and never across
+// one), every other run of text encoded without special-token parsing, as the tokenizer itself
+// splits a text at its special tokens.
+std::vector<int32_t> EncodeGuarded(const Tokenizer& tok, const SpecialTokens& sp,
+                                   const Piece& piece) {
+  std::vector<int32_t> out;
+  const std::string_view text = piece.text;
+  size_t run = 0, i = 0, r = 0;
+  const auto flush = [&](size_t end) {
+    if (end > run) {
+      const std::vector<int32_t> ids =
+          tok.Encode(text.substr(run, end - run), /*add_bos=*/false, /*parse_special=*/false);
+      out.insert(out.end(), ids.begin(), ids.end());
+    }
+  };
+  while (i < text.size()) {
+    // Ranges behind i (an empty one, where a template dropped the content, included) are
+    // done; the next one bounds a match, so that none spans client text.
+    while (r < piece.client.size() && piece.client[r].end <= i) ++r;
+    if (r < piece.client.size() && piece.client[r].begin <= i) {  // inside client text
+      i = piece.client[r].end;
+      continue;
+    }
+    const size_t limit = r < piece.client.size() ? piece.client[r].begin : text.size();
+    const SpecialTokens::Entry* e = sp.At(text, i, limit);
+    if (e == nullptr) {
+      ++i;
+      continue;
+    }
+    flush(i);
+    out.push_back(e->id);
+    i += e->text.size();
+    run = i;
+  }
+  flush(text.size());
+  return out;
+}
+
+// The prompt's pieces as rendered: one per message span plus the generation prompt
+// (`per_message`), or the whole rendering as one. Messages holding special-token text are
+// rendered again with their content marked (see above); a rendering the markers do not
+// survive exactly refuses the first such message.
+absl::StatusOr<std::vector<Piece>> RenderPieces(const ChatTemplate& tmpl,
+                                                const std::vector<ChatMessage>& messages,
+                                                const ChatTemplateVars& vars,
+                                                const SpecialTokens& sp, bool* per_message) {
+  const auto pieces_of = [](ChatSpans& spans) {
+    std::vector<std::string> out;
+    if (spans.per_message) {
+      out = std::move(spans.spans);
+      out.push_back(std::move(spans.suffix));
+    } else {
+      // Not prefix-stable (e.g. Mistral v0.3 moves the system prompt into the last user turn):
+      // the whole rendering is one plain prompt, which content-defined chunking still splits
+      // so that repeated stretches are found again.
+      out.push_back(std::move(spans.text));
+    }
+    return out;
+  };
+  absl::StatusOr<ChatSpans> spans = RenderChatSpans(tmpl, messages, vars);
+  if (!spans.ok()) return FieldError("messages", std::string(spans.status().message()));
+  *per_message = spans->per_message;
+  std::vector<Piece> pieces;
+  for (std::string& t : pieces_of(*spans)) pieces.push_back({std::move(t), {}});
+  std::vector<size_t> suspects;
+  std::string first_token;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    size_t pos = 0;
+    const SpecialTokens::Entry* e = sp.Find(messages[i].content, &pos);
+    if (e == nullptr) continue;
+    if (suspects.empty()) first_token = e->text;
+    suspects.push_back(i);
+  }
+  if (suspects.empty()) return pieces;
+  const size_t first = suspects[0];
+  const Markers markers;
+  std::vector<ChatMessage> marked = messages;
+  for (size_t i : suspects) marked[i].content = MarkContent(messages[i].content, markers);
+  absl::StatusOr<ChatSpans> mspans = RenderChatSpans(tmpl, marked, vars);
+  bool same = mspans.ok() && mspans->per_message == spans->per_message;
+  if (same) {
+    std::vector<std::string> mpieces = pieces_of(*mspans);
+    same = mpieces.size() == pieces.size();
+    for (size_t k = 0; same && k < pieces.size(); ++k) {
+      Piece clean;
+      same = Unmark(mpieces[k], markers, &clean) && clean.text == pieces[k].text;
+      if (same) pieces[k].client = std::move(clean.client);
+    }
+  }
+  if (!same) {
+    const std::string field = absl::StrCat("messages[", first, "].content");
+    return FieldError(field, absl::StrCat(
+        "'", field, "' holds the special token '", first_token,
+        "' as text, and this model's chat template transforms message content so that the "
+        "router cannot keep it apart from the template's own tokens; remove it, or send the "
+        "prompt as token ids to /v1/completions"));
+  }
+  return pieces;
+}
+
+}  // namespace
+
 ChatFormat MakeChatFormat(const ModelInfo& model) {
   ChatFormat f;
   f.vars.bos_token = model.bos_token;
   f.vars.eos_token = model.eos_token;
   f.tokenizer = model.tokenizer.get();
+  if (f.tokenizer != nullptr) f.specials = CollectSpecialTokens(*f.tokenizer);
   if (model.chat_template.empty()) return f;
   absl::StatusOr<std::shared_ptr<const ChatTemplate>> t = ChatTemplate::Parse(model.chat_template);
   if (t.ok()) {
@@ -370,7 +598,7 @@ ChatFormat MakeChatFormat(const ModelInfo& model) {
 }
 
 absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint,
-                                     const ChatFormat* chat) {
+                                     const ChatFormat* chat, const ParseLimits& limits) {
   if (!IsValidUtf8(body)) return FieldError("", "request body is not valid UTF-8");
   // Depth first: nesting thousands of levels deep would exhaust the stack in the parser or in
   // any recursive walk or copy of the parsed value (the caller bounds the size).
@@ -380,10 +608,10 @@ absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint,
   const json b = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (b.is_discarded()) return FieldError("", "malformed JSON in request body");
   if (!b.is_object()) return FieldError("", "request body must be a JSON object");
-  return endpoint == Endpoint::kChat ? ParseChat(b, chat) : ParseCompletion(b);
+  return endpoint == Endpoint::kChat ? ParseChat(b, chat, limits) : ParseCompletion(b, limits);
 }
 
-absl::StatusOr<Request> ParseCompletion(const json& b) {
+absl::StatusOr<Request> ParseCompletion(const json& b, const ParseLimits& limits) {
   Request p;
   RETURN_IF_ERROR(ParseCommon(b, &p, false));
   v1::GenerateRequest& r = p.req;
@@ -394,6 +622,9 @@ absl::StatusOr<Request> ParseCompletion(const json& b) {
   }
   if (b.contains("segments")) {
     RETURN_IF_ERROR(AddSegments(b["segments"], &r));
+    size_t bytes = 0;
+    for (const v1::Segment& s : r.segments()) bytes += s.text().size();
+    RETURN_IF_ERROR(CheckPromptBytes("segments", bytes, limits));
     return p;
   }
   if (!b.contains("prompt")) return FieldError("prompt", "'prompt' is required");
@@ -404,6 +635,7 @@ absl::StatusOr<Request> ParseCompletion(const json& b) {
     one = &pr[0];
   }
   if (one->is_string()) {
+    RETURN_IF_ERROR(CheckPromptBytes("prompt", one->get_ref<const std::string&>().size(), limits));
     r.set_prompt(one->get<std::string>());
   } else if (one->is_array()) {
     for (const json& t : *one) {
@@ -419,7 +651,8 @@ absl::StatusOr<Request> ParseCompletion(const json& b) {
   return p;
 }
 
-absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat) {
+absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat,
+                                  const ParseLimits& limits) {
   Request p;
   RETURN_IF_ERROR(ParseCommon(b, &p, true));
   if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty()) {
@@ -445,6 +678,10 @@ absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat) {
                      MessageText(m.contains("content") ? m["content"] : kNoContent));
     messages.push_back({role, std::move(text)});
   }
+  // Before any rendering: a template's work and the tokenizer's grow with the text.
+  size_t bytes = 0;
+  for (const ChatMessage& m : messages) bytes += m.content.size();
+  RETURN_IF_ERROR(CheckPromptBytes("messages", bytes, limits));
   if (chat != nullptr && !chat->template_error.ok()) {
     return absl::UnimplementedError(absl::StrCat(
         "this model's chat template cannot be rendered (", chat->template_error.message(),
@@ -462,44 +699,46 @@ absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat) {
   if (chat->tokenizer == nullptr) return absl::InternalError("chat format without a tokenizer");
   ChatTemplateVars vars = chat->vars;
   vars.add_generation_prompt = true;
-  absl::StatusOr<ChatSpans> spans = RenderChatSpans(*chat->tmpl, messages, vars);
-  if (!spans.ok()) return FieldError("messages", std::string(spans.status().message()));
-  // The pieces of the prompt, in order; the last is the generation prompt when per_message.
-  std::vector<std::string> pieces;
-  if (spans->per_message) {
-    pieces = std::move(spans->spans);
-    pieces.push_back(std::move(spans->suffix));
-  } else {
-    // Not prefix-stable (e.g. Mistral v0.3 moves the system prompt into the last user turn):
-    // the whole rendering is one plain prompt, which content-defined chunking still splits so
-    // that repeated stretches are found again.
-    pieces.push_back(std::move(spans->text));
-  }
+  std::shared_ptr<const SpecialTokens> specials = chat->specials;
+  if (specials == nullptr) specials = CollectSpecialTokens(*chat->tokenizer);
+  bool per_message = false;
+  ASSIGN_OR_RETURN(std::vector<Piece> pieces,
+                   RenderPieces(*chat->tmpl, messages, vars, *specials, &per_message));
   // The BOS the template writes is the shared attention sink (add_bos), not text of the first
   // message's segment: so that segment's fingerprint does not depend on being first, and the
-  // BOS is never doubled.
+  // BOS is never doubled. BOS text of the client's is text, never the sink.
   bool template_bos = false;
   const std::string& bos = chat->vars.bos_token;
-  for (std::string& piece : pieces) {
-    if (piece.empty()) continue;
-    if (!bos.empty() && piece.compare(0, bos.size(), bos) == 0) {
-      piece.erase(0, bos.size());
+  for (Piece& piece : pieces) {
+    if (piece.text.empty()) continue;
+    const bool client_first = !piece.client.empty() && piece.client[0].begin < bos.size();
+    if (!bos.empty() && !client_first && piece.text.compare(0, bos.size(), bos) == 0) {
+      piece.text.erase(0, bos.size());
+      for (Range& r : piece.client) {
+        r.begin -= bos.size();
+        r.end -= bos.size();
+      }
       template_bos = true;
     }
     break;
   }
   if (!p.req.has_add_bos()) p.req.set_add_bos(template_bos);
   const Tokenizer& tok = *chat->tokenizer;
-  if (!spans->per_message) {
-    std::vector<int32_t> ids = tok.Encode(pieces[0], /*add_bos=*/false, /*parse_special=*/true);
+  // Special tokens in the template's text (<|im_start|>, [INST]...) are their ids, as when
+  // transformers tokenizes a rendered chat; in the client's text they are text.
+  const auto encode = [&](const Piece& piece) {
+    return piece.client.empty()
+               ? tok.Encode(piece.text, /*add_bos=*/false, /*parse_special=*/true)
+               : EncodeGuarded(tok, *specials, piece);
+  };
+  if (!per_message) {
+    std::vector<int32_t> ids = encode(pieces[0]);
     if (ids.empty()) return FieldError("messages", "the rendered prompt is empty");
     p.req.mutable_prompt_ids()->Add(ids.begin(), ids.end());
     return p;
   }
   for (size_t i = 0; i < pieces.size(); ++i) {
-    // Special tokens in the rendering (<|im_start|>, [INST]...) are their ids, as when
-    // transformers tokenizes a rendered chat.
-    std::vector<int32_t> ids = tok.Encode(pieces[i], /*add_bos=*/false, /*parse_special=*/true);
+    std::vector<int32_t> ids = encode(pieces[i]);
     if (ids.empty()) continue;
     v1::Segment* seg = p.req.add_segments();
     seg->mutable_ids()->mutable_ids()->Add(ids.begin(), ids.end());

@@ -39,16 +39,34 @@ enum class Endpoint { kCompletions, kChat };
 inline constexpr int kMaxCompletionLogprobs = 5;
 inline constexpr int kMaxChatTopLogprobs = 20;
 
+// The texts of a vocabulary's special (control) tokens, longest first per first byte.
+struct SpecialTokens;
+
 // How /v1/chat/completions turns messages into a prompt: the model's chat template, parsed once.
+// Special-token text ("<|im_start|>", "<|start_header_id|>") becomes a control token only where
+// the template wrote it; inside a message's content it is plain text, so a client cannot forge
+// a turn of another role. A template that transforms content so that the client's special-token
+// text cannot be kept apart (it cuts or re-encodes it) refuses such a message (INVALID_ARGUMENT
+// naming messages[i].content); other messages are rendered as before.
 struct ChatFormat {
   std::shared_ptr<const ChatTemplate> tmpl;  // null: no template (or one that did not parse)
   absl::Status template_error;               // the model's template did not parse: why
   ChatTemplateVars vars;                     // bos_token / eos_token text
   const Tokenizer* tokenizer = nullptr;      // encodes the rendered spans, special tokens parsed
+  // The tokenizer's special tokens (MakeChatFormat); null: found from `tokenizer` per request.
+  std::shared_ptr<const SpecialTokens> specials;
 };
 // A template that does not parse is kept as template_error: chat requests then fail saying why
 // (UNIMPLEMENTED), never served without the template; /v1/completions is unaffected.
 ChatFormat MakeChatFormat(const ModelInfo& model);
+
+// Bounds checked on the request's text before any templating or tokenization.
+inline constexpr size_t kDefaultMaxPromptBytes = size_t{4} << 20;  // 4 MiB
+struct ParseLimits {
+  // Prompt text: "prompt", segment texts and chat message contents together, in bytes; more is
+  // INVALID_ARGUMENT naming the limit (the router's --max_prompt_bytes). Default: 4 MiB
+  size_t max_prompt_bytes = kDefaultMaxPromptBytes;
+};
 
 // An OpenAI request mapped onto the public API.
 struct Request {
@@ -62,11 +80,15 @@ struct Request {
 // then the fields as ParseCompletion / ParseChat. Every error is INVALID_ARGUMENT (but see
 // ChatFormat). `chat` null: as a model without a chat template.
 absl::StatusOr<Request> ParseRequest(std::string_view body, Endpoint endpoint,
-                                     const ChatFormat* chat = nullptr);
+                                     const ChatFormat* chat = nullptr,
+                                     const ParseLimits& limits = {});
 
 // POST /v1/completions: "prompt" (a string, token ids, or a one-element array of either) or the
 // SparseX "segments" (strings, token-id arrays or {text, cacheable} objects), never both.
-absl::StatusOr<Request> ParseCompletion(const nlohmann::json& body);
+// Special-token text in a prompt or a segment's text stays text, as in OpenAI's and vLLM's
+// completions: control tokens are sent as token ids.
+absl::StatusOr<Request> ParseCompletion(const nlohmann::json& body,
+                                        const ParseLimits& limits = {});
 // POST /v1/chat/completions. Roles must be system, user, assistant, tool or developer.
 // With a chat template: the prompt is the rendered conversation (generation prompt included),
 // one token segment per message's rendered span (role header included) and the generation
@@ -75,7 +97,8 @@ absl::StatusOr<Request> ParseCompletion(const nlohmann::json& body);
 // one plain prompt (chunked like /v1/completions). A BOS the template emits becomes add_bos
 // (the shared sink), never a doubled token; add_bos defaults to whether the template emits it.
 // Without a template (base models): each non-empty message's content is one segment.
-absl::StatusOr<Request> ParseChat(const nlohmann::json& body, const ChatFormat* chat = nullptr);
+absl::StatusOr<Request> ParseChat(const nlohmann::json& body, const ChatFormat* chat = nullptr,
+                                  const ParseLimits& limits = {});
 
 // The request field a parse error names (OpenAI's error.param, e.g. "reuse.full_layers"), ""
 // when none or for a status that did not come from this codec.

@@ -1,5 +1,6 @@
 #include "router/prepare.h"
 
+#include "common/fingerprint.h"
 #include "common/random.h"
 #include "common/utf8.h"
 #include "model/prompt.h"
@@ -14,7 +15,8 @@ namespace wpb = sparsex::worker::v1;
 
 absl::StatusOr<Prepared> PrepareRequest(const v1::GenerateRequest& req, const ModelInfo& model,
                                         const ChunkingOptions& chunking,
-                                        const ServedIdentity& ident) {
+                                        const ServedIdentity& ident,
+                                        const CallerScopes& scopes) {
   Prepared p;
   const Tokenizer& tok = *model.tokenizer;
   const ModelConfig& cfg = model.config;
@@ -86,18 +88,37 @@ absl::StatusOr<Prepared> PrepareRequest(const v1::GenerateRequest& req, const Mo
   p.wreq.set_logprobs(req.logprobs());
   p.wreq.set_top_logprobs(req.top_logprobs());
   const bool reuse_on = !req.reuse().has_enable() || req.reuse().enable();
+  for (auto& s : segs) {
+    s.scope = scopes.store;
+    // A shared scope is used only where it holds the segment already: what a tenant computes
+    // itself is stored in its own scope, so its private text never enters a shared one.
+    if (ident.known && reuse_on && s.cacheable && !s.tokens.empty() && scopes.held) {
+      for (const Hash128& r : scopes.read) {
+        if (scopes.held(SegmentFingerprint(ScopedModelFingerprint(ident.fingerprint, r),
+                                           s.tokens, ident.encoding))) {
+          s.scope = r;
+          break;
+        }
+      }
+    }
+  }
   for (const auto& s : segs) {
     wpb::TokenSegment* ts = p.wreq.add_segments();
     ts->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
     ts->set_cacheable(s.cacheable);
+    if (!(s.scope == Hash128{})) ts->set_scope(FingerprintToBytes(s.scope));
   }
+  if (!(scopes.store == Hash128{})) p.wreq.set_prefix_scope(FingerprintToBytes(scopes.store));
   // Routing hints: exact-prefix blocks (their tokens add to a worker's score on top of any
   // segment hit covering them: an exact hit needs no recompute) and segment fingerprints,
   // hashed as the workers hash them. Unknown until a worker has reported its identity.
   if (ident.known) {
     const RequestFingerprints f = FingerprintRequest(
         ident.fingerprint, segs, add_bos ? tok.bos_id() : -1,
-        {.block_size = ident.block_size, .encoding = ident.encoding, .segments = reuse_on});
+        {.block_size = ident.block_size,
+         .encoding = ident.encoding,
+         .segments = reuse_on,
+         .prefix_scope = scopes.store});
     for (const Hash128& h : f.prefix_blocks) {
       p.fps.push_back({h, ident.block_size, /*block=*/true});
     }

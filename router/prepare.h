@@ -12,6 +12,7 @@
 //   p.prompt_tokens;  // the prompt's length, BOS included
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,8 +45,18 @@ struct Prepared {
 
 // INVALID_ARGUMENT naming what is wrong. An empty request_id becomes "req-" + 16 random hex
 // digits. Fingerprints only when `id.known` (and segment fingerprints only with reuse on).
+//
+// Scopes (router/auth.h): every segment is fingerprinted in the caller's store scope, except a
+// segment that `held` reports stored in one of the caller's shared read scopes, which is reused
+// from there; exact-prefix blocks are in the store scope. The worker request carries the salts.
+struct CallerScopes {
+  Hash128 store;                  // all zero: unscoped (authentication off)
+  std::vector<Hash128> read;      // shared scopes the caller may reuse from
+  std::function<bool(const Hash128&)> held;  // a worker holds this segment. Default: none
+};
 absl::StatusOr<Prepared> PrepareRequest(const v1::GenerateRequest& req, const ModelInfo& model,
                                         const ChunkingOptions& chunking,
-                                        const ServedIdentity& id);
+                                        const ServedIdentity& id,
+                                        const CallerScopes& scopes = {});
 
 }  // namespace sparsex::router

@@ -26,6 +26,8 @@
 #include "common/status.h"
 #include "model/chunking.h"
 #include "proto/sparsex.pb.h"
+#include "proto/grpc_tls.h"
+#include "router/auth.h"
 #include "router/cluster_index.h"
 
 namespace grpc {
@@ -60,6 +62,20 @@ struct RouterOptions {
   int http_read_timeout_ms = 30000;  // the whole request (head + body); then 408. Default: 30 s
   int http_write_timeout_ms = 30000;  // a response write blocked this long (the client stopped
                                       // reading): the request is cancelled. Default: 30 s
+  // Abuse limits (docs/operations.md "Per-client limits and the admin listener").
+  // /healthz, /livez and /metrics on a listener of their own, for probes and scrapes, so that
+  // no API client can fail them; "" disables. Default: 127.0.0.1:8001
+  std::string admin_address = "127.0.0.1:8001";
+  // Open HTTP API connections per source address; one more is answered 429 and closed at once.
+  // 0 = no per-client limit. Default: 256
+  int http_max_connections_per_client = 256;
+  // HTTP completions in flight (queued or running) per source address; one more is answered
+  // 429. 0 = a quarter of http_threads (at least 1); -1 = no per-client limit. Default: 0
+  int http_max_streams_per_client = 0;
+  // Prompt text of one request (prompt, segment texts, chat message contents), checked before
+  // any templating or tokenization on both APIs: more is INVALID_ARGUMENT / HTTP 400. The gRPC
+  // API's largest request message is this plus 8 MiB (token ids, other fields). Default: 4 MiB
+  size_t max_prompt_bytes = size_t{4} << 20;
   // Router -> worker channels: HTTP/2 keepalive pings every worker_keepalive_ms; a worker that
   // does not answer one within worker_keepalive_timeout_ms (a frozen process: SIGSTOP, a hung
   // host) loses its connection: it is marked unhealthy, and its requests that have not sent a
@@ -79,6 +95,16 @@ struct RouterOptions {
   int max_attempts = 3;          // workers tried before the first token. Default: 3
   int request_timeout_ms = 0;    // deadline when the client sets none; 0 = none. Default: 0
   std::string ready_file;        // JSON with the ports, written once serving. Default: none
+  // Security (docs/security.md). API keys of the public APIs (router/auth.h); scope salts
+  // keyed by the scope key file's bytes. Default: none
+  std::string api_keys_file;
+  std::string scope_key_file;
+  // Mutual TLS on the router -> worker channels: only workers presenting a certificate of the
+  // cluster CA are routed to, whatever etcd lists. Default: none (plaintext)
+  TlsFiles cluster_tls;
+  // Without API keys or cluster TLS the router refuses to start unless this is set and every
+  // listener is on loopback (a local test cluster). Default: false
+  bool insecure_loopback = false;
 };
 
 // Cancels a Generate call from another thread: the HTTP front end calls Cancel() when the
@@ -118,6 +144,9 @@ struct CallControl {
   std::string api = "grpc";  // metrics label. Default: grpc
   // Cancellation from another thread (the HTTP front end). Default: none
   std::shared_ptr<CallCancel> cancel;
+  // The caller, from its API key (Router::auth()). Required when authentication is on: a call
+  // without one is UNAUTHENTICATED. Default: none (authentication off)
+  std::shared_ptr<const Tenant> tenant;
   // Called when a worker fails (UNAVAILABLE: died, frozen) after it streamed tokens: true when
   // nothing has reached the client yet (a non-streaming HTTP request buffers the whole answer)
   // and the front end has dropped what it buffered; the request then starts over on another
@@ -136,8 +165,10 @@ class Router {
   absl::Status Generate(const v1::GenerateRequest& req, const GenerateSink& sink,
                         const CallControl& ctl);
   absl::StatusOr<v1::TokenizeResponse> Tokenize(const v1::TokenizeRequest& req);
-  v1::ListModelsResponse ListModels();
-  v1::HealthResponse Health();
+  // Model fingerprints and worker addresses only for an admin tenant (or authentication off):
+  // they are what a direct attack on the cluster's tiers would start from.
+  v1::ListModelsResponse ListModels(const Tenant* caller = nullptr);
+  v1::HealthResponse Health(const Tenant* caller = nullptr);
   // INVALID_ARGUMENT "unknown model" unless `model` is "" or the served model's name.
   absl::Status CheckModel(const std::string& model) const;
 
@@ -146,6 +177,8 @@ class Router {
   const openai::ChatFormat& chat_format() const;
   metrics::Registry& registry();
   const RouterOptions& options() const;
+  // The API keys (router/auth.h); Disabled() when none are configured.
+  Authenticator& auth();
   void Shutdown();
 
   struct Impl;

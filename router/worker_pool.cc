@@ -126,7 +126,15 @@ void WorkerPool::SetMembers(
       args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
       args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
       args.SetMaxReceiveMessageSize(64 << 20);
-      c->channel = grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
+      // Mutual TLS: a worker is reachable only with a certificate of the cluster CA; an address
+      // in etcd without one fails the handshake and is never healthy (never routed to).
+      auto sec = ClientCredentials(opts_.cluster_tls);
+      if (!sec.ok()) {
+        Log(absl::StrCat("worker ", addr, " skipped: ", sec.status().message()));
+        continue;
+      }
+      sec->Apply(&args);
+      c->channel = grpc::CreateCustomChannel(addr, sec->creds, args);
       c->stub = wpb::Worker::NewStub(c->channel);
       WorkerConn* raw = c.get();
       c->thread = std::thread([this, raw] { Subscribe(*raw); });

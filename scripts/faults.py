@@ -255,7 +255,7 @@ class Cluster:
             os.path.join(self.a.bin_dir, "sparsex-cache-server"),
             f"--grpc_port={self.cache_grpc}", f"--metrics_port={self.cache_metrics}",
             f"--disk_path={disk_path or self.cache_db()}", f"--memory_capacity={self.a.cache_memory}",
-            f"--ready_file={ready}"] + list(extra)
+            f"--ready_file={ready}", "--insecure_loopback"] + list(extra)
         self.start("cache", argv)
         return self.wait_ready("cache", ready, 30)
 
@@ -273,6 +273,7 @@ class Cluster:
             "--port", "0", "--metrics_port", "0", "--worker_id", f"worker-{i}",
             "--etcd", f"127.0.0.1:{self.etcd_port}", "--etcd_ttl_s", "4",
             "--cache_servers", f"127.0.0.1:{self.cache_grpc}", "--ready_file", ready,
+            "--insecure_loopback",
             "--kv_blocks", "2048", "--load_report_ms", "100",
             # A small host store (1 MiB: about 8 segments of stories260K) so that most reused
             # segments come from the cache server, the tier under test.
@@ -294,7 +295,7 @@ class Cluster:
             "--grpc_address", f"127.0.0.1:{self.router_grpc}",
             "--http_address", f"127.0.0.1:{self.router_http}",
             "--etcd", f"127.0.0.1:{self.etcd_port}", "--membership_poll_ms", "200",
-            "--ready_file", ready])
+            "--insecure_loopback", "--ready_file", ready])
         self.wait_ready("router", ready, 30)
 
     def healthy(self):

@@ -73,13 +73,14 @@ def main():
             p = subprocess.Popen(
                 [f"{a.bin}/sparsex-worker", "--model", a.model, "--device", "cpu", "--port", "0",
                  "--metrics_port", "0", "--worker_id", f"worker-{i}", "--kv_blocks", "2048",
-                 "--ready_file", ready] + a.worker_args.split(), env=env, stdout=open(f"{tmp}/w{i}.log", "w"),
+                 "--insecure_loopback", "--ready_file", ready] + a.worker_args.split(), env=env, stdout=open(f"{tmp}/w{i}.log", "w"),
                 stderr=subprocess.STDOUT)
             procs.append(p)
             members.append(f"127.0.0.1:{wait_ready(ready, p)['grpc_port']}")
         p = subprocess.Popen(
             [f"{a.bin}/sparsex-router", "--model", a.model, "--workers", ",".join(members),
-             "--grpc_address", "127.0.0.1:0", "--http_address", "127.0.0.1:0", "--ready_file",
+             "--grpc_address", "127.0.0.1:0", "--http_address", "127.0.0.1:0",
+             "--insecure_loopback", "--ready_file",
              f"{tmp}/r.ready"], stdout=open(f"{tmp}/r.log", "w"), stderr=subprocess.STDOUT)
         procs.append(p)
         port = wait_ready(f"{tmp}/r.ready", p)["http_port"]

@@ -4,8 +4,8 @@ set -euo pipefail
 PKGS=(build-essential cmake ninja-build ccache pkg-config git python3
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   librocksdb-dev libucx-dev ucx-utils libabsl-dev libcivetweb-dev civetweb
-  nlohmann-json3-dev libxxhash-dev libpcre2-dev
-  libgtest-dev libgmock-dev etcd-server prometheus curl iproute2 nodejs
+  nlohmann-json3-dev libxxhash-dev libpcre2-dev libicu-dev
+  libgtest-dev libgmock-dev etcd-server prometheus curl iproute2 nodejs libssl-dev openssl
   python3-yaml python3-kubernetes python3-jinja2
   clang libclang-rt-dev)  # clang + its sanitizer/libFuzzer runtimes: scripts/fuzz.sh
 missing=()

@@ -114,13 +114,17 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   std::remove(ready.c_str());
   s->log_path_ = work_dir + "/server.log";
   std::vector<std::string> argv = {bin_dir + "/sparsex-cache-server", "--ready_file=" + ready};
-  bool has_grpc = false, has_metrics = false;
+  bool has_grpc = false, has_metrics = false, has_security = false;
   for (const auto& a : args) {
     has_grpc |= a.rfind("--grpc_port", 0) == 0;
     has_metrics |= a.rfind("--metrics_port", 0) == 0;
+    has_security |= a.rfind("--tls_", 0) == 0 || a.rfind("--insecure_loopback", 0) == 0;
   }
   if (!has_grpc) argv.push_back("--grpc_port=0");
   if (!has_metrics) argv.push_back("--metrics_port=0");
+  // Test servers listen on 127.0.0.1; without TLS flags they run plaintext, which the server
+  // accepts only when told so.
+  if (!has_security) argv.push_back("--insecure_loopback");
   argv.insert(argv.end(), args.begin(), args.end());
   ASSIGN_OR_RETURN(s->child_, ChildProcess::Spawn(argv, s->log_path_, env));
   const auto until = std::chrono::steady_clock::now() + timeout;

@@ -44,7 +44,8 @@ class ChildProcess {
 
 class ServerProcess {
  public:
-  // Starts `bin_dir`/sparsex-cache-server with `args` plus --ready_file and port-0 flags,
+  // Starts `bin_dir`/sparsex-cache-server with `args` plus --ready_file and port-0 flags (and
+  // --insecure_loopback unless `args` has --tls_* flags),
   // logs to `work_dir`/server.log, and waits (up to `timeout`) for the ready file.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::string& bin_dir, const std::vector<std::string>& args,

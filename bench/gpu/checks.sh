@@ -27,7 +27,7 @@ RUN=/tmp/spx-check-run
 for dev in cuda cpu; do
   rm -rf "$RUN"
   stamp "stories260K cluster on $dev"
-  if ! timeout 120 "$SPX/cluster.sh" up --run-dir "$RUN" --bin-dir "$SPX/bin" --device "$dev" \
+  if ! timeout 120 "$SPX/cluster.sh" up --insecure --run-dir "$RUN" --bin-dir "$SPX/bin" --device "$dev" \
       --model "$SPX/models/stories260K/stories260K.gguf" --cache-servers 1 --cache-memory 256M \
       --grpc-port 0 --http-port 0 --timeout 90 --worker-args "--approximate_prefix 1" >>"$LOG" 2>&1; then
     stamp "cluster up failed ($dev)"; tail -n 20 "$RUN"/*.log >>"$LOG" 2>&1

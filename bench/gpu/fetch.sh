@@ -31,7 +31,7 @@ WORKER_ARGS=${SPX_FETCH_WORKER_ARGS:---kv_blocks 4096 --prefill_chunk 4096 --dev
 RUN=/tmp/spx-fetch-run
 rm -rf "$RUN"
 stamp "cluster up: 2 workers, 1 cache server"
-if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --run-dir "$RUN" --bin-dir "$SPX/bin" \
+if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --insecure --run-dir "$RUN" --bin-dir "$SPX/bin" \
     --model "${SPX_FETCH_MODEL:-synthetic:llama3-8b}" --device "${SPX_FETCH_DEVICE:-cuda}" --workers 2 --cache-servers 1 --cache-memory "${SPX_FETCH_CACHE_MEMORY:-32G}" \
     --timeout 240 --grpc-port 0 --http-port 0 --worker-args "$WORKER_ARGS" >>"$LOG" 2>&1; then
   stamp "cluster up failed"; tail -n 30 "$RUN"/*.log >>"$LOG" 2>&1

@@ -60,7 +60,7 @@ for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
     [ "$mode" = off ] && rates=${SPX_SERVE_RATES_OFF:-1 2 4}
     rm -rf "$RUN"
     stamp "$wl reuse $mode: cluster up"
-    if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --run-dir "$RUN" --bin-dir "$SPX/bin" \
+    if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --insecure --run-dir "$RUN" --bin-dir "$SPX/bin" \
         --model "$MODEL" --device "${SPX_SERVE_DEVICE:-cuda}" --cache-servers 1 --cache-memory "${SPX_SERVE_CACHE_MEMORY:-32G}" --timeout 240 \
         --grpc-port 0 --http-port 0 --worker-args "$WORKER_ARGS" >>"$LOG" 2>&1; then
       stamp "cluster up failed"; tail -n 30 "$RUN"/*.log >>"$LOG" 2>&1

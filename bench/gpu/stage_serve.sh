@@ -48,7 +48,7 @@ if [ "${SPX_STAGE_LEAN:-0}" != 1 ]; then
   cp -r /usr/lib/x86_64-linux-gnu/ucx "$TMP/spx/lib/ucx"
   cp /usr/bin/etcd "$TMP/spx/bin/"
 fi
-cp "$ROOT/deploy/local/cluster.sh" "$TMP/spx/"
+cp "$ROOT/deploy/local/cluster.sh" "$ROOT/deploy/local/make-credentials.sh" "$TMP/spx/"
 MODELS=${SPARSEX_MODELS:-$(cd "$ROOT/.." && pwd)/shared/models}
 mkdir -p "$TMP/spx/models"
 cp -r "$MODELS/stories260K" "$MODELS/tinystories-text" "$TMP/spx/models/"

@@ -121,7 +121,7 @@ cleanup() {  # also on an early exit: nothing of this run keeps running
 trap cleanup EXIT
 
 stamp "cluster up"
-if ! SPARSEX_MODELS=/nonexistent timeout 300 "$CLUSTER" up --run-dir "$RUN" --bin-dir "$SBIN" \
+if ! SPARSEX_MODELS=/nonexistent timeout 300 "$CLUSTER" up --insecure --run-dir "$RUN" --bin-dir "$SBIN" \
     --model "$MODEL" --device "$DEVICE" --workers 1 --cache-servers "$CACHES" --cache-memory "$CACHE_MEMORY" \
     --timeout 240 --grpc-port 0 --http-port 0 --worker-args "$WORKER_ARGS" >>"$LOG" 2>&1; then
   stamp "cluster up failed"; tail -n 30 "$RUN"/*.log >>"$LOG" 2>&1

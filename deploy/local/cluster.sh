@@ -20,6 +20,14 @@
 #   --worker-args "..."  [SPARSEX_WORKER_ARGS]: extra sparsex-worker flags
 #   --router-args "..."  [SPARSEX_ROUTER_ARGS]: extra sparsex-router flags
 #   --timeout S          [SPARSEX_UP_TIMEOUT]: 60   seconds to wait for health
+#   --tenants "a b"      [SPARSEX_TENANTS]   : default   one API key per tenant
+#   --insecure           [SPARSEX_INSECURE=1]: no credentials: plaintext, no API keys (every
+#                                              process on 127.0.0.1, --insecure_loopback)
+#
+# Credentials (default): deploy/local/make-credentials.sh makes a CA, one certificate per role
+# (mutual TLS between router, workers and cache servers), a scope key and an API key per tenant
+# under <run-dir>/credentials; API_KEY (the first tenant's) and API_KEY_<tenant> go to
+# cluster.env. Send "Authorization: Bearer $API_KEY" (docs/security.md).
 #   --clean                                  down: also remove the run dir
 #
 # `up` writes <run-dir>/cluster.env (ROUTER_GRPC, ROUTER_HTTP, ETCD, WORKER<i>_GRPC,
@@ -42,6 +50,8 @@ HTTP_PORT=${SPARSEX_HTTP_PORT:-8000}
 WORKER_ARGS=${SPARSEX_WORKER_ARGS:-}
 ROUTER_ARGS=${SPARSEX_ROUTER_ARGS:-}
 TIMEOUT=${SPARSEX_UP_TIMEOUT:-60}
+TENANTS=${SPARSEX_TENANTS:-default}
+INSECURE=${SPARSEX_INSECURE:-0}
 CLEAN=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -57,6 +67,8 @@ while [ $# -gt 0 ]; do
     --worker-args) WORKER_ARGS=$2; shift 2 ;;
     --router-args) ROUTER_ARGS=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
+    --tenants) TENANTS=$2; shift 2 ;;
+    --insecure) INSECURE=1; shift ;;
     --clean) CLEAN=1; shift ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -149,6 +161,31 @@ case "$CMD" in
     ENV="$RUN_DIR/cluster.env"
     : >"$ENV"
 
+    # credentials
+    CACHE_SEC=(); WORKER_SEC=(); ROUTER_SEC=()
+    if [ "$INSECURE" = 1 ]; then
+      CACHE_SEC=(--insecure_loopback); WORKER_SEC=(--insecure_loopback)
+      ROUTER_SEC=(--insecure_loopback)
+      log "no credentials (--insecure): plaintext on 127.0.0.1, no API keys"
+    else
+      CRED="$RUN_DIR/credentials"
+      # shellcheck disable=SC2086
+      "$(dirname "$0")/make-credentials.sh" "$CRED" $TENANTS
+      tls() { echo --tls_ca="$CRED/tls/ca.pem" --tls_cert="$CRED/tls/$1.pem" --tls_key="$CRED/tls/$1-key.pem"; }
+      read -r -a CACHE_SEC <<<"$(tls cache)"
+      read -r -a WORKER_SEC <<<"$(tls worker)"
+      read -r -a ROUTER_SEC <<<"$(tls router) --api_keys_file=$CRED/api_keys.json --scope_key_file=$CRED/scope.key"
+      first=1
+      for t in $TENANTS; do
+        k=$(cat "$CRED/api_key.$t")
+        [ $first = 1 ] && echo "API_KEY=$k" >>"$ENV"
+        echo "API_KEY_$(echo "$t" | tr 'a-z-' 'A-Z_')=$k" >>"$ENV"
+        first=0
+      done
+      echo "CREDENTIALS=$CRED" >>"$ENV"
+      log "credentials in $CRED (CA, certificates, API keys for: $TENANTS)"
+    fi
+
     # etcd
     ETCD_PORT=$(free_port); ETCD_PEER=$(free_port)
     start etcd etcd --name sparsex --data-dir "$RUN_DIR/etcd-data" \
@@ -171,7 +208,8 @@ case "$CMD" in
     CACHE_LIST=""
     for i in $(seq 0 $((CACHES - 1))); do
       start "cache$i" "$BIN_DIR/sparsex-cache-server" --grpc_port=0 --metrics_port=0 \
-        --disk_path="$RUN_DIR/cache$i-db" --memory_capacity="$CACHE_MEMORY" --ready_file="$RUN_DIR/cache$i.ready"
+        --disk_path="$RUN_DIR/cache$i-db" --memory_capacity="$CACHE_MEMORY" --ready_file="$RUN_DIR/cache$i.ready" \
+        "${CACHE_SEC[@]}"
       wait_file "cache$i" "$RUN_DIR/cache$i.ready"
       p=$(json_field "$RUN_DIR/cache$i.ready" grpc_port)
       mp=$(json_field "$RUN_DIR/cache$i.ready" metrics_port)
@@ -187,7 +225,7 @@ case "$CMD" in
       start "worker$i" "$BIN_DIR/sparsex-worker" --model "$MODEL" --device "$DEVICE" \
         --port 0 --metrics_port 0 --worker_id "worker-$i" --etcd "127.0.0.1:$ETCD_PORT" \
         ${CACHE_LIST:+--cache_servers "$CACHE_LIST"} --ready_file "$RUN_DIR/worker$i.ready" \
-        $WORKER_ARGS
+        "${WORKER_SEC[@]}" $WORKER_ARGS
       wait_file "worker$i" "$RUN_DIR/worker$i.ready"
       p=$(json_field "$RUN_DIR/worker$i.ready" grpc_port)
       mp=$(json_field "$RUN_DIR/worker$i.ready" metrics_port)
@@ -205,7 +243,7 @@ case "$CMD" in
     start router "$BIN_DIR/sparsex-router" --model "$MODEL" \
       --grpc_address "127.0.0.1:$GRPC_PORT" --http_address "127.0.0.1:$HTTP_PORT" \
       --etcd "127.0.0.1:$ETCD_PORT" --membership_poll_ms 200 --ready_file "$RUN_DIR/router.ready" \
-      $ROUTER_ARGS
+      "${ROUTER_SEC[@]}" $ROUTER_ARGS
     wait_file router "$RUN_DIR/router.ready"
     { echo "ROUTER_GRPC=127.0.0.1:$GRPC_PORT"; echo "ROUTER_HTTP=127.0.0.1:$HTTP_PORT";
       echo "ROUTER_PID=$(cat "$RUN_DIR/router.pid")"; echo "WORKERS=$WORKERS";
@@ -244,7 +282,7 @@ case "$CMD" in
     if [ "$CLEAN" = 1 ]; then rm -rf "$RUN_DIR"; fi
     ;;
   *)
-    sed -n '2,22p' "$0"
+    sed -n '2,33p' "$0"
     exit 2
     ;;
 esac

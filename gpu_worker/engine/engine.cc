@@ -88,7 +88,8 @@ Engine::~Engine() {
   backend_.reset();
 }
 
-absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt, bool allow_approximate) {
+absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt, bool allow_approximate,
+                                       const Hash128& scope) {
   const ModelConfig& c = model_->config();
   if (prompt.empty()) return absl::InvalidArgumentError("empty prompt");
   if (static_cast<int>(prompt.size()) > c.max_seq_len) {
@@ -104,9 +105,10 @@ absl::StatusOr<Sequence> Engine::Admit(std::vector<int32_t> prompt, bool allow_a
   }
   Sequence seq;
   seq.tokens = std::move(prompt);
+  seq.scope = scope;
   const int bs = blocks_->block_size();
   std::span<const int32_t> matchable(seq.tokens.data(), seq.tokens.size() - 1);
-  PrefixMatch m = blocks_->MatchPrefix(matchable, allow_approximate);
+  PrefixMatch m = blocks_->MatchPrefix(matchable, allow_approximate, scope);
   seq.blocks = std::move(m.blocks);
   seq.computed = seq.cached_prefix = static_cast<int>(seq.blocks.size()) * bs;
   seq.exact_prefix = m.exact_blocks * bs;
@@ -350,7 +352,7 @@ void Engine::RegisterPrefix(const Sequence& seq, int exact_upto, bool approximat
   const int full = approximate_rest ? seq.computed / bs : exact_full;
   std::span<const int32_t> toks(seq.tokens.data(), static_cast<size_t>(full) * bs);
   std::vector<Hash128> hashes =
-      blocks_->BlockHashes(toks, approximate_rest ? exact_full : -1);
+      blocks_->BlockHashes(toks, approximate_rest ? exact_full : -1, seq.scope);
   for (int i = 0; i < full; ++i) blocks_->Register(seq.blocks[i], hashes[i]);
 }
 

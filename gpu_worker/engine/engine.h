@@ -41,6 +41,7 @@ struct Sequence {
   int cached_prefix = 0;        // leading tokens found in the prefix cache at admission
   int exact_prefix = 0;         // of those, the leading ones whose KV is exact (the rest came
                                 // from the approximate namespace, see BlockManager)
+  Hash128 scope;                // KV scope of its exact-prefix blocks (all zero: unscoped)
   int32_t Slot(int pos, int bs) const { return blocks[pos / bs] * bs + pos % bs; }
 };
 
@@ -59,7 +60,9 @@ class Engine {
   // Admits a prompt: matches the cached prefix (never the last token, whose logits are needed)
   // and allocates blocks for the rest. Clear error when the prompt exceeds the context length.
   // allow_approximate: the match may continue into reuse-computed (approximate) blocks.
-  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt, bool allow_approximate = false);
+  // scope: the request's KV scope; prefix blocks are matched and registered under it.
+  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt, bool allow_approximate = false,
+                                 const Hash128& scope = {});
   // Makes room for positions up to n_tokens (allocating blocks).
   absl::Status EnsureCapacity(Sequence& seq, int n_tokens);
   // Dense forward over tokens [seq.computed, size); returns the last row's logits.

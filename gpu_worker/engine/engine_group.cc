@@ -239,11 +239,11 @@ void EngineGroup::CheckLogits(const std::vector<std::vector<float>>& logits) {
   }
 }
 
-absl::StatusOr<Sequence> EngineGroup::Admit(std::vector<int32_t> prompt) {
-  if (size() == 1) return ranks_[0]->engine->Admit(std::move(prompt));
+absl::StatusOr<Sequence> EngineGroup::Admit(std::vector<int32_t> prompt, const Hash128& scope) {
+  if (size() == 1) return ranks_[0]->engine->Admit(std::move(prompt), false, scope);
   const int n = size();
   std::vector<absl::StatusOr<Sequence>> res(n, absl::UnknownError(""));
-  RunOnAll([&](int r) { res[r] = ranks_[r]->engine->Admit(prompt); });
+  RunOnAll([&](int r) { res[r] = ranks_[r]->engine->Admit(prompt, false, scope); });
   RETURN_IF_ERROR(AllAlike(n, [&](int r) {
     return SameCode(res, r) && (!res[0].ok() || (res[r]->blocks == res[0]->blocks &&
                                                  res[r]->computed == res[0]->computed));
@@ -435,7 +435,7 @@ absl::Status EngineGroup::BeginReusePrefill(const std::vector<PromptSegment>& se
     std::vector<Hash128> fps;
     for (const PromptSegment& s : segments) {
       if (s.cacheable && !s.tokens.empty()) {
-        fps.push_back(ranks_[0]->reuse->Fingerprint(s.tokens, o.encoding));
+        fps.push_back(ranks_[0]->reuse->Fingerprint(s.tokens, o.encoding, s.scope));
       }
     }
     AlignStores(fps);
@@ -489,7 +489,7 @@ absl::Status EngineGroup::EnsureStored(const std::vector<int32_t>& tokens,
   if (size() == 1) return ranks_[0]->reuse->EnsureStored(tokens, override_opts);
   const int n = size();
   const ReuseOptions& o = override_opts ? *override_opts : ranks_[0]->reuse->options();
-  const Hash128 fp = ranks_[0]->reuse->Fingerprint(tokens, o.encoding);
+  const Hash128 fp = ranks_[0]->reuse->Fingerprint(tokens, o.encoding, o.scope);
   AlignStores({&fp, 1});
   std::vector<absl::Status> st(n);
   RunOnAll([&](int r) { st[r] = ranks_[r]->reuse->EnsureStored(tokens, override_opts); });

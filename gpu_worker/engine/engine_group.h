@@ -54,7 +54,7 @@ class EngineGroup {
   SegmentStore* store(int rank = 0);
 
   // Engine's building blocks, run on every rank (see Engine).
-  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt);
+  absl::StatusOr<Sequence> Admit(std::vector<int32_t> prompt, const Hash128& scope = {});
   absl::StatusOr<std::vector<float>> Prefill(Sequence& seq);
   absl::StatusOr<std::vector<float>> Step(Sequence& seq, int32_t token);
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(std::span<Sequence* const> seqs,

@@ -21,9 +21,9 @@ Hash128 ApproximateParent(const Hash128& parent) {
 }  // namespace
 
 std::vector<Hash128> BlockManager::BlockHashes(std::span<const int32_t> tokens,
-                                               int approx_from) const {
+                                               int approx_from, const Hash128& scope) const {
   std::vector<Hash128> out;
-  Hash128 parent;
+  Hash128 parent = scope;
   const size_t bs = opts_.block_size;
   for (size_t i = 0; i + bs <= tokens.size(); i += bs) {
     if (approx_from >= 0 && static_cast<int>(i / bs) == approx_from) {
@@ -35,12 +35,13 @@ std::vector<Hash128> BlockManager::BlockHashes(std::span<const int32_t> tokens,
   return out;
 }
 
-PrefixMatch BlockManager::MatchPrefix(std::span<const int32_t> tokens, bool allow_approximate) {
+PrefixMatch BlockManager::MatchPrefix(std::span<const int32_t> tokens, bool allow_approximate,
+                                      const Hash128& scope) {
   PrefixMatch m;
-  m.hashes = BlockHashes(tokens);
+  m.hashes = BlockHashes(tokens, -1, scope);
   if (!opts_.enable_prefix_caching) return m;
   const size_t bs = opts_.block_size;
-  Hash128 parent;
+  Hash128 parent = scope;
   bool approximate = false;
   for (size_t i = 0; i < m.hashes.size(); ++i) {
     if (!approximate) {

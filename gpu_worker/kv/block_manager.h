@@ -53,11 +53,14 @@ class BlockManager {
   // Hashes of the full blocks of tokens (chained, salted with the model fingerprint). Blocks
   // from index approx_from on (>= 0) are hashed in the approximate namespace: KV computed with
   // segment reuse, which only a request that accepts approximate KV may match.
-  std::vector<Hash128> BlockHashes(std::span<const int32_t> tokens, int approx_from = -1) const;
+  // `scope` roots the chain (FingerprintOptions::prefix_scope): blocks of two scopes never match.
+  std::vector<Hash128> BlockHashes(std::span<const int32_t> tokens, int approx_from = -1,
+                                   const Hash128& scope = {}) const;
   // Longest run of leading full blocks already cached; each returned block is referenced. With
   // allow_approximate the run may continue into approximate blocks after its exact ones (a
   // chat turn continuing the previous turn's reuse-computed KV); without it, never.
-  PrefixMatch MatchPrefix(std::span<const int32_t> tokens, bool allow_approximate = false);
+  PrefixMatch MatchPrefix(std::span<const int32_t> tokens, bool allow_approximate = false,
+                          const Hash128& scope = {});
   // A fresh block with refcount 1, evicting the least recently used cached block if needed.
   absl::StatusOr<int32_t> Allocate();
   // Allocates n blocks, all or nothing.

@@ -50,7 +50,10 @@ ReusePlan PlanReuse(const std::vector<PromptSegment>& segs, int32_t bos_id, int 
     plan.group.insert(plan.group.end(), segs[s].tokens.size(), static_cast<int32_t>(s));
     sp.end = static_cast<int>(plan.tokens.size());
     sp.cacheable = segs[s].cacheable && !segs[s].tokens.empty();
-    if (sp.cacheable) sp.fp = SegmentFingerprint(model_fp, segs[s].tokens, o.encoding);
+    if (sp.cacheable) {
+      sp.fp = SegmentFingerprint(ScopedModelFingerprint(model_fp, segs[s].scope), segs[s].tokens,
+                                 o.encoding);
+    }
   }
   const int N = static_cast<int>(plan.tokens.size());
   const int P = prefix;

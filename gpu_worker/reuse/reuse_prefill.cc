@@ -76,9 +76,10 @@ absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers) {
   return EncodingContext(o.encoding, 0).status();
 }
 
-Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens,
-                                 const std::string& encoding) const {
-  return SegmentFingerprint(engine_->model().fingerprint(), tokens, encoding);
+Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding,
+                                 const Hash128& scope) const {
+  return SegmentFingerprint(ScopedModelFingerprint(engine_->model().fingerprint(), scope), tokens,
+                            encoding);
 }
 
 absl::Status ReuseEngine::BeginEncoding(const Hash128& fp, const std::vector<int32_t>& tokens,
@@ -216,7 +217,7 @@ absl::StatusOr<StoreProgress> ReuseEngine::StoreStep(const std::vector<int32_t>&
                                                      int max_layers) {
   const ReuseOptions& o = override_opts ? *override_opts : opts_;
   if (tokens.empty()) return StoreProgress::kHeld;
-  const Hash128 fp = Fingerprint(tokens, o.encoding);
+  const Hash128 fp = Fingerprint(tokens, o.encoding, o.scope);
   if (!job_ || job_->fp != fp) {
     if (Holds(fp)) {
       EndEncoding();
@@ -349,7 +350,7 @@ absl::Status ReuseEngine::EnsureStored(const std::vector<int32_t>& tokens,
                                        const ReuseOptions* override_opts) {
   const ReuseOptions& o = override_opts ? *override_opts : opts_;
   if (tokens.empty()) return absl::OkStatus();
-  const Hash128 fp = Fingerprint(tokens, o.encoding);
+  const Hash128 fp = Fingerprint(tokens, o.encoding, o.scope);
   if (Holds(fp)) return absl::OkStatus();
   return StoreSegment(fp, tokens, o.encoding).status();
 }
@@ -570,7 +571,8 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
   j->add_bos = add_bos;
   const int32_t bos = add_bos ? engine_->model().tokenizer().bos_id() : -1;
   // From here on an error destroys the job, which releases the sequence's blocks.
-  ASSIGN_OR_RETURN(j->seq, engine_->Admit(PromptTokens(segs, bos), o.register_approximate_prefix));
+  ASSIGN_OR_RETURN(j->seq, engine_->Admit(PromptTokens(segs, bos), o.register_approximate_prefix,
+                                          o.scope));
   ReuseStats& st = j->res.stats;
   const int P = j->P = j->seq.cached_prefix;
 

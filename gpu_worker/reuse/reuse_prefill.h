@@ -87,6 +87,10 @@ struct ReuseOptions {
   // Wait for the device at phase boundaries and report each phase's time in ReuseStats
   // (benchmarks; costs a few synchronisations). Default: false
   bool profile = false;
+  // KV scope (router/auth.h) of the request's exact-prefix blocks and of a segment given as bare
+  // tokens (EnsureStored, StoreStep); PromptSegment::scope for the segments of a prefill.
+  // Default: all zero (unscoped)
+  Hash128 scope;
 };
 
 absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers);
@@ -233,7 +237,8 @@ class ReuseEngine {
   // Bytes of the pinned block: its capacity (0 without one) and what segments hold now.
   size_t stream_pinned_capacity() const { return arena_ ? arena_->capacity() : 0; }
   size_t stream_pinned_used() const { return arena_ ? arena_->used() : 0; }
-  Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding) const;
+  Hash128 Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding,
+                      const Hash128& scope = {}) const;
 
  private:
   // A segment's encoding pass (after its encoding context), run layer by layer.

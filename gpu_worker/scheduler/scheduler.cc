@@ -735,7 +735,12 @@ void BatchScheduler::ReusePrefillSlice(Active& a, int64_t max_row_layers) {
       if (!AdmitStore(fp, after)) continue;
       bool queued = false;
       for (const auto& p : pending_stores_) queued = queued || p.fp == fp;
-      if (!queued) pending_stores_.push_back({fp, a.w.segments[i].tokens, o});
+      if (!queued) {
+        // A bare-token store is fingerprinted in its options' scope: the segment's own.
+        ReuseOptions so = o;
+        so.scope = a.w.segments[i].scope;
+        pending_stores_.push_back({fp, a.w.segments[i].tokens, so});
+      }
     }
   }
   const std::vector<std::pair<Hash128, int>>& stored = r->stored;
@@ -762,7 +767,7 @@ void BatchScheduler::PlainChunk(Active& a, int end) {
 
 bool BatchScheduler::EnsurePlainSeq(Active& a) {
   if (a.has_seq) return true;
-  auto s = group_->Admit(a.prompt);
+  auto s = group_->Admit(a.prompt, a.w.reuse.scope);
   if (!s.ok()) {
     Finish(a, "", s.status());
     return false;

@@ -179,6 +179,7 @@ absl::StatusOr<std::unique_ptr<ClusterKvTier>> ClusterKvTier::Connect(
   co.members = o.servers;
   co.replication = o.replication;
   co.client.model_fp = model_fp;
+  co.client.tls = o.tls;
   co.client.transport = o.transport;
   co.client.ucx_tls = o.ucx_tls;
   co.client.rpc_timeout_ms = o.rpc_timeout_ms;

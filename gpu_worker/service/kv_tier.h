@@ -32,6 +32,7 @@
 #include "common/status.h"
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/streamed_segment.h"
+#include "proto/grpc_tls.h"
 
 namespace sparsex::cache {
 class ClusterClient;
@@ -42,6 +43,9 @@ namespace sparsex::service {
 struct ClusterTierOptions {
   // Cache server gRPC addresses; empty turns the tier off. Default: none
   std::vector<std::string> servers;
+  // Mutual TLS to the cache servers (the worker's own certificate and the cluster CA).
+  // Default: none (plaintext; the servers must allow it)
+  TlsFiles tls;
   uint32_t replication = 1;     // copies of each segment. Default: 1
   std::string transport = "ucx";  // data plane: ucx | grpc. Default: ucx
   std::string ucx_tls;          // UCX transports (as UCX_TLS); "": UCX's choice. Default: ""

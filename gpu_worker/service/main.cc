@@ -170,6 +170,13 @@ int main(int argc, char** argv) {
   f.Add("drain_timeout_ms", &o.drain_timeout_ms, "how long SIGTERM waits for running requests");
   f.Add("load_report_ms", &o.load_report_ms, "load report period on the event stream");
   f.Add("ready_file", &o.ready_file, "write {grpc_port, metrics_port, pid} here once serving");
+  f.Add("tls_ca", &o.tls.ca,
+        "cluster CA (PEM): the router must present a certificate it signed; also verifies the "
+        "cache servers");
+  f.Add("tls_cert", &o.tls.cert, "this worker's certificate (PEM, signed by the cluster CA)");
+  f.Add("tls_key", &o.tls.key, "this worker's private key (PEM)");
+  f.Add("insecure_loopback", &o.insecure_loopback,
+        "serve plaintext without client certificates; refused unless --address is loopback");
   if (absl::Status s = f.Parse(argc, argv); !s.ok()) {
     std::cerr << "sparsex-worker: " << s.message() << "\n";
     return 2;

@@ -35,6 +35,7 @@
 #include "gpu_worker/service/event_log.h"
 #include "proto/grpc_health.h"
 #include "proto/grpc_status.h"
+#include "proto/grpc_tls.h"
 #include "proto/worker.grpc.pb.h"
 
 namespace sparsex::service {
@@ -85,6 +86,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   State& s = *w->s_;
   s.opts = options;
   if (options.model_path.empty()) return absl::InvalidArgumentError("worker: --model is required");
+  RETURN_IF_ERROR(CheckTlsFiles(options.tls));
+  if (!options.tls.enabled()) {
+    RETURN_IF_ERROR(CheckPlaintextAllowed(options.insecure_loopback, "insecure_loopback",
+                                          {absl::StrCat(options.address, ":0")}));
+  }
+  // One certificate for both sides: the router verifies it, and so do the cache servers.
+  if (!s.opts.cluster.tls.enabled()) s.opts.cluster.tls = options.tls;
   if (options.device != "cpu" && options.device != "cuda") {
     return absl::InvalidArgumentError("worker: --device must be cpu or cuda");
   }
@@ -131,7 +139,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   // With tensor parallelism each rank fetches and writes back its own KV-head share (kv_tier.h).
   if (!options.cluster.servers.empty()) {
     // A bf16 backend's KV is bf16-exact: bf16 on the wire halves the bytes and loses nothing.
-    ClusterTierOptions cluster = options.cluster;
+    ClusterTierOptions cluster = s.opts.cluster;
     if (cluster.wire_dtype.empty()) cluster.wire_dtype = options.device == "cuda" ? "bf16" : "f32";
     auto tier = ClusterKvTier::Connect(cluster, s.model->fingerprint(), mc.n_layers,
                                        mc.n_kv_heads * mc.head_dim);
@@ -208,9 +216,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   // gRPC.
   s.service = internal::NewWorkerService(&s);
   EnableGrpcStandardServices();
+  ASSIGN_OR_RETURN(auto creds, ServerCredentials(options.tls, /*require_client_cert=*/true));
   grpc::ServerBuilder b;
-  b.AddListeningPort(absl::StrCat(options.address, ":", options.port),
-                     grpc::InsecureServerCredentials(), &s.port);
+  b.AddListeningPort(absl::StrCat(options.address, ":", options.port), creds, &s.port);
   b.RegisterService(s.service.get());
   b.SetMaxReceiveMessageSize(64 << 20);
   // The router pings every worker often (its keepalive finds a frozen worker within about a

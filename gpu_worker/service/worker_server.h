@@ -54,6 +54,12 @@ struct WorkerOptions {
   int load_report_ms = 200;     // load reports on the Subscribe stream. Default: 200 ms
   size_t event_buffer = 65536;  // cache events kept for resuming subscribers. Default: 65536
   std::string ready_file;       // JSON with the ports, written once serving. Default: none
+  // Mutual TLS (proto/grpc_tls.h): the gRPC listener serves only peers with a certificate of
+  // the cluster CA (the router), and the same certificate opens the cache-server channels.
+  // Default: none (plaintext)
+  TlsFiles tls;
+  // Plaintext is refused unless this is set and `address` is on loopback. Default: false
+  bool insecure_loopback = false;
 };
 
 class WorkerServer {

@@ -1,6 +1,7 @@
 // The gRPC adapter of the worker (worker.proto): requests in, token streams out, cache events
 // and load reports to the router. Conversion and validation at this process boundary
 // (api_convert.h); the work itself is the scheduler's.
+#include "common/fingerprint.h"
 #include "common/usage.h"
 #include "common/utf8.h"
 #include "gpu_worker/service/api_convert.h"
@@ -32,8 +33,21 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
     w.id = req->request_id();
     w.add_bos = req->add_bos();
     for (const auto& seg : req->segments()) {
-      w.segments.push_back(
-          {std::vector<int32_t>(seg.tokens().begin(), seg.tokens().end()), seg.cacheable()});
+      PromptSegment ps;
+      ps.tokens.assign(seg.tokens().begin(), seg.tokens().end());
+      ps.cacheable = seg.cacheable();
+      if (!seg.scope().empty()) {
+        auto sc = FingerprintFromBytes(seg.scope());
+        if (!sc.ok()) return ToGrpcStatus(absl::InvalidArgumentError("segment scope: 16 bytes"));
+        ps.scope = *sc;
+      }
+      w.segments.push_back(std::move(ps));
+    }
+    Hash128 prefix_scope;
+    if (!req->prefix_scope().empty()) {
+      auto sc = FingerprintFromBytes(req->prefix_scope());
+      if (!sc.ok()) return ToGrpcStatus(absl::InvalidArgumentError("prefix_scope: 16 bytes"));
+      prefix_scope = *sc;
     }
     auto sampling = SamplingFromProto(req->sampling(), s_->model->config().vocab_size);
     if (!sampling.ok()) return ToGrpcStatus(sampling.status());
@@ -42,6 +56,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
         ReuseFromProto(req->reuse(), s_->opts.scheduler.reuse, s_->model->config().n_layers);
     if (!reuse.ok()) return ToGrpcStatus(reuse.status());
     w.reuse = *reuse;
+    w.reuse.scope = prefix_scope;
     if (req->reuse().has_store_after_misses()) {
       w.store_after_misses = req->reuse().store_after_misses();
     }

@@ -284,6 +284,7 @@ class ChatHttpTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("chat_http_" + std::to_string(::getpid()));
     WriteLlama3Dir(dir_, chat_template);
     RouterOptions o;
+    o.insecure_loopback = true;  // a loopback test cluster
     o.model_path = dir_.string();
     o.model_name = "llama3-chat";
     o.workers = {"127.0.0.1:1"};  // nothing listens there

@@ -8,7 +8,8 @@
 //   - prompt together with segments is a 400, not one of them dropped;
 //   - /v1/models matches exactly (GET /v1/modelsXYZ is a 404);
 //   - a request_id with invalid UTF-8 is INVALID_ARGUMENT "request_id: invalid UTF-8";
-//   - stop_ids outside the vocabulary are INVALID_ARGUMENT.
+//   - stop_ids outside the vocabulary are INVALID_ARGUMENT;
+//   - a prompt over max_prompt_bytes is refused before tokenizing, naming the limit.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
@@ -91,6 +92,7 @@ class RouterInputTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     RouterOptions o;
+    o.insecure_loopback = true;  // a loopback test cluster
     o.model_path = "synthetic:tiny";
     o.model_name = "tiny";
     o.workers = {"127.0.0.1:1"};  // nothing listens there: no worker is ever healthy
@@ -267,6 +269,69 @@ TEST_F(RouterInputTest, OutOfVocabularyStopIdsAreInvalidArgument) {
   req.mutable_sampling()->clear_stop_ids();
   req.mutable_sampling()->add_stop_ids(999);
   EXPECT_EQ(Generate(req).code(), absl::StatusCode::kUnavailable);
+}
+
+// A prompt over max_prompt_bytes (default 4 MiB) is refused on its raw text, before any
+// templating or tokenization, on both APIs, naming the limit; over gRPC a message past the
+// bound plus 8 MiB is not even read. (A 30 MB gRPC prompt used to cost 26 s of CPU and 1.8 GB
+// of tokenization before the context-length check refused it.)
+TEST_F(RouterInputTest, OversizedPromptsAreRefusedBeforeTokenizing) {
+  const std::string big((size_t{4} << 20) + 2, '1');  // 4 MiB + 2 bytes
+  const auto names_limit = [](const std::string& m) {
+    return m.find("max_prompt_bytes") != std::string::npos &&
+           m.find(std::to_string(size_t{4} << 20)) != std::string::npos;
+  };
+  HttpReply r = Post("/v1/completions", json{{"prompt", big}}.dump());
+  EXPECT_EQ(r.status, 400) << r;
+  EXPECT_EQ(r.Param(), "prompt") << r;
+  EXPECT_TRUE(names_limit(r.body)) << r;
+  r = Post("/v1/chat/completions",
+           json{{"messages", {{{"role", "user"}, {"content", big.substr(0, big.size() / 2)}},
+                              {{"role", "user"}, {"content", big.substr(big.size() / 2)}}}}}
+               .dump());
+  EXPECT_EQ(r.status, 400) << r;
+  EXPECT_EQ(r.Param(), "messages") << r;
+  EXPECT_TRUE(names_limit(r.body)) << r;
+  r = Post("/v1/completions", json{{"segments", {big.substr(0, 100), big}}}.dump());
+  EXPECT_EQ(r.status, 400) << r;
+  EXPECT_TRUE(names_limit(r.body)) << r;
+
+  // gRPC: the router's own check, and gRPC's receive bound above it.
+  v1::GenerateRequest req;
+  req.set_prompt(big);
+  absl::Status s = Generate(req);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(names_limit(std::string(s.message()))) << s;
+  auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(grpc_->port()),
+                                grpc::InsecureChannelCredentials());
+  auto stub = v1::SparseX::NewStub(ch);
+  const auto call = [&](const v1::GenerateRequest& rq) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto reader = stub->Generate(&ctx, rq);
+    v1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+    }
+    return reader->Finish();
+  };
+  grpc::Status gs = call(req);
+  EXPECT_EQ(gs.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << gs.error_message();
+  EXPECT_TRUE(names_limit(gs.error_message())) << gs.error_message();
+  v1::GenerateRequest seg_req;
+  seg_req.add_segments()->set_text(big.substr(0, 3 << 20));
+  seg_req.add_segments()->set_text(big.substr(0, 2 << 20));
+  gs = call(seg_req);
+  EXPECT_EQ(gs.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << gs.error_message();
+  EXPECT_TRUE(names_limit(gs.error_message())) << gs.error_message();
+  v1::GenerateRequest huge;
+  huge.set_prompt(std::string(size_t{13} << 20, '1'));  // past 4 MiB + 8 MiB
+  gs = call(huge);
+  EXPECT_EQ(gs.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << gs.error_message();
+  v1::TokenizeRequest tr;
+  tr.set_text(big);
+  auto t = router_->Tokenize(tr);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_TRUE(names_limit(std::string(t.status().message()))) << t.status();
 }
 
 }  // namespace

@@ -99,7 +99,7 @@ class ClusterTest : public ::testing::Test {
         "SPARSEX_RUN_DIR=" + run_dir_ + " SPARSEX_BIN_DIR=" + BinDir() + " SPARSEX_MODELS=" +
         ModelsDir() + " " + SourceDir() +
         "/deploy/local/cluster.sh up --workers " + std::to_string(kWorkers) + " --cache-servers 1 --grpc-port 0 --http-port 0"
-        " --worker-args '--kv_blocks 1024 --load_report_ms 100 --etcd_ttl_s 4' 2>&1";
+        " --insecure --worker-args '--kv_blocks 1024 --load_report_ms 100 --etcd_ttl_s 4' 2>&1";
     auto [rc, out] = Shell(cmd, 180s);
     ASSERT_EQ(rc, 0) << "cluster.sh up failed:\n" << out;
     std::ifstream env(run_dir_ + "/cluster.env");
@@ -1210,7 +1210,7 @@ TEST_F(ClusterTest, StaticMembersAndLoadShedding) {
   auto p = ct::ChildProcess::Spawn(
       {BinDir() + "/sparsex-router", "--model", ModelsDir() + "/stories260K/stories260K.gguf",
        "--workers", members, "--grpc_address", "127.0.0.1:0", "--http_address", "127.0.0.1:0",
-       "--max_inflight_per_worker", "1", "--ready_file", ready},
+       "--max_inflight_per_worker", "1", "--insecure_loopback", "--ready_file", ready},
       run_dir_ + "/router2.log");
   ASSERT_TRUE(p.ok()) << p.status();
   json r2;

@@ -559,6 +559,7 @@ TEST_F(KvTierServerTest, UnreachableClusterMeansRecompute) {
 // fetches in rounds of at most fetch_batch_bytes, each promoted from the disk tier on its own.
 absl::StatusOr<std::unique_ptr<cache::CacheServer>> StartSmallServer(const std::string& disk) {
   cache::ServerOptions o;
+  o.insecure_loopback = true;  // a loopback test cluster
   o.grpc_port = 0;
   o.metrics_port = -1;
   o.cache.memory_capacity_bytes = 4 << 20;
@@ -623,6 +624,7 @@ TEST(KvTierRestartTest, RestartedServerServesItsDiskBlocksToTheRunningWorker) {
   ASSERT_FALSE(dir.empty());
   auto start = [&](int port) {
     cache::ServerOptions o;
+    o.insecure_loopback = true;  // a loopback test cluster
     o.grpc_port = port;
     o.metrics_port = -1;
     o.cache.memory_capacity_bytes = 16 << 20;

@@ -201,7 +201,7 @@ class RouterFaults : public ::testing::Test {
                                        "--device", "cpu", "--port", "0", "--metrics_port", "0",
                                        "--worker_id", "worker-" + std::to_string(i),
                                        "--kv_blocks", "1024", "--load_report_ms", "100",
-                                       "--ready_file", ready};
+                                       "--insecure_loopback", "--ready_file", ready};
       argv.insert(argv.end(), extra.begin(), extra.end());
       auto p = ct::ChildProcess::Spawn(argv, dir_ + "/worker" + std::to_string(i) + ".log");
       ASSERT_TRUE(p.ok()) << p.status();
@@ -224,7 +224,8 @@ class RouterFaults : public ::testing::Test {
     const std::string ready = dir_ + "/router.ready";
     std::vector<std::string> argv = {ct::BinDir() + "/sparsex-router", "--model", model_,
                                      "--workers", members, "--grpc_address", "127.0.0.1:0",
-                                     "--http_address", "127.0.0.1:0", "--ready_file", ready};
+                                     "--http_address", "127.0.0.1:0", "--insecure_loopback",
+                                     "--ready_file", ready};
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto p = ct::ChildProcess::Spawn(argv, dir_ + "/router.log");
     ASSERT_TRUE(p.ok()) << p.status();

@@ -162,6 +162,7 @@ TEST_F(SchedulerTpTest, BadTensorParallelDegreesAreRefused) {
 
 TEST_F(SchedulerTpTest, WorkerRefusesBadTpAndServesTp2) {
   WorkerOptions o;
+  o.insecure_loopback = true;  // a loopback test cluster
   o.model_path = testing::Stories260KPath();
   o.metrics_port = -1;
   o.scheduler.engine.kv.num_blocks = 64;
@@ -245,6 +246,7 @@ TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
   auto server = testutil::StartMemoryCacheServer();
   ASSERT_TRUE(server.ok()) << server.status();
   WorkerOptions o;
+  o.insecure_loopback = true;  // a loopback test cluster
   o.model_path = testing::Stories260KPath();
   o.metrics_port = -1;
   o.scheduler.engine.kv.num_blocks = 256;
@@ -292,6 +294,7 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
   auto server = testutil::StartMemoryCacheServer();
   ASSERT_TRUE(server.ok()) << server.status();
   WorkerOptions o;
+  o.insecure_loopback = true;  // a loopback test cluster
   o.model_path = testing::Stories260KPath();
   o.scheduler.engine.kv.num_blocks = 256;
   o.scheduler.device_tier_bytes = size_t{64} << 20;

@@ -18,6 +18,7 @@ namespace sparsex::service::testutil {
 // an in-memory disk tier.
 inline absl::StatusOr<std::unique_ptr<cache::CacheServer>> StartMemoryCacheServer() {
   cache::ServerOptions o;
+  o.insecure_loopback = true;  // a loopback test cluster
   o.grpc_port = 0;
   o.metrics_port = -1;
   o.cache.memory_capacity_bytes = 64 << 20;

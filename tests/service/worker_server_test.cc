@@ -16,6 +16,7 @@ TEST(WorkerServer, RefusesAQualityCalibrationOfAnotherModel) {
   auto model = testing::LoadStories260K();
   ASSERT_NE(model, nullptr);
   WorkerOptions o;
+  o.insecure_loopback = true;  // a loopback test cluster
   o.model_path = testing::Stories260KPath();
   o.metrics_port = -1;
   o.scheduler.engine.kv.num_blocks = 64;
