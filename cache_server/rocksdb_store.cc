@@ -2,7 +2,7 @@
 // (integrated BlobDB: large values live in blob files, the LSM holds small indexes) and "meta"
 // holds a DiskMeta per key, written in the same WriteBatch.
 //
-// A full disk (issue 16): "no space" is RESOURCE_EXHAUSTED "disk_full:" (the cache then stops
+// A full disk: "no space" is RESOURCE_EXHAUSTED "disk_full:" (the cache then stops
 // writing and serves from memory; it keeps a reserve of free space so that RocksDB normally
 // never meets a full disk). Opening for writing replays the WAL into new files, so a database
 // is opened for writing only when the filesystem has room for its WAL files plus the reserve;
@@ -23,7 +23,7 @@
 // the reserve's checks: a periodic flush every 10 s, and on the next line logged 5 s after the
 // last flush. Its default logger (EnvLogger) writes through the same asserting writer, so one
 // flush on a full disk and then any later line (DB::Resume logs "Resuming DB" when the disk
-// tier recovers) aborted the server: issue 16, defect 3, 4 in 10 disk-full runs, depending on
+// tier recovers) aborted the server in 4 of 10 disk-full runs, depending on
 // whether a 10 s tick fell while the disk was full. The store logs through InfoLog instead.
 #include "cache_server/disk_store.h"
 

@@ -2,7 +2,7 @@
 // own, the routes, SSE framing and the Status -> HTTP status mapping. The OpenAI JSON <-> proto
 // mapping is openai_codec.h.
 //
-// Why not a thread per connection (civetweb, before issue 16): a connection held a thread from
+// Why not a thread per connection (civetweb, as before): a connection held a thread from
 // accept to close, with a one-hour read timeout, so 70 idle or trickling connections (or 70
 // long streams) took every thread and /healthz, /metrics and new completions timed out. Here:
 //   - One I/O thread (epoll) owns every socket. It reads each request whole (head and body)

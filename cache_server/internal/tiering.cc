@@ -3,7 +3,7 @@
 // capacity, verified disk reads, the post-restart warm loader, the sweeper that reclaims
 // expired reservations and leases, and the disk tier's health.
 //
-// Disk health (issue 16): before each disk write the free space of the disk's filesystem is
+// Disk health: before each disk write the free space of the disk's filesystem is
 // checked against disk_reserve_bytes; a write that would go below it, or a write that fails,
 // degrades the disk tier: nothing more is written to it, commits keep their blocks in memory
 // only (and succeed), evicting such a block drops it, deletes are queued (a delete writes to

@@ -105,8 +105,8 @@ struct AttentionArgs {
 struct CudaBackendOptions {
   // Kernel for unsplit head-dim-128 attention (PagedAttentionParams::impl, kernels/attention.h).
   // kAuto: the warp-specialised wgmma kernel when the build has sm_90a code and the GPU is
-  // compute capability 9.0 (since session 20; calls with the fused cross mass too since
-  // session 21; on 128-key tiles, kWgmmaWs128, since session 23), else mma.sync. Split-K
+  // compute capability 9.0 (calls with the fused cross mass too; on 128-key tiles,
+  // kWgmmaWs128), else mma.sync. Split-K
   // (decode) always runs mma.sync.
   enum class AttentionImpl {
     kAuto = 0,
@@ -115,18 +115,18 @@ struct CudaBackendOptions {
     kWgmmaPipelined = 3,
     kWgmmaWarpSpecialized = 4,
     // The ws kernel with the consumer warpgroups taking turns at the tensor cores (ping-pong).
-    // Session 22 (H100, no setmaxnreg since): level with ws.
+    // H100, without setmaxnreg: level with ws.
     kWgmmaWsPingPong = 5,
     // The ws kernel with each consumer warpgroup's next Q K^T issued before its softmax
-    // (FlashAttention-3's intra-warpgroup overlap). Session 22: ~1-2% behind ws.
+    // (FlashAttention-3's intra-warpgroup overlap). H100: ~1-2% behind ws.
     kWgmmaWsPipelined = 6,
     // The ws kernel on 128-key tiles (3 stages): half the per-tile overheads of an
-    // issue-bound kernel. Session 23 (H100): 473 against ws's 439 TFLOP/s on a 32K causal
-    // layer, 431 against 389 on 15% sparse rows; kAuto's choice since.
+    // issue-bound kernel. H100: 473 against ws's 439 TFLOP/s on a 32K causal layer, 431
+    // against 389 on 15% sparse rows; kAuto's choice.
     kWgmmaWs128 = 7,
     // The ws-128 kernel with the softmax's row sums on the tensor cores (P times a block of
-    // ones beside P V) instead of an FADD a score. Session 25 (H100): its test ran without a
-    // failure, no gain (32K reuse prefill 287.9 against 285.9 / 289.0 ms for kAuto).
+    // ones beside P V) instead of an FADD a score. H100: no gain (32K reuse prefill 287.9
+    // against 285.9 / 289.0 ms for kAuto).
     kWgmmaWs128RowSum = 8
   };
   enum class Cudnn { kOff = 0, kWhenAvailable = 1, kRequired = 2 };
@@ -141,11 +141,11 @@ struct CudaBackendOptions {
   // SPX_SMALL_N_VARIANT=auto|warp2|warp2-deep|warp4|splitk4|splitk8 or the number. Default: -1
   int small_n_variant = -1;
   // The most rows of a matmul the automatic choice (small_n_variant -1) sends to the small-n
-  // kernel; 0 sends every matmul to cuBLASLt (sessions 11-25's default, from H200 steps in
-  // session 11: 5.15-5.20 ms at batch 1 against 5.28-5.32 with the small-n kernel). Session 26
-  // (H100, 8K context, same call): batch 1 6.32 ms a step with splitk8 on every shape against
-  // 6.63 on cuBLASLt, the small-n kernel's weight loads issued before its PDL wait overlapping
-  // the previous kernel (docs/perf-notes.md "Session 26"). SPX_SMALL_N_ROWS (0-8). Default: 1
+  // kernel; 0 sends every matmul to cuBLASLt (on an H200: 5.15-5.20 ms at batch 1 against
+  // 5.28-5.32 with the small-n kernel, before its weight loads were issued ahead). H100, 8K
+  // context, same call: batch 1 6.32 ms a step with splitk8 on every shape against 6.63 on
+  // cuBLASLt, the small-n kernel's weight loads issued before its PDL wait overlapping the
+  // previous kernel (docs/perf-notes.md). SPX_SMALL_N_ROWS (0-8). Default: 1
   int small_n_auto_rows = 1;
   // Backend::MatMulSwiGLU on decode rows (at most kernels::kSmallNGemmMaxRows) as one kernel:
   // the gate_up projection with SwiGLU in its epilogue, bit-identical to the small-n matmul
@@ -156,7 +156,7 @@ struct CudaBackendOptions {
   // kernel (kernels::Sm90GemmSwiGlu: wgmma, SwiGLU in the epilogue) where the build has sm_90a
   // code and the device is compute capability 9.0, instead of cuBLASLt then SwiGLU, which
   // write and read back the [n, 2 * ffn] gate_up product (1.9 GB a layer at 32K rows).
-  // Bit-identical results. Session 30 (H100, docs/perf-notes.md): peak memory 1.5 GiB lower
+  // Bit-identical results. H100 (docs/perf-notes.md): peak memory 1.5 GiB lower
   // at 32K and 6.0 GiB at 128K, the reuse prefill level (within its spread), the full prefill
   // 0.4% slower. SPX_GEMM_SWIGLU=1 sets true. Default: false
   bool sm90_gemm_swiglu = false;
@@ -171,8 +171,8 @@ struct CudaBackendOptions {
   bool upload_direct = false;
   // Backend::DrawRows on the device (kernels::DrawRows: a decode step's greedy and
   // plain-temperature rows bring back one int each); false downloads their logits and draws
-  // on the host (the same DrawToken). BackendConsistency.DrawRowsOnTheDevice passed on an H100
-  // in session 18 (decode step 6.89 -> 6.76 ms at batch 1, 19.44 -> 18.94 ms at batch 32).
+  // on the host (the same DrawToken). BackendConsistency.DrawRowsOnTheDevice checks it; H100:
+  // decode step 6.89 -> 6.76 ms at batch 1, 19.44 -> 18.94 ms at batch 32.
   // SPX_DEVICE_SAMPLING=0 sets false. Default: true
   bool device_sampling = true;
   // Tensor-core attention block: 4 or 8 warps; 0 is the kernel's default (8).
@@ -206,7 +206,7 @@ struct CudaBackendOptions {
   // programmatic-launch wait, and the step's RoPE + K/V write lets it start before its own wait
   // (RopeArgs::trigger_first), so those requests overlap the qkv projection and the RoPE; only
   // where the call's tables were staged by an earlier call (every layer of a step but the
-  // first; PagedAttentionParams::decode_early_kv). Measured in session 28 on an H100: batch 1
+  // first; PagedAttentionParams::decode_early_kv). Measured on an H100: batch 1
   // at 8K 6.19-6.23 ms a step against 6.29-6.30 off, batch 32 unchanged (docs/perf-notes.md).
   // SPX_DECODE_EARLY_KV=0 sets false. Default: true
   bool decode_early_kv = true;
@@ -216,7 +216,7 @@ struct CudaBackendOptions {
   // Launches in the first graph segment of a recorded scope; each next segment holds twice as
   // many, up to 64 (GraphRecorder). The device starts a step once the first segment is
   // recorded, so a short one hides the host's recording of the rest behind the device's work
-  // (64 was the fixed segment before session 25). Session 26 (H100, 8K context): batch 1
+  // H100, 8K context: batch 1
   // -0.03 ms a step, batch 32 -0.26 to -0.49 ms against 64 (docs/perf-notes.md).
   // SPX_GRAPH_FIRST_SEGMENT (1-64). Default: 8
   int graph_first_segment = 8;
@@ -237,7 +237,7 @@ struct CudaBackendOptions {
   // cross_complement), where that pass reads at most cudnn_statistics_max_share of the key
   // tiles a plain pass reads (ComplementReadShare, gpu_worker/backend/attention_stats_plan.h);
   // else our kernel with the cross mass fused. Needs cudnn_attention; its failure falls back
-  // like dense attention does (kRequired: an error). Measured in session 20 (H100, 32K reuse
+  // like dense attention does (kRequired: an error). Measured on an H100 (32K reuse
   // prefill): the two full layers 113.0 -> 89.8 ms (docs/perf-notes.md). SPX_CUDNN_STATS=0 sets
   // false, =1 true (anything else is reported and ignored). Default: true
   bool cudnn_statistics = true;
@@ -249,8 +249,8 @@ struct CudaBackendOptions {
   // In that complement pass, the received attention of the weighted rows (the new tokens) in
   // blocks of their own, each over a part of the keys, instead of inside the cross-mass blocks,
   // where their reads of every key trail the launch (kernels::AttentionStatsParams::
-  // recv_rows_begin). Session 22, H100, 32K: 6.64 -> 4.72 ms a layer (3.99 without the received
-  // attention), reuse prefill 320.0 -> 314.7 ms; its GPU test passed.
+  // recv_rows_begin). H100, 32K: 6.64 -> 4.72 ms a layer (3.99 without the received
+  // attention), reuse prefill 320.0 -> 314.7 ms.
   // SPX_STATS_RECV_SPLIT=1 sets true, =0 false. Default: true
   bool stats_recv_split = true;
   // The complement pass (cross mass and the new rows' received attention) on the wgmma kernel
@@ -263,8 +263,7 @@ struct CudaBackendOptions {
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
 // wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, wgmma-ws-128-lsum or auto (the removed wgmma-128,
-// the session-22 experiments wgmma-ws-qreg, wgmma-ws-qreg-rr and wgmma-ws-p64 and session
-// 23's wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings:
+// wgmma-ws-qreg, wgmma-ws-qreg-rr, wgmma-ws-p64 and wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings:
 // defined in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 

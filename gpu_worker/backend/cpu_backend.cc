@@ -359,7 +359,7 @@ class CpuBackend final : public Backend {
     // whatever the thread count) accumulates its own, and the chunks are added in row order.
     // Float sums depend on their order, and the selection ranks these sums: summed in the order
     // threads finished (as before), identical requests ranked differently; split per thread,
-    // workers with other core counts would (issue 16, defect 9).
+    // workers with other core counts would (docs/reliability.md, greedy reproducibility).
     constexpr int64_t kStatRows = 64;
     const int64_t chunks = (n + kStatRows - 1) / kStatRows;
     std::vector<std::vector<float>> recv(chunks);  // empty: no weighted row in the chunk

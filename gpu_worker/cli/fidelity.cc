@@ -250,7 +250,7 @@ absl::Status Fidelity(const Args& a) {
         "--prompts, --seeds, --encodings, --continuation and --bootstrap must be non-empty/>0");
   }
   for (const std::string& s : selectors) RETURN_IF_ERROR(CreateSelector(s).status());
-  // The quality budget (issue 19 section 2): --quality-target T runs it per F (needs
+  // The quality budget (docs/fidelity.md): --quality-target T runs it per F (needs
   // --calibration FILE, or the built-in slope); --calibration-out FILE fits the per-F slopes
   // (predicted drop per uncovered score share) from this run's fixed-ratio settings of the
   // first selector: the --calibration-quantile (default 0.9) of per-prompt drop / uncovered.

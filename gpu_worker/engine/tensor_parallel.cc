@@ -15,7 +15,7 @@ struct GroupState {
   std::condition_variable cv;
   std::vector<float> acc;
   // Each rank's contribution, summed in rank order by the last rank to arrive: a float sum
-  // depends on its order, and the arrival order is a race (issue 16, defect 9).
+  // depends on its order, and the arrival order is a race.
   std::vector<std::vector<float>> parts;
   int arrived = 0, departed = 0;
   uint64_t generation = 0;

@@ -1007,7 +1007,7 @@ absl::Status ReuseEngine::Select(PrefillJob& j) {
     // The ranking (host only, ~1-2 ms at 32K) runs beside the KV assembly's launches below
     // (one per segment and layer, ~4 ms of launching at 8 segments x 30 layers), so the GPU
     // does not wait for both one after the other (a traced 32K prefill's idle time 7.5 -> 1.4
-    // ms; its wall time on a power-capped H100 did not change, docs/perf-notes.md session 23).
+    // ms; its wall time on a power-capped H100 did not change, docs/perf-notes.md).
     // The task only reads `in` and the selector; the future is waited for on every path out of
     // this scope.
     // The ranking and its uncovered share.

@@ -114,7 +114,7 @@ struct ReuseStats {
   int64_t computed_token_layers = 0;
   // Keys the sparse layers' recomputed rows attend to, summed over rows and layers (a row at
   // position p reads p + 1): their attention's unmasked work is 4 x head_dim x n_heads FLOPs
-  // a key, so a kernel trace's attention time gives the achieved rate (issue 15's target).
+  // a key, so a kernel trace's attention time gives the achieved rate (docs/perf-notes.md).
   int64_t sparse_attended_keys = 0;
   // The selection's layer-F projection of every non-prefix row, in layers' worth of rows
   // (rows x ModelRunner::ProjectionCost()): the deviation signal and refresh_first_sparse_kv.

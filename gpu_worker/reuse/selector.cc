@@ -29,7 +29,7 @@ class SparsexSelector final : public Selector {
     // distribution so neither dominates by scale. One output vector and one temporary: this
     // runs on the host between the full and the sparse layers of a 32K prefill, where each
     // fresh 128 KiB vector costs its page faults (the eight this took before: ~2.4 ms of the
-    // build machine's 3.3 ms score, bench-timed in session 23).
+    // build machine's 3.3 ms score, bench-timed).
     const size_t n = in.cross_mass.size();
     const bool has_dev = !in.kv_deviation.empty();
     // The staleness term uses the deviation's norm: the square root of the squared distance

@@ -1,4 +1,4 @@
-// The online correctness gate (issue 19 section 3): the worker replays a sample of its reuse
+// The online correctness gate (docs/reliability.md): the worker replays a sample of its reuse
 // requests with full prefill, off the critical path (BatchScheduler runs a replay only in
 // iterations with no user request queued, admitted or being fetched, after deferred stores and
 // spills, and abandons it as soon as one arrives), and compares the first-token distribution of

@@ -75,7 +75,7 @@ struct ClusterTierOptions {
   // With fetch_to_tier: blocks move in layer order into segments a reuse prefill reads as
   // they arrive (ClusterKvTier::StreamTo, ReuseEngine::OfferStreamed), and the request is
   // admitted once its fetch has started, so its prefill runs beside the transfer. On the
-  // H200 (session 14) B's 32K fetch-and-prefill took 2.20x its GPU-tier prefill this way,
+  // H200 B's 32K fetch-and-prefill took 2.20x its GPU-tier prefill this way,
   // against 3.09x with whole segments (docs/benchmarks.md). --cache_fetch_stream. Default: true
   bool stream_fetch = true;
 };

@@ -1,6 +1,6 @@
 // At most one log line per period for a failure that repeats: with the cache server down every
 // request's fetch and every segment's write-back fails, and one line each flooded the log (89
-// write-back lines in a second of the fault suite's cache_kill, issue 16). The line that is
+// write-back lines in a second of the fault suite's cache_kill). The line that is
 // written says how many were held back since the previous one.
 //
 //   static LogLimiter limit(std::chrono::seconds(5));

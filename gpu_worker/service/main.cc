@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
   if (prefill_chunk < 0) prefill_chunk = cuda ? 2048 : o.scheduler.prefill_chunk;
   o.scheduler.prefill_chunk = prefill_chunk;
   // On the H200, slices of 1024 tokens' work held RAG's p99 TPOT under 50 ms at 8-12 req/s
-  // where whole reuse prefills (one slice of prefill_chunk) missed it (docs/benchmarks.md, S8).
+  // where whole reuse prefills (one slice of prefill_chunk) missed it.
   if (reuse_slice_tokens < -1) reuse_slice_tokens = cuda ? 1024 : 0;
   o.scheduler.reuse_slice_tokens = reuse_slice_tokens;
   o.scheduler.store_while_busy = store_while_busy != 0;

@@ -111,7 +111,7 @@ class GraphRecorder {
     // A long scope goes out in segments, each replayed as its own graph: the device runs one
     // segment while the host records the next. The first segments are short (by default 8,
     // 16, 32, then 64 launches), so the device starts after about one layer of host work
-    // instead of a whole segment's (session 25's decode trace: each step's device sat idle
+    // instead of a whole segment's (an H100 decode trace: each step's device sat idle
     // ~0.15 ms at batch 1 and ~0.85 ms at batch 32 while the host recorded the first 64).
     if (pending_.size() >= segment_limit_) return FlushSegment();
     return absl::OkStatus();
