@@ -263,7 +263,8 @@ struct CudaBackendOptions {
 // CudaBackendOptions from the SPX_* environment variables: each unset variable leaves its
 // field's default. An SPX_ATTN_IMPL value other than mma, wgmma, wgmma-pipe, wgmma-ws,
 // wgmma-ws-pp, wgmma-ws-pipe, wgmma-ws-128, wgmma-ws-128-lsum or auto (the removed wgmma-128,
-// wgmma-ws-qreg, wgmma-ws-qreg-rr, wgmma-ws-p64 and wgmma-ws-128-pipe included) keeps kAuto and says so on stderr. Only parses strings:
+// wgmma-ws-qreg, wgmma-ws-qreg-rr, wgmma-ws-p64 and wgmma-ws-128-pipe included) keeps kAuto
+// and says so on stderr. Only parses strings:
 // defined in CPU-only builds too. SPX_PDL is read by the kernels themselves (kernels/ops.cu).
 CudaBackendOptions CudaBackendOptionsFromEnv();
 
