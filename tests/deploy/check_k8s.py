@@ -263,7 +263,7 @@ HEALTH_PATHS = {
     "sparsex/cache-server": {"/healthz", "/metrics"},
     "sparsex/worker": {"/healthz", "/metrics"},
     "sparsex/worker-cpu": {"/healthz", "/metrics"},
-    "sparsex/router": {"/healthz", "/metrics"},
+    "sparsex/router": {"/healthz", "/livez", "/metrics"},
     "quay.io/coreos/etcd": {"/health", "/health?serializable=true", "/metrics"},
     "prom/prometheus": {"/-/ready", "/-/healthy"},
 }
@@ -463,7 +463,9 @@ def check_sparsex_container(o, c, image, ports, where):
                 err(f"{where}: --device=cuda expected on the GPU image")
     elif image == "sparsex/router":
         want = {"grpc": port_of(flags.get("grpc_address")), "http": port_of(flags.get("http_address"))}
-        for k in ("grpc_address", "http_address"):
+        if flags.get("admin_address"):
+            want["admin"] = port_of(flags["admin_address"])
+        for k in ("grpc_address", "http_address") + (("admin_address",) if "admin" in want else ()):
             if not (flags.get(k) or "").startswith("0.0.0.0:"):
                 err(f"{where}: --{k} must bind 0.0.0.0 (default binds 127.0.0.1)")
         if not flags.get("model") or not (flags.get("etcd") or flags.get("workers")):
@@ -738,7 +740,7 @@ OTHER_PORT = "other TCP ports"
 # undeclared TCP port, e.g. UCX's ephemeral listeners). Exact: a path missing here is broken,
 # a path added here is a hole.
 EXPECTED_INGRESS = {
-    "router": {"grpc": {ANY}, "http": {ANY}, OTHER_PORT: set()},
+    "router": {"grpc": {ANY}, "http": {ANY}, "admin": {"prometheus"}, OTHER_PORT: set()},
     "worker": {"grpc": {"router"}, "metrics": {"prometheus"}, OTHER_PORT: set()},
     "cache-server": {"grpc": {"worker"}, "metrics": {"worker", "prometheus"},
                      OTHER_PORT: {"worker"}},
