@@ -323,12 +323,58 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path) {
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path,
                                                  const LoadOptions& options) {
   ASSIGN_OR_RETURN(ModelFormat format, DetectFormat(path));
+  std::unique_ptr<Model> m;
   switch (format) {
-    case ModelFormat::kSynthetic: return MakeSyntheticModel(path.substr(10));
-    case ModelFormat::kHfDirectory: return LoadHfDirectory(path);
-    case ModelFormat::kGguf: return LoadGguf(path, options);
+    case ModelFormat::kSynthetic: {
+      ASSIGN_OR_RETURN(m, MakeSyntheticModel(path.substr(10)));
+      break;
+    }
+    case ModelFormat::kHfDirectory: {
+      ASSIGN_OR_RETURN(m, LoadHfDirectory(path));
+      break;
+    }
+    case ModelFormat::kGguf: {
+      ASSIGN_OR_RETURN(m, LoadGguf(path, options));
+      break;
+    }
   }
-  return absl::InternalError("unknown model format");
+  if (!options.tokenizer_path.empty()) RETURN_IF_ERROR(OverrideTokenizer(*m, options.tokenizer_path));
+  return m;
+}
+
+Hash128 TokenizerFingerprint(const Tokenizer& t) {
+  Hasher h;
+  h.Str("sparsex-tokenizer-v1");
+  const int32_t n = t.vocab_size();
+  h.U64(static_cast<uint64_t>(n)).U64(static_cast<uint64_t>(static_cast<int64_t>(t.bos_id())));
+  h.U64(static_cast<uint64_t>(static_cast<int64_t>(t.eos_id())));
+  for (int32_t id = 0; id < n; ++id) {
+    h.U64(t.IsSpecial(id) ? 1 : 0).Str(t.IsSpecial(id) ? t.SpecialText(id) : t.TokenPiece(id));
+  }
+  // Letters, digits, whitespace runs, contractions, composed and decomposed accents, CJK, emoji.
+  static constexpr const char* kProbe =
+      "Hello World! It's 2024: 1234567 tokens,\tspaces   and\n\nlines. Caf\xC3\xA9 "
+      "Cafe\xCC\x81 \xEF\xAC\x81 \xE4\xBD\xA0\xE5\xA5\xBD \xF0\x9F\x91\x8B";
+  h.I32s(t.Encode(kProbe, /*add_bos=*/false));
+  return h.Finish();
+}
+
+absl::Status OverrideTokenizer(Model& m, const std::string& tokenizer_path) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, LoadTokenizer(tokenizer_path));
+  if (absl::Status s = CheckTokenizerFits(tok.get(), m.config_); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--tokenizer ", tokenizer_path, ": ",
+                                                   s.message()));
+  }
+  const Hash128 t = TokenizerFingerprint(*tok);
+  Hasher h;
+  h.Str("sparsex-model-tokenizer-override")
+      .U64(m.fingerprint_.hi)
+      .U64(m.fingerprint_.lo)
+      .U64(t.hi)
+      .U64(t.lo);
+  m.fingerprint_ = h.Finish();
+  m.tokenizer_ = std::move(tok);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path) {
@@ -354,6 +400,21 @@ absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path) {
   }
   RETURN_IF_ERROR(ValidateConfig(info.config));
   RETURN_IF_ERROR(CheckTokenizerFits(info.tokenizer.get(), info.config));
+  return info;
+}
+
+absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path,
+                                        const std::string& tokenizer_path) {
+  ASSIGN_OR_RETURN(ModelInfo info, LoadModelInfo(path));
+  if (tokenizer_path.empty()) return info;
+  ASSIGN_OR_RETURN(info.tokenizer, LoadTokenizer(tokenizer_path));
+  if (absl::Status s = CheckTokenizerFits(info.tokenizer.get(), info.config); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--tokenizer ", tokenizer_path, ": ",
+                                                   s.message()));
+  }
+  // The chat template's bos_token / eos_token are the new vocabulary's.
+  info.bos_token = info.tokenizer->SpecialText(info.tokenizer->bos_id());
+  info.eos_token = info.tokenizer->SpecialText(info.tokenizer->eos_id());
   return info;
 }
 

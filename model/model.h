@@ -100,7 +100,22 @@ struct LoadOptions {
   // quantized value; BF16 halves the memory for the CUDA backend, which computes in bf16).
   // Unquantized tensors stay mapped as stored.
   DType dequantize_to = DType::kF32;
+  // A tokenizer used instead of the model's own (LoadTokenizer's paths: a GGUF vocabulary,
+  // vocabulary-only files included, a tokenizer.json or a directory holding one). Refused when
+  // it has more tokens than the embedding table; its identity (TokenizerFingerprint) is hashed
+  // into the model fingerprint, so KV made under one tokenizer is never served under another.
+  // Default: "" (the model's own).
+  std::string tokenizer_path;
 };
+
+// A tokenizer's identity: its size, special ids, every token's bytes and special flag, and the
+// ids of a fixed multilingual probe text (which tells apart tokenizers whose vocabularies agree
+// but whose normalizers, pre-tokenizers or merges do not).
+Hash128 TokenizerFingerprint(const Tokenizer& t);
+
+// Replaces m's tokenizer by the one at tokenizer_path (see LoadOptions::tokenizer_path) and
+// rehashes the fingerprint with the tokenizer's identity.
+absl::Status OverrideTokenizer(Model& m, const std::string& tokenizer_path);
 
 // Dispatches on the path: "synthetic:<name>", a *.gguf file, or a directory with config.json.
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& path);

@@ -62,6 +62,9 @@ struct ModelInfo {
 
 // Dispatches on the path like LoadModel; the same validation of the configuration.
 absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path);
+// The same with the tokenizer taken from tokenizer_path (LoadOptions::tokenizer_path; "" keeps
+// the model's), refused when it has more tokens than the model's vocab_size.
+absl::StatusOr<ModelInfo> LoadModelInfo(const std::string& path, const std::string& tokenizer_path);
 absl::StatusOr<ModelInfo> LoadGgufInfo(const std::string& path);
 absl::StatusOr<ModelInfo> LoadHfInfo(const std::string& dir);
 

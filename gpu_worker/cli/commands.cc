@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "gpu_worker/backend/backend.h"
@@ -54,6 +55,7 @@ absl::Status Generate(const Args& a) {
   // Quantized GGUF weights are dequantized into the backend's dtype (bf16 on CUDA).
   LoadOptions lo;
   if (device == "cuda") lo.dequantize_to = DType::kBF16;
+  RETURN_IF_ERROR(Opt(a, "tokenizer", &lo.tokenizer_path));
   ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path, lo));
   service::SchedulerOptions so;
   so.engine.backend.kind = device;
@@ -139,7 +141,9 @@ absl::Status Generate(const Args& a) {
 
 absl::Status Info(const Args& a) {
   ASSIGN_OR_RETURN(std::string path, Need(a, "model"));
-  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path));
+  LoadOptions lo;
+  RETURN_IF_ERROR(Opt(a, "tokenizer", &lo.tokenizer_path));
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, LoadModel(path, lo));
   const ModelConfig& c = model->config();
   std::printf("model %s\nlayers %d dim %d ffn %d heads %d kv_heads %d head_dim %d vocab %d\n"
               "max_seq_len %d rope_theta %g layout %s\nfingerprint %s\n",
@@ -147,22 +151,54 @@ absl::Status Info(const Args& a) {
               c.vocab_size, c.max_seq_len, c.rope_theta,
               c.rope_layout == RopeLayout::kHalves ? "halves" : "adjacent",
               model->fingerprint().Hex().c_str());
+  const Tokenizer& t = model->tokenizer();
+  std::printf("tokenizer %s: %d tokens, bos %d, eos %d, identity %s\n",
+              lo.tokenizer_path.empty() ? "built in" : lo.tokenizer_path.c_str(), t.vocab_size(),
+              t.bos_id(), t.eos_id(), TokenizerFingerprint(t).Hex().c_str());
   return absl::OkStatus();
 }
 
 absl::Status Tokenize(const Args& a) {
-  ASSIGN_OR_RETURN(std::string path, Need(a, "model"));
+  // --tokenizer names the tokenizer file outright; --model alone is read for its tokenizer.
+  std::string path;
+  RETURN_IF_ERROR(Opt(a, "tokenizer", &path));
+  if (path.empty()) {
+    ASSIGN_OR_RETURN(path, Need(a, "model"));
+  }
   // The tokenizer alone: vocabulary-only GGUF files (any architecture) load too.
   ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, LoadTokenizer(path));
   std::string text;
   char buf[1 << 16];
   for (size_t n; (n = std::fread(buf, 1, sizeof buf, stdin)) > 0;) text.append(buf, n);
   if (std::ferror(stdin)) return absl::DataLossError("error reading stdin");
-  std::string out;
-  for (int32_t id : tok->Encode(text, /*add_bos=*/false, a.count("parse-special") > 0))
-    absl::StrAppend(&out, " ", id);
-  out += '\n';
-  std::fwrite(out.data(), 1, out.size(), stdout);
+  const bool special = a.count("parse-special") > 0;
+  auto line_of = [&](std::string_view t) {
+    std::string out;
+    for (int32_t id : tok->Encode(t, /*add_bos=*/false, special)) absl::StrAppend(&out, " ", id);
+    out += '\n';
+    return out;
+  };
+  if (a.count("json-lines") == 0) {
+    const std::string out = line_of(text);
+    std::fwrite(out.data(), 1, out.size(), stdout);
+    return absl::OkStatus();
+  }
+  // One JSON string per line: texts with newlines or any byte sequence (JSON \u escapes) in one
+  // run, so a test of many strings loads a large tokenizer once.
+  std::istringstream in(text);
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.empty()) continue;
+    std::string t;
+    try {
+      t = nlohmann::json::parse(line).get<std::string>();
+    } catch (const nlohmann::json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat("stdin line ", n, ": not a JSON string (",
+                                                     e.what(), ")"));
+    }
+    const std::string out = line_of(t);
+    std::fwrite(out.data(), 1, out.size(), stdout);
+  }
   return absl::OkStatus();
 }
 

@@ -1,10 +1,18 @@
-// Hugging Face tokenizer.json, byte-level BPE (GPT-2, Llama-3, Qwen2 style): added tokens are cut
-// out first, the rest is split into pre-tokens by regex (PCRE2), each pre-token's bytes are mapped
-// to GPT-2's printable alphabet and merged by merge rank.
+// Hugging Face tokenizer.json with a BPE model, read as the `tokenizers` library reads it:
+//   1. added tokens are cut out of the raw text (those marked "normalized" after normalization),
+//   2. each remaining section is normalized (NFC, NFKC, Lowercase, Replace, Prepend, ...),
+//   3. split into pre-tokens (Split, ByteLevel, Metaspace, Digits, Whitespace, ...),
+//   4. each pre-token is merged by BPE rank, over GPT-2's byte alphabet when a ByteLevel
+//      pre-tokenizer is present, else over characters with byte fallback (<0xXX>) or <unk>.
+// The GGUF "gpt2" vocabularies (model/gguf.cc) use the same machinery with llama.cpp's
+// pre-tokenizer regexes (gguf_pre_tokenizers.cc). A component type or option this reader does
+// not implement is refused by name, never skipped: a silently different tokenization would feed
+// the model ids it was not trained on.
 #include <pcre2.h>
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "absl/container/flat_hash_map.h"
@@ -12,31 +20,25 @@
 #include "common/mapped_file.h"
 #include "model/tokenizer/bpe_util.h"
 #include "model/tokenizer/tokenizer.h"
+#include "model/tokenizer/unicode_ops.h"
+
+#ifndef PCRE2_MATCH_INVALID_UTF
+#error "PCRE2 10.34 or newer is needed (PCRE2_MATCH_INVALID_UTF): Debian 12 ships 10.42"
+#endif
 
 namespace sparsex {
 namespace {
 
 using json = nlohmann::json;
+using tok_internal::AppendUtf8;
 using tok_internal::BpeSymbol;
 
-// Largest tokenizer.json accepted (Llama-3's is 9 MB, the largest common ones ~35 MB).
+// Largest tokenizer.json accepted (Llama-3's is 9 MB, Gemma-3's 33 MB).
 constexpr size_t kMaxTokenizerJsonBytes = size_t{256} << 20;
 
+// The regex of the ByteLevel pre-tokenizer's use_regex (the `tokenizers` library's).
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-void AppendUtf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
 
 // GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes get
 // code points 256.. in byte order, so every byte has a visible, non-space character.
@@ -67,8 +69,7 @@ std::string ByteLevelDecode(std::string_view piece) {
   for (size_t i = 0; i < piece.size();) {
     const size_t n = tok_internal::Utf8Len(piece, i);
     uint32_t cp = 0x7FFFFFFF;
-    if (n == 1) cp = static_cast<unsigned char>(piece[i]);
-    if (n == 2) cp = ((piece[i] & 0x1F) << 6) | (piece[i + 1] & 0x3F);
+    if (n == 1 || n == 2) cp = tok_internal::DecodeUtf8At(piece, i, n);
     if (cp < a.to_byte.size() && a.to_byte[cp] >= 0) {
       out += static_cast<char>(a.to_byte[cp]);
     } else {
@@ -79,25 +80,57 @@ std::string ByteLevelDecode(std::string_view piece) {
   return out;
 }
 
+// "<0x41>" -> 0x41; -1 for anything else.
+int ByteFallbackValue(std::string_view t) {
+  if (t.size() != 6 || !t.starts_with("<0x") || t[5] != '>') return -1;
+  int v = 0;
+  for (size_t i = 3; i < 5; ++i) {
+    const char c = t[i];
+    int d = -1;
+    if (c >= '0' && c <= '9') d = c - '0';
+    if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+    if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+    if (d < 0) return -1;
+    v = v * 16 + d;
+  }
+  return v;
+}
+
+std::string ReplaceAll(std::string_view s, std::string_view from, std::string_view to) {
+  if (from.empty()) return std::string(s);
+  std::string out;
+  for (size_t pos = 0;;) {
+    const size_t hit = s.find(from, pos);
+    if (hit == std::string_view::npos) {
+      out.append(s.substr(pos));
+      return out;
+    }
+    out.append(s.substr(pos, hit - pos)).append(to);
+    pos = hit + from.size();
+  }
+}
+
 struct Pcre2Deleter {
   void operator()(pcre2_code* c) const { pcre2_code_free(c); }
   void operator()(pcre2_match_data* m) const { pcre2_match_data_free(m); }
 };
-using Regex = std::unique_ptr<pcre2_code, Pcre2Deleter>;
+using Regex = std::shared_ptr<pcre2_code>;  // shared: normalizer closures hold them too
+using MatchData = std::unique_ptr<pcre2_match_data, Pcre2Deleter>;
 
 absl::StatusOr<Regex> CompileRegex(const std::string& pattern, uint32_t extra_options) {
-  uint32_t options = PCRE2_UTF | PCRE2_UCP | extra_options;
-#ifdef PCRE2_MATCH_INVALID_UTF
-  options |= PCRE2_MATCH_INVALID_UTF;  // invalid bytes just never match: they end up in gaps
-#endif
+  // Invalid bytes never match (they end up in gaps and reach the model as bytes).
+  // (PCRE2_LITERAL refuses PCRE2_UCP, which a literal does not need.)
+  const uint32_t ucp = (extra_options & PCRE2_LITERAL) ? 0 : PCRE2_UCP;
+  const uint32_t options = PCRE2_UTF | ucp | PCRE2_MATCH_INVALID_UTF | extra_options;
   int err = 0;
   PCRE2_SIZE offset = 0;
   Regex re(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options,
-                         &err, &offset, nullptr));
+                         &err, &offset, nullptr),
+           Pcre2Deleter());
   if (!re) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof(msg));
-    return absl::InvalidArgumentError(absl::StrCat("pre-tokenizer regex error at ", offset, ": ",
+    return absl::InvalidArgumentError(absl::StrCat("regex error at ", offset, ": ",
                                                    reinterpret_cast<const char*>(msg), " in ",
                                                    pattern));
   }
@@ -105,21 +138,16 @@ absl::StatusOr<Regex> CompileRegex(const std::string& pattern, uint32_t extra_op
   return re;
 }
 
-// Split with behaviour "Isolated": every match is a pre-token and so is every gap between them.
-void SplitIsolated(const pcre2_code* re, std::string_view s, pcre2_match_data* md,
-                   std::vector<std::string_view>& out) {
-#ifdef PCRE2_MATCH_INVALID_UTF
-  constexpr uint32_t kOptions = 0;
-#else
-  constexpr uint32_t kOptions = PCRE2_NO_UTF_CHECK;  // only valid runs get here; a check per
-                                                     // call would make this quadratic
-#endif
-  size_t pos = 0, gap = 0;
+// Every non-empty match of re in s as [begin, end) byte offsets.
+void FindMatches(const pcre2_code* re, std::string_view s, pcre2_match_data* md,
+                 std::vector<std::pair<size_t, size_t>>& out) {
+  out.clear();
+  size_t pos = 0;
   while (pos < s.size()) {
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
-    int rc = pcre2_match(re, subject, s.size(), pos, kOptions, md, nullptr);
+    int rc = pcre2_match(re, subject, s.size(), pos, 0, md, nullptr);
     if (rc < 0 && rc != PCRE2_ERROR_NOMATCH) {  // e.g. JIT stack limit: retry interpreted
-      rc = pcre2_match(re, subject, s.size(), pos, kOptions | PCRE2_NO_JIT, md, nullptr);
+      rc = pcre2_match(re, subject, s.size(), pos, PCRE2_NO_JIT, md, nullptr);
     }
     if (rc < 0) break;  // no more matches (or a hard error): the rest is one gap
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
@@ -129,12 +157,107 @@ void SplitIsolated(const pcre2_code* re, std::string_view s, pcre2_match_data* m
       while (pos < s.size() && (static_cast<unsigned char>(s[pos]) & 0xC0) == 0x80) ++pos;
       continue;
     }
-    if (b > gap) out.push_back(s.substr(gap, b - gap));
-    out.push_back(s.substr(b, e - b));
-    pos = gap = e;
+    out.emplace_back(b, e);
+    pos = e;
   }
-  if (gap < s.size()) out.push_back(s.substr(gap));
 }
+
+// The `tokenizers` library's SplitDelimiterBehavior.
+enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+absl::StatusOr<SplitBehavior> ParseBehavior(const std::string& name) {
+  if (name == "Removed") return SplitBehavior::kRemoved;
+  if (name == "Isolated") return SplitBehavior::kIsolated;
+  if (name == "MergedWithPrevious") return SplitBehavior::kMergedWithPrevious;
+  if (name == "MergedWithNext") return SplitBehavior::kMergedWithNext;
+  if (name == "Contiguous") return SplitBehavior::kContiguous;
+  return absl::UnimplementedError("split behavior '" + name + "' not supported");
+}
+
+// Splits s at the matches of re the way `tokenizers` does (pattern.rs / normalizer.rs split):
+// the text becomes alternating match / gap spans (is_match flipped when inverted), then the
+// behavior drops, isolates or merges the matched spans. Empty pieces are dropped.
+void SplitWith(const pcre2_code* re, pcre2_match_data* md, std::string_view s,
+               SplitBehavior behavior, bool invert, std::vector<std::string>& out,
+               std::vector<std::pair<size_t, size_t>>& scratch) {
+  FindMatches(re, s, md, scratch);
+  struct Span {
+    size_t b, e;
+    bool match;
+  };
+  std::vector<Span> spans;
+  size_t prev = 0;
+  for (const auto& [b, e] : scratch) {
+    if (b > prev) spans.push_back({prev, b, invert});
+    spans.push_back({b, e, !invert});
+    prev = e;
+  }
+  if (prev < s.size()) spans.push_back({prev, s.size(), invert});
+  std::vector<std::pair<size_t, size_t>> pieces;
+  switch (behavior) {
+    case SplitBehavior::kRemoved:
+      for (const Span& sp : spans)
+        if (!sp.match) pieces.emplace_back(sp.b, sp.e);
+      break;
+    case SplitBehavior::kIsolated:
+      for (const Span& sp : spans) pieces.emplace_back(sp.b, sp.e);
+      break;
+    case SplitBehavior::kMergedWithPrevious: {
+      bool prev_match = false;
+      for (const Span& sp : spans) {
+        if (sp.match && !prev_match && !pieces.empty()) {
+          pieces.back().second = sp.e;
+        } else {
+          pieces.emplace_back(sp.b, sp.e);
+        }
+        prev_match = sp.match;
+      }
+      break;
+    }
+    case SplitBehavior::kMergedWithNext: {
+      bool prev_match = false;
+      for (auto it = spans.rbegin(); it != spans.rend(); ++it) {
+        if (it->match && !prev_match && !pieces.empty()) {
+          pieces.back().first = it->b;
+        } else {
+          pieces.emplace_back(it->b, it->e);
+        }
+        prev_match = it->match;
+      }
+      std::reverse(pieces.begin(), pieces.end());
+      break;
+    }
+    case SplitBehavior::kContiguous: {
+      bool prev_match = false;
+      for (const Span& sp : spans) {
+        if (sp.match == prev_match && !pieces.empty()) {
+          pieces.back().second = sp.e;
+        } else {
+          pieces.emplace_back(sp.b, sp.e);
+        }
+        prev_match = sp.match;
+      }
+      break;
+    }
+  }
+  for (const auto& [b, e] : pieces)
+    if (e > b) out.emplace_back(s.substr(b, e - b));
+}
+
+using NormalizeFn = std::function<std::string(std::string_view)>;
+
+// One pre-tokenizer step; Sequence, ByteLevel(use_regex), Digits, Whitespace, Punctuation and
+// BertPreTokenizer are expressed as Split steps.
+struct PreStep {
+  enum class Kind { kSplit, kPrefixSpace, kMetaspace } kind = Kind::kSplit;
+  Regex re;
+  SplitBehavior behavior = SplitBehavior::kIsolated;
+  bool invert = false;
+  // Metaspace
+  std::string replacement;
+  enum class Prepend { kAlways, kFirst, kNever } prepend = Prepend::kAlways;
+  bool split = true;
+};
 
 class HfTokenizer final : public Tokenizer {
  public:
@@ -142,39 +265,41 @@ class HfTokenizer final : public Tokenizer {
                               bool parse_special) const override {
     std::vector<int32_t> out;
     if (add_bos && bos_ >= 0) out.push_back(bos_);
-    std::vector<std::unique_ptr<pcre2_match_data, Pcre2Deleter>> md;
-    for (const Regex& re : splits_)
-      md.emplace_back(pcre2_match_data_create_from_pattern(re.get(), nullptr));
-    std::string prefixed;
-    std::vector<std::string_view> pieces, next;
-    for (const auto& f : added_.Split(text, parse_special)) {
+    std::vector<MatchData> md;
+    for (const PreStep& s : pre_)
+      md.emplace_back(s.re ? pcre2_match_data_create_from_pattern(s.re.get(), nullptr) : nullptr);
+    std::vector<std::string> pieces, next;
+    std::vector<std::pair<size_t, size_t>> scratch;
+    bool at_start = true;  // the section begins at offset 0 of the input (Metaspace "first")
+    for (const auto& f : SplitAdded(added_, text, parse_special)) {
       if (f.id >= 0) {
         out.push_back(f.id);
+        at_start = false;
         continue;
       }
-      std::string_view run = f.text;
-      if (add_prefix_space_ && !run.starts_with(' ')) {
-        prefixed = " " + std::string(run);
-        run = prefixed;
+      std::string normalized;
+      std::string_view section = f.text;
+      if (!normalizers_.empty()) {
+        normalized = std::string(f.text);
+        for (const NormalizeFn& n : normalizers_) normalized = n(normalized);
+        section = normalized;
       }
-      pieces.assign(1, run);
-#ifndef PCRE2_MATCH_INVALID_UTF
-      pieces = SplitInvalidUtf8(run);  // old PCRE2 cannot match across invalid bytes
-#endif
-      for (size_t r = 0; r < splits_.size(); ++r) {
-        next.clear();
-        for (std::string_view p : pieces) {
-#ifndef PCRE2_MATCH_INVALID_UTF
-          if (tok_internal::Utf8Len(p, 0) == 0) {
-            next.push_back(p);
-            continue;
-          }
-#endif
-          SplitIsolated(splits_[r].get(), p, md[r].get(), next);
+      for (const auto& g : SplitAdded(added_normalized_, section, parse_special)) {
+        if (g.id >= 0) {
+          out.push_back(g.id);
+          at_start = false;
+          continue;
         }
-        pieces.swap(next);
+        pieces.assign(1, std::string(g.text));
+        for (size_t r = 0; r < pre_.size(); ++r) {
+          next.clear();
+          for (size_t k = 0; k < pieces.size(); ++k)
+            ApplyStep(pre_[r], md[r].get(), pieces[k], at_start && k == 0, next, scratch);
+          pieces.swap(next);
+        }
+        for (const std::string& p : pieces) EncodePiece(p, out);
+        at_start = false;
       }
-      for (std::string_view p : pieces) EncodePiece(p, out);
     }
     return out;
   }
@@ -183,6 +308,8 @@ class HfTokenizer final : public Tokenizer {
     std::string out;
     for (int32_t id : ids)
       if (!IsSpecial(id)) out += TokenPiece(id);
+    // Decoders that drop the space the encoder prefixed (Strip, Metaspace): from the whole text.
+    for (int k = 0; k < strip_leading_ && !out.empty() && out[0] == ' '; ++k) out.erase(0, 1);
     return out;
   }
   std::string TokenPiece(int32_t id) const override {
@@ -203,44 +330,102 @@ class HfTokenizer final : public Tokenizer {
   friend absl::StatusOr<std::unique_ptr<Tokenizer>> sparsex::ParseHfTokenizer(std::string_view);
   friend absl::StatusOr<std::unique_ptr<Tokenizer>> sparsex::MakeByteLevelTokenizer(
       ByteLevelVocab);
+  friend class HfJsonReader;
 
-#ifndef PCRE2_MATCH_INVALID_UTF
-  // Valid UTF-8 runs and single invalid bytes, in order.
-  static std::vector<std::string_view> SplitInvalidUtf8(std::string_view s) {
-    std::vector<std::string_view> out;
-    size_t run = 0;
-    for (size_t i = 0; i < s.size();) {
-      const size_t n = tok_internal::Utf8Len(s, i);
-      if (n > 0) {
-        i += n;
-        continue;
-      }
-      if (i > run) out.push_back(s.substr(run, i - run));
-      out.push_back(s.substr(i, 1));
-      run = ++i;
+  // Added-token split with the tokens' lstrip / rstrip: whitespace next to such a token is part
+  // of its match, so it is cut from the neighbouring text.
+  std::vector<tok_internal::TokenMatcher::Fragment> SplitAdded(const tok_internal::TokenMatcher& m,
+                                                               std::string_view text,
+                                                               bool parse_special) const {
+    std::vector<tok_internal::TokenMatcher::Fragment> f = m.Split(text, parse_special);
+    if (!has_strip_) return f;
+    for (size_t i = 0; i < f.size(); ++i) {
+      if (f[i].id < 0) continue;
+      const uint8_t s = strip_[f[i].id];
+      auto trim = [](std::string_view t, bool left) {
+        const std::string r = tok_internal::TrimWhitespace(t, left, !left);
+        return left ? t.substr(t.size() - r.size()) : t.substr(0, r.size());
+      };
+      if ((s & 1) && i > 0 && f[i - 1].id < 0) f[i - 1].text = trim(f[i - 1].text, false);
+      if ((s & 2) && i + 1 < f.size() && f[i + 1].id < 0) f[i + 1].text = trim(f[i + 1].text, true);
     }
-    if (run < s.size()) out.push_back(s.substr(run));
-    return out;
+    std::erase_if(f, [](const auto& x) { return x.id < 0 && x.text.empty(); });
+    return f;
   }
-#endif
+
+  static void ApplyStep(const PreStep& s, pcre2_match_data* md, const std::string& piece,
+                        bool at_start, std::vector<std::string>& out,
+                        std::vector<std::pair<size_t, size_t>>& scratch) {
+    switch (s.kind) {
+      case PreStep::Kind::kSplit:
+        SplitWith(s.re.get(), md, piece, s.behavior, s.invert, out, scratch);
+        return;
+      case PreStep::Kind::kPrefixSpace:  // ByteLevel's add_prefix_space
+        out.push_back(piece.starts_with(' ') ? piece : " " + piece);
+        return;
+      case PreStep::Kind::kMetaspace: {
+        std::string t = ReplaceAll(piece, " ", s.replacement);
+        const bool prepend = s.prepend == PreStep::Prepend::kAlways ||
+                             (s.prepend == PreStep::Prepend::kFirst && at_start);
+        if (prepend && !t.starts_with(s.replacement)) t = s.replacement + t;
+        if (s.split) {
+          SplitWith(s.re.get(), md, t, SplitBehavior::kMergedWithNext, false, out, scratch);
+        } else {
+          out.push_back(std::move(t));
+        }
+        return;
+      }
+    }
+  }
+
+  // A symbol that is no token: its bytes as <0xXX> tokens (byte_fallback), else the unknown
+  // token (one for a run of them with fuse_unk), else nothing, as `tokenizers` and llama.cpp do.
+  void Fallback(std::string_view bytes, bool& prev_unk, std::vector<int32_t>& out) const {
+    if (byte_fallback_) {
+      bool all = true;
+      for (char c : bytes) all = all && byte_token_[static_cast<unsigned char>(c)] >= 0;
+      if (all) {
+        for (char c : bytes) out.push_back(byte_token_[static_cast<unsigned char>(c)]);
+        prev_unk = false;
+        return;
+      }
+    }
+    if (unk_ < 0) return;
+    if (!(fuse_unk_ && prev_unk)) out.push_back(unk_);
+    prev_unk = true;
+  }
 
   void EncodePiece(std::string_view p, std::vector<int32_t>& out) const {
+    if (p.empty()) return;
     const ByteAlphabet& a = Alphabet();
     if (ignore_merges_) {  // Llama-3: a pre-token that is itself in the vocabulary is taken whole
       std::string mapped;
-      for (char c : p) mapped += a.to_char[static_cast<unsigned char>(c)];
+      if (byte_level_) {
+        for (char c : p) mapped += a.to_char[static_cast<unsigned char>(c)];
+      } else {
+        mapped = std::string(p);
+      }
       if (auto it = vocab_.find(mapped); it != vocab_.end()) {
         out.push_back(it->second);
         return;
       }
     }
-    std::vector<BpeSymbol> syms(p.size());
-    for (size_t i = 0; i < p.size(); ++i) {
-      const auto k = static_cast<int32_t>(i);
-      syms[i] = {k - 1, k + 1, static_cast<uint32_t>(i), 1,
-                 byte_id_[static_cast<unsigned char>(p[i])]};
+    std::vector<BpeSymbol> syms;
+    syms.reserve(p.size());
+    for (size_t i = 0; i < p.size();) {
+      size_t n = 1;
+      int32_t id;
+      if (byte_level_) {
+        id = byte_id_[static_cast<unsigned char>(p[i])];
+      } else {  // a character (or a stray byte) of the text
+        n = std::max<size_t>(tok_internal::Utf8Len(p, i), 1);
+        auto it = vocab_.find(tok_internal::AsAbsl(p.substr(i, n)));
+        id = it == vocab_.end() ? -1 : it->second;
+      }
+      const auto k = static_cast<int32_t>(syms.size());
+      syms.push_back({k - 1, k + 1, static_cast<uint32_t>(i), static_cast<uint32_t>(n), id});
+      i += n;
     }
-    if (syms.empty()) return;
     syms.back().next = -1;
     tok_internal::BpeMerge(
         syms,
@@ -250,40 +435,280 @@ class HfTokenizer final : public Tokenizer {
           if (it == merges_.end()) return std::nullopt;
           return std::make_pair(static_cast<double>(it->second.first), it->second.second);
         });
-    for (int32_t k = 0; k >= 0; k = syms[k].next)
-      out.push_back(syms[k].id >= 0 ? syms[k].id : unk_);
+    bool prev_unk = false;
+    for (int32_t k = 0; k >= 0; k = syms[k].next) {
+      if (syms[k].id >= 0) {
+        out.push_back(syms[k].id);
+        prev_unk = false;
+      } else {
+        Fallback(p.substr(syms[k].start, syms[k].len), prev_unk, out);
+      }
+    }
   }
 
-  // byte_id_ from the vocabulary (after vocab_ and unk_ are set): each byte's character of the
-  // byte alphabet; a byte the vocabulary lacks needs an unknown token (`unk_name` in the error).
-  absl::Status MapBytes(const char* unk_name) {
+  // byte_id_ (byte-level) and byte_token_ (byte fallback) from the vocabulary, after vocab_ is
+  // set. A byte without a token falls back like any unknown symbol.
+  void MapBytes() {
     const ByteAlphabet& a = Alphabet();
     for (int b = 0; b < 256; ++b) {
       auto it = vocab_.find(a.to_char[b]);
       byte_id_[b] = it == vocab_.end() ? -1 : it->second;
-      if (byte_id_[b] < 0 && unk_ < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("byte-level vocabulary lacks byte ", b,
-                                                       " and has no ", unk_name,
-                                                       " to stand for it"));
-      }
+      char name[8];
+      std::snprintf(name, sizeof name, "<0x%02X>", b);
+      auto jt = vocab_.find(name);
+      byte_token_[b] = jt == vocab_.end() ? -1 : jt->second;
     }
-    return absl::OkStatus();
+  }
+
+  void AddMerge(const std::string& l, const std::string& r, int32_t rank) {
+    auto il = vocab_.find(l), ir = vocab_.find(r), im = vocab_.find(l + r);
+    if (il == vocab_.end() || ir == vocab_.end() || im == vocab_.end()) return;
+    merges_.try_emplace(PairKey(il->second, ir->second), rank, im->second);
   }
 
   static uint64_t PairKey(int32_t l, int32_t r) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(l)) << 32) | static_cast<uint32_t>(r);
   }
 
-  absl::flat_hash_map<std::string, int32_t> vocab_;                    // byte-level piece -> id
+  absl::flat_hash_map<std::string, int32_t> vocab_;                    // model piece -> id
   absl::flat_hash_map<uint64_t, std::pair<int32_t, int32_t>> merges_;  // (l, r) -> (rank, id)
-  std::array<int32_t, 256> byte_id_{};
-  std::vector<std::string> pieces_;  // raw bytes per id
+  std::array<int32_t, 256> byte_id_{};     // byte-level: the byte's alphabet character's id
+  std::array<int32_t, 256> byte_token_{};  // the <0xXX> token of each byte, -1 when absent
+  std::vector<std::string> pieces_;        // decoded bytes per id
   std::vector<uint8_t> special_;
-  std::vector<Regex> splits_;  // applied in order, each splitting the pieces of the one before
-  tok_internal::TokenMatcher added_;
-  bool ignore_merges_ = false, add_prefix_space_ = false;
+  std::vector<uint8_t> strip_;             // per added-token id: 1 lstrip, 2 rstrip
+  bool has_strip_ = false;
+  std::vector<NormalizeFn> normalizers_;
+  std::vector<PreStep> pre_;
+  tok_internal::TokenMatcher added_;             // matched in the raw text
+  tok_internal::TokenMatcher added_normalized_;  // matched in normalized sections
+  bool byte_level_ = false, ignore_merges_ = false, byte_fallback_ = false, fuse_unk_ = false;
+  int strip_leading_ = 0;  // spaces Decode removes from the start of the text
   int32_t bos_ = -1, eos_ = -1, unk_ = -1;
   std::vector<int32_t> stops_;
+};
+
+// Reads the components of a tokenizer.json into an HfTokenizer.
+class HfJsonReader {
+ public:
+  explicit HfJsonReader(HfTokenizer& t) : t_(t) {}
+
+  absl::Status Normalizer(const json& n) {
+    if (n.is_null()) return absl::OkStatus();
+    const std::string type = n.at("type").get<std::string>();
+    using tok_internal::UnicodeForm;
+    auto form = [&](UnicodeForm f) {
+      t_.normalizers_.push_back(
+          [f](std::string_view s) { return tok_internal::NormalizeUnicode(s, f); });
+    };
+    if (type == "Sequence") {
+      for (const json& q : n.at("normalizers")) RETURN_IF_ERROR(Normalizer(q));
+    } else if (type == "NFC") {
+      form(UnicodeForm::kNFC);
+    } else if (type == "NFD") {
+      form(UnicodeForm::kNFD);
+    } else if (type == "NFKC") {
+      form(UnicodeForm::kNFKC);
+    } else if (type == "NFKD") {
+      form(UnicodeForm::kNFKD);
+    } else if (type == "Lowercase") {
+      t_.normalizers_.push_back([](std::string_view s) { return tok_internal::LowercaseUnicode(s); });
+    } else if (type == "StripAccents") {
+      t_.normalizers_.push_back([](std::string_view s) { return tok_internal::RemoveMarks(s); });
+    } else if (type == "Strip") {
+      const bool l = n.value("strip_left", true), r = n.value("strip_right", true);
+      t_.normalizers_.push_back(
+          [l, r](std::string_view s) { return tok_internal::TrimWhitespace(s, l, r); });
+    } else if (type == "Prepend") {
+      const std::string p = n.at("prepend").get<std::string>();
+      t_.normalizers_.push_back(
+          [p](std::string_view s) { return s.empty() ? std::string() : p + std::string(s); });
+    } else if (type == "Replace") {
+      const json& pat = n.at("pattern");
+      const std::string content = n.value("content", "");
+      if (pat.contains("String")) {
+        const std::string from = pat.at("String").get<std::string>();
+        t_.normalizers_.push_back(
+            [from, content](std::string_view s) { return ReplaceAll(s, from, content); });
+      } else {
+        ASSIGN_OR_RETURN(Regex re, CompileRegex(pat.at("Regex").get<std::string>(), 0));
+        t_.normalizers_.push_back([re, content](std::string_view s) {
+          MatchData md(pcre2_match_data_create_from_pattern(re.get(), nullptr));
+          std::vector<std::pair<size_t, size_t>> m;
+          FindMatches(re.get(), s, md.get(), m);
+          std::string out;
+          size_t prev = 0;
+          for (const auto& [b, e] : m) {
+            out.append(s.substr(prev, b - prev)).append(content);
+            prev = e;
+          }
+          out.append(s.substr(prev));
+          return out;
+        });
+      }
+    } else if (type == "BertNormalizer") {
+      const bool clean = n.value("clean_text", true);
+      const bool chinese = n.value("handle_chinese_chars", true);
+      const bool lower = n.value("lowercase", true);
+      const json sa = n.value("strip_accents", json());
+      const bool strip = sa.is_null() ? lower : sa.get<bool>();
+      t_.normalizers_.push_back([=](std::string_view in) {
+        std::string s;
+        s.reserve(in.size());
+        for (size_t i = 0; i < in.size();) {
+          const size_t len = tok_internal::Utf8Len(in, i);
+          if (len == 0) {
+            s += in[i++];
+            continue;
+          }
+          const uint32_t cp = tok_internal::DecodeUtf8At(in, i, len);
+          i += len;
+          if (clean && (cp == 0 || cp == 0xFFFD || tok_internal::IsBertControl(cp))) continue;
+          if (clean && tok_internal::IsUnicodeWhitespace(cp)) {
+            s += ' ';
+          } else if (chinese && tok_internal::IsCjkIdeograph(cp)) {
+            s += ' ';
+            AppendUtf8(s, cp);
+            s += ' ';
+          } else {
+            AppendUtf8(s, cp);
+          }
+        }
+        if (strip) {
+          s = tok_internal::RemoveNonspacingMarks(
+              tok_internal::NormalizeUnicode(s, tok_internal::UnicodeForm::kNFD));
+        }
+        if (lower) s = tok_internal::LowercaseUnicode(s);
+        return s;
+      });
+    } else {
+      return absl::UnimplementedError("normalizer '" + type + "' not supported");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status PreTokenizer(const json& p) {
+    if (p.is_null()) return absl::OkStatus();
+    const std::string type = p.at("type").get<std::string>();
+    // ByteLevel maps the text to byte-alphabet characters; a step after it would see those, which
+    // the model here does not represent (it maps bytes when it encodes).
+    if (t_.byte_level_ && type != "Sequence") {
+      return absl::UnimplementedError("pre-tokenizer '" + type + "' after ByteLevel not supported");
+    }
+    auto split = [&](const std::string& pattern, uint32_t options, SplitBehavior b,
+                     bool invert) -> absl::Status {
+      PreStep s;
+      ASSIGN_OR_RETURN(s.re, CompileRegex(pattern, options));
+      s.behavior = b;
+      s.invert = invert;
+      t_.pre_.push_back(std::move(s));
+      return absl::OkStatus();
+    };
+    // Unicode punctuation plus the ASCII symbols Rust's is_ascii_punctuation counts.
+    static constexpr const char* kPunct = R"([\p{P}!-/:-@\[-`{-~])";
+    if (type == "Sequence") {
+      for (const json& q : p.at("pretokenizers")) RETURN_IF_ERROR(PreTokenizer(q));
+    } else if (type == "Split") {
+      const json& pat = p.at("pattern");
+      const bool literal = !pat.contains("Regex");
+      ASSIGN_OR_RETURN(SplitBehavior b, ParseBehavior(p.value("behavior", "Isolated")));
+      RETURN_IF_ERROR(split(pat.at(literal ? "String" : "Regex").get<std::string>(),
+                            literal ? PCRE2_LITERAL : 0, b, p.value("invert", false)));
+    } else if (type == "ByteLevel") {
+      if (p.value("add_prefix_space", false)) {
+        PreStep s;
+        s.kind = PreStep::Kind::kPrefixSpace;
+        t_.pre_.push_back(std::move(s));
+      }
+      if (p.value("use_regex", true)) {
+        RETURN_IF_ERROR(split(kGpt2Pattern, 0, SplitBehavior::kIsolated, false));
+      }
+      t_.byte_level_ = true;
+    } else if (type == "Digits") {
+      RETURN_IF_ERROR(split(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", 0,
+                            SplitBehavior::kIsolated, false));
+    } else if (type == "Whitespace") {
+      RETURN_IF_ERROR(split(R"(\w+|[^\w\s]+)", 0, SplitBehavior::kRemoved, true));
+    } else if (type == "WhitespaceSplit") {
+      RETURN_IF_ERROR(split(R"(\s+)", 0, SplitBehavior::kRemoved, false));
+    } else if (type == "CharDelimiterSplit") {
+      RETURN_IF_ERROR(split(p.at("delimiter").get<std::string>(), PCRE2_LITERAL,
+                            SplitBehavior::kRemoved, false));
+    } else if (type == "Punctuation") {
+      ASSIGN_OR_RETURN(SplitBehavior b, ParseBehavior(p.value("behavior", "Isolated")));
+      RETURN_IF_ERROR(split(kPunct, 0, b, false));
+    } else if (type == "BertPreTokenizer") {
+      RETURN_IF_ERROR(split(R"(\s+)", 0, SplitBehavior::kRemoved, false));
+      RETURN_IF_ERROR(split(kPunct, 0, SplitBehavior::kIsolated, false));
+    } else if (type == "Metaspace") {
+      PreStep s;
+      s.kind = PreStep::Kind::kMetaspace;
+      s.replacement = p.value("replacement", "\xE2\x96\x81");
+      if (p.contains("prepend_scheme")) {
+        const std::string scheme = p.at("prepend_scheme").get<std::string>();
+        if (scheme == "always") s.prepend = PreStep::Prepend::kAlways;
+        else if (scheme == "first") s.prepend = PreStep::Prepend::kFirst;
+        else if (scheme == "never") s.prepend = PreStep::Prepend::kNever;
+        else return absl::UnimplementedError("Metaspace prepend_scheme '" + scheme + "' not supported");
+      } else if (!p.value("add_prefix_space", true)) {  // the older spelling
+        s.prepend = PreStep::Prepend::kNever;
+      }
+      s.split = p.value("split", true);
+      ASSIGN_OR_RETURN(s.re, CompileRegex(s.replacement, PCRE2_LITERAL));
+      t_.pre_.push_back(std::move(s));
+    } else {
+      return absl::UnimplementedError("pre-tokenizer '" + type + "' not supported");
+    }
+    return absl::OkStatus();
+  }
+
+  // Token-level decoder steps become the per-id pieces' transformation; Strip and Metaspace also
+  // drop the encoder's leading space from a decoded text.
+  absl::Status Decoder(const json& d) {
+    if (d.is_null()) return absl::OkStatus();
+    const std::string type = d.at("type").get<std::string>();
+    if (type == "Sequence") {
+      for (const json& q : d.at("decoders")) RETURN_IF_ERROR(Decoder(q));
+    } else if (type == "ByteLevel") {
+      steps_.push_back([](std::string s) { return ByteLevelDecode(s); });
+    } else if (type == "Replace") {
+      const json& pat = d.at("pattern");
+      if (!pat.contains("String"))
+        return absl::UnimplementedError("decoder 'Replace' with a regex pattern not supported");
+      const std::string from = pat.at("String").get<std::string>(), to = d.value("content", "");
+      steps_.push_back([from, to](std::string s) { return ReplaceAll(s, from, to); });
+    } else if (type == "ByteFallback") {
+      steps_.push_back([](std::string s) {
+        const int b = ByteFallbackValue(s);
+        return b < 0 ? s : std::string(1, static_cast<char>(b));
+      });
+    } else if (type == "Fuse") {
+      // Joins the tokens' strings into one: what Decode does anyway.
+    } else if (type == "Strip") {
+      const std::string content = d.value("content", " ");
+      if (content != " " || d.value("stop", 0) != 0) {
+        return absl::UnimplementedError("decoder 'Strip' other than leading spaces not supported");
+      }
+      t_.strip_leading_ = d.value("start", 0);
+    } else if (type == "Metaspace") {
+      const std::string r = d.value("replacement", "\xE2\x96\x81");
+      steps_.push_back([r](std::string s) { return ReplaceAll(s, r, " "); });
+      const std::string scheme = d.value("prepend_scheme", "always");
+      if (scheme != "never" && d.value("add_prefix_space", true)) t_.strip_leading_ = 1;
+    } else {
+      return absl::UnimplementedError("decoder '" + type + "' not supported");
+    }
+    return absl::OkStatus();
+  }
+
+  std::string DecodePiece(std::string s) const {
+    for (const auto& f : steps_) s = f(std::move(s));
+    return s;
+  }
+
+ private:
+  HfTokenizer& t_;
+  std::vector<std::function<std::string(std::string)>> steps_;
 };
 
 }  // namespace
@@ -291,7 +716,7 @@ class HfTokenizer final : public Tokenizer {
 absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view text) {
   auto tok = std::unique_ptr<HfTokenizer>(new HfTokenizer());
   HfTokenizer& t = *tok;
-  bool byte_level = false;
+  HfJsonReader reader(t);
   // Deep nesting would exhaust the stack in the parser or in the recursive walks below.
   if (absl::Status s = CheckJsonLimits(text, kMaxTokenizerJsonBytes); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: ", s.message()));
@@ -300,55 +725,33 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     const json j = json::parse(text);
     const json& model = j.at("model");
     if (model.value("type", "BPE") != "BPE") {
-      return absl::UnimplementedError(
-          absl::StrCat("tokenizer.json model type ", model.value("type", ""), " is not supported"));
+      return absl::UnimplementedError(absl::StrCat("tokenizer.json model type '",
+                                                   model.value("type", ""), "' not supported"));
     }
-    if (!model.value("continuing_subword_prefix", json()).is_null() ||
-        !model.value("end_of_word_suffix", json()).is_null()) {
-      return absl::UnimplementedError("BPE subword prefixes/suffixes are not supported");
-    }
-    // Pre-tokenizer: Split(Regex) steps and ByteLevel (whose use_regex means the GPT-2 pattern).
-    auto add_pre = [&](const json& p, auto&& self) -> absl::Status {
-      if (p.is_null()) return absl::OkStatus();
-      const std::string type = p.at("type").get<std::string>();
-      if (type == "Sequence") {
-        for (const json& q : p.at("pretokenizers")) RETURN_IF_ERROR(self(q, self));
-      } else if (type == "Split") {
-        if (p.value("behavior", "Isolated") != "Isolated" || p.value("invert", false)) {
-          return absl::UnimplementedError("only Split with behavior Isolated is supported");
-        }
-        const json& pat = p.at("pattern");
-        const bool literal = !pat.contains("Regex");
-        ASSIGN_OR_RETURN(Regex re,
-                         CompileRegex(pat.at(literal ? "String" : "Regex").get<std::string>(),
-                                      literal ? PCRE2_LITERAL : 0));
-        t.splits_.push_back(std::move(re));
-      } else if (type == "Digits") {
-        ASSIGN_OR_RETURN(
-            Regex re,
-            CompileRegex(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", 0));
-        t.splits_.push_back(std::move(re));
-      } else if (type == "ByteLevel") {
-        byte_level = true;
-        t.add_prefix_space_ = p.value("add_prefix_space", false);
-        if (p.value("use_regex", true)) {
-          ASSIGN_OR_RETURN(Regex re, CompileRegex(kGpt2Pattern, 0));
-          t.splits_.push_back(std::move(re));
-        }
-      } else {
-        return absl::UnimplementedError("pre-tokenizer " + type + " is not supported");
+    // "" is how newer files spell "none" (Qwen2/3, GPT-4o style files).
+    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+      const json v = model.value(key, json());
+      if (!v.is_null() && !(v.is_string() && v.get<std::string>().empty())) {
+        return absl::UnimplementedError(absl::StrCat("BPE ", key, " ", v.dump(), " not supported"));
       }
-      return absl::OkStatus();
-    };
-    RETURN_IF_ERROR(add_pre(j.value("pre_tokenizer", json()), add_pre));
-    const json dec = j.value("decoder", json());
-    if (dec.is_object() && dec.value("type", "") == "ByteLevel") byte_level = true;
-    if (!byte_level)
-      return absl::UnimplementedError("only byte-level BPE tokenizer.json is supported");
-    const json norm = j.value("normalizer", json());
-    if (!norm.is_null() && norm.value("type", "") != "NFC") {
-      return absl::UnimplementedError("normalizer " + norm.value("type", std::string("?")) +
-                                      " is not supported");
+    }
+    // Dropout randomizes merges (training only); a file that sets it expects random encodings.
+    if (const json d = model.value("dropout", json());
+        !d.is_null() && !(d.is_number() && d.get<double>() == 0.0)) {
+      return absl::UnimplementedError("BPE dropout " + d.dump() + " not supported");
+    }
+    RETURN_IF_ERROR(reader.Normalizer(j.value("normalizer", json())));
+    RETURN_IF_ERROR(reader.PreTokenizer(j.value("pre_tokenizer", json())));
+    RETURN_IF_ERROR(reader.Decoder(j.value("decoder", json())));
+    // Post-processors only add BOS/EOS-style tokens around the ids (read below for the BOS);
+    // RoBERTa/BERT ones add CLS/SEP that this engine's callers never want.
+    if (const json pp = j.value("post_processor", json()); pp.is_object()) {
+      static const std::vector<std::string> kKnown = {"TemplateProcessing", "ByteLevel",
+                                                      "Sequence"};
+      const std::string type = pp.value("type", "");
+      if (std::find(kKnown.begin(), kKnown.end(), type) == kKnown.end()) {
+        return absl::UnimplementedError("post-processor '" + type + "' not supported");
+      }
     }
 
     constexpr int64_t kMaxId = 1 << 24;  // a sanity bound so a bad id cannot allocate gigabytes
@@ -373,32 +776,49 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     for (const json& a : added) RETURN_IF_ERROR(check_id(a.at("id")));
     t.pieces_.resize(n);
     t.special_.assign(n, 0);
-    for (const auto& [piece, id] : t.vocab_) t.pieces_[id] = ByteLevelDecode(piece);
+    t.strip_.assign(n, 0);
+    for (const auto& [piece, id] : t.vocab_) t.pieces_[id] = reader.DecodePiece(piece);
     absl::flat_hash_map<std::string, int32_t> added_ids;
     for (const json& a : added) {
       const auto id = a.at("id").get<int32_t>();
       const auto content = a.at("content").get<std::string>();
       const bool special = a.value("special", false);
-      t.pieces_[id] = content;  // added tokens are raw text, not byte-level characters
+      if (a.value("single_word", false)) {
+        return absl::UnimplementedError("added token '" + content +
+                                        "' with single_word not supported");
+      }
+      t.pieces_[id] = content;  // added tokens are raw text, not model pieces
       t.special_[id] = special;
-      t.added_.Add(content, id, /*parse_only=*/special);
+      t.strip_[id] = (a.value("lstrip", false) ? 1 : 0) | (a.value("rstrip", false) ? 2 : 0);
+      t.has_strip_ = t.has_strip_ || t.strip_[id] != 0;
+      // "normalized" tokens are found in the normalized text (their content normalized too).
+      if (a.value("normalized", !special) && !t.normalizers_.empty()) {
+        std::string norm = content;
+        for (const NormalizeFn& f : t.normalizers_) norm = f(norm);
+        t.added_normalized_.Add(norm, id, /*parse_only=*/special);
+      } else {
+        t.added_.Add(content, id, /*parse_only=*/special);
+      }
       added_ids.emplace(content, id);
     }
     t.added_.Finalize();
+    t.added_normalized_.Finalize();
     t.ignore_merges_ = model.value("ignore_merges", false);
+    t.byte_fallback_ = model.value("byte_fallback", false);
+    t.fuse_unk_ = model.value("fuse_unk", false);
     if (model.contains("unk_token") && model["unk_token"].is_string()) {
-      auto it = t.vocab_.find(model["unk_token"].get<std::string>());
-      if (it != t.vocab_.end()) t.unk_ = it->second;
+      const std::string unk = model["unk_token"].get<std::string>();
+      if (auto it = t.vocab_.find(unk); it != t.vocab_.end()) t.unk_ = it->second;
+      if (auto it = added_ids.find(unk); t.unk_ < 0 && it != added_ids.end()) t.unk_ = it->second;
     }
-
-    RETURN_IF_ERROR(t.MapBytes("unk_token"));
+    t.MapBytes();
 
     int32_t rank = 0;
     for (const json& m : model.value("merges", json::array())) {
       std::string l, r;
-      if (m.is_string()) {  // "a b": byte-level pieces never contain a plain space
+      if (m.is_string()) {  // "a b": model pieces never contain a plain space
         const std::string s = m.get<std::string>();
-        const size_t sp = s.find(' ');
+        const size_t sp = s.find(' ', 1);
         if (sp == std::string::npos) return absl::InvalidArgumentError("bad merge: " + s);
         l = s.substr(0, sp);
         r = s.substr(sp + 1);
@@ -406,10 +826,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
         l = m.at(0).get<std::string>();
         r = m.at(1).get<std::string>();
       }
-      auto il = t.vocab_.find(l), ir = t.vocab_.find(r), im = t.vocab_.find(l + r);
-      const int32_t this_rank = rank++;
-      if (il == t.vocab_.end() || ir == t.vocab_.end() || im == t.vocab_.end()) continue;
-      t.merges_.try_emplace(HfTokenizer::PairKey(il->second, ir->second), this_rank, im->second);
+      t.AddMerge(l, r, rank++);
     }
 
     auto find = [&](std::string_view s) -> int32_t {
@@ -436,12 +853,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     };
     if (std::string b = template_bos(j.value("post_processor", json()), template_bos); !b.empty())
       t.bos_ = find(b);
-    for (const char* name : {"<|begin_of_text|>", "<s>"})
+    for (const char* name : {"<|begin_of_text|>", "<s>", "<bos>"})
       if (t.bos_ < 0) t.bos_ = find(name);
-    for (const char* name : {"<|end_of_text|>", "</s>", "<|endoftext|>"})
+    for (const char* name : {"<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"})
       if (t.eos_ < 0) t.eos_ = find(name);
     if (t.eos_ >= 0) t.stops_.push_back(t.eos_);
-    for (const char* name : {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>"}) {
+    for (const char* name :
+         {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<end_of_turn>"}) {
       const int32_t id = find(name);
       if (id >= 0 && std::find(t.stops_.begin(), t.stops_.end(), id) == t.stops_.end())
         t.stops_.push_back(id);
@@ -450,42 +868,6 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: ", e.what()));
   }
   return std::unique_ptr<Tokenizer>(std::move(tok));
-}
-
-absl::Status ByteLevelPreTokenizer(std::string_view name, ByteLevelVocab* vocab) {
-  // llama.cpp's pre-tokenizer types (llama-vocab.cpp) with the regexes of the models'
-  // tokenizer.json, which PCRE2 runs as written (llama.cpp rewrites some for its own engine).
-  static constexpr const char* kLlama3 =
-      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  static constexpr const char* kQwen2 =
-      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  static constexpr const char* kPunct = R"([\p{P}\$\+<=>\^~\|`]+)";
-  const auto is = [&](std::initializer_list<std::string_view> names) {
-    return std::find(names.begin(), names.end(), name) != names.end();
-  };
-  std::vector<std::string>& re = vocab->pre_regexes;
-  vocab->ignore_merges = false;
-  if (is({"llama3", "llama-v3", "llama-bpe", "falcon3"})) {
-    re = {kLlama3};
-    vocab->ignore_merges = true;
-  } else if (is({"dbrx", "smaug-bpe"})) {
-    re = {kLlama3};
-  } else if (is({"qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"})) {
-    re = {kQwen2};
-  } else if (is({"gpt-2", "mpt", "olmo", "jais", "trillion"})) {
-    re = {kGpt2Pattern};
-  } else if (is({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
-                 "minerva-7b"})) {
-    re = {R"(\p{N})", kGpt2Pattern};
-  } else if (is({"falcon"})) {
-    re = {kPunct, kGpt2Pattern, "[0-9][0-9][0-9]"};
-  } else if (is({"default"})) {
-    re = {kPunct, kGpt2Pattern, R"(\p{N}+)", "[0-9][0-9][0-9]"};
-  } else {
-    return absl::UnimplementedError(absl::StrCat("GGUF pre-tokenizer \"", tok_internal::AsAbsl(name),
-                                                 "\" (tokenizer.ggml.pre) is not supported"));
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab v) {
@@ -506,13 +888,17 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab
   }
   auto tok = std::unique_ptr<HfTokenizer>(new HfTokenizer());
   HfTokenizer& t = *tok;
+  // llama.cpp's regex engines treat '$' as the end of the piece only.
   for (const std::string& p : v.pre_regexes) {
-    ASSIGN_OR_RETURN(Regex re, CompileRegex(p, 0));
-    t.splits_.push_back(std::move(re));
+    PreStep s;
+    ASSIGN_OR_RETURN(s.re, CompileRegex(p, PCRE2_DOLLAR_ENDONLY));
+    t.pre_.push_back(std::move(s));
   }
+  t.byte_level_ = true;
   t.ignore_merges_ = v.ignore_merges;
   t.pieces_.resize(n);
   t.special_.assign(n, 0);
+  t.strip_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     const auto id = static_cast<int32_t>(i);
     const std::string& s = v.tokens[i];
@@ -527,7 +913,6 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab
         t.added_.Add(s, id, /*parse_only=*/false);
         break;
       case kUnknown:
-        if (v.unk_id < 0) v.unk_id = id;
         t.pieces_[i] = s;
         t.special_[i] = 1;
         break;
@@ -539,19 +924,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab
     }
   }
   t.added_.Finalize();
-  t.unk_ = v.unk_id;
-  RETURN_IF_ERROR(t.MapBytes("unknown token"));
+  // llama.cpp's BPE never emits the unknown token: a byte whose alphabet character is no token
+  // (Falcon's vocabulary lacks several) is dropped from the ids, so unk_ stays -1 here.
+  t.MapBytes();
   for (size_t rank = 0; rank < v.merges.size(); ++rank) {
     const std::string& m = v.merges[rank];
     const size_t sp = m.find(' ', 1);
     if (sp == std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat("bad merge ", rank, ": \"", m, "\""));
     }
-    const std::string l = m.substr(0, sp), r = m.substr(sp + 1);
-    auto il = t.vocab_.find(l), ir = t.vocab_.find(r), im = t.vocab_.find(l + r);
-    if (il == t.vocab_.end() || ir == t.vocab_.end() || im == t.vocab_.end()) continue;
-    t.merges_.try_emplace(HfTokenizer::PairKey(il->second, ir->second),
-                          static_cast<int32_t>(rank), im->second);
+    t.AddMerge(m.substr(0, sp), m.substr(sp + 1), static_cast<int32_t>(rank));
   }
   t.bos_ = v.bos_id;
   t.eos_ = v.eos_id;

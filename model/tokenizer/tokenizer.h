@@ -1,5 +1,6 @@
 // Tokenizers: SentencePiece-style BPE with byte fallback (from a GGUF vocabulary with scores),
-// and Hugging Face tokenizer.json byte-level BPE (Llama-3 style pre-tokenization).
+// GGUF byte-level BPE (every llama.cpp pre-tokenizer that is a list of regexes), and Hugging Face
+// tokenizer.json BPE with its normalizers, pre-tokenizers and decoders.
 //
 //   std::vector<int32_t> ids = tok.Encode("Once upon a time", /*add_bos=*/true);
 //   std::string text = tok.Decode(ids);
@@ -50,7 +51,9 @@ struct SpmVocab {
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeSpmTokenizer(SpmVocab vocab);
 
 // Byte-level BPE from explicit vocabulary: a GGUF "gpt2" tokenizer model (GPT-2, Llama-3,
-// Qwen2 families). Same machinery as the tokenizer.json reader below.
+// Qwen2 families). Same machinery as the tokenizer.json reader below. As in llama.cpp, a byte
+// whose alphabet character is no token (Falcon's vocabulary lacks some) is left out of the ids:
+// llama.cpp's BPE never emits an unknown token.
 struct ByteLevelVocab {
   // Normal tokens in GPT-2's byte alphabet ("\xC4\xA0the" for " the"); control and
   // user-defined tokens as raw text (as GGUF stores them).
@@ -65,11 +68,18 @@ struct ByteLevelVocab {
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab vocab);
 
 // The pre-tokenizer of a GGUF tokenizer.ggml.pre name, as llama.cpp defines it ("gpt-2",
-// "llama-bpe" (Llama-3), "qwen2", "default", ...): the split regexes, and whether whole-token
-// pre-tokens skip the merges. UNIMPLEMENTED for a name not known here.
+// "llama-bpe" (Llama-3), "qwen2", "tekken", "gpt-4o", "default", ...): the split regexes, and
+// whether whole-token pre-tokens skip the merges. UNIMPLEMENTED naming the pre-tokenizer for a
+// name not known here. ByteLevelPreTokenizerNames lists the known names.
 absl::Status ByteLevelPreTokenizer(std::string_view name, ByteLevelVocab* vocab);
+std::vector<std::string> ByteLevelPreTokenizerNames();
 
-// Hugging Face tokenizer.json (model.type "BPE", byte-level).
+// Hugging Face tokenizer.json with model.type "BPE": byte-level (ByteLevel pre-tokenizer) or over
+// characters with byte fallback / unknown token. Normalizers NFC, NFD, NFKC, NFKD, Lowercase,
+// Strip, StripAccents, Replace, Prepend, BertNormalizer, Sequence; pre-tokenizers Split (every
+// behavior, invert), ByteLevel, Digits, Metaspace, Whitespace, WhitespaceSplit, Punctuation,
+// CharDelimiterSplit, BertPreTokenizer, Sequence; decoders ByteLevel, Replace, ByteFallback, Fuse,
+// Strip, Metaspace, Sequence. Any other component is refused (UNIMPLEMENTED, naming it).
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& path);
 absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view json);
 

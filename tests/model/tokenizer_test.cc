@@ -356,10 +356,8 @@ TEST(HfLoadTest, Errors) {
   EXPECT_EQ(ParseHfTokenizer("{").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseHfTokenizer(R"({"model":{"type":"WordPiece","vocab":{}}})").status().code(),
             absl::StatusCode::kUnimplemented);
-  // No byte-level pre-tokenizer or decoder: not a byte-level BPE.
-  EXPECT_EQ(
-      ParseHfTokenizer(R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]}})").status().code(),
-      absl::StatusCode::kUnimplemented);
+  // No ByteLevel pre-tokenizer: a BPE over characters, which loads.
+  EXPECT_TRUE(ParseHfTokenizer(R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]}})").ok());
   EXPECT_EQ(LoadHfTokenizer("/nonexistent/tokenizer.json").status().code(),
             absl::StatusCode::kNotFound);
 }
@@ -418,6 +416,193 @@ TEST(HfAddedTokensTest, ManyAddedTokensLoadAndTheLongestMatchWins) {
   EXPECT_EQ(ids[0], kTool + 1 + 12345);
   EXPECT_EQ(ids[1], kTool + 1 + 1);           // "<extra_1>" beats its prefix "<extra_1"
   EXPECT_EQ(ids[2], kTool + 1 + kMany);       // only the prefix is there
+}
+
+// --- tokenizer.json components ---
+
+std::unique_ptr<Tokenizer> ParseOrDie(const nlohmann::json& j) {
+  auto t = ParseHfTokenizer(j.dump());
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? std::move(t).value() : nullptr;
+}
+
+nlohmann::json Llama3Json() { return nlohmann::json::parse(MakeTokenizerJson(/*llama3=*/true)); }
+
+TEST(HfNormalizerTest, NfcIsApplied) {
+  const std::string composed = "Caf\xC3\xA9", decomposed = "Cafe\xCC\x81";
+  nlohmann::json j = Llama3Json();
+  auto plain = ParseOrDie(j);
+  ASSERT_NE(plain, nullptr);
+  // Without a normalizer the two spellings are different bytes, hence different ids.
+  EXPECT_NE(plain->Encode(composed, false), plain->Encode(decomposed, false));
+  j["normalizer"] = {{"type", "NFC"}};
+  auto nfc = ParseOrDie(j);
+  ASSERT_NE(nfc, nullptr);
+  EXPECT_EQ(nfc->Encode(decomposed, false), plain->Encode(composed, false));
+  EXPECT_EQ(nfc->Encode(composed, false), plain->Encode(composed, false));
+  j["normalizer"] = {{"type", "NFD"}};
+  auto nfd = ParseOrDie(j);
+  EXPECT_EQ(nfd->Encode(composed, false), plain->Encode(decomposed, false));
+  // NFKC folds compatibility characters: the ligature U+FB01 becomes "fi".
+  j["normalizer"] = {{"type", "NFKC"}};
+  auto nfkc = ParseOrDie(j);
+  EXPECT_EQ(nfkc->Encode("\xEF\xAC\x81", false), plain->Encode("fi", false));
+  j["normalizer"] = {{"type", "NFKD"}};
+  auto nfkd = ParseOrDie(j);
+  EXPECT_EQ(nfkd->Encode("\xEF\xAC\x81" "\xC3\xA9", false), plain->Encode("fie\xCC\x81", false));
+  // Invalid UTF-8 is kept as bytes around the normalized text.
+  EXPECT_EQ(nfc->Encode("\xFF" "e\xCC\x81", false), plain->Encode("\xFF\xC3\xA9", false));
+}
+
+TEST(HfNormalizerTest, SequenceOfTextNormalizers) {
+  nlohmann::json j = Llama3Json();
+  auto plain = ParseOrDie(j);
+  j["normalizer"] = {
+      {"type", "Sequence"},
+      {"normalizers",
+       {{{"type", "Strip"}, {"strip_left", true}, {"strip_right", true}},
+        {{"type", "Lowercase"}},
+        {{"type", "NFD"}},
+        {{"type", "StripAccents"}},
+        {{"type", "Replace"}, {"pattern", {{"String", "q"}}}, {"content", "w"}},
+        {{"type", "Replace"}, {"pattern", {{"Regex", "[0-9]+"}}}, {"content", "#"}},
+        {{"type", "Prepend"}, {"prepend", ">"}}}}};
+  auto t = ParseOrDie(j);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->Encode("  HELLO Qorld 123 \xC3\x89t\xC3\xA9 \t", false),
+            plain->Encode(">hello world # ete", false));
+  // Prepend leaves an empty section empty; Strip can empty one.
+  EXPECT_TRUE(t->Encode("   ", false).empty());
+}
+
+TEST(HfNormalizerTest, BertNormalizer) {
+  nlohmann::json j = Llama3Json();
+  auto plain = ParseOrDie(j);
+  j["normalizer"] = {{"type", "BertNormalizer"},
+                     {"clean_text", true},
+                     {"handle_chinese_chars", true},
+                     {"strip_accents", nullptr},
+                     {"lowercase", true}};
+  auto t = ParseOrDie(j);
+  ASSERT_NE(t, nullptr);
+  // Controls removed, tabs to spaces, CJK padded, lowercased with accents stripped.
+  EXPECT_EQ(t->Encode("A\x01\tB\xE4\xB8\xAD\xC3\x89", false),
+            plain->Encode("a b \xE4\xB8\xAD e", false));
+}
+
+TEST(HfNormalizerTest, UnknownComponentsAreRefusedByName) {
+  auto refused = [](nlohmann::json j, const std::string& name) {
+    auto t = ParseHfTokenizer(j.dump());
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kUnimplemented) << name;
+    EXPECT_THAT(std::string(t.status().message()), HasSubstr(name));
+  };
+  nlohmann::json j = Llama3Json();
+  j["normalizer"] = {{"type", "Precompiled"}, {"precompiled_charsmap", "AAAA"}};
+  refused(j, "normalizer 'Precompiled' not supported");
+  j = Llama3Json();
+  j["pre_tokenizer"] = {{"type", "UnicodeScripts"}};
+  refused(j, "pre-tokenizer 'UnicodeScripts' not supported");
+  j = Llama3Json();
+  j["decoder"] = {{"type", "CTC"}};
+  refused(j, "decoder 'CTC' not supported");
+  j = Llama3Json();
+  j["post_processor"] = {{"type", "RobertaProcessing"}};
+  refused(j, "post-processor 'RobertaProcessing'");
+  j = Llama3Json();
+  j["model"]["continuing_subword_prefix"] = "##";
+  refused(j, "continuing_subword_prefix");
+  j = Llama3Json();
+  j["model"]["dropout"] = 0.1;
+  refused(j, "dropout");
+  j = Llama3Json();
+  j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways";
+  refused(j, "split behavior 'Sideways'");
+  j = Llama3Json();
+  j["added_tokens"][0]["single_word"] = true;
+  refused(j, "single_word");
+  // Empty-string prefix / suffix mean none (Qwen2/3 and GPT-4o files write them so).
+  j = Llama3Json();
+  j["model"]["continuing_subword_prefix"] = "";
+  j["model"]["end_of_word_suffix"] = "";
+  j["model"]["dropout"] = nullptr;
+  EXPECT_TRUE(ParseHfTokenizer(j.dump()).ok());
+}
+
+// A BPE over characters: a, b, -, and merges "a -", "- b", "a- b".
+nlohmann::json CharJson(const nlohmann::json& pre) {
+  nlohmann::json j;
+  j["model"] = {{"type", "BPE"},
+                {"vocab", {{"a", 0}, {"b", 1}, {"-", 2}, {"a-", 3}, {"-b", 4}, {"a-b", 5}}},
+                {"merges", {"a -", "- b", "a- b"}}};
+  j["pre_tokenizer"] = pre;
+  return j;
+}
+
+TEST(HfPreTokenizerTest, SplitBehaviors) {
+  auto enc = [](const nlohmann::json& pre, const std::string& text) {
+    auto t = ParseOrDie(CharJson(pre));
+    return t ? t->Encode(text, false) : std::vector<int32_t>{-99};
+  };
+  auto split = [](const char* behavior, bool invert) {
+    return nlohmann::json{{"type", "Split"},
+                          {"pattern", {{"String", "-"}}},
+                          {"behavior", behavior},
+                          {"invert", invert}};
+  };
+  EXPECT_THAT(enc(nullptr, "a-b"), ElementsAre(5));
+  EXPECT_THAT(enc(split("Removed", false), "a-b"), ElementsAre(0, 1));
+  EXPECT_THAT(enc(split("Isolated", false), "a-b"), ElementsAre(0, 2, 1));
+  EXPECT_THAT(enc(split("MergedWithPrevious", false), "a-b"), ElementsAre(3, 1));
+  EXPECT_THAT(enc(split("MergedWithNext", false), "a-b"), ElementsAre(0, 4));
+  EXPECT_THAT(enc(split("Contiguous", false), "a--b"), ElementsAre(0, 2, 2, 1));
+  EXPECT_THAT(enc(split("Removed", true), "a-b-"), ElementsAre(2, 2));  // only the matches
+  // Regex patterns, Whitespace, Digits and Punctuation pre-tokenizers split the same way.
+  EXPECT_THAT(enc({{"type", "Split"}, {"pattern", {{"Regex", "-+"}}}, {"behavior", "Isolated"}},
+                  "a--b"),
+              ElementsAre(0, 2, 2, 1));
+  EXPECT_THAT(enc({{"type", "Punctuation"}}, "a-b"), ElementsAre(0, 2, 1));
+  EXPECT_THAT(enc({{"type", "WhitespaceSplit"}}, "a- b"), ElementsAre(3, 1));
+  EXPECT_THAT(enc({{"type", "Whitespace"}}, "a-b"), ElementsAre(0, 2, 1));
+}
+
+TEST(HfModelTest, ByteFallbackAndUnknown) {
+  nlohmann::json j;
+  j["model"] = {{"type", "BPE"},
+                {"vocab", {{"<unk>", 0}, {"a", 1}, {"<0xC3>", 2}, {"<0xA9>", 3}}},
+                {"merges", nlohmann::json::array()},
+                {"unk_token", "<unk>"},
+                {"byte_fallback", true}};
+  j["decoder"] = {{"type", "Sequence"},
+                  {"decoders", {{{"type", "ByteFallback"}}, {{"type", "Fuse"}}}}};
+  auto t = ParseOrDie(j);
+  ASSERT_NE(t, nullptr);
+  // é has no token: its UTF-8 bytes; ü lacks <0xBC>: the unknown token.
+  EXPECT_THAT(t->Encode("a\xC3\xA9\xC3\xBC", false), ElementsAre(1, 2, 3, 0));
+  EXPECT_EQ(t->Decode({1, 2, 3}), "a\xC3\xA9");
+  j["model"]["byte_fallback"] = false;
+  j["model"]["fuse_unk"] = true;
+  t = ParseOrDie(j);
+  EXPECT_THAT(t->Encode("a\xC3\xA9\xC3\xBC" "a", false), ElementsAre(1, 0, 1));
+}
+
+TEST(HfModelTest, MetaspaceLikeSentencePiece) {
+  nlohmann::json j;
+  const std::string sp = "\xE2\x96\x81";
+  j["model"] = {{"type", "BPE"},
+                {"vocab", {{sp, 0}, {"a", 1}, {"b", 2}, {sp + "a", 3}}},
+                {"merges", {sp + " a"}}};
+  j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", sp}, {"prepend_scheme", "always"}};
+  j["decoder"] = {{"type", "Metaspace"}, {"replacement", sp}, {"prepend_scheme", "always"}};
+  auto t = ParseOrDie(j);
+  ASSERT_NE(t, nullptr);
+  EXPECT_THAT(t->Encode("a ab", false), ElementsAre(3, 3, 2));
+  EXPECT_EQ(t->TokenPiece(3), " a");
+  EXPECT_EQ(t->Decode({3, 3, 2}), "a ab");
+  // prepend_scheme "first": only the text's first section gets the prefix.
+  j["pre_tokenizer"]["prepend_scheme"] = "first";
+  j["added_tokens"] = {{{"id", 4}, {"content", "<x>"}, {"special", false}}};
+  t = ParseOrDie(j);
+  EXPECT_THAT(t->Encode("a<x>a", false), ElementsAre(3, 4, 1));
 }
 
 }  // namespace
