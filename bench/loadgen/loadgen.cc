@@ -855,13 +855,15 @@ void Progress(const Options& o, RunState& st, const std::string& label, std::ato
 
 // Whether a run sends another request: the workload has one (a trace window ends), and the
 // stopping rule (--requests N, --duration_s S, or by default at least --min_requests sent and
-// --min_seconds passed, whichever is longer) has not been met.
-bool KeepSending(const Options& o, lg::Workload& gen, int64_t sent, double elapsed_s) {
+// --min_seconds passed, whichever is longer) has not been met. next_s: when the next request
+// would go out; last_s: when the last one went out (the sustained rule ends only once a
+// request was sent at --min_seconds or later, so the point spans at least that long).
+bool KeepSending(const Options& o, lg::Workload& gen, int64_t sent, double next_s, double last_s) {
   if (!gen.HasNext()) return false;
   if (o.requests > 0 && sent >= o.requests) return false;
   if (o.trace_mode()) return true;  // the window bounds it (and --requests when given)
-  if (o.duration_s > 0 && elapsed_s >= o.duration_s) return false;
-  if (o.sustained_rule()) return sent < o.min_requests || elapsed_s < o.min_seconds;
+  if (o.duration_s > 0 && next_s >= o.duration_s) return false;
+  if (o.sustained_rule()) return sent < o.min_requests || last_s < o.min_seconds;
   return true;
 }
 
@@ -914,7 +916,7 @@ absl::StatusOr<Summary> RunOnce(Client& client, const Options& o, int run, doubl
           {
             std::lock_guard<std::mutex> l(gen_mu);
             now = Clock::now();
-            if (!KeepSending(o, **gen, st.sent.load(), elapsed_s(now))) break;
+            if (!KeepSending(o, **gen, st.sent.load(), elapsed_s(now), elapsed_s(now))) break;
             ++st.sent;
             spec = (*gen)->Next();
             last_send = now;
@@ -932,18 +934,14 @@ absl::StatusOr<Summary> RunOnce(Client& client, const Options& o, int run, doubl
     Launcher launcher(o.max_inflight);
     Clock::time_point t = st.start;
     for (;;) {
-      if (!KeepSending(o, **gen, st.sent.load(), elapsed_s(t))) break;
+      if (!KeepSending(o, **gen, st.sent.load(), elapsed_s(t), elapsed_s(last_send))) break;
       lg::RequestSpec spec = (*gen)->Next();
       if (!std::isnan(spec.arrival_s)) {
         if (std::isnan(first_arrival)) first_arrival = spec.arrival_s;
         last_arrival = spec.arrival_s;
         t = st.start + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double>(spec.arrival_s - first_arrival));
-        // The stopping rule reads the scheduled time, so a paced workload ends on time.
-        if (!o.trace_mode() && o.sustained_rule() && st.sent.load() >= o.min_requests &&
-            elapsed_s(t) >= o.min_seconds) {
-          break;
-        }
+        if (!o.trace_mode() && o.duration_s > 0 && elapsed_s(t) >= o.duration_s) break;
       }
       auto p = std::make_shared<const Prepared>(Prepare(o, run, spec, false, &st));
       std::this_thread::sleep_until(t);
