@@ -28,7 +28,8 @@ Checks, without a cluster:
     files without subPath, so changes reach the router); every Secret a pod uses is defined or
     made by the kustomization's secretGenerator, whose sources lie in a folder deploy/k8s/.gitignore
     ignores and never include the CA key or a tenant's API key; no committed file holds a private
-    key; no gRPC probe of a mutual-TLS port (the kubelet's probe speaks plaintext)
+    key; no gRPC probe of a mutual-TLS port (the kubelet's probe speaks plaintext); Secret files
+    readable by the non-root process (world read, or group read with a pod fsGroup)
   * network policies: a default-deny ingress policy, every workload selected by one, and who may
     connect to each port of each component exactly as EXPECTED_INGRESS says (router API from
     anywhere, worker gRPC from routers, cache servers on every TCP port from workers, etcd from
@@ -654,6 +655,15 @@ def check_credentials(objs):
             for src in (v.get("projected") or {}).get("sources", []) or []:
                 if "secret" in src:
                     refs.append((src["secret"].get("name"), src["secret"].get("items")))
+            mode = (v.get("secret") or {}).get("defaultMode", 0o644)
+            if "secret" in v and not mode & 0o004:
+                # Secret files belong to root, group fsGroup: a non-root process reads them only
+                # through the group, which fsGroup adds to its groups.
+                sc = ps.get("securityContext") or {}
+                if sc.get("runAsUser", 0) != 0 and not (sc.get("fsGroup") is not None and mode & 0o040):
+                    err(f"{oid(o)}: volume {v['name']}: mode {mode:04o} without world read needs "
+                        "group read and a pod fsGroup, or the process (non-root) cannot read its "
+                        "credentials")
             for name, items in refs:
                 if name not in known:
                     err(f"{oid(o)}: volume {v['name']} mounts Secret {name}, which is neither "

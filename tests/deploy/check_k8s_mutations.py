@@ -79,6 +79,10 @@ def subpath_auth(d):
                  "--api_keys_file=/etc/sparsex/auth/api_keys.json" for a in c["args"]]
 
 
+def drop_fs_group(d):
+    d["spec"]["template"]["spec"]["securityContext"].pop("fsGroup")
+
+
 def drop_policy(name):
     def apply(k8s):
         docs = load(k8s, "networkpolicy.yaml")
@@ -148,6 +152,9 @@ CASES = [
      "mounts Secret sparsex-tls-nope, which is neither defined nor generated"),
     ("API key file mounted with subPath", edit("router.yaml", "Deployment", "sparsex-router",
                                                subpath_auth), "mounted with subPath"),
+    ("Secret files unreadable by the process", edit("router.yaml", "Deployment", "sparsex-router",
+                                                    drop_fs_group),
+     "the process (non-root) cannot read its credentials"),
     ("gRPC probe of the worker's mTLS port", edit("worker.yaml", "Deployment", "sparsex-worker",
                                                   grpc_readiness(50060)),
      "gRPC probe of the mutual-TLS gRPC port"),
