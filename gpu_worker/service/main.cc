@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
   gate.enabled = true;  // the worker checks reuse by default
   sparsex::FlagSet f("sparsex-worker");
   f.Add("model", &o.model_path, "GGUF file or HF model directory (required)");
+  f.Add("tokenizer", &o.tokenizer_path,
+        "tokenizer instead of the model's: a GGUF vocabulary or a tokenizer.json (enters the "
+        "model fingerprint; refused when larger than the model's vocabulary)");
   f.Add("model_name", &o.model_name, "model name in the API (default: file name stem)");
   f.Add("device", &o.device, "cpu | cuda");
   f.Add("cuda_device", &o.cuda_device,

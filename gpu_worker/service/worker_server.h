@@ -24,6 +24,9 @@ namespace sparsex::service {
 
 struct WorkerOptions {
   std::string model_path;   // GGUF file or HF directory. Default: "" (required)
+  // Tokenizer used instead of the model's (LoadOptions::tokenizer_path: a GGUF vocabulary or a
+  // tokenizer.json); enters the model fingerprint. Default: "" (the model's own)
+  std::string tokenizer_path;
   std::string model_name;   // name in the API. Default: the file name without extension
   std::string device = "cpu";  // cpu | cuda. Default: cpu
   int cuda_device = 0;         // CUDA ordinal. Default: 0
