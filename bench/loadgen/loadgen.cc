@@ -960,12 +960,14 @@ absl::StatusOr<Summary> RunOnce(Client& client, const Options& o, int run, doubl
 
   std::sort(st.records.begin(), st.records.end(),
             [](const Record& a, const Record& b) { return a.index < b.index; });
-  // A trace's point is its offered rate: requests over the window's scaled length (the span of
-  // their timestamps when the window runs to the trace's end).
+  // A trace's point is its offered rate: the measured requests over the scaled time from the
+  // first of them to the window's end (to the last of them when the window runs to the trace's
+  // end). arrival_s counts from the window's start.
   double point = x;
   if (o.trace_mode() && !o.closed()) {
-    const double span = wc.trace_duration_s > 0 ? wc.trace_duration_s * wc.time_scale
-                                                : last_arrival - first_arrival;
+    const double span = wc.trace_duration_s > 0
+                            ? wc.trace_duration_s * wc.time_scale - first_arrival
+                            : last_arrival - first_arrival;
     point = span > 0 ? static_cast<double>(st.sent.load()) / span : kNaN;
   }
   if (records != nullptr) {

@@ -191,6 +191,9 @@ def main():
         if all_ok("trace", s, recs, n=len(rows)):
             check(s["arrival"] == "trace" and s["config"]["time_scale"] == 0.5,
                   "trace: arrival 'trace' at time_scale 0.5")
+            span_s = (rows[-1][0] - rows[0][0]) / 1000 * 0.5
+            check(abs(s["rate"] - len(rows) / span_s) < 1e-6,
+                  f"trace: offered rate {s['rate']} = {len(rows)} requests / {span_s} s")
             for r in recs:
                 ts, _, out, _ = rows[r["index"]]
                 want_ms = (ts - rows[0][0]) * 0.5
