@@ -194,6 +194,44 @@ def tokenizer_json(llama3):
     return json.dumps(j, ensure_ascii=False)
 
 
+def tokenizer_json_components():
+    """A BPE over characters with byte fallback and most normalizers, pre-tokenizers and
+    decoders: the fuzzer's start for the component readers."""
+    sp = "\u2581"
+    chars = [sp, "a", "b", "c", "1", "2", ".", "<unk>"] + ["<0x%02X>" % b for b in range(256)]
+    vocab = {c: i for i, c in enumerate(chars)}
+    merges = [[sp, "a"], [sp + "a", "b"], ["1", "2"]]
+    for l, r in merges:
+        vocab[l + r] = len(vocab)
+    n = len(vocab)
+    j = {"version": "1.0",
+         "normalizer": {"type": "Sequence", "normalizers": [
+             {"type": "NFKC"}, {"type": "Lowercase"}, {"type": "StripAccents"},
+             {"type": "Replace", "pattern": {"Regex": "[0-9]{4,}"}, "content": "12"},
+             {"type": "Strip", "strip_left": True, "strip_right": False},
+             {"type": "Prepend", "prepend": sp},
+             {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
+              "strip_accents": None, "lowercase": False}]},
+         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+             {"type": "Metaspace", "replacement": sp, "prepend_scheme": "first", "split": True},
+             {"type": "Punctuation", "behavior": "Contiguous"},
+             {"type": "Digits", "individual_digits": False},
+             {"type": "Split", "pattern": {"String": "c"}, "behavior": "MergedWithNext",
+              "invert": True}]},
+         "decoder": {"type": "Sequence", "decoders": [
+             {"type": "Replace", "pattern": {"String": sp}, "content": " "},
+             {"type": "ByteFallback"}, {"type": "Fuse"},
+             {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+         "model": {"type": "BPE", "vocab": vocab, "merges": merges, "unk_token": "<unk>",
+                   "byte_fallback": True, "fuse_unk": True, "continuing_subword_prefix": "",
+                   "end_of_word_suffix": ""},
+         "added_tokens": [
+             {"id": n, "content": "<s>", "special": True},
+             {"id": n + 1, "content": "<x>", "special": False, "lstrip": True, "rstrip": True},
+             {"id": n + 2, "content": "ab", "special": False, "normalized": True}]}
+    return json.dumps(j, ensure_ascii=False)
+
+
 def main():
     # GGUF: F32 untied, F16 tied with a chat template, BF16 with two layers.
     put("gguf", "f32.gguf", gguf_model(0))
@@ -238,6 +276,8 @@ def main():
 
     # tokenizer.json \0 text
     put("tokenizer_json", "bytelevel", tokenizer_json(False) + "\0hello world 123 \u00e9\u4e2d")
+    put("tokenizer_json", "components", tokenizer_json_components() +
+        "\0<s>  ABC 12345 \u00e9\u00c9 \ufb01 <x> ab.c \u4e2d\u6587 \xff")
     put("tokenizer_json", "llama3", tokenizer_json(True) +
         "\0<|begin_of_text|>Hello world, it's 12345!\n\n<tool> \xf0\x9f\x99\x82<|eot_id|>")
 
