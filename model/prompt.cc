@@ -16,6 +16,14 @@ std::vector<PromptSegment> ChunkPrompt(std::span<const int32_t> ids, const Chunk
   return out;
 }
 
+Hash128 KvIdentity(const KvIdentityFields& f) {
+  Hasher h;
+  h.Str("sparsex.kv-identity.v1").U64(f.model_fp.hi).U64(f.model_fp.lo);
+  h.U64(f.tokenizer_fp.hi).U64(f.tokenizer_fp.lo);
+  h.Str(f.chat_template).Str(f.kv_dtype).Str(f.adapter);
+  return h.Finish();
+}
+
 RequestFingerprints FingerprintRequest(const Hash128& model_fp,
                                        std::span<const PromptSegment> segments, int32_t bos_id,
                                        const FingerprintOptions& options) {

@@ -45,6 +45,20 @@ struct RequestFingerprints {
   std::vector<std::optional<Hash128>> segments;
 };
 
+// The identity every KV key of a worker derives from (in place of the bare model fingerprint):
+// each field that changes what KV a token sequence has, or which token sequence a text becomes.
+// model_fp covers the weights and the configuration (RoPE included); the layout version is in
+// every key already (common/fingerprint.h); the tenant's scope joins per key. Two workers whose
+// identities differ never share a key in any tier.
+struct KvIdentityFields {
+  Hash128 model_fp;
+  Hash128 tokenizer_fp;        // TokenizerFingerprint (model/model.h)
+  std::string chat_template;   // as shipped; "" for none
+  std::string kv_dtype;        // element type the backend computes and keeps KV in: f32 | bf16
+  std::string adapter;         // LoRA or other adapter id; "" for none (none are served yet)
+};
+Hash128 KvIdentity(const KvIdentityFields& f);
+
 // bos_id < 0: no BOS is prepended.
 RequestFingerprints FingerprintRequest(const Hash128& model_fp,
                                        std::span<const PromptSegment> segments, int32_t bos_id,

@@ -31,8 +31,9 @@ namespace sparsex::router {
 // segment encoding and the KV block size. Workers that disagree are not routed to.
 struct ServedIdentity {
   bool known = false;
-  Hash128 fingerprint;
-  std::string fingerprint_hex;
+  Hash128 fingerprint;          // the KV identity keys are hashed with (WorkerInfo.kv_fingerprint)
+  std::string fingerprint_hex;  // the model fingerprint (ListModels)
+  std::string kv_hex;
   std::string encoding;
   int block_size = 0;
 };

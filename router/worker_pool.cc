@@ -53,11 +53,15 @@ std::string WorkerPool::Accept(const wpb::WorkerInfo& info) {
     return absl::StrCat("its KV block size is ", bs, ", --kv_block_size ", opts_.kv_block_size);
   }
   std::lock_guard<std::mutex> l(id_mu_);
+  // The KV identity (model, tokenizer, chat template, KV dtype) when the worker reports one.
+  const std::string& kv_hex =
+      info.kv_fingerprint().empty() ? info.model_fingerprint() : info.kv_fingerprint();
   if (!id_.known) {
-    auto fp = Hash128::FromHex(info.model_fingerprint());
+    auto fp = Hash128::FromHex(kv_hex);
     if (!fp.has_value()) return "its model fingerprint is malformed";
     id_.known = true;
     id_.fingerprint = *fp;
+    id_.kv_hex = kv_hex;
     id_.fingerprint_hex = info.model_fingerprint();
     id_.encoding = info.segment_encoding();
     id_.block_size = bs;
@@ -69,6 +73,10 @@ std::string WorkerPool::Accept(const wpb::WorkerInfo& info) {
   if (info.model_fingerprint() != id_.fingerprint_hex) {
     return absl::StrCat("it serves model fingerprint ", info.model_fingerprint(), ", the cluster ",
                         id_.fingerprint_hex);
+  }
+  if (kv_hex != id_.kv_hex) {
+    return absl::StrCat("its KV identity (tokenizer, chat template or KV dtype) is ", kv_hex,
+                        ", the cluster's ", id_.kv_hex);
   }
   if (info.segment_encoding() != id_.encoding || bs != id_.block_size) {
     return absl::StrCat("its segment encoding / block size are ", info.segment_encoding(), " / ",

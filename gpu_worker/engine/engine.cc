@@ -79,7 +79,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Model& model,
     ASSIGN_OR_RETURN(e->runner_,
                      ModelRunner::Create(*weights, e->backend_.get(), opts.kv, opts.tp.comm));
   }
-  e->blocks_ = std::make_unique<BlockManager>(opts.kv, model.fingerprint());
+  e->kv_identity_ = opts.kv_identity == Hash128{} ? model.fingerprint() : opts.kv_identity;
+  e->blocks_ = std::make_unique<BlockManager>(opts.kv, e->kv_identity_);
   return e;
 }
 

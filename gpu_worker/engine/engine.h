@@ -31,6 +31,10 @@ struct EngineOptions {
   // Decode steps as recorded backend scopes (Backend::BeginGraph): on CUDA one captured graph
   // per batch size and context-length bucket, replayed every step. Default: true
   bool graphs = true;
+  // What every KV key (exact-prefix blocks, segments) derives from: the worker's KvIdentity
+  // (model/prompt.h). All zero: the model fingerprint alone (tools and tests that serve one
+  // model on one backend). Default: all zero
+  Hash128 kv_identity;
 };
 
 // A request's token sequence and its KV blocks.
@@ -55,6 +59,8 @@ class Engine {
   ModelRunner& runner() { return *runner_; }
   BlockManager& blocks() { return *blocks_; }
   const EngineOptions& options() const { return opts_; }
+  // The identity KV keys derive from: EngineOptions::kv_identity, else the model fingerprint.
+  const Hash128& kv_identity() const { return kv_identity_; }
 
   // ---- building blocks (of the scheduler's request loop and the segment-reuse prefill) ----
   // Admits a prompt: matches the cached prefix (never the last token, whose logits are needed)
@@ -133,6 +139,7 @@ class Engine {
   const Model* model_ = nullptr;
   std::unique_ptr<Model> shard_;  // this rank's weights under tensor parallelism
   EngineOptions opts_;
+  Hash128 kv_identity_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<BlockManager> blocks_;

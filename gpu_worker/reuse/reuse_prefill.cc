@@ -78,7 +78,7 @@ absl::Status ValidateReuseOptions(const ReuseOptions& o, int n_layers) {
 
 Hash128 ReuseEngine::Fingerprint(const std::vector<int32_t>& tokens, const std::string& encoding,
                                  const Hash128& scope) const {
-  return SegmentFingerprint(ScopedModelFingerprint(engine_->model().fingerprint(), scope), tokens,
+  return SegmentFingerprint(ScopedModelFingerprint(engine_->kv_identity(), scope), tokens,
                             encoding);
 }
 
@@ -589,7 +589,7 @@ absl::Status ReuseEngine::BeginPrefill(const std::vector<PromptSegment>& segs, b
   const int64_t corrupt0 = store_->stats().corrupt;
   absl::Status lookup_error;
   j->plan = PlanReuse(
-      segs, bos, P, engine_->blocks().block_size(), o, engine_->model().fingerprint(),
+      segs, bos, P, engine_->blocks().block_size(), o, engine_->kv_identity(),
       [&](size_t s, const Hash128& fp, int n) -> SegmentTier {
         if ((found[s] = tier_.Get(fp))) {
           ++st.segments_device_hit;

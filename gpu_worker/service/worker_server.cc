@@ -30,6 +30,7 @@
 #include "common/metrics/metrics.h"
 #include "common/utf8.h"
 #include "model/model.h"
+#include "model/model_info.h"
 #include "model/prompt.h"
 #include "gpu_worker/service/api_convert.h"
 #include "gpu_worker/service/event_log.h"
@@ -108,6 +109,18 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
   lo.dequantize_to = options.device == "cuda" ? DType::kBF16 : DType::kF32;
   lo.tokenizer_path = options.tokenizer_path;
   ASSIGN_OR_RETURN(s.model, LoadModel(options.model_path, lo));
+  {
+    // The chat template decides which tokens a conversation becomes: in the identity, so that a
+    // template change never meets KV keyed under the old one.
+    ASSIGN_OR_RETURN(ModelInfo info, LoadModelInfo(options.model_path));
+    KvIdentityFields id;
+    id.model_fp = s.model->fingerprint();
+    id.tokenizer_fp = TokenizerFingerprint(s.model->tokenizer());
+    id.chat_template = info.chat_template;
+    id.kv_dtype = options.device == "cuda" ? "bf16" : "f32";
+    s.kv_identity = KvIdentity(id);
+    s.opts.scheduler.engine.kv_identity = s.kv_identity;
+  }
   // A quality calibration measured on another model would set every request's budget from
   // the wrong slope: refused.
   const std::string& calib_fp = options.scheduler.reuse.calibration.model_fingerprint;
@@ -142,7 +155,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(const WorkerOp
     // A bf16 backend's KV is bf16-exact: bf16 on the wire halves the bytes and loses nothing.
     ClusterTierOptions cluster = s.opts.cluster;
     if (cluster.wire_dtype.empty()) cluster.wire_dtype = options.device == "cuda" ? "bf16" : "f32";
-    auto tier = ClusterKvTier::Connect(cluster, s.model->fingerprint(), mc.n_layers,
+    auto tier = ClusterKvTier::Connect(cluster, s.kv_identity, mc.n_layers,
                                        mc.n_kv_heads * mc.head_dim);
     if (!tier.ok()) {
       return absl::Status(tier.status().code(),

@@ -70,7 +70,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
     // on a scheduler fetch thread (the request waits in "waiting for remote KV"), never here.
     if (s_->tier && w.reuse.enable_reuse) {
       const RequestFingerprints fps = FingerprintRequest(
-          s_->model->fingerprint(), w.segments, -1,
+          s_->kv_identity, w.segments, -1,
           {.block_size = s_->opts.scheduler.engine.kv.block_size, .encoding = w.reuse.encoding});
       // Local means any tier (device, pinned host, host store): a segment stored in the device
       // tier and not yet copied to the host store is not fetched again.
@@ -226,6 +226,7 @@ class WorkerServiceImpl final : public wpb::Worker::Service {
     resp->set_instance_id(s_->instance_id);
     resp->set_model(s_->model_name);
     resp->set_model_fingerprint(s_->model->fingerprint().Hex());
+    resp->set_kv_fingerprint(s_->kv_identity.Hex());
     resp->set_context_length(c.max_seq_len);
     resp->set_vocab_size(c.vocab_size);
     resp->set_segment_encoding(s_->opts.scheduler.reuse.encoding);

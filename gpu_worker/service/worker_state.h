@@ -73,6 +73,9 @@ struct WorkerServer::State {
   WorkerOptions opts;
   std::string worker_id, instance_id, model_name;
   std::unique_ptr<Model> model;
+  // What every KV key of this worker derives from (KvIdentity, model/prompt.h): the model, its
+  // tokenizer and chat template, the backend's KV dtype. Sent to the router in WorkerInfo.
+  Hash128 kv_identity;
   std::unique_ptr<SegmentStore> store;                     // rank 0's share (all of it without TP)
   std::vector<std::unique_ptr<SegmentStore>> rank_stores;  // ranks 1..tp-1
   std::unique_ptr<CacheEventLog> events;

@@ -482,6 +482,22 @@ void ExpectGgufValues(const Model& m, const std::map<std::string, std::vector<fl
   }
 }
 
+// The RoPE configuration changes every position's K: it is in the model fingerprint, and so in
+// every KV key (tests/security/kv_identity_test.cc pairs each identity field through the tiers).
+TEST_F(ModelLoaderTest, RopeConfigurationChangesTheFingerprint) {
+  SynthGgufOptions a;
+  WriteSynthGguf(Path("rope_a.gguf"), a);
+  SynthGgufOptions b;
+  b.rope_theta = 10000.0f;
+  WriteSynthGguf(Path("rope_b.gguf"), b);
+  auto ma = LoadModel(Path("rope_a.gguf"));
+  auto mb = LoadModel(Path("rope_b.gguf"));
+  auto ma2 = LoadModel(Path("rope_a.gguf"));
+  ASSERT_TRUE(ma.ok() && mb.ok() && ma2.ok());
+  EXPECT_EQ((*ma)->fingerprint(), (*ma2)->fingerprint());
+  EXPECT_NE((*ma)->fingerprint(), (*mb)->fingerprint());
+}
+
 TEST_F(ModelLoaderTest, SyntheticGgufAllTypesAndAlignment) {
   for (uint32_t type : {0u, 1u, 30u}) {
     SynthGgufOptions o;
