@@ -295,6 +295,9 @@ class Cluster:
             "--grpc_address", f"127.0.0.1:{self.router_grpc}",
             "--http_address", f"127.0.0.1:{self.router_http}",
             "--etcd", f"127.0.0.1:{self.etcd_port}", "--membership_poll_ms", "200",
+            # Every request of the suite comes from 127.0.0.1 and stands for many clients
+            # (100 at once): no per-client stream limit.
+            "--http_max_streams_per_client", "-1",
             "--insecure_loopback", "--ready_file", ready])
         self.wait_ready("router", ready, 30)
 

@@ -80,7 +80,8 @@ def main():
         p = subprocess.Popen(
             [f"{a.bin}/sparsex-router", "--model", a.model, "--workers", ",".join(members),
              "--grpc_address", "127.0.0.1:0", "--http_address", "127.0.0.1:0",
-             "--insecure_loopback", "--ready_file",
+             "--insecure_loopback", "--http_max_streams_per_client", "-1",
+             "--ready_file",
              f"{tmp}/r.ready"], stdout=open(f"{tmp}/r.log", "w"), stderr=subprocess.STDOUT)
         procs.append(p)
         port = wait_ready(f"{tmp}/r.ready", p)["http_port"]

@@ -2,9 +2,17 @@
 
 #include <algorithm>
 
+#include "common/random.h"
 #include "proto/request_check.h"
 
 namespace sparsex::service {
+
+uint64_t SeedFor(const v1::SamplingParams& p) {
+  // A request without a seed draws a fresh one, as OpenAI and vLLM do: a fixed default would
+  // give every unseeded request at a temperature the same text. An explicit seed (0 included)
+  // stays reproducible.
+  return p.has_seed() ? p.seed() : RandomU64();
+}
 
 absl::StatusOr<SamplingParams> SamplingFromProto(const v1::SamplingParams& p, int vocab_size) {
   RETURN_IF_ERROR(CheckSamplingRequest(p, vocab_size));
@@ -12,7 +20,7 @@ absl::StatusOr<SamplingParams> SamplingFromProto(const v1::SamplingParams& p, in
   if (p.has_temperature()) s.temperature = p.temperature();
   s.top_k = p.top_k();
   if (p.has_top_p()) s.top_p = p.top_p();
-  s.seed = p.seed();
+  s.seed = SeedFor(p);
   if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
   s.stop_ids.assign(p.stop_ids().begin(), p.stop_ids().end());
   s.ignore_eos = p.ignore_eos();

@@ -226,6 +226,9 @@ class RouterFaults : public ::testing::Test {
                                      "--workers", members, "--grpc_address", "127.0.0.1:0",
                                      "--http_address", "127.0.0.1:0", "--insecure_loopback",
                                      "--ready_file", ready};
+    // Every client here is 127.0.0.1 and stands for many users (70 streams at once): no
+    // per-client stream limit (router_limits_e2e_test covers it).
+    argv.insert(argv.end(), {"--http_max_streams_per_client", "-1"});
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto p = ct::ChildProcess::Spawn(argv, dir_ + "/router.log");
     ASSERT_TRUE(p.ok()) << p.status();
