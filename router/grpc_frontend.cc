@@ -95,7 +95,7 @@ constexpr auto kHealthFollowPeriod = std::chrono::milliseconds(100);  // well un
 
 // The largest request gRPC reads: the prompt text bound plus 8 MiB for token ids (a context's
 // worth at a few bytes each) and the other fields, so a huge message is refused by gRPC before
-// it is even parsed (it used to be 64 MiB whatever the prompt bound).
+// it is even parsed.
 int MaxRequestBytes(const RouterOptions& o) {
   const size_t bytes = o.max_prompt_bytes + (size_t{8} << 20);
   return static_cast<int>(std::min<size_t>(bytes, std::numeric_limits<int>::max()));

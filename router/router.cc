@@ -24,8 +24,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // The prompt-size bound (RouterOptions::max_prompt_bytes) on a request's raw text, before any
-// tokenization: a tokenizer's time and memory grow with the text (a 30 MB prompt took 26 s of
-// CPU and 1.8 GB before the context-length check refused it).
+// tokenization: a tokenizer's time and memory grow with the text (tokenizing a 30 MB prompt
+// takes 26 s of CPU and 1.8 GB, only for the context-length check to refuse it).
 absl::Status CheckPromptBytes(const std::string& field, size_t bytes, size_t limit) {
   if (bytes <= limit) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(field, ": prompt text of ", bytes,

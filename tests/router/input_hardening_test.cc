@@ -273,8 +273,7 @@ TEST_F(RouterInputTest, OutOfVocabularyStopIdsAreInvalidArgument) {
 
 // A prompt over max_prompt_bytes (default 4 MiB) is refused on its raw text, before any
 // templating or tokenization, on both APIs, naming the limit; over gRPC a message past the
-// bound plus 8 MiB is not even read. (A 30 MB gRPC prompt used to cost 26 s of CPU and 1.8 GB
-// of tokenization before the context-length check refused it.)
+// bound plus 8 MiB is not even read (tokenizing a 30 MB prompt costs 26 s of CPU and 1.8 GB).
 TEST_F(RouterInputTest, OversizedPromptsAreRefusedBeforeTokenizing) {
   const std::string big((size_t{4} << 20) + 2, '1');  // 4 MiB + 2 bytes
   const auto names_limit = [](const std::string& m) {
