@@ -304,6 +304,13 @@ void ExecuteOpenAI(const Options& o, const std::string& body, Record* rec) {
   }
         SPARSEX_USAGE_FIELDS(SPX_SET_USAGE)
 #undef SPX_SET_USAGE
+        // A server without SparseX's figures (vLLM, SGLang) reports its prefix-cache hits as
+        // cached_tokens only: counted as prefix tokens, so its runs compare with ours.
+        if (!c->usage.count("prefix_tokens") && !c->usage.count("reused_tokens")) {
+          if (auto it = c->usage.find("cached_tokens"); it != c->usage.end()) {
+            rec->usage.set_prefix_tokens(static_cast<int>(it->second));
+          }
+        }
       }
     }
   };

@@ -225,6 +225,12 @@ absl::StatusOr<ChatChunk> ParseChatChunk(const std::string& data) {
     for (const char* k : {"prompt_tokens", "completion_tokens"}) {
       if (u.contains(k) && u[k].is_number()) c.usage[k] = u[k].get<double>();
     }
+    if (u.contains("prompt_tokens_details") && u["prompt_tokens_details"].is_object()) {
+      const json& d = u["prompt_tokens_details"];
+      if (d.contains("cached_tokens") && d["cached_tokens"].is_number()) {
+        c.usage["cached_tokens"] = d["cached_tokens"].get<double>();
+      }
+    }
     if (u.contains("sparsex") && u["sparsex"].is_object()) {
       for (const auto& [k, v] : u["sparsex"].items()) {
         if (v.is_number()) c.usage[k] = v.get<double>();

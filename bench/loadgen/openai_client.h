@@ -91,7 +91,8 @@ struct ChatChunk {
   std::string content;        // choices[0].delta.content ("" when none)
   std::string finish_reason;  // choices[0].finish_reason when set
   bool has_usage = false;
-  // usage: prompt_tokens, completion_tokens, and every number of usage.sparsex by its name.
+  // usage: prompt_tokens, completion_tokens, cached_tokens (prompt_tokens_details), and every
+  // number of usage.sparsex by its name.
   std::map<std::string, double> usage;
   std::string worker;  // usage.sparsex.worker
   std::string error;   // {"error": {"message": ...}} (an error after the stream started)

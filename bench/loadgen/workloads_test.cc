@@ -805,6 +805,7 @@ TEST(OpenAi, DecodesChunkedEventStreamFedByteByByte) {
   EXPECT_EQ(u->usage.at("completion_tokens"), 4);
   EXPECT_EQ(u->usage.at("reused_tokens"), 60);
   EXPECT_EQ(u->usage.at("prefix_tokens"), 10);
+  EXPECT_EQ(u->usage.at("cached_tokens"), 70);
   EXPECT_EQ(u->worker, "w0");
   EXPECT_TRUE(ParseChatChunk(data[4])->done);
   EXPECT_EQ(ParseChatChunk("{\"error\":{\"message\":\"worker failed\"}}")->error, "worker failed");
