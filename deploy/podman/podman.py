@@ -32,6 +32,10 @@
           shared model folder);
         - $(VAR) in command and args is expanded by the render (Kubernetes does it from the
           container's env; podman 4.3 passes "$(MODEL_PATH)" through literally);
+        - container ports are dropped: podman 4.3's kube play publishes every containerPort on
+          the same host port, so any process of the host on 8000, 50051, ... keeps the pod
+          from starting ("cannot listen on the TCP port"); the pods reach each other, and
+          up.sh reaches them, by their addresses on the bridge network, on any port;
         - probes are dropped: podman 4.3 ignores gRPC probes, and runs HTTP ones as
           curl healthchecks on systemd timers (no systemd here, no curl in the images);
           up.sh checks every component's health endpoint instead;
@@ -253,6 +257,9 @@ def render_pod(workload, index, template, tag, replicas, claims, config, models_
             if c.pop(probe, None) is not None:
                 changes.append(f"{where}/{c['name']}: {probe} dropped (podman 4.3: no gRPC "
                                "probes; HTTP ones need systemd timers)")
+        if c.pop("ports", None):
+            changes.append(f"{where}/{c['name']}: ports not published on the host (reached "
+                           "on the bridge network)")
         if "lifecycle" in c:
             c.pop("lifecycle")
             changes.append(f"{where}/{c['name']}: preStop dropped (no endpoints to drain)")

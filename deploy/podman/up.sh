@@ -89,8 +89,8 @@ preflight() {  # preflight [test]: missing prerequisites skip (test) or fail
   for t in podman buildah debootstrap runc curl openssl; do command -v $t >/dev/null || miss+=("$t"); done
   "$PYTHON" -c 'import yaml' 2>/dev/null || miss+=("python3-yaml")
   if [ ${#miss[@]} -gt 0 ]; then
-    [ "${1:-}" = test ] && skip "needs ${miss[*]} (apt-get install podman buildah debootstrap runc)"
-    die "needs ${miss[*]} (apt-get install podman buildah debootstrap runc)"
+    [ "${1:-}" = test ] && skip "needs ${miss[*]} (apt-get install podman buildah debootstrap runc catatonit golang-github-containernetworking-plugin-dnsname)"
+    die "needs ${miss[*]} (apt-get install podman buildah debootstrap runc catatonit golang-github-containernetworking-plugin-dnsname)"
   fi
 }
 check_build_dir() {
