@@ -28,7 +28,7 @@ PATTERNS = [
     ("work-period label", r"\bsession-\d+", re.I),
     ("work-period reference", r"\b(?:this|last|next|previous|earlier|later|that) session\b(?!s)", re.I),
     ("run label", r"(?<!-)\bcalls? \d+(?:\s*[-,]\s*\d+)*\b", re.I),
-    ("run label", r"(?<!-)\brun \d+\b", re.I),
+    ("run label", r"(?<!-)\brun \d+\b(?!%)", re.I),
     ("run label", r"\bruns \d+\s*(?:-|,|and)\s*\d+", re.I),
     ("run label", r"\b[Rr]uns? [A-E]\b", 0),
     ("run tag", r"\bS\d{1,2}\b", 0),
