@@ -526,6 +526,7 @@ Summary Summarize(const Options& o, double x, const std::vector<Record>& recs, d
         .Num("document_tokens", c.document_tokens)
         .Num("repeat", c.repeat)
         .Str("repeat_mode", c.repeat_mode)
+        .Str("hit_miss", c.hit_miss)
         .Num("question_tokens", c.question_tokens);
   } else if (c.workload == "multiround") {
     cfg.Num("users", c.users)
@@ -1131,6 +1132,9 @@ int main(int argc, char** argv) {
   f.Add("repeat_mode", &c.repeat_mode,
         "longdocqa: random (a round shuffled) | tile (documents in order, round after round) | "
         "interleave (each document's repeats back to back)");
+  f.Add("hit_miss", &c.hit_miss,
+        "longdocqa: H:M, of every H + M requests the last M start with a fresh prefix (a miss "
+        "for a prefix cache; LMCache's --hit-miss-ratio; \"\" = none)");
   f.Add("users", &c.users, "multiround: concurrent users (each sends every users / rate s)");
   f.Add("rounds", &c.rounds, "multiround: rounds per user, then a new user takes its place");
   f.Add("shared_system_tokens", &c.shared_system_tokens,

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include <nlohmann/json.hpp>
 
@@ -202,6 +203,8 @@ const char* KindName(SegmentSpec::Kind kind) {
       return "user";
     case SegmentSpec::Kind::kAssistant:
       return "assistant";
+    case SegmentSpec::Kind::kMissPrefix:
+      return "miss_prefix";
   }
   return "?";
 }
@@ -484,7 +487,18 @@ class LongDocQaWorkload : public Workload {
     if (pos_ == order_.size()) NewRound();
     RequestSpec r = Request(order_[pos_++], rng_);
     r.index = next_index_++;
+    if (misses_ > 0 && r.index % (hits_ + misses_) >= hits_) {
+      SegmentSpec miss = content_.Make(SegmentSpec::Kind::kMissPrefix, 8,
+                                       absl::StrCat("Request ", r.index, ": "), "\n", rng_);
+      miss.cacheable = false;
+      r.segments.insert(r.segments.begin(), std::move(miss));
+    }
     return r;
+  }
+  // "H:M" (validated by MakeWorkload).
+  void SetHitMiss(int hits, int misses) {
+    hits_ = hits;
+    misses_ = misses;
   }
 
  private:
@@ -520,6 +534,7 @@ class LongDocQaWorkload : public Workload {
   std::vector<int> order_;
   size_t pos_ = 0;
   int64_t next_index_ = 0;
+  int hits_ = 1, misses_ = 0;
 };
 
 // LMCache's multi_round_qa: `users` user slots served round robin at `rate` requests/s, so one
@@ -696,7 +711,20 @@ absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const WorkloadConfig& c,
           absl::StrCat("longdocqa needs --documents (", c.documents, ") documents, the text has ",
                        text_docs.size(), " (lower --doc_chars or --documents)"));
     }
-    return std::make_unique<LongDocQaWorkload>(c, text_docs);
+    int hits = 1, misses = 0;
+    if (!c.hit_miss.empty()) {
+      const size_t colon = c.hit_miss.find(':');
+      if (colon == std::string::npos ||
+          !absl::SimpleAtoi(c.hit_miss.substr(0, colon), &hits) ||
+          !absl::SimpleAtoi(c.hit_miss.substr(colon + 1), &misses) || hits < 0 || misses < 0 ||
+          hits + misses < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--hit_miss must be H:M with H, M >= 0 and H + M >= 1, not '", c.hit_miss, "'"));
+      }
+    }
+    auto w = std::make_unique<LongDocQaWorkload>(c, text_docs);
+    w->SetHitMiss(hits, misses);
+    return w;
   }
   if (c.workload == "multiround") {
     if (c.users < 1 || c.rounds < 1) {

@@ -115,6 +115,9 @@ struct WorkloadConfig {
   int document_tokens = 12000;
   int repeat = 2;                       // times each document is asked about per round
   std::string repeat_mode = "random";   // random | tile | interleave
+  // "H:M": of every H + M requests the last M start with a fresh 8-token prefix (LMCache's
+  // --hit-miss-ratio: misses for a prefix cache; segment reuse still finds the document).
+  std::string hit_miss;
   // multiround (LMCache multi_round_qa: --shared-system-prompt 1000 --user-history-prompt 2000
   // --answer-len 100). Requests of user slot s go out every users / rate seconds.
   int users = 10;
@@ -141,7 +144,10 @@ struct WorkloadConfig {
 // One prompt segment: token ids (numbers) or text. `tokens` is exact for ids and the number of
 // words for text (text sizes are counted in words).
 struct SegmentSpec {
-  enum class Kind { kSystem, kDocument, kQuestion, kShared, kInstructions, kUser, kAssistant };
+  enum class Kind {
+    kSystem, kDocument, kQuestion, kShared, kInstructions, kUser, kAssistant,
+    kMissPrefix  // longdocqa --hit_miss: a fresh prefix that defeats the exact prefix cache
+  };
   Kind kind = Kind::kDocument;
   bool is_text = false;
   std::vector<int32_t> ids;

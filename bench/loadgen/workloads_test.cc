@@ -650,6 +650,27 @@ TEST(LongDocQa, SameDocumentSameTokensAndPrime) {
   EXPECT_EQ(Make(c)->Next().segments.size(), 1u);
   c.repeat_mode = "sorted";
   EXPECT_FALSE(MakeWorkload(c, {}).ok());
+  // --hit_miss 2:1: every third request starts with a fresh, uncacheable prefix before the
+  // same document.
+  c = LongDoc("tile");
+  c.hit_miss = "2:1";
+  auto hm = Make(c), plain = Make(LongDoc("tile"));
+  for (int i = 0; i < 9; ++i) {
+    RequestSpec a = hm->Next(), b = plain->Next();
+    if (i % 3 == 2) {
+      ASSERT_EQ(a.segments.size(), 3u) << i;
+      EXPECT_EQ(a.segments[0].kind, SegmentSpec::Kind::kMissPrefix);
+      EXPECT_FALSE(a.segments[0].cacheable);
+      EXPECT_EQ(a.segments[1].ids, b.segments[0].ids);
+    } else {
+      ASSERT_EQ(a.segments.size(), 2u) << i;
+      EXPECT_EQ(a.segments[0].ids, b.segments[0].ids);
+    }
+  }
+  for (const char* bad : {"3", "a:1", "0:0", "-1:2"}) {
+    c.hit_miss = bad;
+    EXPECT_FALSE(MakeWorkload(c, {}).ok()) << bad;
+  }
 }
 
 WorkloadConfig MultiRound() {
