@@ -36,6 +36,7 @@ PATTERNS = [
     ("issue reference", r"\bissue-\d+", re.I),
     ("issue reference", r"(?<![\w&/#])#\d+\b", 0),
     ("issue reference", r"\bdefects? \d+", re.I),
+    ("issue reference", r"§\s*\d", 0),
     ("history file", r"verify_pending", 0),
     ("history file", r"\btmp_call\d+", 0),
 ]
