@@ -10,6 +10,7 @@
 //       (reserves one block, writes part of it, prints "reserved <id>", then sleeps: for
 //        testing what a client killed mid-put leaves behind)
 //
+// A server with credentials needs the cluster's: --tls_ca=ca.pem --tls_cert=c.pem --tls_key=k.pem.
 // get exits 0 when every block matched byte for byte, 3 on a mismatch, 4 on a miss.
 // Every command prints one JSON line.
 #include <unistd.h>
@@ -98,6 +99,9 @@ int Main(int argc, char** argv) {
   co.client.ucx_tls = a.Get("ucx_tls");
   co.client.mapped_copies = a.Get("mapped_copies", "true") != "false";
   co.client.lease_ttl_ms = static_cast<uint32_t>(a.U("lease_ms", 0));
+  // A cache server with credentials serves only members: the CLI presents a certificate of
+  // the cluster CA (docs/security.md).
+  co.client.tls = {a.Get("tls_ca"), a.Get("tls_cert"), a.Get("tls_key")};
   if (co.members.empty()) {
     std::cerr << "--address or --members is required\n";
     return 2;

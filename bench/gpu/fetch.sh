@@ -16,7 +16,8 @@
 #   OUT=/tmp/out bench/gpu/fetch.sh
 # Knobs: SPX_FETCH_DEVICE (cuda), SPX_FETCH_MODEL (synthetic:llama3-8b), SPX_FETCH_DOC_TOKENS
 # (4000), SPX_FETCH_CACHE_MEMORY (32G), SPX_FETCH_WORKER_ARGS (below), SPX_FETCH_LOADGEN_ARGS
-# (extra loadgen flags). A CPU
+# (extra loadgen flags), SPX_FETCH_SECURE (0; 1: the cluster's default credentials, mutual TLS
+# on the control plane and API keys, docs/security.md). A CPU
 # smoke run of the script: SPX_FETCH_DEVICE=cpu SPX_FETCH_MODEL=synthetic:tiny
 # SPX_FETCH_DOC_TOKENS=600 SPX_FETCH_CACHE_MEMORY=2G SPX_FETCH_LOADGEN_ARGS="--min_id 3
 # --max_id 900" (the default 32G arena does not fit a small machine: the cache server is
@@ -31,7 +32,8 @@ WORKER_ARGS=${SPX_FETCH_WORKER_ARGS:---kv_blocks 4096 --prefill_chunk 4096 --dev
 RUN=/tmp/spx-fetch-run
 rm -rf "$RUN"
 stamp "cluster up: 2 workers, 1 cache server"
-if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --insecure --run-dir "$RUN" --bin-dir "$SPX/bin" \
+sec=(--insecure); [ "${SPX_FETCH_SECURE:-0}" = 1 ] && sec=()
+if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up "${sec[@]}" --run-dir "$RUN" --bin-dir "$SPX/bin" \
     --model "${SPX_FETCH_MODEL:-synthetic:llama3-8b}" --device "${SPX_FETCH_DEVICE:-cuda}" --workers 2 --cache-servers 1 --cache-memory "${SPX_FETCH_CACHE_MEMORY:-32G}" \
     --timeout 240 --grpc-port 0 --http-port 0 --worker-args "$WORKER_ARGS" >>"$LOG" 2>&1; then
   stamp "cluster up failed"; tail -n 30 "$RUN"/*.log >>"$LOG" 2>&1
@@ -45,7 +47,8 @@ send() {  # step seed reuse [pool-seed]
   timeout 120 "$SPX/bin/sparsex-loadgen" --target "$ROUTER_GRPC" --reuse "$3" --workload rag \
     --pool 8 --docs_per_request 8 --doc_tokens "${SPX_FETCH_DOC_TOKENS:-4000}" --question_tokens 256 --pool_seed "${4:-5}" \
     --seed "$2" --content numbers --max_tokens 8 --concurrency 1 --requests 1 --timeout_ms 100000 \
-    --progress=false --out "$OUT/fetch_$1.json" --records "$OUT/fetch_$1.jsonl" ${SPX_FETCH_LOADGEN_ARGS:-} >>"$LOG" 2>&1 ||
+    --progress=false --out "$OUT/fetch_$1.json" --records "$OUT/fetch_$1.jsonl" --api_key "${API_KEY:-}" \
+    ${SPX_FETCH_LOADGEN_ARGS:-} >>"$LOG" 2>&1 ||
     stamp "loadgen $1 exit $?"
 }
 metric() {  # metrics-address name-regex: the sum of the matching samples

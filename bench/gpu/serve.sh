@@ -23,6 +23,9 @@
 #   SPX_SERVE_TAG         ""               suffix of the JSON names (several runs in one $OUT)
 #   SPX_SERVE_DEVICE      cuda             (cpu: a local smoke run of this script)
 #   SPX_SERVE_CACHE_MEMORY 32G             the cache server's memory arena
+#   SPX_SERVE_SECURE      0                1: the cluster with its default credentials (mutual TLS,
+#                                          API keys, tenant scopes; docs/security.md), the loadgen
+#                                          sending the API key; 0: cluster.sh --insecure
 #   SPX_SERVE_PACK        0                1: at the end, the serving_*.json records are added to
 #                                          $OUT/serving_records.tar (a device call returns at
 #                                          most 8 files; several runs in one call exceed it)
@@ -60,7 +63,8 @@ for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
     [ "$mode" = off ] && rates=${SPX_SERVE_RATES_OFF:-1 2 4}
     rm -rf "$RUN"
     stamp "$wl reuse $mode: cluster up"
-    if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up --insecure --run-dir "$RUN" --bin-dir "$SPX/bin" \
+    sec=(--insecure); [ "${SPX_SERVE_SECURE:-0}" = 1 ] && sec=()
+    if ! SPARSEX_MODELS=/nonexistent timeout 300 "$SPX/cluster.sh" up "${sec[@]}" --run-dir "$RUN" --bin-dir "$SPX/bin" \
         --model "$MODEL" --device "${SPX_SERVE_DEVICE:-cuda}" --cache-servers 1 --cache-memory "${SPX_SERVE_CACHE_MEMORY:-32G}" --timeout 240 \
         --grpc-port 0 --http-port 0 --worker-args "$WORKER_ARGS" >>"$LOG" 2>&1; then
       stamp "cluster up failed"; tail -n 30 "$RUN"/*.log >>"$LOG" 2>&1
@@ -73,6 +77,7 @@ for wl in ${SPX_SERVE_WORKLOADS:-rag}; do
     timeout 420 "$SPX/bin/sparsex-loadgen" --target "$ROUTER_GRPC" --reuse "$mode" $(workload_args "$wl") \
       --content numbers --max_tokens 32 --requests "$REQS" --warmup "$WARM" --sweep "$sweep" \
       --sweep_vary_seed --prime "${SPX_SERVE_PRIME:-2}" --timeout_ms 60000 --progress=false --out "$OUT/serving_${wl}_${mode}${SPX_SERVE_TAG:-}.json" \
+      --api_key "${API_KEY:-}" \
       ${SPX_SERVE_LOADGEN_ARGS:-} >>"$LOG" 2>&1 || stamp "loadgen exit $?"
     { echo "## $wl reuse $mode ${SPX_SERVE_TAG:-}"; curl -s "http://$WORKER0_METRICS/metrics" | grep -E '^sparsex_worker_(fetch|fetched|segments|reused|recomputed|prefix|new|prompt|writeback|ttft_seconds_(sum|count)|queue|pending_stores|unspilled|stores_dropped|iterations|engine_|gate|reuse_disabled)' ;
       curl -s "http://$CACHE0_METRICS/metrics" | grep -E '^sparsex_cache_(memory|disk|hits|misses|evictions|corrupt|bytes)' ; } \

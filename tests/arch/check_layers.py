@@ -37,7 +37,9 @@ def check_includes(root, include_rules):
     errors = []
     folders = sorted(include_rules)
     top = {f.split('/')[0] for f in folders}
-    inc_re = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+    # Quoted and angle-bracket includes: a project header is a project header however it is
+    # spelled, and a relative path ("../router/x.h", "x.h" beside the file) is resolved first.
+    inc_re = re.compile(r'^\s*#\s*include\s+[<"]([^">]+)[">]')
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         if rel_dir == '.':
@@ -56,8 +58,16 @@ def check_includes(root, include_rules):
                 if not m:
                     continue
                 target = m.group(1)
+                beside = os.path.normpath(os.path.join(rel_dir, target))
+                if (target.startswith('.') or '/' not in target) and \
+                        os.path.exists(os.path.join(root, beside)):
+                    if component(beside, folders) != src:
+                        errors.append(f'{rel}:{n}: relative include {target} reaches {beside}: '
+                                      'include another component by its path from the root')
+                        continue
+                    target = beside
                 if target.split('/')[0] not in top and not os.path.exists(os.path.join(root, target)):
-                    continue  # a system or third-party header in quotes, or generated (*.pb.h)
+                    continue  # a system or third-party header, or generated (*.pb.h)
                 dst = component(target, folders)
                 if dst is None and target.startswith('proto/'):
                     dst = 'proto'  # generated proto headers
@@ -88,9 +98,35 @@ def parse_cmake_links(root):
             tgt = toks[0]
             if tgt.startswith('${'):
                 continue  # test executables named by a loop variable
-            items = {t for t in toks[1:] if t not in ('PUBLIC', 'PRIVATE', 'INTERFACE')}
+            items = set()
+            for t in toks[1:]:
+                if t in ('PUBLIC', 'PRIVATE', 'INTERFACE'):
+                    continue
+                if '$<' in t:
+                    # A generator expression links what it names: $<$<CONFIG:X>:lib>,
+                    # $<BUILD_INTERFACE:lib>, $<TARGET_NAME_IF_EXISTS:lib>, ...
+                    for name in re.findall(r':([A-Za-z0-9_:.+-]+)>', t):
+                        items.update(x for x in name.split(';') if x)
+                    continue
+                items.add(t)
             links.setdefault(tgt, set()).update(items)
     return links
+
+
+def defined_targets(root):
+    """Targets the product defines (add_library / add_executable outside tests/ and bench/)."""
+    out = {}
+    def_re = re.compile(r'add_(?:library|executable)\s*\(\s*([A-Za-z0-9_\-]+)')
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(('build', '.', 'node_modules'))]
+        rel = os.path.relpath(dirpath, root)
+        if rel.split(os.sep)[0] in ('tests', 'bench') or 'CMakeLists.txt' not in filenames:
+            continue
+        text = re.sub(r'#[^\n]*', '', open(os.path.join(dirpath, 'CMakeLists.txt')).read())
+        for m in def_re.finditer(text):
+            if not m.group(1).startswith('$'):
+                out[m.group(1)] = os.path.join(rel, 'CMakeLists.txt')
+    return out
 
 
 def closure(links, tgt):
@@ -107,9 +143,13 @@ def closure(links, tgt):
 def check_links(root, never_rules):
     errors = []
     links = parse_cmake_links(root)
+    defined = defined_targets(root)
+    for tgt, where in sorted(defined.items()):
+        if tgt not in never_rules:
+            errors.append(f'target {tgt} ({where}) has no "never" rule in layers.txt')
     for tgt, banned in never_rules.items():
-        if tgt not in links:
-            errors.append(f'target {tgt} named in layers.txt has no target_link_libraries call')
+        if tgt not in links and tgt not in defined:
+            errors.append(f'target {tgt} named in layers.txt is defined nowhere')
             continue
         reach = closure(links, tgt)
         for b in banned:
