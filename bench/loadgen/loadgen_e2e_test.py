@@ -74,7 +74,9 @@ class Cluster:
         r = self.spawn("router", [os.path.join(self.a.bin_dir, "sparsex-router"), "--model",
                                   self.model, "--workers", f"127.0.0.1:{j['grpc_port']}",
                                   "--grpc_address", "127.0.0.1:0", "--http_address",
-                                  "127.0.0.1:0", "--insecure_loopback", "--ready_file",
+                                  "127.0.0.1:0", "--insecure_loopback",
+                                  # one client sends every stream: no per-client cap
+                                  "--http_max_streams_per_client", "-1", "--ready_file",
                                   ready])
         j = wait_ready(r, ready)
         if j is None:
