@@ -671,6 +671,7 @@ class HfJsonReader {
       for (const json& q : d.at("decoders")) RETURN_IF_ERROR(Decoder(q));
     } else if (type == "ByteLevel") {
       steps_.push_back([](std::string s) { return ByteLevelDecode(s); });
+      byte_level_decoder_ = true;
     } else if (type == "Replace") {
       const json& pat = d.at("pattern");
       if (!pat.contains("String"))
@@ -701,6 +702,15 @@ class HfJsonReader {
     return absl::OkStatus();
   }
 
+  // A byte-level model whose file names no ByteLevel decoder still stands for bytes: its pieces
+  // are decoded as such (the raw alphabet characters would reach the user otherwise).
+  void DefaultByteLevelDecoder() {
+    if (t_.byte_level_ && !byte_level_decoder_) {
+      steps_.insert(steps_.begin(), [](std::string s) { return ByteLevelDecode(s); });
+      byte_level_decoder_ = true;
+    }
+  }
+
   std::string DecodePiece(std::string s) const {
     for (const auto& f : steps_) s = f(std::move(s));
     return s;
@@ -709,6 +719,7 @@ class HfJsonReader {
  private:
   HfTokenizer& t_;
   std::vector<std::function<std::string(std::string)>> steps_;
+  bool byte_level_decoder_ = false;
 };
 
 }  // namespace
@@ -743,6 +754,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseHfTokenizer(std::string_view tex
     RETURN_IF_ERROR(reader.Normalizer(j.value("normalizer", json())));
     RETURN_IF_ERROR(reader.PreTokenizer(j.value("pre_tokenizer", json())));
     RETURN_IF_ERROR(reader.Decoder(j.value("decoder", json())));
+    reader.DefaultByteLevelDecoder();
     // Post-processors only add BOS/EOS-style tokens around the ids (read below for the BOS);
     // RoBERTa/BERT ones add CLS/SEP that this engine's callers never want.
     if (const json pp = j.value("post_processor", json()); pp.is_object()) {

@@ -565,6 +565,15 @@ TEST(HfPreTokenizerTest, SplitBehaviors) {
   EXPECT_THAT(enc({{"type", "Whitespace"}}, "a-b"), ElementsAre(0, 2, 1));
 }
 
+TEST(HfModelTest, ByteLevelPiecesDecodeWithoutADecoder) {
+  nlohmann::json j = Llama3Json();
+  j.erase("decoder");
+  auto t = ParseOrDie(j);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->TokenPiece(Id(" the")), " the");
+  EXPECT_EQ(t->Decode(t->Encode("hello\n\n world", false)), "hello\n\n world");
+}
+
 TEST(HfModelTest, ByteFallbackAndUnknown) {
   nlohmann::json j;
   j["model"] = {{"type", "BPE"},
