@@ -629,17 +629,20 @@ struct HttpFrontend::Impl {
 
   // ---- per-client limits (I/O thread)
 
-  // The source address of a connection: the unit of the per-client limits.
+  // The source address of a connection: the unit of the per-client limits. An IPv6 client
+  // counts by its /64 (one host is commonly given a whole /64, so its addresses are many).
   static std::string ClientOf(const sockaddr_storage& ss) {
     char buf[INET6_ADDRSTRLEN] = "";
     if (ss.ss_family == AF_INET) {
       ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof buf);
     } else if (ss.ss_family == AF_INET6) {
-      const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr;
+      in6_addr a = reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr;
       if (IN6_IS_ADDR_V4MAPPED(&a)) {  // a dual-stack socket: the IPv4 client's own address
         ::inet_ntop(AF_INET, &a.s6_addr[12], buf, sizeof buf);
       } else {
+        std::memset(&a.s6_addr[8], 0, 8);
         ::inet_ntop(AF_INET6, &a, buf, sizeof buf);
+        return std::string(buf) + "/64";
       }
     }
     return buf;
