@@ -368,7 +368,8 @@ run_rag() {
   # A fresh worker process (empty memory and host tiers) must get the segments from the cache
   # server pod: over UCX (TCP) between the containers.
   step "restarting the worker container (SIGTERM: drain; a fresh process with empty tiers)"
-  podman restart -t 60 sparsex-worker-0-worker >/dev/null
+  podman restart -t 60 sparsex-worker-0-worker >/dev/null ||
+    { podman ps -a --filter pod=sparsex-worker-0 >&2; dump_logs; die "podman restart of the worker failed"; }
   local deadline=$((SECONDS + 120))
   until curl -fsS --max-time 2 "http://$ROUTER_HTTP/healthz" 2>/dev/null | grep -q '"healthy_workers":1' &&
         curl -fsS --max-time 2 "http://$WORKER_METRICS/healthz" >/dev/null 2>&1; do
