@@ -62,6 +62,7 @@ struct ByteLevelVocab {
   std::vector<std::string> merges;   // "left right" in byte-alphabet pieces, by rank
   std::vector<std::string> pre_regexes;  // pre-tokenizer splits, applied in order (PCRE2)
   bool ignore_merges = false;  // Llama-3: a pre-token that is a whole token is taken as is
+  // unk_id is checked for range only: like llama.cpp's BPE, encoding never emits it.
   int32_t bos_id = -1, eos_id = -1, unk_id = -1;
   std::vector<int32_t> extra_stop_ids;  // end-of-turn tokens (eot, eom) besides eos
 };
