@@ -88,6 +88,12 @@ constexpr const char* kMiniCpm5 = SPX_CONTRACTIONS
     R"(|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 constexpr const char* kBloom = R"( ?[^(\s|.,!?…。，、।۔،)]+)";
 constexpr const char* kCjk = R"([一-龥぀-ゟ゠-ヿ]+)";
+// AFMoE's CJK and Asian scripts class, in escapes: U+F900 (the start of the CJK compatibility
+// ideographs) is a canonical singleton that NFC-normalizing tools turn into U+8C48.
+constexpr const char* kAfmoeScripts =
+    R"([\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{F900}-\x{FAFF}\x{3040}-\x{309F}\x{30A0}-\x{30FF})"
+    R"(\x{FF65}-\x{FF9F}\x{2F00}-\x{2FDF}\x{0E00}-\x{0E7F}\x{0E80}-\x{0EFF}\x{1780}-\x{17FF})"
+    R"(\x{1000}-\x{109F}\x{AA60}-\x{AA7F}\x{A9E0}-\x{A9FF}\x{AC00}-\x{D7AF}\x{1100}-\x{11FF}]+)";
 
 #undef SPX_CONTRACTIONS
 
@@ -155,6 +161,12 @@ const PreTokenizerDef kDefs[] = {
     {{"laguna"}, {R"([^\n]+|[\n]+)", kQwen2}, false},
     {{"exaone-moe"}, {kExaoneMoe}, false},
     {{"minicpm5"}, {R"(\p{N}{1,3})", kMiniCpm5}, true},
+    // "\p{AFMoE_digits}" is no regex: llama.cpp runs hand-written code for it, and so does
+    // MakeByteLevelTokenizer (the digit groups of tiny_aya's first pattern too).
+    {{"afmoe"}, {R"(\p{AFMoE_digits})", kAfmoeScripts, kDeepseek3Words}, false},
+    // A zero-width pattern: llama.cpp cuts at each empty match (before every group of three
+    // digits counted from the right). std::regex's \d is ASCII, hence [0-9].
+    {{"superbpe"}, {R"(\p{N}+)", R"((?=([0-9]{3})+(?![0-9])))"}, false},
 };
 
 }  // namespace
@@ -166,9 +178,9 @@ absl::Status ByteLevelPreTokenizer(std::string_view name, ByteLevelVocab* vocab)
     vocab->ignore_merges = d.ignore_merges;
     return absl::OkStatus();
   }
-  // Not here: names whose llama.cpp splitting is hand-written code rather than regexes
-  // (kimi-k2, afmoe, superbpe's zero-width splits), SentencePiece-style BPE over raw UTF-8
-  // (gemma4, sarvam-moe, granite-embed-multi-311m) and the whitespace tokenizer.
+  // Not here: kimi-k2 (llama.cpp splits it with hand-written code for all its patterns),
+  // SentencePiece-style BPE over raw UTF-8 (gemma4, sarvam-moe, granite-embed-multi-311m) and
+  // the whitespace tokenizer.
   return absl::UnimplementedError(absl::StrCat("GGUF pre-tokenizer '", tok_internal::AsAbsl(name),
                                                "' (tokenizer.ggml.pre) not supported"));
 }

@@ -138,9 +138,10 @@ absl::StatusOr<Regex> CompileRegex(const std::string& pattern, uint32_t extra_op
   return re;
 }
 
-// Every non-empty match of re in s as [begin, end) byte offsets.
+// Every non-empty match of re in s as [begin, end) byte offsets; with keep_empty, empty matches
+// too (as (b, b): a cut at b), as llama.cpp's std::regex splitting makes them.
 void FindMatches(const pcre2_code* re, std::string_view s, pcre2_match_data* md,
-                 std::vector<std::pair<size_t, size_t>>& out) {
+                 std::vector<std::pair<size_t, size_t>>& out, bool keep_empty = false) {
   out.clear();
   size_t pos = 0;
   while (pos < s.size()) {
@@ -153,6 +154,7 @@ void FindMatches(const pcre2_code* re, std::string_view s, pcre2_match_data* md,
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
     const size_t b = ov[0], e = ov[1];
     if (e <= b) {  // empty match: step over one character, which stays in the gap
+      if (keep_empty && b > 0 && (out.empty() || out.back().second < b)) out.emplace_back(b, b);
       pos = b + 1;
       while (pos < s.size() && (static_cast<unsigned char>(s[pos]) & 0xC0) == 0x80) ++pos;
       continue;
@@ -179,8 +181,8 @@ absl::StatusOr<SplitBehavior> ParseBehavior(const std::string& name) {
 // behavior drops, isolates or merges the matched spans. Empty pieces are dropped.
 void SplitWith(const pcre2_code* re, pcre2_match_data* md, std::string_view s,
                SplitBehavior behavior, bool invert, std::vector<std::string>& out,
-               std::vector<std::pair<size_t, size_t>>& scratch) {
-  FindMatches(re, s, md, scratch);
+               std::vector<std::pair<size_t, size_t>>& scratch, bool keep_empty = false) {
+  FindMatches(re, s, md, scratch, keep_empty);
   struct Span {
     size_t b, e;
     bool match;
@@ -244,15 +246,50 @@ void SplitWith(const pcre2_code* re, pcre2_match_data* md, std::string_view s,
     if (e > b) out.emplace_back(s.substr(b, e - b));
 }
 
+// llama.cpp's unicode_regex_split_custom_afmoe, which it runs for the "\p{AFMoE_digits}" and
+// tiny_aya's "\d{1,3}(?=(?:\d{3})*\b)" patterns: each run of numbers (\p{N}) is cut into its
+// first (length mod 3) characters, then groups of three; the text before a run is emitted with
+// the run's first group (as llama.cpp does), the text after the last run on its own.
+void DigitGroups(std::string_view s, std::vector<std::string>& out) {
+  auto is_number = [&](size_t i, size_t* len) {
+    *len = std::max<size_t>(tok_internal::Utf8Len(s, i), 1);
+    return tok_internal::Utf8Len(s, i) > 0 &&
+           tok_internal::IsUnicodeNumber(tok_internal::DecodeUtf8At(s, i, *len));
+  };
+  size_t prev = 0;
+  auto emit = [&](size_t end) {
+    if (end > prev) out.emplace_back(s.substr(prev, end - prev));
+    prev = end;
+  };
+  for (size_t pos = 0; pos < s.size();) {
+    size_t len = 0;
+    if (!is_number(pos, &len)) {
+      pos += len;
+      continue;
+    }
+    std::vector<size_t> ends;  // byte offset after each number of the run
+    while (pos < s.size() && is_number(pos, &len)) {
+      pos += len;
+      ends.push_back(pos);
+    }
+    const size_t first = ends.size() % 3;
+    if (first > 0) emit(ends[first - 1]);
+    for (size_t k = first + 2; k < ends.size(); k += 3) emit(ends[k]);
+  }
+  emit(s.size());
+}
+
 using NormalizeFn = std::function<std::string(std::string_view)>;
 
 // One pre-tokenizer step; Sequence, ByteLevel(use_regex), Digits, Whitespace, Punctuation and
 // BertPreTokenizer are expressed as Split steps.
 struct PreStep {
-  enum class Kind { kSplit, kPrefixSpace, kMetaspace } kind = Kind::kSplit;
+  // kDigitGroups: llama.cpp's hand-written digit split (afmoe, tiny_aya; see DigitGroups).
+  enum class Kind { kSplit, kPrefixSpace, kMetaspace, kDigitGroups } kind = Kind::kSplit;
   Regex re;
   SplitBehavior behavior = SplitBehavior::kIsolated;
   bool invert = false;
+  bool split_at_empty = false;  // llama.cpp regexes: an empty match cuts the text there
   // Metaspace
   std::string replacement;
   enum class Prepend { kAlways, kFirst, kNever } prepend = Prepend::kAlways;
@@ -358,7 +395,10 @@ class HfTokenizer final : public Tokenizer {
                         std::vector<std::pair<size_t, size_t>>& scratch) {
     switch (s.kind) {
       case PreStep::Kind::kSplit:
-        SplitWith(s.re.get(), md, piece, s.behavior, s.invert, out, scratch);
+        SplitWith(s.re.get(), md, piece, s.behavior, s.invert, out, scratch, s.split_at_empty);
+        return;
+      case PreStep::Kind::kDigitGroups:
+        DigitGroups(piece, out);
         return;
       case PreStep::Kind::kPrefixSpace:  // ByteLevel's add_prefix_space
         out.push_back(piece.starts_with(' ') ? piece : " " + piece);
@@ -900,10 +940,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeByteLevelTokenizer(ByteLevelVocab
   }
   auto tok = std::unique_ptr<HfTokenizer>(new HfTokenizer());
   HfTokenizer& t = *tok;
-  // llama.cpp's regex engines treat '$' as the end of the piece only.
+  // llama.cpp's regex engines treat '$' as the end of the piece only, and cut at empty
+  // matches. Two patterns it runs as hand-written code, and so do we.
   for (const std::string& p : v.pre_regexes) {
     PreStep s;
-    ASSIGN_OR_RETURN(s.re, CompileRegex(p, PCRE2_DOLLAR_ENDONLY));
+    if (p == R"(\p{AFMoE_digits})" || p == R"(\d{1,3}(?=(?:\d{3})*\b))") {
+      s.kind = PreStep::Kind::kDigitGroups;
+    } else {
+      ASSIGN_OR_RETURN(s.re, CompileRegex(p, PCRE2_DOLLAR_ENDONLY));
+      s.split_at_empty = true;
+    }
     t.pre_.push_back(std::move(s));
   }
   t.byte_level_ = true;

@@ -186,6 +186,10 @@ bool IsUnicodeWhitespace(uint32_t cp) {
   return u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_WHITE_SPACE);
 }
 
+bool IsUnicodeNumber(uint32_t cp) {
+  return (U_GET_GC_MASK(static_cast<UChar32>(cp)) & U_GC_N_MASK) != 0;
+}
+
 bool IsBertControl(uint32_t cp) {
   if (cp == '\t' || cp == '\n' || cp == '\r') return false;
   return (U_GET_GC_MASK(static_cast<UChar32>(cp)) & U_GC_C_MASK) != 0;

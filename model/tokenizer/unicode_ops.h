@@ -29,6 +29,7 @@ std::string RemoveNonspacingMarks(std::string_view s);
 std::string TrimWhitespace(std::string_view s, bool left, bool right);
 
 bool IsUnicodeWhitespace(uint32_t cp);
+bool IsUnicodeNumber(uint32_t cp);  // general category N (Nd, Nl, No)
 // General category C* other than the three whitespace controls BERT keeps (\t, \n, \r).
 bool IsBertControl(uint32_t cp);
 // The CJK ideograph blocks BERT pads with spaces.

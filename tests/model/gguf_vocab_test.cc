@@ -134,7 +134,7 @@ TEST(GgufVocabTest, PreTokenizerNames) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(s.message()), HasSubstr("no-such-thing"));
   // llama.cpp splits these with hand-written code or over raw UTF-8: refused by name.
-  for (const char* name : {"kimi-k2", "afmoe", "superbpe", "gemma4", "whitespace"}) {
+  for (const char* name : {"kimi-k2", "gemma4", "whitespace"}) {
     s = ByteLevelPreTokenizer(name, &v);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << name;
     EXPECT_THAT(std::string(s.message()), HasSubstr(std::string("'") + name + "'"));
@@ -152,7 +152,8 @@ TEST(GgufVocabTest, EveryLlamaCppPreTokenizer) {
         "stablelm2", "olmo", "jais", "jais-2", "poro-chat", "viking", "bloom", "gpt3-finnish",
         "codeshell", "exaone", "exaone4", "exaone-moe", "minerva-7b", "chameleon", "megrez",
         "trillion", "bailingmoe", "seed-coder", "grok-2", "hunyuan", "kormo", "tiny_aya",
-        "minimax-m2", "youtu", "spark2_5", "laguna", "minicpm5", "granite-docling"}) {
+        "minimax-m2", "youtu", "spark2_5", "laguna", "minicpm5", "granite-docling", "afmoe",
+        "superbpe"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
   }
   const std::string text =
@@ -184,6 +185,34 @@ TEST(GgufVocabTest, PreTokenizerSplitsDiffer) {
     EXPECT_THAT(ids(pre, "a the"), ElementsAre('a', 258)) << pre;
   // GPT-4o and tekken cut "tHe" before the capital: "t" never merges with "He".
   EXPECT_THAT(ids("gpt-4o", " tHe"), ElementsAre(256, 'H', 'e'));
+}
+
+// Digit runs cut into groups of three from the right: afmoe and tiny_aya by llama.cpp's
+// hand-written split, superbpe by a zero-width regex. With merges that would join "12" first,
+// "1234" gives 1 | 234 only when the cut is there.
+TEST(GgufVocabTest, DigitGroupsFromTheRight) {
+  auto ids = [](const char* pre, const std::string& text) {
+    ByteLevelVocab v = SmallVocab();
+    for (const char* t : {"12", "123", "23", "234"}) {
+      v.tokens.push_back(t);
+      v.types.push_back(1);
+    }
+    v.merges.insert(v.merges.end(), {"1 2", "12 3", "2 3", "23 4"});
+    EXPECT_TRUE(ByteLevelPreTokenizer(pre, &v).ok()) << pre;
+    auto tok = MakeByteLevelTokenizer(v);
+    EXPECT_TRUE(tok.ok()) << pre << ": " << tok.status();
+    return tok.ok() ? (*tok)->Encode(text, false) : std::vector<int32_t>{};
+  };
+  const int32_t k12 = 261, k123 = 262, k234 = 264;
+  EXPECT_THAT(ids("gpt-2", "1234"), ElementsAre(k123, '4'));  // one piece: "12" merges first
+  for (const char* pre : {"afmoe", "tiny_aya", "superbpe"}) {
+    EXPECT_THAT(ids(pre, "1234"), ElementsAre('1', k234)) << pre;
+    EXPECT_THAT(ids(pre, "x1234567"), ElementsAre('x', '1', k234, '5', '6', '7')) << pre;
+    EXPECT_THAT(ids(pre, "123"), ElementsAre(k123)) << pre;
+  }
+  // Llama-3 takes the first three digits: 123 | 4.
+  EXPECT_THAT(ids("llama-bpe", "1234"), ElementsAre(k123, '4'));
+  (void)k12;
 }
 
 // Falcon's vocabulary lacks tokens for some bytes and has no unknown token: llama.cpp loads it
