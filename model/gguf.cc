@@ -754,6 +754,7 @@ absl::Status GgufConfig(const GgufReader& r, ModelConfig& c) {
   }
   if (r.Find("llama.context_length") != nullptr) {
     ASSIGN_OR_RETURN(c.max_seq_len, GetInt(r, "llama.context_length"));
+    c.trained_context_length = c.max_seq_len;
   }
   if (r.Find("llama.attention.layer_norm_rms_epsilon") != nullptr) {
     ASSIGN_OR_RETURN(double eps, r.GetFloat("llama.attention.layer_norm_rms_epsilon"));

@@ -39,7 +39,12 @@ struct ModelConfig {
   int n_kv_heads = 0;  // key/value heads (GQA when < n_heads)
   int head_dim = 0;
   int vocab_size = 0;
-  int max_seq_len = 2048;
+  int max_seq_len = 2048;  // the context served: prompt plus generated tokens
+  // The context length the model's own metadata states (GGUF <arch>.context_length, config.json
+  // max_position_embeddings: with llama3 rope scaling that is already the scaled length);
+  // 0 when it states none, and max_seq_len is then the loader's default of 2048. Reported
+  // beside max_seq_len by /v1/models, so a default is never passed off as the model's.
+  int trained_context_length = 0;
   float rms_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeLayout rope_layout = RopeLayout::kAdjacentPairs;

@@ -237,6 +237,9 @@ absl::Status ParseConfig(const json& c, ModelConfig& cfg, bool* tie) {
   ASSIGN_OR_RETURN(cfg.head_dim, IntField(c, "head_dim", cfg.dim / cfg.n_heads));
   ASSIGN_OR_RETURN(cfg.vocab_size, IntField(c, "vocab_size"));
   ASSIGN_OR_RETURN(cfg.max_seq_len, IntField(c, "max_position_embeddings", 2048));
+  if (c.contains("max_position_embeddings") && !c["max_position_embeddings"].is_null()) {
+    cfg.trained_context_length = cfg.max_seq_len;
+  }
   ASSIGN_OR_RETURN(cfg.rms_eps, FloatField(c, "rms_norm_eps", 1e-6f));  // LlamaConfig default
   ASSIGN_OR_RETURN(cfg.rope_theta, FloatField(c, "rope_theta", 10000.0f));
   *tie = c.contains("tie_word_embeddings") && c["tie_word_embeddings"].is_boolean() &&

@@ -104,6 +104,8 @@ absl::StatusOr<std::unique_ptr<Model>> MakeSyntheticModel(const std::string& nam
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown synthetic model '", name, "' (expected llama3-8b, demo, small or tiny)"));
   }
+  // A synthetic shape's stated context is its configuration's, as a real model's metadata.
+  c.trained_context_length = c.max_seq_len;
   m->synthetic_ = true;
   m->synthetic_seed_ = 1234;
   m->source_ = "synthetic:" + name;

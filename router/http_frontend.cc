@@ -391,12 +391,17 @@ struct HttpFrontend::Impl {
       return out.Send(absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n"));
     };
     auto event = [&](const json& j) { return chunk("data: " + Dump(j) + "\n\n"); };
+    // A request served otherwise than the client may expect (openai::Request::warning, e.g.
+    // chat without a chat template) says so in a header of its 200 response.
+    const std::string warning_header =
+        p.warning.empty() ? "" : absl::StrCat("X-SparseX-Warning: ", p.warning, "\r\n");
     auto start_stream = [&]() -> bool {
       if (headers_sent) return true;
       headers_sent = true;
-      if (!out.Send("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n"
-                    "Connection: close\r\n\r\n")) {
+      if (!out.Send(absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n",
+                                 warning_header,
+                                 "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n"
+                                 "Connection: close\r\n\r\n"))) {
         return false;
       }
       if (chat) return event(openai::StreamRoleChunk(meta));
@@ -459,7 +464,10 @@ struct HttpFrontend::Impl {
       return 200;
     }
     json lp = want_logprobs ? logprobs.Take(emitted, !stop.stopped(), /*empty=*/true) : json();
-    out.Send(JsonResponse(200, openai::Response(meta, text, finish_reason, usage, worker, lp)));
+    std::string resp =
+        JsonResponse(200, openai::Response(meta, text, finish_reason, usage, worker, lp));
+    if (!warning_header.empty()) resp.insert(resp.find("\r\n") + 2, warning_header);
+    out.Send(resp);
     return 200;
   }
 
@@ -467,11 +475,19 @@ struct HttpFrontend::Impl {
     v1::ListModelsResponse lm = router->ListModels(caller);
     json data = json::array();
     for (const auto& m : lm.models()) {
+      // context_length is what this server accepts (prompt plus generated tokens);
+      // max_model_len repeats it under vLLM's name for the clients that read that one;
+      // trained_context_length is what the model's metadata states, null when it states none
+      // (context_length is then the loader's default).
       data.push_back({{"id", m.id()},
                       {"object", "model"},
                       {"created", 0},
                       {"owned_by", "sparsex"},
                       {"context_length", m.context_length()},
+                      {"max_model_len", m.context_length()},
+                      {"trained_context_length", m.has_trained_context_length()
+                                                     ? json(m.trained_context_length())
+                                                     : json(nullptr)},
                       {"workers", m.workers()}});
     }
     const std::string prefix = "/v1/models/";

@@ -694,6 +694,7 @@ absl::StatusOr<Request> ParseChat(const json& b, const ChatFormat* chat,
       if (!m.content.empty()) p.req.add_segments()->set_text(m.content);
     }
     if (p.req.segments_size() == 0) return FieldError("messages", "every message is empty");
+    p.warning = kNoChatTemplateWarning;
     return p;
   }
   if (chat->tokenizer == nullptr) return absl::InternalError("chat format without a tokenizer");
@@ -792,7 +793,15 @@ json UsageJson(const v1::Usage& u, const std::string& worker) {
 #undef SPX_USAGE_FIELD
   sx["worker"] = worker;
   j["total_tokens"] = u.prompt_tokens() + u.completion_tokens();
-  j["prompt_tokens_details"] = {{"cached_tokens", u.prefix_tokens() + u.reused_tokens()}};
+  // cached_tokens: prompt tokens whose KV came from a cache and was used as it was, without
+  // recompute: the exact prefix plus the reused tokens sparse recompute did not select. The
+  // selected ones (recomputed_tokens, a subset of the reused) are reported apart: counting them
+  // as cached would overstate what the cache saved. Clamped, so a worker reporting more
+  // recomputed than reused tokens never gives a negative count.
+  const int reused = std::max(0, u.reused_tokens());
+  const int recomputed = std::clamp(u.recomputed_tokens(), 0, reused);
+  const int cached = std::max(0, u.prefix_tokens()) + reused - recomputed;
+  j["prompt_tokens_details"] = {{"cached_tokens", cached}, {"recomputed_tokens", recomputed}};
   j["sparsex"] = std::move(sx);
   return j;
 }

@@ -74,7 +74,16 @@ struct Request {
   bool stream = false;             // "stream": server-sent events
   bool include_usage = false;      // "stream_options": {"include_usage"}: a final usage chunk
   std::vector<std::string> stop;   // "stop" strings (applied by StopFilter), empty ones dropped
+  // Served, but not as the client may expect: the HTTP front end sends it as the response's
+  // X-SparseX-Warning header (kNoChatTemplateWarning). "" when none.
+  std::string warning;
 };
+
+// A chat request to a model without a chat template (a base model) is served with the
+// messages' contents joined as plain text: no roles, no turn markers. It says so in this header
+// value rather than being refused, so base models stay usable through chat clients.
+inline constexpr char kNoChatTemplateWarning[] =
+    "model has no chat template; messages joined as plain text";
 
 // The body text of a request to `endpoint`: UTF-8, nesting depth, JSON syntax, a JSON object,
 // then the fields as ParseCompletion / ParseChat. Every error is INVALID_ARGUMENT (but see
@@ -96,7 +105,8 @@ absl::StatusOr<Request> ParseCompletion(const nlohmann::json& body,
 // fingerprint; a template whose renderings are not prefix-stable gives the whole rendering as
 // one plain prompt (chunked like /v1/completions). A BOS the template emits becomes add_bos
 // (the shared sink), never a doubled token; add_bos defaults to whether the template emits it.
-// Without a template (base models): each non-empty message's content is one segment.
+// Without a template (base models): each non-empty message's content is one segment, and
+// Request::warning is kNoChatTemplateWarning.
 absl::StatusOr<Request> ParseChat(const nlohmann::json& body, const ChatFormat* chat = nullptr,
                                   const ParseLimits& limits = {});
 

@@ -329,7 +329,8 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(const RouterOptions& opti
   // Without credentials the router serves only a local test cluster (docs/security.md).
   if (options.api_keys_file.empty() || !options.cluster_tls.enabled()) {
     absl::Status ok = CheckPlaintextAllowed(options.insecure_loopback, "insecure_loopback",
-                                            {options.grpc_address, options.http_address});
+                                            {options.grpc_address, options.http_address,
+                                             options.admin_address});
     if (!ok.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "router: ", options.api_keys_file.empty() ? "no --api_keys_file" : "no cluster TLS",
@@ -378,6 +379,9 @@ v1::ListModelsResponse Router::ListModels(const Tenant* caller) {
   const ModelConfig& c = impl_->model.config;
   mi->set_id(impl_->model_name);
   mi->set_context_length(c.max_seq_len);
+  // Unset when the model's metadata states no context: max_seq_len is then the loader's
+  // default, which a client must not take for the length the model was trained for.
+  if (c.trained_context_length > 0) mi->set_trained_context_length(c.trained_context_length);
   mi->set_vocab_size(c.vocab_size);
   if (caller == nullptr || caller->admin) {
     mi->set_fingerprint(impl_->Identity().fingerprint_hex);  // "" until a worker reported it

@@ -149,6 +149,13 @@ TEST(OpenAiCodecTest, ChatMessagesBecomeSegments) {
   EXPECT_EQ(q.model(), "tiny");
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
+  // No chat template: served with the contents as plain text, and the response says so.
+  EXPECT_EQ(r->warning, kNoChatTemplateWarning);
+  EXPECT_EQ(std::string(kNoChatTemplateWarning),
+            "model has no chat template; messages joined as plain text");
+  auto cmpl = Completion(R"({"prompt": "1"})");
+  ASSERT_TRUE(cmpl.ok()) << cmpl.status();
+  EXPECT_EQ(cmpl->warning, "");  // completions are never templated
 
   // max_tokens and max_completion_tokens that disagree are refused (neither silently wins);
   // a completion takes max_completion_tokens too.
@@ -528,7 +535,9 @@ TEST(OpenAiCodecTest, ResponseJson) {
   u.set_segments_hit(2);
   const json usage = UsageJson(u, "w1");
   EXPECT_EQ(usage["total_tokens"], 14);
-  EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], 7);
+  // Cached: the 2 prefix tokens and the 4 reused tokens not recomputed; the recomputed one apart.
+  EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], 6);
+  EXPECT_EQ(usage["prompt_tokens_details"]["recomputed_tokens"], 1);
   EXPECT_EQ(usage["sparsex"]["reused_tokens"], 5);
   EXPECT_EQ(usage["sparsex"]["worker"], "w1");
 
@@ -566,6 +575,37 @@ TEST(OpenAiCodecTest, ResponseJson) {
   EXPECT_TRUE(uc["choices"].is_array() && uc["choices"].empty());
   EXPECT_EQ(uc["usage"], usage);
   EXPECT_EQ(uc["id"], "chatcmpl-1");
+}
+
+// prompt_tokens_details.cached_tokens counts only tokens used from a cache without recompute.
+TEST(OpenAiCodecTest, CachedTokensExcludeRecomputedOnes) {
+  const auto details = [](int prefix, int reused, int recomputed) {
+    v1::Usage u;
+    u.set_prompt_tokens(prefix + reused + 10);
+    u.set_prefix_tokens(prefix);
+    u.set_reused_tokens(reused);
+    u.set_recomputed_tokens(recomputed);
+    u.set_new_tokens(10);
+    return UsageJson(u, "w")["prompt_tokens_details"];
+  };
+  // No cache at all.
+  EXPECT_EQ(details(0, 0, 0), (json{{"cached_tokens", 0}, {"recomputed_tokens", 0}}));
+  // An exact prefix only: all of it cached.
+  EXPECT_EQ(details(64, 0, 0), (json{{"cached_tokens", 64}, {"recomputed_tokens", 0}}));
+  // Reused segments with 15% recomputed: 300 of 2000 reused tokens are not cached.
+  EXPECT_EQ(details(16, 2000, 300), (json{{"cached_tokens", 1716}, {"recomputed_tokens", 300}}));
+  // Every reused token recomputed (no sparse layer): only the prefix is cached.
+  EXPECT_EQ(details(16, 500, 500), (json{{"cached_tokens", 16}, {"recomputed_tokens", 500}}));
+  // A report of more recomputed than reused tokens is clamped, never a negative count.
+  EXPECT_EQ(details(8, 10, 25), (json{{"cached_tokens", 8}, {"recomputed_tokens", 10}}));
+  // The worker's own figures stay in "sparsex" as reported.
+  v1::Usage u;
+  u.set_reused_tokens(40);
+  u.set_recomputed_tokens(6);
+  const json j = UsageJson(u, "w");
+  EXPECT_EQ(j["sparsex"]["reused_tokens"], 40);
+  EXPECT_EQ(j["sparsex"]["recomputed_tokens"], 6);
+  EXPECT_EQ(j["prompt_tokens_details"]["cached_tokens"], 34);
 }
 
 }  // namespace

@@ -574,6 +574,9 @@ TEST_F(ClusterTest, HttpCompletionsChatAndSse) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->status, 200);
   EXPECT_EQ(s->Header("content-type"), "text/event-stream");
+  // stories260K has no chat template: served as plain text, and the response says so.
+  EXPECT_EQ(s->Header("x-sparsex-warning"),
+            "model has no chat template; messages joined as plain text");
   std::vector<json> events;
   bool done = false;
   std::istringstream in(sse);
