@@ -50,6 +50,20 @@ void WriteHeader(const KvBlockHeader& h, uint8_t* out) {
 
 }  // namespace
 
+absl::Status SetKvBlockMac(std::span<uint8_t> block, std::span<const uint8_t> nonce,
+                           std::span<const uint8_t> tag) {
+  if (block.size() < kKvBlockHeaderBytes || nonce.size() != kKvBlockMacNonceBytes ||
+      tag.size() != kKvBlockMacTagBytes) {
+    return absl::InvalidArgumentError("kv block: bad MAC field sizes");
+  }
+  uint8_t* h = block.data();
+  std::memcpy(h + kKvBlockMacOffset, nonce.data(), kKvBlockMacNonceBytes);
+  std::memcpy(h + kKvBlockMacOffset + kKvBlockMacNonceBytes, tag.data(), kKvBlockMacTagBytes);
+  h[kKvBlockMacOffset + kKvBlockMacNonceBytes + kKvBlockMacTagBytes] = 1;
+  PutU64(h + kHeaderChecksumOffset, Hash64(h, kHeaderChecksumOffset));
+  return absl::OkStatus();
+}
+
 size_t KvDtypeSize(KvDtype dtype) {
   switch (dtype) {
     case KvDtype::kF32: return 4;

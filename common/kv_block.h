@@ -20,7 +20,11 @@
 //    64     8  payload_bytes       == (layer_end - layer_begin) * 2 * num_tokens * kv_dim
 //                                     * DtypeSize(dtype)
 //    72     8  payload_checksum    XXH3-64 (seed 0) of the payload bytes
-//    80    40  reserved            0
+//    80    12  mac_nonce           writer's random nonce (gpu_worker/service/block_mac.h); 0
+//                                  when the block carries no MAC
+//    92    16  mac_tag             AES-256-GMAC of bytes [0, 80) and the payload; 0 when none
+//   108     1  mac_present         1 when mac_nonce / mac_tag are set, else 0
+//   109    11  reserved            0
 //   120     8  header_checksum     XXH3-64 (seed 0) of bytes [0, 120)
 //   128     -  payload
 //
@@ -114,6 +118,16 @@ absl::StatusOr<KvBlockView> VerifyKvBlock(std::span<const uint8_t> bytes);
 
 // FAILED_PRECONDITION unless the block was produced with `expected` layout version.
 absl::Status CheckKvLayout(const KvBlockHeader& h, uint32_t expected = kKvLayoutVersion);
+
+// The header's MAC fields (offsets 80-109 above) and the header checksum after them: a MAC is
+// computed over an encoded block and written into it afterwards (block_mac.h).
+inline constexpr size_t kKvBlockMacOffset = 80;
+inline constexpr size_t kKvBlockMacNonceBytes = 12;
+inline constexpr size_t kKvBlockMacTagBytes = 16;
+// Writes nonce, tag and the present flag into an encoded block's header and recomputes the
+// header checksum. INVALID_ARGUMENT for a buffer shorter than a header or wrong field sizes.
+absl::Status SetKvBlockMac(std::span<uint8_t> block, std::span<const uint8_t> nonce,
+                           std::span<const uint8_t> tag);
 
 // XXH3-64 of a whole encoded block: the checksum carried by a cache put's commit.
 uint64_t KvBlockWireChecksum(std::span<const uint8_t> bytes);

@@ -173,7 +173,7 @@ case "$CMD" in
       "$(dirname "$0")/make-credentials.sh" "$CRED" $TENANTS
       tls() { echo --tls_ca="$CRED/tls/ca.pem" --tls_cert="$CRED/tls/$1.pem" --tls_key="$CRED/tls/$1-key.pem"; }
       read -r -a CACHE_SEC <<<"$(tls cache)"
-      read -r -a WORKER_SEC <<<"$(tls worker)"
+      read -r -a WORKER_SEC <<<"$(tls worker) --kv_mac_key_file=$CRED/kv_mac.key"
       read -r -a ROUTER_SEC <<<"$(tls router) --api_keys_file=$CRED/api_keys.json --scope_key_file=$CRED/scope.key"
       first=1
       for t in $TENANTS; do

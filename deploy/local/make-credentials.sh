@@ -4,6 +4,8 @@
 #   DIR/tls/<role>.pem, <role>-key.pem  one certificate per role (router, worker, cache), each
 #                                     naming the cluster (DNS:sparsex.cluster), for mutual TLS
 #   DIR/scope.key                     32 random bytes (hex) keying the tenants' KV scope salts
+#   DIR/kv_mac.key                    32 random bytes (hex): the workers' MAC key for cluster KV
+#                                     blocks (workers only; the cache servers never get it)
 #   DIR/api_keys.json                 the router's key file: SHA-256 of each key, never the key
 #   DIR/api_key.<tenant>              one API key per tenant (give it to that tenant only)
 #
@@ -32,6 +34,7 @@ for role in router worker cache; do
   rm -f "$T/$role.csr" "$T/$role.ext"
 done
 [ -s "$DIR/scope.key" ] || openssl rand -hex 32 >"$DIR/scope.key"
+[ -s "$DIR/kv_mac.key" ] || openssl rand -hex 32 >"$DIR/kv_mac.key"
 for t in "${TENANTS[@]}"; do
   [ -s "$DIR/api_key.$t" ] || echo "sk-spx-$(openssl rand -hex 24)" >"$DIR/api_key.$t"
 done

@@ -32,6 +32,7 @@
 #include "common/status.h"
 #include "gpu_worker/reuse/segment_store.h"
 #include "gpu_worker/reuse/streamed_segment.h"
+#include "gpu_worker/service/block_mac.h"
 #include "proto/grpc_tls.h"
 
 namespace sparsex::cache {
@@ -46,6 +47,9 @@ struct ClusterTierOptions {
   // Mutual TLS to the cache servers (the worker's own certificate and the cluster CA).
   // Default: none (plaintext; the servers must allow it)
   TlsFiles tls;
+  // The cluster's KV MAC key (64 hex digits; block_mac.h): every block written is sealed with
+  // it and a fetched block is used only when its MAC verifies. "": no MACs. Default: ""
+  std::string mac_key_file;
   uint32_t replication = 1;     // copies of each segment. Default: 1
   std::string transport = "ucx";  // data plane: ucx | grpc. Default: ucx
   std::string ucx_tls;          // UCX transports (as UCX_TLS); "": UCX's choice. Default: ""
@@ -192,6 +196,7 @@ class ClusterKvTier {
   KvDtype wire_ = KvDtype::kF32;
   uint64_t round_bytes_ = 0;  // fetch_batch_bytes capped by the members' arenas
   bool payload_verified_ = true;  // the cache client checks each whole block's checksum
+  std::unique_ptr<BlockMac> mac_;  // ClusterTierOptions::mac_key_file; null: no MACs
   // Where fetch rounds' blocks land (under mu_), two so that one round decodes while the next
   // transfers; allocated at Connect and kept: fresh memory per round cost page faults on every
   // round (docs/benchmarks.md).

@@ -178,6 +178,9 @@ int main(int argc, char** argv) {
         "cache servers");
   f.Add("tls_cert", &o.tls.cert, "this worker's certificate (PEM, signed by the cluster CA)");
   f.Add("tls_key", &o.tls.key, "this worker's private key (PEM)");
+  f.Add("kv_mac_key_file", &o.cluster.mac_key_file,
+        "the cluster's KV MAC key (64 hex digits): blocks written to the cache cluster are sealed "
+        "with it, fetched blocks used only when their MAC verifies (docs/security.md)");
   f.Add("insecure_loopback", &o.insecure_loopback,
         "serve plaintext without client certificates; refused unless --address is loopback");
   if (absl::Status s = f.Parse(argc, argv); !s.ok()) {
