@@ -22,6 +22,9 @@ int main(int argc, char** argv) {
   sparsex::FlagSet f("sparsex-router");
   f.Add("model", &o.model_path, "served model: GGUF file or HF directory (required)");
   f.Add("model_name", &o.model_name, "model name in the API (default: file name stem)");
+  f.Add("tokenizer", &o.tokenizer_path,
+        "tokenizer in place of the model's own (GGUF vocabulary or tokenizer.json); give the "
+        "workers the same --tokenizer");
   f.Add("grpc_address", &o.grpc_address, "public gRPC API host:port (\"\" = off)");
   f.Add("http_address", &o.http_address, "OpenAI HTTP API + /metrics host:port (\"\" = off)");
   f.Add("http_threads", &o.http_threads,

@@ -317,7 +317,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(const RouterOptions& opti
   s.opts = options;
   if (options.model_path.empty()) return absl::InvalidArgumentError("router: --model is required");
   // Config and tokenizer only: the router never maps weight files.
-  ASSIGN_OR_RETURN(s.model, LoadModelInfo(options.model_path));
+  ASSIGN_OR_RETURN(s.model, LoadModelInfo(options.model_path, options.tokenizer_path));
   s.chat = openai::MakeChatFormat(s.model);
   if (!s.chat.template_error.ok()) {
     std::cerr << "[router] the model's chat template cannot be rendered; chat requests will be "

@@ -49,6 +49,9 @@ struct RouterOptions {
   // tokenizer.json, or synthetic:<name>); weights are never read. Default: "" (required)
   std::string model_path;
   std::string model_name;   // API name. Default: the file name without extension
+  // A tokenizer in place of the model's own (a GGUF vocabulary or tokenizer.json), as the
+  // workers' --tokenizer: the router tokenizes what they serve. Default: "" (the model's own)
+  std::string tokenizer_path;
   std::string grpc_address = "127.0.0.1:50051";  // public gRPC API; "" disables. Default
   std::string http_address = "127.0.0.1:8000";   // OpenAI HTTP + /metrics; "" disables. Default
   // HTTP front end (frontends.h, docs/operations.md "HTTP front end limits").
