@@ -10,6 +10,7 @@
 #   tls/ca.pem                      cluster CA certificate -> ca.crt of every sparsex-tls-* Secret
 #   tls/<role>.pem, <role>-key.pem  router, worker, cache  -> tls.crt, tls.key of sparsex-tls-<role>
 #   api_keys.json, scope.key        the router's key file  -> Secret sparsex-api-keys
+#   kv_mac.key                      the workers' KV MAC key -> Secret sparsex-kv-mac
 #   tls/ca-key.pem                  the CA's private key: NOT in any Secret; move it offline
 #   api_key.<tenant>                each tenant's API key: NOT in any Secret; hand it to the tenant
 # A second run keeps what exists and adds tenants (api_keys.json is rewritten to list every
@@ -23,16 +24,16 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=$HERE/secrets
-case "${1:-}" in -h|--help) sed -n '2,23p' "$0"; exit 0 ;; -*) echo "make-secrets: unknown option $1" >&2; exit 2 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,24p' "$0"; exit 0 ;; -*) echo "make-secrets: unknown option $1" >&2; exit 2 ;; esac
 "$HERE/../local/make-credentials.sh" "$DIR" "$@"
 # Every file the kustomization reads must be there (a partial folder from another tool fails
 # here, not halfway through `kubectl apply -k`).
 for f in tls/ca.pem tls/router.pem tls/router-key.pem tls/worker.pem tls/worker-key.pem \
-         tls/cache.pem tls/cache-key.pem api_keys.json scope.key; do
+         tls/cache.pem tls/cache-key.pem api_keys.json scope.key kv_mac.key; do
   [ -s "$DIR/$f" ] || { echo "make-secrets: $DIR/$f is missing" >&2; exit 1; }
 done
 echo "make-secrets: credentials in $DIR"
-echo "  Secrets (kubectl apply -k $HERE): sparsex-tls-router, sparsex-tls-worker, sparsex-tls-cache, sparsex-api-keys"
+echo "  Secrets (kubectl apply -k $HERE): sparsex-tls-router, sparsex-tls-worker, sparsex-tls-cache, sparsex-api-keys, sparsex-kv-mac"
 echo "  keep offline, never in the cluster: $DIR/tls/ca-key.pem"
 for k in "$DIR"/api_key.*; do
   echo "  API key of tenant ${k##*/api_key.}: $k"

@@ -79,7 +79,7 @@ ROUTER_GRPC="${IP[router]}:50051"
 ROUTER_HTTP="${IP[router]}:8000"
 T0=$(date +%s.%N)
 # Credentials: one CA, a certificate per role (DNS SAN sparsex.cluster: valid whatever address
-# is dialled), the scope key and one tenant's API key.
+# is dialled), the scope key, the workers' KV MAC key and one tenant's API key.
 CRED="$RUN/credentials"
 "$REPO/deploy/local/make-credentials.sh" "$CRED" netns >/dev/null
 tls() { echo "--tls_ca=$CRED/tls/ca.pem --tls_cert=$CRED/tls/$1.pem --tls_key=$CRED/tls/$1-key.pem"; }
@@ -295,7 +295,8 @@ start_worker() {  # start_worker i
   spawn "worker$i" "worker$i" env UCX_NET_DEVICES=eth0 "$BIN_DIR/sparsex-worker" \
     --model "$MODEL" --device cpu --address "${IP[worker$i]}" --port 50060 --metrics_port 9460 \
     --worker_id "worker$i" --etcd "$ETCD" --cache_servers "$CACHES" --ucx_tls tcp \
-    --drain_timeout_ms 10000 --ready_file "$RUN/worker$i.ready" $(tls worker)
+    --drain_timeout_ms 10000 --ready_file "$RUN/worker$i.ready" $(tls worker) \
+    --kv_mac_key_file "$CRED/kv_mac.key"
   wait_until 60 "worker$i ready" ready "worker$i"
 }
 start_router() {

@@ -23,7 +23,8 @@ Checks, without a cluster:
     and gRPC port; ETCD_ENDPOINTS points at an etcd Service port; etcd's --initial-cluster
     names every replica; the worker asks for a GPU and its grace period outlasts its drain
   * credentials: every SparseX container runs with mutual TLS (--tls_ca/--tls_cert/--tls_key),
-    the router also with --api_keys_file and --scope_key_file; no --insecure_loopback anywhere;
+    the router also with --api_keys_file and --scope_key_file, the worker with --kv_mac_key_file;
+    no --insecure_loopback anywhere;
     each of those paths is a key of a mounted Secret (cert and key from the same one; the key
     files without subPath, so changes reach the router); every Secret a pod uses is defined or
     made by the kustomization's secretGenerator, whose sources lie in a folder deploy/k8s/.gitignore
@@ -561,6 +562,8 @@ def check_wiring(objs):
 # (--insecure_loopback) is for a single host only and never appears here.
 TLS_FLAGS = ("tls_ca", "tls_cert", "tls_key")
 ROUTER_AUTH_FLAGS = ("api_keys_file", "scope_key_file")
+# The workers seal the KV blocks they write to the cache cluster and verify what they fetch.
+WORKER_KEY_FLAGS = ("kv_mac_key_file",)
 # File names of a private key the kustomization must never turn into a Secret (the CA's signs
 # any certificate; the tenants' API keys belong to the tenants).
 NEVER_IN_SECRETS = (r"(^|/)ca-key\.pem$", r"(^|/)api_key\.[^/]+$")
@@ -691,7 +694,8 @@ def check_credentials(objs):
             if image not in SOURCES:
                 continue
             flags = arg_flags(c.get("args", []) or [])
-            need = TLS_FLAGS + (ROUTER_AUTH_FLAGS if image == "sparsex/router" else ())
+            need = TLS_FLAGS + (ROUTER_AUTH_FLAGS if image == "sparsex/router" else ()) + \
+                (WORKER_KEY_FLAGS if image in ("sparsex/worker", "sparsex/worker-cpu") else ())
             secret_of = {}
             for flag in need:
                 if not flags.get(flag):

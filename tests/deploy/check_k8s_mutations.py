@@ -127,6 +127,9 @@ def committed_private_key(k8s):
 CASES = [
     ("worker without --tls_key", edit("worker.yaml", "Deployment", "sparsex-worker",
                                       drop_arg("--tls_key=")), "--tls_key is not set"),
+    ("worker without --kv_mac_key_file", edit("worker.yaml", "Deployment", "sparsex-worker",
+                                              drop_arg("--kv_mac_key_file=")),
+     "--kv_mac_key_file is not set"),
     ("cache server without --tls_ca", edit("cache-server.yaml", "StatefulSet", "sparsex-cache",
                                            drop_arg("--tls_ca=")), "--tls_ca is not set"),
     ("router with --insecure_loopback", edit("router.yaml", "Deployment", "sparsex-router",

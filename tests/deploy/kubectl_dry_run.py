@@ -10,7 +10,7 @@ documents of the built-in API groups the manifests use, and 404 for every object
   kubectl apply --dry-run=client --validate=false -f <built> -s http://127.0.0.1:PORT
 
 so kubectl parses and maps every object (unknown kinds or API versions, broken YAML, objects
-kubectl cannot decode fail). The built Secrets are checked too: the four of the
+kubectl cannot decode fail). The built Secrets are checked too: the five of the
 secretGenerator with exactly their keys, every Secret a pod mounts among them (kustomize's
 hashed names), and neither the CA's private key nor a tenant's API key anywhere in the output.
 Schema checks of the fields are in check_k8s.py. Skips (77) without kubectl or openssl.
@@ -135,7 +135,8 @@ def check_secrets(text, secrets_dir):
     want = {"sparsex-tls-router": {"ca.crt", "tls.crt", "tls.key"},
             "sparsex-tls-worker": {"ca.crt", "tls.crt", "tls.key"},
             "sparsex-tls-cache": {"ca.crt", "tls.crt", "tls.key"},
-            "sparsex-api-keys": {"api_keys.json", "scope.key"}}
+            "sparsex-api-keys": {"api_keys.json", "scope.key"},
+            "sparsex-kv-mac": {"kv_mac.key"}}
     for base, keys in want.items():
         hits = [n for n in built if n == base or re.fullmatch(re.escape(base) + r"-[a-z0-9]{10}", n)]
         if len(hits) != 1:
