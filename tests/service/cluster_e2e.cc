@@ -613,9 +613,22 @@ TEST_F(ClusterTest, HttpCompletionsChatAndSse) {
   EXPECT_EQ(sj["choices"][0]["text"].get<std::string>().find('.'), std::string::npos);
   EXPECT_EQ(sj["choices"][0]["finish_reason"], "stop");
 
+  // Chat without streaming: the same warning header (no chat template), and the completion
+  // endpoint never carries it.
+  auto cj = http::HttpRequest(http, "POST", "/v1/chat/completions",
+                              R"({"messages":[{"role":"user","content":"Tom had a dog."}],"max_tokens":4})");
+  ASSERT_TRUE(cj.ok());
+  EXPECT_EQ(cj->status, 200) << cj->body;
+  EXPECT_EQ(cj->Header("x-sparsex-warning"),
+            "model has no chat template; messages joined as plain text");
+  EXPECT_EQ(st->Header("x-sparsex-warning"), "");
+
   auto models = http::HttpRequest(http, "GET", "/v1/models");
   ASSERT_TRUE(models.ok());
   EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "stories260K");
+  // stories260K.gguf states llama.context_length 2048: served and reported as such.
+  EXPECT_EQ(json::parse(models->body)["data"][0]["trained_context_length"], 2048);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["max_model_len"], 2048);
   auto hz = http::HttpRequest(http, "GET", "/healthz");
   ASSERT_TRUE(hz.ok());
   EXPECT_EQ(hz->status, 200);
