@@ -36,6 +36,7 @@
 #include <ctime>
 #include <deque>
 #include <iostream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -268,9 +269,15 @@ struct HttpFrontend::Impl {
   int max_streams_per_client = 0;
   struct ClientUse {
     int connections = 0;
-    int streams = 0;
   };
   std::unordered_map<std::string, ClientUse> clients;  // I/O thread only
+  // Completions in flight per client, queued or running. Counted up by the I/O thread when it
+  // admits one and down by the generation thread as soon as the completion is over, before the
+  // I/O thread hears of it: a client that sends its next request the moment the previous answer
+  // arrived must find its slot free (counting down on the I/O thread's wake-up raced with that
+  // next request and answered it 429).
+  std::mutex streams_mu;
+  std::unordered_map<std::string, int> streams_in_flight;
 
   int listen_fd = -1, ep = -1, wake_fd = -1;
   std::thread io;
@@ -302,7 +309,6 @@ struct HttpFrontend::Impl {
     Clock::time_point opened, last_byte, deadline;
     std::shared_ptr<CallCancel> cancel;
     std::string client;          // source address (ClientOf)
-    bool stream_counted = false;  // counts in clients[client].streams
   };
   std::unordered_map<uint64_t, std::unique_ptr<Conn>> conns;
   uint64_t next_id = 2;  // 0: the listening socket, 1: the wake-up eventfd
@@ -317,6 +323,7 @@ struct HttpFrontend::Impl {
     bool chat;
     std::shared_ptr<CallCancel> cancel;
     std::shared_ptr<const Tenant> tenant;  // from the Authorization header
+    std::string client;                    // source address: its streams_in_flight slot
   };
   std::mutex jobs_mu;
   std::condition_variable jobs_cv;
@@ -329,8 +336,11 @@ struct HttpFrontend::Impl {
   // ------------------------------------------------------------------------------------------
   // Handlers
 
+  // `done` frees the client's stream slot; it runs before the last bytes go out (a client that
+  // sends its next request as soon as it has the answer finds its slot free) and is idempotent.
   int HandleGenerate(const HttpRequest& rq, bool chat, Sender& out,
-                     std::shared_ptr<CallCancel> cancel, std::shared_ptr<const Tenant> tenant) {
+                     std::shared_ptr<CallCancel> cancel, std::shared_ptr<const Tenant> tenant,
+                     const std::function<void()>& done) {
     absl::StatusOr<openai::Request> parsed;
     try {
       parsed = openai::ParseRequest(
@@ -338,17 +348,20 @@ struct HttpFrontend::Impl {
           &router->chat_format(), {.max_prompt_bytes = max_prompt_bytes});
     } catch (const json::exception& x) {
       // The codec makes no throwing nlohmann call; should one slip in, the client gets a 400.
+      done();
       out.Send(ErrorResponse(Error(400, std::string("bad request: ") + x.what())));
       return 400;
     }
     if (!parsed.ok()) {
       HttpError e = FromStatus(parsed.status());
+      done();
       out.Send(ErrorResponse(e));
       return e.status;
     }
     openai::Request& p = *parsed;
     if (absl::Status s = router->CheckModel(p.req.model()); !s.ok()) {
       HttpError e = FromStatus(s);
+      done();
       out.Send(ErrorResponse(e));
       return e.status;
     }
@@ -437,6 +450,7 @@ struct HttpFrontend::Impl {
           return !stop.stopped();  // a stop string ends the request (cancels the worker)
         },
         ctl);
+    done();  // the generation is over; what is left is writing its end
     if (stop.stopped() && (st.ok() || st.code() == absl::StatusCode::kCancelled)) {
       st = absl::OkStatus();
       finish_reason = "stop";
@@ -678,7 +692,7 @@ struct HttpFrontend::Impl {
       ::shutdown(fd, SHUT_WR);
       ::close(fd);
       closed->Get({"client_connection_limit"}).Inc();
-      if (u.connections == 0 && u.streams == 0) clients.erase(client);
+      if (u.connections == 0) clients.erase(client);
       return false;
     }
     ++u.connections;
@@ -689,8 +703,11 @@ struct HttpFrontend::Impl {
   // max_streams_per_client completions in flight already (queued or running), so that one
   // client cannot take every generation thread.
   bool AdmitStream(Conn& c) {
-    ClientUse& u = clients[c.client];
-    if (max_streams_per_client > 0 && u.streams >= max_streams_per_client) {
+    std::unique_lock<std::mutex> l(streams_mu);
+    int& n = streams_in_flight[c.client];
+    if (max_streams_per_client > 0 && n >= max_streams_per_client) {
+      if (n == 0) streams_in_flight.erase(c.client);
+      l.unlock();
       HttpError e = Error(429, absl::StrCat("too many concurrent completions from ", c.client,
                                             " (at most ", max_streams_per_client,
                                             " per client, http_max_streams_per_client); "
@@ -700,23 +717,21 @@ struct HttpFrontend::Impl {
       Fail(c, e, "client_stream_limit");
       return false;
     }
-    ++u.streams;
-    c.stream_counted = true;
+    ++n;
     return true;
   }
 
-  void ReleaseStream(Conn& c) {
-    if (!c.stream_counted) return;
-    c.stream_counted = false;
-    auto it = clients.find(c.client);
-    if (it != clients.end()) --it->second.streams;
+  // The generation thread, once a completion is over (answered, failed or cancelled).
+  void StreamDone(const std::string& client) {
+    std::lock_guard<std::mutex> l(streams_mu);
+    auto it = streams_in_flight.find(client);
+    if (it != streams_in_flight.end() && --it->second <= 0) streams_in_flight.erase(it);
   }
 
   void ReleaseClient(Conn& c) {
-    ReleaseStream(c);
     auto it = clients.find(c.client);
     if (it == clients.end()) return;
-    if (--it->second.connections <= 0 && it->second.streams <= 0) clients.erase(it);
+    if (--it->second.connections <= 0) clients.erase(it);
   }
 
   void Accept() {
@@ -940,7 +955,8 @@ struct HttpFrontend::Impl {
     Watch(c, EPOLLRDHUP | EPOLLONESHOT);
     {
       std::lock_guard<std::mutex> l(jobs_mu);
-      jobs.push_back(Job{c.id, c.fd, std::move(c.req), chat, c.cancel, std::move(tenant)});
+      jobs.push_back(
+          Job{c.id, c.fd, std::move(c.req), chat, c.cancel, std::move(tenant), c.client});
       completions->Get({"queued"}).Set(static_cast<double>(jobs.size()));
     }
     jobs_cv.notify_one();
@@ -997,7 +1013,6 @@ struct HttpFrontend::Impl {
       auto it = conns.find(id);
       if (it == conns.end()) continue;
       Conn& c = *it->second;
-      ReleaseStream(c);
       ::fcntl(c.fd, F_SETFL, ::fcntl(c.fd, F_GETFL) | O_NONBLOCK);
       Linger(c);
     }
@@ -1083,11 +1098,17 @@ struct HttpFrontend::Impl {
       }
       completions->Get({"running"}).Set(++running);
       Sender s(j.fd);
+      bool released = false;
+      const std::function<void()> release = [&] {
+        if (!released) StreamDone(j.client);
+        released = true;
+      };
       try {
-        HandleGenerate(j.req, j.chat, s, j.cancel, j.tenant);
+        HandleGenerate(j.req, j.chat, s, j.cancel, j.tenant, release);
       } catch (const std::exception& x) {
         std::cerr << "[router] HTTP completion failed: " << x.what() << std::endl;
       }
+      release();  // a completion that threw
       if (s.timed_out()) closed->Get({"write_timeout"}).Inc();
       completions->Get({"running"}).Set(--running);
       {

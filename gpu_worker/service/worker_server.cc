@@ -389,5 +389,6 @@ int WorkerServer::port() const { return s_->port; }
 int WorkerServer::metrics_port() const { return s_->http ? s_->http->port() : -1; }
 const std::string& WorkerServer::worker_id() const { return s_->worker_id; }
 const std::string& WorkerServer::instance_id() const { return s_->instance_id; }
+const Hash128& WorkerServer::kv_identity() const { return s_->kv_identity; }
 
 }  // namespace sparsex::service

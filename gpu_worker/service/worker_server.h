@@ -81,6 +81,8 @@ class WorkerServer {
   int metrics_port() const;
   const std::string& worker_id() const;
   const std::string& instance_id() const;
+  // What this worker's KV keys derive from (KvIdentity, model/prompt.h; WorkerInfo.kv_fingerprint).
+  const Hash128& kv_identity() const;
 
   struct State;
 

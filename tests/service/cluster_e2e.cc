@@ -27,6 +27,7 @@
 #include "gpu_worker/service/kv_tier.h"
 #include "gtest/gtest.h"
 #include "proto/sparsex.grpc.pb.h"
+#include "proto/worker.grpc.pb.h"
 
 namespace sparsex {
 namespace {
@@ -1165,12 +1166,15 @@ TEST_F(ClusterTest, BadClusterBlockIsRecomputedAndReplaced) {
   v1::TokenizeResponse tok;
   ASSERT_TRUE(stub_->Tokenize(&tctx, treq, &tok).ok());
   std::vector<int32_t> ids(tok.ids().begin(), tok.ids().end());
-  grpc::ClientContext mctx;
-  v1::ListModelsResponse lm;
-  ASSERT_TRUE(stub_->ListModels(&mctx, v1::ListModelsRequest(), &lm).ok());
-  const std::string hex = lm.models(0).fingerprint();
-  Hash128 model_fp{std::stoull(hex.substr(0, 16), nullptr, 16), std::stoull(hex.substr(16), nullptr, 16)};
-  ASSERT_EQ(model_fp.Hex(), hex);
+  // The workers' KV identity (WorkerInfo.kv_fingerprint): every cluster key derives from it.
+  auto wstub = worker::v1::Worker::NewStub(
+      grpc::CreateChannel(env_["WORKER0_GRPC"], grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ictx;
+  worker::v1::WorkerInfo info;
+  ASSERT_TRUE(wstub->Info(&ictx, worker::v1::InfoRequest(), &info).ok());
+  auto kv_id = Hash128::FromHex(info.kv_fingerprint());
+  ASSERT_TRUE(kv_id.has_value()) << info.kv_fingerprint();
+  const Hash128 model_fp = *kv_id;
   const Hash128 seg = SegmentFingerprint(model_fp, ids, "none");
   cache::CacheClientOptions co;
   co.address = env_["CACHE0_GRPC"];

@@ -220,12 +220,13 @@ Reply GenerateOn(int port, const std::vector<std::vector<int32_t>>& docs) {
 
 // Whether the cluster holds every ref (each rank's share under tp), polled for up to 4 s: the
 // write-back runs in the background.
-bool ClusterHolds(const WorkerOptions& o, const Model& model, const std::vector<SegmentRef>& refs,
-                  int tp) {
+// `kv_identity`: the worker's (WorkerServer::kv_identity()), which its cluster keys derive from.
+bool ClusterHolds(const WorkerOptions& o, const Model& model, const Hash128& kv_identity,
+                  const std::vector<SegmentRef>& refs, int tp) {
   ClusterTierOptions t;
   t.servers = o.cluster.servers;
   const ModelConfig& c = model.config();
-  auto probe = ClusterKvTier::Connect(t, model.fingerprint(), c.n_layers,
+  auto probe = ClusterKvTier::Connect(t, kv_identity, c.n_layers,
                                       c.n_kv_heads * c.head_dim);
   EXPECT_TRUE(probe.ok()) << probe.status();
   if (!probe.ok()) return false;
@@ -266,10 +267,10 @@ TEST_F(SchedulerTpTest, Tp2WorkersShareSegmentsThroughTheCacheCluster) {
   // Both ranks' shares of both documents reach the cache server (background write-back).
   std::vector<SegmentRef> refs;
   for (const auto* d : {&d1, &d2}) {
-    refs.push_back({SegmentFingerprint(model->fingerprint(), *d, "none"),
+    refs.push_back({SegmentFingerprint((*a)->kv_identity(), *d, "none"),
                     static_cast<int>(d->size())});
   }
-  ASSERT_TRUE(ClusterHolds(o, *model, refs, 2)) << "the worker did not write both ranks' shares back";
+  ASSERT_TRUE(ClusterHolds(o, *model, (*a)->kv_identity(), refs, 2)) << "the worker did not write both ranks' shares back";
 
   auto b = WorkerServer::Start(o);
   ASSERT_TRUE(b.ok()) << b.status();
@@ -307,10 +308,10 @@ TEST_F(SchedulerTpTest, FetchedSegmentsGoToTheTierAndAreNotWrittenBack) {
   ASSERT_FALSE(GenerateOn((*a)->port(), {d1, d2, q}).ids.empty());
   std::vector<SegmentRef> refs;
   for (const auto* d : {&d1, &d2}) {
-    refs.push_back({SegmentFingerprint(model_->fingerprint(), *d, "none"),
+    refs.push_back({SegmentFingerprint((*a)->kv_identity(), *d, "none"),
                     static_cast<int>(d->size())});
   }
-  ASSERT_TRUE(ClusterHolds(o, *model_, refs, 1)) << "A did not write the documents back";
+  ASSERT_TRUE(ClusterHolds(o, *model_, (*a)->kv_identity(), refs, 1)) << "A did not write the documents back";
 
   // Fetched whole, then the prefill; and streamed (--cache_fetch_stream): the prefill reads
   // each layer as it arrives, from pageable memory or from the engine's block
