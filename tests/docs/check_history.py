@@ -60,8 +60,6 @@ ALLOWED = [
     (r".*", r"line:(?i)\b(?:LMCache|vLLM|SGLang|llama\.cpp|transformers|PyTorch|cuDNN|CUTLASS|UCX|"
      r"RocksDB|etcd|gRPC|protobuf|abseil|civetweb|NCCL)(?:'s)? (?:issue|#)",
      "an upstream project's public issue is a citation, not our history"),
-    (r"^(?:docs/security\.md|tests/security/)", r"^S[1-9]$",
-     "docs/security.md defines its attacks S1-S9 in its own table; the security tests cite them"),
     (r"^bench/loadgen/", r"line:(?i)\bsession\b",
      "the chat workload's sessions are conversations, not work periods"),
     (r"^tests/docs/check_history\.py$", r".*", "this checker names the patterns it rejects"),

@@ -179,7 +179,7 @@ TEST_F(SecurityTest, ApiRefusesMissingAndWrongKeys) {
   EXPECT_TRUE(Generate(env_["API_KEY_BOB"], DocRequest("Lily had a red ball."), &u).ok());
 }
 
-// S6: ListModels and Health named the model fingerprint and every worker's address.
+// ListModels and Health named the model fingerprint and every worker's address.
 TEST_F(SecurityTest, TenantsSeeNoFingerprintsOrAddresses) {
   auto stub = v1::SparseX::NewStub(
       grpc::CreateChannel(env_["ROUTER_GRPC"], grpc::InsecureChannelCredentials()));
@@ -202,7 +202,7 @@ TEST_F(SecurityTest, TenantsSeeNoFingerprintsOrAddresses) {
   for (const auto& w : h.workers()) EXPECT_EQ(w.address(), "");
 }
 
-// S2 / S3 / S5: the cache server answered Lease, Read, Reserve, Commit and Evict to anyone.
+// the cache server answered Lease, Read, Reserve, Commit and Evict to anyone.
 TEST_F(SecurityTest, CacheServerServesOnlyClusterMembers) {
   const std::string addr = env_["CACHE0_GRPC"];
   auto try_connect = [&](const TlsFiles& tls) {
@@ -246,7 +246,7 @@ TEST_F(SecurityTest, CacheServerServesOnlyClusterMembers) {
   }
 }
 
-// S2: a worker's Replay listed every cached fingerprint to anyone.
+// a worker's Replay listed every cached fingerprint to anyone.
 TEST_F(SecurityTest, WorkerServesOnlyClusterMembers) {
   for (const TlsFiles& tls : {TlsFiles{}, RogueTls()}) {
     auto stub = worker::v1::Worker::NewStub(Channel(env_["WORKER0_GRPC"], tls));
@@ -262,7 +262,7 @@ TEST_F(SecurityTest, WorkerServesOnlyClusterMembers) {
   EXPECT_TRUE(stub->Replay(&ctx, {}, &r).ok()) << "a cluster member";
 }
 
-// S4: usage (reused tokens) told tenant B which document tenant A had sent.
+// usage (reused tokens) told tenant B which document tenant A had sent.
 TEST_F(SecurityTest, UsageNeverCountsAnotherTenantsSegments) {
   const std::string secret =
       "Tom's secret word is marigold. He kept it in a small box under his bed and told no one "
@@ -284,7 +284,7 @@ TEST_F(SecurityTest, UsageNeverCountsAnotherTenantsSegments) {
   EXPECT_GT(b.reused_tokens() + b.prefix_tokens(), 0);
 }
 
-// S1: a worker written into etcd by anyone received the users' requests.
+// a worker written into etcd by anyone received the users' requests.
 TEST_F(SecurityTest, ImpostorWorkerInEtcdIsNeverRouted) {
   // The impostor is a real worker (it would answer correctly), without a cluster certificate.
   const std::string ready = run_dir_ + "/impostor.ready";
