@@ -32,10 +32,20 @@ absl::Status CheckPromptBytes(const std::string& field, size_t bytes, size_t lim
                                                  " bytes exceeds this router's limit of ", limit,
                                                  " bytes (max_prompt_bytes)"));
 }
-absl::Status CheckPromptBytes(const v1::GenerateRequest& req, size_t limit) {
+// Bytes of a request's prompt text (prompt and segment texts); its token ids apart, 4 bytes each.
+size_t PromptTextBytes(const v1::GenerateRequest& req) {
   size_t bytes = req.prompt().size();
   for (const v1::Segment& s : req.segments()) bytes += s.text().size();
-  return CheckPromptBytes(req.segments_size() > 0 ? "segments" : "prompt", bytes, limit);
+  return bytes;
+}
+size_t PromptIdBytes(const v1::GenerateRequest& req) {
+  size_t ids = static_cast<size_t>(req.prompt_ids_size());
+  for (const v1::Segment& s : req.segments()) ids += s.ids().ids_size();
+  return 4 * ids;
+}
+absl::Status CheckPromptBytes(const v1::GenerateRequest& req, size_t limit) {
+  return CheckPromptBytes(req.segments_size() > 0 ? "segments" : "prompt", PromptTextBytes(req),
+                          limit);
 }
 
 double SecondsSince(Clock::time_point t) {
@@ -130,8 +140,7 @@ struct Router::Impl {
       ASSIGN_OR_RETURN(tenant, auth->Authenticate(""));
     }
     if (tenant->limits.max_prompt_bytes > 0) {
-      size_t bytes = req.prompt().size() + 4 * static_cast<size_t>(req.prompt_ids_size());
-      for (const auto& s : req.segments()) bytes += s.text().size() + 4 * s.ids().ids_size();
+      const size_t bytes = PromptTextBytes(req) + PromptIdBytes(req);
       if (bytes > tenant->limits.max_prompt_bytes) {
         return absl::InvalidArgumentError(
             absl::StrCat("prompt of ", bytes, " bytes exceeds this API key's limit of ",
